@@ -1,0 +1,175 @@
+"""The KV-cache tensors: one K and one V tensor per layer, carved from one allocation.
+
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (what every backend
+declares). All layers live in one ``[num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`` tensor, so the whole cache is a single allocation that either fits or fails
+cleanly, and a block copy across every layer is a single indexing op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.config import KVCacheConfig
+from kvcache.errors import CacheAllocationError
+from kvcache.sizes import format_bytes
+
+__all__ = [
+    "TORCH_DTYPES",
+    "KVCacheTensors",
+    "allocate_kv_cache",
+    "free_device_memory",
+    "num_blocks_for",
+    "resolve_device",
+]
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when present, else cpu. Raises CacheAllocationError for a CUDA device
+    that is not there, naming the fix."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CacheAllocationError(
+                f"cache.device: {device!r}, but torch sees no CUDA device; set cache.device "
+                f"to cpu or auto, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise CacheAllocationError(
+                f"cache.device: {device!r}, but only {count} CUDA device(s) exist; use cuda:0"
+                f"{f' to cuda:{count - 1}' if count > 1 else ''}"
+            )
+    return resolved
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now (CUDA: driver's free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_blocks_for(config: KVCacheConfig, free_bytes: int) -> int:
+    """Blocks the config asks for: ``num_blocks``, or its budget over ``bytes_per_block``."""
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    assert config.cache.memory_budget is not None, "the config validator requires one of them"
+    return config.cache.memory_budget.bytes_given(free_bytes) // config.bytes_per_block
+
+
+@dataclass
+class KVCacheTensors:
+    """Per-layer K/V cache tensors. ``key[l]``/``value[l]``: [num_blocks, block_size,
+    num_kv_heads, head_dim], views into ``storage`` [num_layers, 2, num_blocks, ...]."""
+
+    storage: torch.Tensor
+
+    @property
+    def key(self) -> list[torch.Tensor]:
+        return [self.storage[layer, 0] for layer in range(self.num_layers)]
+
+    @property
+    def value(self) -> list[torch.Tensor]:
+        return [self.storage[layer, 1] for layer in range(self.num_layers)]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)`` of one layer."""
+        return self.storage[index, 0], self.storage[index, 1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.storage.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.storage.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.storage.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. a fork's partial
+        last block). Sources and destinations must not overlap."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.storage[:, :, dst] = self.storage[:, :, src]
+
+
+def allocate_kv_cache(
+    config: KVCacheConfig,
+    *,
+    num_blocks: int | None = None,
+    device: torch.device | str | None = None,
+    fill: float | None = None,
+) -> KVCacheTensors:
+    """Allocate the cache tensors ``config`` describes.
+
+    ``num_blocks`` and ``device`` override the config. ``fill`` initialises every element
+    (tests poison the cache with NaN to prove nothing reads a slot that was never written);
+    by default the memory is left uninitialised, as in vLLM.
+    Raises CacheAllocationError when the device is missing or cannot hold the cache; the
+    message gives the largest num_blocks that fits.
+    """
+    dev = resolve_device(config.cache.device) if device is None else torch.device(device)
+    free = free_device_memory(dev)
+    blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free)
+    per_block = config.bytes_per_block
+    fits = free // per_block
+    if blocks < 1:
+        raise CacheAllocationError(
+            f"cache.memory_budget: {config.cache.memory_budget} of {format_bytes(free)} free on "
+            f"{dev} holds no block of {format_bytes(per_block)}; raise the budget"
+        )
+    if blocks > fits:
+        raise _too_big(blocks, per_block, free, dev)
+    m = config.model
+    shape = (m.num_layers, 2, blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
+    dtype = TORCH_DTYPES[config.cache.dtype]
+    try:
+        storage = torch.empty(shape, dtype=dtype, device=dev)
+    except torch.OutOfMemoryError:
+        raise _too_big(blocks, per_block, free_device_memory(dev), dev) from None
+    if fill is not None:
+        storage.fill_(fill)
+    return KVCacheTensors(storage)
+
+
+def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:
+    return CacheAllocationError(
+        f"cache.num_blocks: {blocks} blocks x {format_bytes(per_block)} = "
+        f"{format_bytes(blocks * per_block)} does not fit in the {format_bytes(free)} free on "
+        f"{device}; the largest num_blocks that fits is {free // per_block} "
+        f"(or use memory_budget: 0.9)"
+    )
