@@ -1,0 +1,128 @@
+"""Block manager: scripted cases with exact block ids, and errors that change nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvcache import (
+    BlockManager,
+    IntegrityError,
+    OutOfBlocksError,
+    SequenceExistsError,
+    UnknownSequenceError,
+)
+
+
+def snapshot(m: BlockManager) -> tuple[object, ...]:
+    """Everything observable about the manager's state."""
+    seqs = {k: copy.deepcopy(v) for k, v in m._seqs.items()}
+    return (
+        seqs,
+        m.allocator.free_blocks_in_eviction_order(),
+        list(m.allocator._ref),
+        list(m.allocator._generation),
+    )
+
+
+def test_allocate_append_free_exact_blocks_and_slots() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    assert m.allocate("a", 6) == 0
+    assert m.block_table("a") == [0, 1]
+    assert m.slots("a", 0, 6) == [0, 1, 2, 3, 4, 5]
+    assert m.append_slots("a", 1) == [6]
+    assert m.append_slots("a", 3) == [7, 8, 9]  # crosses into block 2
+    assert m.block_table("a") == [0, 1, 2]
+    m.allocate("b", 1)
+    assert m.block_table("b") == [3]
+    m.free("a")
+    # freed blocks hold nothing cached: reused first, tail first
+    assert m.allocator.free_blocks_in_eviction_order()[:3] == [0, 1, 2]
+    m.allocate("c", 9)
+    assert m.block_table("c") == [0, 1, 2]
+    m.check_integrity()
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_last_block() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.allocate("p", 10)  # blocks 0, 1 full; 2 holds 2 tokens
+    copies = m.fork("p", "c")
+    assert copies == [(2, 3)]
+    assert m.block_table("c") == [0, 1, 3]
+    assert [m.allocator.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert m.append_slots("c", 1) == [3 * 4 + 2]
+    assert m.append_slots("p", 1) == [2 * 4 + 2]
+    m.check_integrity()
+    m.free("p")
+    assert [m.allocator.ref_count(b) for b in range(4)] == [1, 1, 0, 1]
+    m.free("c")
+    assert m.num_free_blocks == 8
+    m.check_integrity()
+
+
+def test_fork_of_a_full_last_block_copies_nothing() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate("p", 8)
+    assert m.fork("p", "c") == []
+    assert m.append_slots("c", 1) == [8]  # a new private block, never the shared one
+    m.check_integrity()
+
+
+def test_errors_leave_state_unchanged() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate("a", 10)
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocksError):
+        m.allocate("b", 9)
+    with pytest.raises(SequenceExistsError, match="'a' already has blocks"):
+        m.allocate("a", 1)
+    with pytest.raises(UnknownSequenceError, match="'zz' is unknown"):
+        m.append_slots("zz", 1)
+    with pytest.raises(UnknownSequenceError):
+        m.free("zz")
+    with pytest.raises(OutOfBlocksError):
+        m.append_slots("a", 7)  # needs 2 new blocks, 1 free
+    with pytest.raises(ValueError, match="n: 0"):
+        m.append_slots("a", 0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.allocate("c", 0)
+    with pytest.raises(SequenceExistsError):
+        m.fork("a", "a")
+    m.allocate("full", 2)  # takes the last block
+    mid = snapshot(m)
+    with pytest.raises(OutOfBlocksError):
+        m.fork("a", "child")  # partial last block, nothing free for the copy
+    assert snapshot(m) == mid
+    m.free("full")
+    assert snapshot(m)[0] == before[0]
+    m.check_integrity()
+
+
+def test_can_methods_agree_with_actions() -> None:
+    m = BlockManager(num_blocks=3, block_size=4)
+    assert m.can_allocate(12) and not m.can_allocate(13)
+    m.allocate("a", 5)
+    assert m.can_append("a", 7) and not m.can_append("a", 8)  # 12 slots in all
+    assert m.can_fork("a")
+    m.allocate("b", 1)
+    assert not m.can_fork("a")
+
+
+def test_slots_outside_reserved_tokens_are_refused() -> None:
+    m = BlockManager(num_blocks=2, block_size=4)
+    m.allocate("a", 3)
+    with pytest.raises(ValueError, match="append_slots first"):
+        m.slots("a", 2, 4)
+
+
+def test_check_integrity_reports_the_numbers() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate("a", 5)
+    m.sequence("a").blocks.append(3)  # corrupt: block table holds a block it does not own
+    with pytest.raises(IntegrityError) as info:
+        m.check_integrity()
+    text = str(info.value)
+    assert "2 blocks for 5 tokens" not in text  # 3 blocks now
+    assert "3 blocks for 5 tokens (want 2)" in text
+    assert "block 3: reference count 0, but 1 block tables hold it" in text
