@@ -16,12 +16,15 @@ from kvcache.errors import (
 )
 from kvcache.loading import ConfigError, load_config, parse_config
 from kvcache.manager import BlockManager, IntegrityError
+from kvcache.metrics import CacheStats, PrometheusExporter, collect_stats
 from kvcache.planning import CapacityPlan, plan_capacity
+from kvcache.swap import SwapSpace
 
 __all__ = [
     "BlockAllocator",
     "BlockManager",
     "CacheAllocationError",
+    "CacheStats",
     "CapacityPlan",
     "ConfigError",
     "IntegrityError",
@@ -30,11 +33,14 @@ __all__ = [
     "KVCacheTensors",
     "MetadataBuilder",
     "OutOfBlocksError",
+    "PrometheusExporter",
     "ScheduledRow",
     "SequenceExistsError",
+    "SwapSpace",
     "UnknownSequenceError",
     "allocate_kv_cache",
     "build_metadata",
+    "collect_stats",
     "load_config",
     "parse_config",
     "plan_capacity",

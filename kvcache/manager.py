@@ -13,15 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from kvcache.allocator import BlockAllocator
 from kvcache.errors import KVCacheError, OutOfBlocksError, SequenceExistsError, UnknownSequenceError
 from kvcache.prefix_cache import ROOT, PrefixCache
 
-__all__ = ["BlockCopy", "BlockManager", "IntegrityError", "SequenceBlocks"]
+if TYPE_CHECKING:
+    from kvcache.metrics import CacheStats
+
+__all__ = ["BlockCopy", "BlockManager", "IntegrityError", "SequenceBlocks", "SwapTarget"]
 
 #: ``(source block, destination block)``: a copy the caller performs on the cache tensors.
 BlockCopy = tuple[int, int]
+
+
+class SwapTarget(Protocol):
+    """What ``preempt(mode="swap")`` needs: anything with ``swap_out(seq_id)``."""
+
+    def swap_out(self, seq_id: Hashable) -> object: ...
 
 
 class IntegrityError(KVCacheError, AssertionError):
@@ -54,6 +64,10 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache(self.allocator, block_size) if enable_prefix_caching else None
         self._seqs: dict[Hashable, SequenceBlocks] = {}
+        # Blocks kept alive by someone other than a block table (a swap-out copy in flight).
+        self._holds: dict[int, int] = {}
+        #: Preemptions by mode, counted by ``preempt``.
+        self.preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -260,6 +274,71 @@ class BlockManager:
             raise UnknownSequenceError(seq_id)
         self._release(seq.blocks)
 
+    def detach(self, seq_id: Hashable) -> SequenceBlocks:
+        """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
+        it held) so that :meth:`attach` can bring it back later, e.g. after a swap."""
+        seq = self.sequence(seq_id)
+        del self._seqs[seq_id]
+        self._release(seq.blocks)
+        return seq
+
+    def attach(self, seq_id: Hashable, record: SequenceBlocks) -> list[int]:
+        """Re-create ``seq_id`` from a detached ``record`` in fresh blocks; returns them.
+
+        Its tokens count as computed once the caller has copied the K/V back; its full blocks
+        are indexed in the prefix cache again at the next :meth:`mark_computed`. Raises
+        SequenceExistsError or OutOfBlocksError; changes nothing then.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExistsError(seq_id)
+        blocks = self.allocator.allocate(self.blocks_for(record.num_tokens))
+        self._seqs[seq_id] = SequenceBlocks(
+            blocks=blocks,
+            num_tokens=record.num_tokens,
+            token_ids=list(record.token_ids) if record.token_ids is not None else None,
+            extra_key=record.extra_key,
+            num_computed=record.num_computed,
+            num_indexed_blocks=0,
+        )
+        return list(blocks)
+
+    def preempt(self, seq_id: Hashable, mode: str = "recompute", swap_space: SwapTarget | None = None) -> None:
+        """Take ``seq_id``'s blocks back from a running sequence.
+
+        ``recompute``: its blocks are freed; the caller re-admits it later and recomputes its
+        K/V (prompt + generated tokens). ``swap``: its K/V is copied to ``swap_space`` (a
+        :class:`kvcache.swap.SwapSpace`) and comes back with ``swap_space.swap_in``.
+        Raises UnknownSequenceError, ValueError for a bad mode, OutOfBlocksError when the
+        swap space is full; changes nothing then.
+        """
+        if mode == "recompute":
+            self.free(seq_id)
+        elif mode == "swap":
+            if swap_space is None:
+                raise ValueError("swap_space: preempt(mode='swap') needs the SwapSpace to copy into")
+            swap_space.swap_out(seq_id)
+        else:
+            raise ValueError(f"mode: {mode!r} is not a preemption mode; use 'recompute' or 'swap'")
+        self.preemptions[mode] += 1
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        """Keep ``blocks`` allocated without a block table (e.g. while a copy reads them)."""
+        for block in blocks:
+            self.allocator.incref(block)
+            self._holds[block] = self._holds.get(block, 0) + 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop holds taken with :meth:`hold`."""
+        blocks = list(blocks)
+        for block in blocks:
+            count = self._holds.get(block, 0)
+            assert count > 0, f"release of block {block}, which is not held"
+            if count == 1:
+                del self._holds[block]
+            else:
+                self._holds[block] = count - 1
+        self._release(blocks)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key; returns how many were dropped (0 without caching)."""
         if self.prefix_cache is None:
@@ -269,6 +348,12 @@ class BlockManager:
             seq.num_indexed_blocks = 0
         return dropped
 
+    def stats(self, swap_space: SwapTarget | None = None) -> CacheStats:
+        """A metrics snapshot (see :mod:`kvcache.metrics`)."""
+        from kvcache.metrics import collect_stats  # metrics imports this module
+
+        return collect_stats(self, swap_space)  # type: ignore[arg-type]
+
     # ---- checks ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -277,6 +362,8 @@ class BlockManager:
         if self.prefix_cache is not None:
             found += self.prefix_cache.integrity_problems()
         owners = [0] * self.num_blocks
+        for block, count in self._holds.items():
+            owners[block] += count
         for seq_id, seq in self._seqs.items():
             found += self._sequence_problems(seq_id, seq)
             for block in seq.blocks:
@@ -284,7 +371,9 @@ class BlockManager:
         for block, count in enumerate(owners):
             ref = self.allocator.ref_count(block)
             if ref != count:
-                found.append(f"block {block}: reference count {ref}, but {count} block tables hold it")
+                found.append(
+                    f"block {block}: reference count {ref}, but {count} block tables and holds have it"
+                )
         if found:
             raise IntegrityError(f"{len(found)} integrity problem(s):\n  " + "\n  ".join(found))
 

@@ -79,6 +79,10 @@ class PrefixCache:
         self._key_of[block] = key
         return True
 
+    def cached_blocks(self) -> list[int]:
+        """Every indexed block (in use or free)."""
+        return list(self._key_of)
+
     def is_cached(self, block: int) -> bool:
         return block in self._key_of
 

@@ -125,4 +125,4 @@ def test_check_integrity_reports_the_numbers() -> None:
     text = str(info.value)
     assert "2 blocks for 5 tokens" not in text  # 3 blocks now
     assert "3 blocks for 5 tokens (want 2)" in text
-    assert "block 3: reference count 0, but 1 block tables hold it" in text
+    assert "block 3: reference count 0, but 1 block tables and holds have it" in text

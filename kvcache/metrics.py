@@ -1,0 +1,129 @@
+"""Cache metrics: a snapshot of the block pool, the prefix cache, swaps and preemptions, and
+an optional Prometheus exporter whose names follow vLLM's (``kv_cache_usage_perc``,
+``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcache.manager import BlockManager
+from kvcache.swap import SwapSpace
+
+__all__ = ["CacheStats", "PrometheusExporter", "collect_stats"]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One snapshot. Token counts for the prefix cache; block counts elsewhere."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    #: Blocks indexed by the prefix cache (in use or waiting in the free queue).
+    blocks_cached: int
+    #: Free blocks that still hold cached K/V (reused last, LRU).
+    blocks_cached_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    preemptions_recompute: int
+    preemptions_swap: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    host_blocks_total: int
+    host_blocks_used: int
+    sequences_running: int
+    sequences_swapped: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return self.blocks_used / self.blocks_total
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Hit tokens over queried tokens (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def preemptions(self) -> int:
+        return self.preemptions_recompute + self.preemptions_swap
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(usage=self.usage, prefix_hit_rate=self.prefix_hit_rate, preemptions=self.preemptions)
+        return out
+
+
+def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) -> CacheStats:
+    """Snapshot ``manager`` (and its swap space). O(number of cached blocks)."""
+    cache = manager.prefix_cache
+    alloc = manager.allocator
+    cached_free = 0
+    if cache is not None:
+        cached_free = sum(1 for block in cache.cached_blocks() if alloc.is_free(block))
+    return CacheStats(
+        blocks_total=alloc.num_blocks,
+        blocks_used=alloc.num_used,
+        blocks_free=alloc.num_free,
+        blocks_cached=len(cache) if cache is not None else 0,
+        blocks_cached_free=cached_free,
+        prefix_cache_queries=cache.query_tokens if cache is not None else 0,
+        prefix_cache_hits=cache.hit_tokens if cache is not None else 0,
+        prefix_cache_evictions=cache.evictions if cache is not None else 0,
+        preemptions_recompute=manager.preemptions["recompute"],
+        preemptions_swap=manager.preemptions["swap"],
+        swapped_out_blocks=swap_space.swapped_out_blocks if swap_space else 0,
+        swapped_in_blocks=swap_space.swapped_in_blocks if swap_space else 0,
+        host_blocks_total=swap_space.num_host_blocks if swap_space else 0,
+        host_blocks_used=swap_space.allocator.num_used if swap_space else 0,
+        sequences_running=manager.num_sequences,
+        sequences_swapped=swap_space.num_swapped if swap_space else 0,
+    )
+
+
+class PrometheusExporter:
+    """Publishes :class:`CacheStats` through ``prometheus_client`` (``pip install
+    'paged-kvcache[metrics]'``). Call :meth:`update` once per step; counters advance by the
+    difference since the last update."""
+
+    def __init__(self, namespace: str = "kvcache", registry: Any = None):
+        try:
+            import prometheus_client as prom
+        except ImportError as err:
+            raise ImportError(
+                "PrometheusExporter needs prometheus_client: pip install 'paged-kvcache[metrics]'"
+            ) from err
+        kw: dict[str, Any] = {"namespace": namespace}
+        if registry is not None:
+            kw["registry"] = registry
+        self.usage = prom.Gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", **kw)
+        self.blocks = prom.Gauge("kv_cache_blocks", "KV-cache blocks by state.", ["state"], **kw)
+        self.queries = prom.Counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", **kw)
+        self.hits = prom.Counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", **kw)
+        self.evictions = prom.Counter("prefix_cache_evictions", "Cached blocks evicted for reuse.", **kw)
+        self.preemptions = prom.Counter("num_preemptions", "Sequences preempted, by mode.", ["mode"], **kw)
+        self.swapped = prom.Counter("swapped_blocks", "Blocks copied by swap, by direction.", ["direction"], **kw)
+        self._last: CacheStats | None = None
+
+    def update(self, stats: CacheStats) -> None:
+        last = self._last
+        self.usage.set(stats.usage)
+        for state, value in (("used", stats.blocks_used), ("free", stats.blocks_free),
+                             ("cached", stats.blocks_cached), ("cached_free", stats.blocks_cached_free)):
+            self.blocks.labels(state=state).set(value)
+
+        def delta(name: str) -> int:
+            now = getattr(stats, name)
+            return max(0, now - (getattr(last, name) if last is not None else 0))
+
+        self.queries.inc(delta("prefix_cache_queries"))
+        self.hits.inc(delta("prefix_cache_hits"))
+        self.evictions.inc(delta("prefix_cache_evictions"))
+        self.preemptions.labels(mode="recompute").inc(delta("preemptions_recompute"))
+        self.preemptions.labels(mode="swap").inc(delta("preemptions_swap"))
+        self.swapped.labels(direction="out").inc(delta("swapped_out_blocks"))
+        self.swapped.labels(direction="in").inc(delta("swapped_in_blocks"))
+        self._last = stats
