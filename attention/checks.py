@@ -35,7 +35,7 @@ def check_tensor(
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if tensor.dim() != len(shape) or any(
-        s is not None and s != got for s, got in zip(shape, tensor.shape)
+        s is not None and s != got for s, got in zip(shape, tensor.shape, strict=True)
     ):
         raise ValueError(f"{name}: expected shape {want}, got {list(tensor.shape)}")
     if dtype is not None:

@@ -74,6 +74,8 @@ class AttentionMetadata:
     def check(self) -> None:
         """Check dtypes, shapes and devices (no device sync). Raises ValueError naming the field."""
         b = self.batch
+        if len(self.query_lens_host) != b:
+            raise ValueError(f"metadata: {len(self.query_lens_host)} query lengths for {b} sequence lengths")
         expect = {
             "block_tables": (self.block_tables, torch.int32, 2),
             "seq_lens": (self.seq_lens, torch.int32, 1),
@@ -100,7 +102,7 @@ class AttentionMetadata:
                 f"metadata: query lengths sum to {sum(self.query_lens_host)} but slot_mapping "
                 f"has only {self.num_tokens} entries"
             )
-        for i, (q, s) in enumerate(zip(self.query_lens_host, self.seq_lens_host)):
+        for i, (q, s) in enumerate(zip(self.query_lens_host, self.seq_lens_host, strict=True)):
             if not 0 < q <= s:
                 raise ValueError(f"metadata row {i}: query_len {q} must be in [1, seq_len {s}]")
             if -(-s // self.block_size) > self.block_tables.shape[1]:

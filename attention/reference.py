@@ -57,7 +57,7 @@ class ReferenceBackend(AttentionBackend):
         _check_tables(tables, meta.seq_lens_host, bs, n)
         result = torch.empty_like(query) if out is None else out
         start = 0
-        for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+        for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
             blocks = tables[row, : -(-seq_len // bs)].long()
             k = k_cache[blocks].reshape(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
             v = v_cache[blocks].reshape(-1, kvh, d)[:seq_len]

@@ -96,12 +96,17 @@ class FreeBlockQueue:
     def check_links(self) -> list[str]:
         """Walk the list both ways; return a description of every broken link (empty: fine)."""
         found: list[str] = []
-        forward = list(self)
+        limit = len(self._next) + 1  # a corrupted (cyclic) list must not hang the check
+        forward: list[int] = []
+        block = self._head
+        while block != _NONE and len(forward) < limit:
+            forward.append(block)
+            block = self._next[block]
         if len(forward) != self._len:
             found.append(f"free queue walks {len(forward)} blocks but counts {self._len}")
-        backward = []
+        backward: list[int] = []
         block = self._tail
-        while block != _NONE and len(backward) <= self._len:
+        while block != _NONE and len(backward) < limit:
             backward.append(block)
             block = self._prev[block]
         if backward[::-1] != forward:

@@ -192,13 +192,12 @@ class BlockManager:
         seq = self.sequence(seq_id)
         if n < 1:
             raise ValueError(f"n: {n} must be at least 1")
-        if seq.token_ids is not None:
-            if token_ids is None or len(token_ids) != n:
-                got = "none" if token_ids is None else len(token_ids)
-                raise ValueError(
-                    f"token_ids: sequence {seq_id!r} is prefix-cached, so append_slots needs "
-                    f"the {n} new token ids (got {got})"
-                )
+        if seq.token_ids is not None and (token_ids is None or len(token_ids) != n):
+            got = "none" if token_ids is None else len(token_ids)
+            raise ValueError(
+                f"token_ids: sequence {seq_id!r} is prefix-cached, so append_slots needs "
+                f"the {n} new token ids (got {got})"
+            )
         new_blocks = self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
         if new_blocks > self.allocator.num_free:
             raise OutOfBlocksError(new_blocks, self.allocator.num_free, f"append to {seq_id!r}")

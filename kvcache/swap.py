@@ -100,7 +100,7 @@ class SwapSpace:
         record.blocks = []
         self._swapped[seq_id] = _Swapped(record, host_blocks)
         self.swapped_out_blocks += len(device_blocks)
-        return list(zip(device_blocks, host_blocks))
+        return list(zip(device_blocks, host_blocks, strict=True))
 
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring swapped-out ``seq_id`` back into fresh device blocks. Returns ``(host block,
@@ -114,7 +114,7 @@ class SwapSpace:
             self.allocator.decref(block)
         del self._swapped[seq_id]
         self.swapped_in_blocks += len(device_blocks)
-        return list(zip(entry.host_blocks, device_blocks))
+        return list(zip(entry.host_blocks, device_blocks, strict=True))
 
     def drop(self, seq_id: Hashable) -> None:
         """Forget a swapped-out sequence (e.g. its request was cancelled)."""

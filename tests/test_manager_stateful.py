@@ -64,7 +64,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # Prompts are built from three block-sized pieces, so equal blocks are common both at
         # the same position (true cache hits) and at different positions after different
         # prefixes (which must never hit).
-        pieces = data.draw(st.lists(st.sampled_from(PIECES), min_size=-(-n // BLOCK_SIZE), max_size=-(-n // BLOCK_SIZE)))
+        count = -(-n // BLOCK_SIZE)
+        pieces = data.draw(st.lists(st.sampled_from(PIECES), min_size=count, max_size=count))
         return [t for piece in pieces for t in piece][:n]
 
     def _write(self, seq: Hashable, start: int) -> None:
@@ -74,7 +75,7 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = self.tokens[seq]
         slots = self.m.slots(seq, start, len(tokens))
         flat = self.cache.storage.view(2, -1)
-        for pos, slot in zip(range(start, len(tokens)), slots):
+        for pos, slot in zip(range(start, len(tokens)), slots, strict=True):
             flat[:, slot] = torch.tensor([prefix_value(tokens[: pos + 1]), -prefix_value(tokens[: pos + 1])])
 
     def _refused(self, action: object, *args: object, **kwargs: object) -> bool:

@@ -72,7 +72,7 @@ def test_a_hit_revives_a_free_block_from_the_middle_of_the_queue() -> None:
     m = BlockManager(6, BS, enable_prefix_caching=True)
     computed(m, "x", A + B + [0])
     m.free("x")
-    assert m.allocate("y", token_ids=A + [0]) == 4
+    assert m.allocate("y", token_ids=[*A, 0]) == 4
     assert 0 not in m.allocator.free_blocks_in_eviction_order()
     m.check_integrity()
 
@@ -107,10 +107,10 @@ def test_reset_prefix_cache_forgets_everything() -> None:
 
 def test_fork_keeps_tokens_for_prefix_caching() -> None:
     m = BlockManager(8, BS, enable_prefix_caching=True)
-    computed(m, "p", A + [1, 2])
+    computed(m, "p", [*A, 1, 2])
     m.fork("p", "c")
     m.append_slots("c", 2, token_ids=[3, 4])
     m.mark_computed("c", 8)
     m.free("p")
     m.free("c")
-    assert m.allocate("q", token_ids=A + [1, 2, 3, 4] + [0]) == 8
+    assert m.allocate("q", token_ids=[*A, 1, 2, 3, 4, 0]) == 8

@@ -41,7 +41,7 @@ def test_mixed_batch_matches_naive_float64(group: int) -> None:
     meta = case.meta
     tables = meta.block_tables
     start = 0
-    for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+    for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
         # Rebuild the row's K/V token by token from slots, independently of the backend.
         slots = [int(tables[row, p // bs]) * bs + p % bs for p in range(seq_len)]
         k = case.k_cache.view(-1, kv_heads, d)[slots]

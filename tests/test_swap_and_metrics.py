@@ -28,7 +28,7 @@ def test_swap_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
     m.allocate("b", 3)  # block 3
     before = cache.storage[:, :, m.block_table("a")].clone()
     out = swap.swap_out("a")
-    assert [d for d, _ in out] == [0, 1, 2] and not ("a" in m) and swap.is_swapped("a")
+    assert [d for d, _ in out] == [0, 1, 2] and "a" not in m and swap.is_swapped("a")
     cache.storage[:, :, [0, 1, 2]] = torch.nan  # the freed blocks get overwritten by others
     m.allocate("c", 12)  # takes the freed blocks
     m.free("c")
@@ -42,7 +42,7 @@ def test_swap_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
 
 
 def test_swap_is_all_or_nothing() -> None:
-    m, cache, swap = setup(num_blocks=8, host_blocks=2)
+    m, _cache, swap = setup(num_blocks=8, host_blocks=2)
     m.allocate("big", 12)  # 3 blocks: more than the host pool
     host_before = swap.host.clone()
     assert not swap.can_swap_out("big")
