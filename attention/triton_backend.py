@@ -1,0 +1,224 @@
+"""The ``triton`` backend: our own paged-attention kernels (:mod:`attention.triton_kernels`).
+
+Plan once per step: :meth:`TritonBackend.plan` chooses the kernel (decode when every row has
+one new token, prefill otherwise) and keeps what every layer of the step reuses: the decode
+split count and the prefill tile index, both derived from host-side lengths, so no layer
+call ever waits on the device.
+
+Runs on CUDA. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it also
+accepts CPU tensors and runs the same kernels in Triton's interpreter, slowly, for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from attention.base import AttentionBackend, StepPlan
+from attention.checks import same_device
+from attention.metadata import AttentionMetadata
+from attention.triton_kernels import (
+    DecodeConfig,
+    PrefillConfig,
+    SplitPolicy,
+    choose_num_splits,
+    default_decode_config,
+    default_prefill_config,
+    interpreter_requested,
+    kernels_interpreted,
+    paged_decode,
+    paged_prefill,
+    prefill_tile_index,
+    write_kv_cache,
+)
+
+__all__ = ["TritonBackend", "TritonStepPlan"]
+
+#: SMs assumed when planning for the CPU interpreter: the H200's, so tests exercise the same
+#: split decisions the GPU makes.
+INTERPRETER_NUM_SMS = 132
+
+_CPU_REFUSED = (
+    "the triton backend needs CUDA tensors; set TRITON_INTERPRET=1 to run it on CPU "
+    "(slow, for tests)"
+)
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@dataclass(frozen=True)
+class TritonStepPlan(StepPlan):
+    """One step's plan for the Triton kernels.
+
+    use_decode:    every row has one new token, so the split-KV decode kernel runs.
+    num_sms:       SMs of the metadata's device (drives the split count).
+    split_policy:  how decode splits are chosen; ``forced_splits`` overrides it.
+    The decode split count (it depends on the layer's KV heads) and the prefill tile index
+    (it depends on the tile height) are computed at the first layer that needs them and
+    reused by every later layer of the step.
+    """
+
+    use_decode: bool
+    num_sms: int
+    split_policy: SplitPolicy
+    forced_splits: int | None = None
+    _derived: dict[tuple[str, int], object] = field(default_factory=dict, compare=False, repr=False)
+
+    def decode_splits(self, num_kv_heads: int) -> int:
+        """Requested splits per decode row for a layer with ``num_kv_heads`` KV heads."""
+        key = ("splits", num_kv_heads)
+        if key not in self._derived:
+            meta = self.metadata
+            self._derived[key] = self.forced_splits or choose_num_splits(
+                meta.batch, num_kv_heads, meta.max_seq_len, self.num_sms, self.split_policy
+            )
+        splits = self._derived[key]
+        assert isinstance(splits, int), f"memo holds {splits!r} for {key}"
+        return splits
+
+    def tile_index(self, block_m: int) -> torch.Tensor:
+        """int32 [num_tiles, 2] (row, tile) on the metadata's device, heaviest tile first.
+
+        Built on the host from host lengths; copied with one non-blocking transfer from
+        pinned memory, so the step never waits for the device.
+        """
+        key = ("tiles", block_m)
+        if key not in self._derived:
+            meta = self.metadata
+            pairs = prefill_tile_index(meta.seq_lens_host, meta.query_lens_host, block_m)
+            host = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
+            if meta.device.type == "cuda":
+                host = host.pin_memory()
+            self._derived[key] = host.to(meta.device, non_blocking=True)
+        index = self._derived[key]
+        assert isinstance(index, torch.Tensor), f"memo holds {type(index).__name__} for {key}"
+        return index
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with our Triton kernels.
+
+    All arguments are optional tuning knobs (the registry builds it with none):
+      decode_config / prefill_config: fixed launch parameters instead of the per-shape
+                      defaults (``default_decode_config`` / ``default_prefill_config``);
+      split_policy:   how the decode split count follows the batch and the GPU size;
+      num_splits:     force this many decode splits (tests, sweeps);
+      num_sms:        plan as if the GPU had this many SMs.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        decode_config: DecodeConfig | None = None,
+        prefill_config: PrefillConfig | None = None,
+        split_policy: SplitPolicy | None = None,
+        num_splits: int | None = None,
+        num_sms: int | None = None,
+    ):
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits: {num_splits} must be >= 1 (or None to choose per step)")
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+        self.split_policy = split_policy or SplitPolicy()
+        self.num_splits = num_splits
+        self.num_sms = num_sms
+
+    def _plan(self, metadata: AttentionMetadata) -> TritonStepPlan:
+        return TritonStepPlan(
+            metadata=metadata,
+            use_decode=metadata.is_pure_decode,
+            num_sms=self.num_sms or _num_sms(metadata.device),
+            split_policy=self.split_policy,
+            forced_splits=self.num_splits,
+        )
+
+    def _write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: StepPlan,
+        softmax_scale: float,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if not isinstance(plan, TritonStepPlan):
+            plan = self._plan(plan.metadata)  # a plan made by another backend
+        meta = plan.metadata
+        if not same_device(meta.device, k_cache.device):
+            raise ValueError(
+                f"metadata: on {meta.device}, but k_cache is on {k_cache.device}; build the "
+                f"metadata for the cache's device"
+            )
+        result = torch.empty_like(query) if out is None else out
+        # The kernels store rows with unit stride along head_dim; anything else goes
+        # through a temporary.
+        target = result if result.stride(-1) == 1 else torch.empty_like(query)
+        head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
+        if plan.use_decode:
+            paged_decode(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                max_seq_len=meta.max_seq_len,
+                softmax_scale=softmax_scale,
+                out=target,
+                num_splits=plan.decode_splits(kv_heads),
+                config=self.decode_config or default_decode_config(head_dim, query.dtype),
+            )
+        else:
+            config = self.prefill_config or default_prefill_config(head_dim, query.dtype)
+            paged_prefill(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                plan.tile_index(config.block_m),
+                softmax_scale=softmax_scale,
+                out=target,
+                config=config,
+            )
+        if target is not result:
+            result.copy_(target)
+        return result
+
+    def _device_type_for_checks(self, device_type: str) -> str:
+        """CPU tensors count as "cuda" only under the interpreter; otherwise they are refused
+        here with the fix, before the generic capability message."""
+        if device_type != "cpu":
+            return device_type
+        if not interpreter_requested():
+            raise ValueError(_CPU_REFUSED)
+        if not kernels_interpreted():
+            raise ValueError(
+                "the triton backend got CPU tensors and TRITON_INTERPRET=1, but its kernels "
+                "were imported before TRITON_INTERPRET was set and are compiled for CUDA; "
+                "set TRITON_INTERPRET=1 before importing attention.triton_backend"
+            )
+        return "cuda"

@@ -1,0 +1,108 @@
+"""Cache write: scatter the step's new K/V into their slots of the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.triton_kernels.paging import next_power_of_2
+
+__all__ = ["write_kv_cache"]
+
+# Elements one program moves per tensor; a [heads, head_dim] tile of this size keeps the
+# copy in registers with 16-byte accesses and leaves enough programs to cover the GPU.
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _cache_write_kernel(  # type: ignore[no-untyped-def]
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Program (token, head chunk): copy BLOCK_H heads of one token's K and V.
+
+    A slot outside [0, num_slots) -- the -1 of a padded token, or a corrupt id -- masks the
+    whole program off, so nothing but the given slots is ever written.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D_PAD)
+    slot = tl.load(slot_ptr + t)
+    # An invalid slot shrinks the head range to nothing (a scalar select rather than
+    # scalar & tensor, which the interpreter mistypes).
+    heads = tl.where((slot >= 0) & (slot < num_slots), NUM_KV_HEADS, 0)
+    mask = (h[:, None] < heads) & (d[None, :] < HEAD_DIM)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_ct + h[:, None] * stride_ch + d[None, :]
+    # Raw copies (no arithmetic), so bf16 needs no upcast even under the interpreter.
+    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key[t]``/``value[t]`` into slot ``slot_mapping[t]`` of ``k_cache``/``v_cache``.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim], the cache dtype; any token/head
+                      strides (e.g. views into a fused QKV projection).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same shape.
+    slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) is skipped.
+    Arguments are assumed checked by the caller (``AttentionBackend.write_kv``).
+    """
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    d_pad = next_power_of_2(max(head_dim, 16))
+    block_h = min(next_power_of_2(kv_heads), max(1, _TILE_ELEMENTS // d_pad))
+    grid = (num_tokens, triton.cdiv(kv_heads, block_h))
+    _cache_write_kernel[grid](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_H=block_h,
+        BLOCK_SIZE=block_size,
+        num_warps=4,
+    )

@@ -1,0 +1,273 @@
+"""Prefill / extend: varlen causal attention over paged K/V (FlashAttention-2 style).
+
+Rows may bring many new tokens (a prompt, or a chunk of one after cached tokens) and may be
+mixed with one-token decode rows. New token i of a row with seq_len s and query_len q sits at
+position s - q + i and sees keys 0 .. s - q + i.
+
+Grid: one program per (query tile of BLOCK_M tokens of one row, query head). Which (row,
+tile) a program takes comes from a small index built on the host from host-side lengths
+(:func:`prefill_tile_index`, once per step), ordered heaviest tile first so the longest
+programs start early and the tail of the launch stays short. Within a program the key tiles
+left of the diagonal run without any mask; only the last one or two tiles (those crossing
+the diagonal) apply the causal mask; tiles right of it are never visited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.triton_kernels.paging import (
+    dot_precision_for,
+    kv_token_offsets,
+    next_power_of_2,
+    online_softmax_update,
+    tile_mask,
+    upcast_for,
+)
+
+__all__ = [
+    "PREFILL_SWEEP",
+    "PrefillConfig",
+    "default_prefill_config",
+    "paged_prefill",
+    "prefill_tile_index",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel (benchmarks sweep them).
+
+    block_m: query tokens per program; block_n: key tokens per inner step (powers of two,
+    >= 16); num_warps, num_stages: as in Triton.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillConfig.{name}: {v} must be a power of two >= 16")
+
+
+#: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep), for 16-bit head_dim
+#: up to 128.
+PREFILL_SWEEP: tuple[PrefillConfig, ...] = tuple(
+    PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in (
+        (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+        (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3),
+    )
+)  # fmt: skip
+
+
+def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Hopper defaults sized to shared memory (228 KiB per SM): Q tile plus ``num_stages``
+    K and V tiles must fit, and fp32 tiles are twice as large as 16-bit ones."""
+    d_pad = next_power_of_2(max(head_dim, 16))
+    if dtype == torch.float32:
+        block_m = 64 if d_pad <= 128 else 32
+        return PrefillConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
+    if d_pad <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if d_pad <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+
+
+def prefill_tile_index(
+    seq_lens: Sequence[int], query_lens: Sequence[int], block_m: int
+) -> list[tuple[int, int]]:
+    """``(row, tile)`` for every query tile of BLOCK_M tokens, heaviest first (host only).
+
+    A tile's work is the number of keys its last token sees; ties keep row order.
+    """
+    tiles: list[tuple[int, int, int]] = []
+    for row, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for tile in range(-(-q // block_m)):
+            keys = s - q + min((tile + 1) * block_m, q)
+            tiles.append((-keys, row, tile))
+    tiles.sort()
+    return [(row, tile) for _, row, tile in tiles]
+
+
+# The block-table width changes every step: do not compile a variant per width.
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_index_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (head, tile): heads vary fastest so the query heads of one KV group run side
+    by side and share each K/V tile through L2."""
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    entry = tile_index_ptr + 2 * (pid // NUM_HEADS).to(tl.int64)
+    row = tl.load(entry)
+    tile = tl.load(entry + 1)
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    d = tl.arange(0, D_PAD)
+    # Absolute positions; rows past q_len are clamped so they see >= 1 key and stay finite.
+    first_pos = seq_len - q_len + tile * BLOCK_M
+    pos = tl.minimum(first_pos + tl.arange(0, BLOCK_M), seq_len - 1)
+    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+    # Key tiles entirely at or left of the first query's position need no mask.
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+
+    q_mask = tile_mask(m_mask, d, HEAD_DIM, D_PAD)
+    tok_q = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + tok_q[:, None] * stride_qt + h * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
+    head_off = (h // GROUP).to(tl.int64) * stride_kh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    for n0 in range(0, full_end, BLOCK_N):
+        tok = kv_token_offsets(
+            table_row, n0, offs_n, offs_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, False
+        )
+        kv_off = tok[:, None] + head_off + d[None, :]
+        if HEAD_DIM == D_PAD:
+            k = tl.load(k_cache_ptr + kv_off)
+            v = tl.load(v_cache_ptr + kv_off)
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < kv_end
+        tok = kv_token_offsets(
+            table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True
+        )
+        kv_off = tok[:, None] + head_off + d[None, :]
+        kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    o = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tok_q[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tile_index: torch.Tensor,
+    *,
+    softmax_scale: float,
+    out: torch.Tensor,
+    config: PrefillConfig,
+) -> torch.Tensor:
+    """Causal varlen attention of every new token; writes and returns ``out``.
+
+    query:           [num_tokens, num_heads, head_dim]; rows query_start_loc[i] ..
+                     query_start_loc[i+1]-1 are row i's new tokens.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    block_tables:    int32 [batch, max_blocks]; seq_lens int32 [batch];
+    query_start_loc: int32 [batch + 1].
+    tile_index:      int32 [num_tiles, 2] of (row, tile) from :func:`prefill_tile_index`
+                     with the same ``config.block_m``, on the device.
+    out:             [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, kv_heads, _ = k_cache.shape
+    num_tiles = tile_index.shape[0]
+    if num_tiles == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    _prefill_kernel[(num_tiles * num_heads,)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        tile_index,
+        out,
+        softmax_scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=num_heads // kv_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=next_power_of_2(max(head_dim, 16)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        UPCAST=upcast_for(query.dtype),
+        DOT_PRECISION=dot_precision_for(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
