@@ -1,0 +1,1 @@
+"""Runnable examples: a Llama-style model decoding through the paged KV cache."""

@@ -1,0 +1,331 @@
+"""Greedy decoding with continuous batching over the paged KV cache.
+
+    python -m examples.decode_loop                          # tiny model on CPU, a few seconds
+    python -m examples.decode_loop --workload shared-prefix # prefix caching on a shared prompt
+    python -m examples.decode_loop --device cuda --backend auto --config configs/llama3-8b.yaml
+
+A workload of requests with different prompt lengths arrives over time; the scheduler
+(:mod:`examples.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
+runs the model (:mod:`examples.llama`, random weights from ``--seed``) once over every
+scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
+every layer writes K/V and attends -> sample -> ``mark_computed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attention import AttentionBackend, capabilities_of, choose_backend
+from examples.llama import Llama, random_llama, shape_for_cache
+from examples.scheduler import Preemption, Request, Scheduler, make_preemption
+from kvcache import (
+    BlockManager,
+    ConfigError,
+    KVCacheError,
+    KVCacheTensors,
+    MetadataBuilder,
+    allocate_kv_cache,
+    load_config,
+    resolve_device,
+)
+from kvcache.cache_tensors import TORCH_DTYPES
+
+__all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
+
+#: The repository's tiny CPU config, found from this file so any working directory works.
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
+#: Example-only model sizes: the cache config describes attention only (and forbids extra keys).
+VOCAB_SIZE = 256
+
+
+@dataclass
+class RunReport:
+    """What a run did. ``logits[req_id][j]``: float32 [vocab] logits that produced the
+    request's j-th generated token (only when asked to record them)."""
+
+    requests: list[Request]
+    #: Forward passes run (idle clock steps waiting for an arrival are not counted).
+    steps: int
+    wall_s: float
+    num_blocks: int
+    peak_blocks: int
+    preemptions: int
+    #: Tokens run through the model: prefill chunks, recomputation and decode tokens.
+    computed_tokens: int
+    prefix_query_tokens: int | None = None
+    prefix_hit_tokens: int | None = None
+    logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(r.output) for r in self.requests)
+
+    @property
+    def finished(self) -> int:
+        return sum(r.is_finished for r in self.requests)
+
+
+#: Called after each step with (step, scheduler, seconds since start, tokens generated so far).
+ProgressHook = Callable[[int, Scheduler, float, int], None]
+
+
+def run_requests(
+    model: Llama,
+    requests: Sequence[Request],
+    *,
+    manager: BlockManager,
+    cache: KVCacheTensors,
+    backend: AttentionBackend,
+    preemption: Preemption,
+    token_budget: int = 64,
+    max_running: int = 16,
+    record_logits: bool = False,
+    on_step: ProgressHook | None = None,
+) -> RunReport:
+    """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
+    ``request.output``). The model, cache and metadata all live on ``cache.device``."""
+    scheduler = Scheduler(
+        manager, requests, preemption, token_budget=token_budget, max_running=max_running
+    )
+    builder = MetadataBuilder(cache.device)  # one per run: it reuses its staging buffer
+    logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
+    computed = generated = forward_steps = 0
+    step = 0  # the clock request arrivals are given in
+    start = time.perf_counter()
+    while not scheduler.done:
+        batch = scheduler.schedule(step)
+        if batch is None:  # nothing has arrived yet: jump to the next arrival
+            arrival = scheduler.next_arrival()
+            assert arrival is not None and arrival > step, "an idle step must wait for an arrival"
+            step = arrival
+            continue
+        meta = builder.build(manager, batch.rows)  # once per step
+        plan = backend.plan(meta)  # once per step; every layer reuses it
+        token_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=cache.device)
+        with torch.no_grad():
+            logits = model(token_ids, cache, backend, plan)  # [rows, vocab]
+        next_tokens = logits.argmax(dim=-1).tolist()  # the one device sync of the step
+        if record_logits:
+            for i, req in enumerate(batch.requests):
+                if batch.samples(i):
+                    logits_of[req.req_id].append(logits[i].float().cpu())
+        computed += len(batch.token_ids)
+        generated += sum(batch.samples(i) for i in range(len(batch.rows)))
+        scheduler.finish_step(batch, next_tokens)
+        forward_steps += 1
+        if on_step is not None:
+            on_step(step, scheduler, time.perf_counter() - start, generated)
+        step += 1
+    wall = time.perf_counter() - start
+    manager.check_integrity()
+    cache_stats = manager.prefix_cache
+    return RunReport(
+        requests=list(requests),
+        steps=forward_steps,
+        wall_s=wall,
+        num_blocks=manager.num_blocks,
+        peak_blocks=scheduler.peak_blocks,
+        preemptions=scheduler.num_preemptions,
+        computed_tokens=computed,
+        prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
+        prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
+        logits=logits_of if record_logits else {},
+    )
+
+
+def make_workload(
+    kind: str, num_requests: int, *, seed: int, block_size: int, vocab_size: int
+) -> list[Request]:
+    """Seeded requests arriving over time, with prompt lengths and max_new_tokens varying.
+
+    ``default``: the first prompts have the lengths that break paged caches (1, exactly one
+    and two blocks, one past a block boundary), the rest are random up to ~3 blocks.
+    ``shared-prefix``: every prompt is one long common system prompt (3 blocks and a bit)
+    followed by a short user part, the case prefix caching is for.
+    """
+    rng = random.Random(seed)
+    edge = [1, block_size, 5, 2 * block_size, block_size + 1, 3 * block_size + 1, block_size - 1]
+    system = [rng.randrange(vocab_size) for _ in range(3 * block_size + 7)]
+    requests, arrival = [], 0
+    for i in range(num_requests):
+        if kind == "shared-prefix":
+            prompt = system + [
+                rng.randrange(vocab_size) for _ in range(rng.randint(1, block_size + 8))
+            ]
+        else:
+            length = edge[i] if i < len(edge) else rng.randint(2, 3 * block_size + 8)
+            prompt = [rng.randrange(vocab_size) for _ in range(length)]
+        requests.append(Request(i, prompt, max_new_tokens=rng.randint(4, 40), arrival_step=arrival))
+        arrival += rng.choice((0, 0, 1, 2, 3))
+    return requests
+
+
+def format_summary(report: RunReport) -> list[str]:
+    """The summary lines: ``name: value`` each, easy to read and to parse."""
+    tok_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else 0.0
+    lines = [
+        f"requests: {len(report.requests)} ({report.finished} finished, {report.steps} steps)",
+        f"prompt tokens: {report.prompt_tokens}",
+        f"tokens generated: {report.generated_tokens}",
+        f"tokens computed: {report.computed_tokens} (prefill chunks, recomputation and decode)",
+        f"wall time: {report.wall_s:.2f} s",
+        f"tokens/s: {tok_s:.1f} generated",
+        f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
+        f"preemptions: {report.preemptions}",
+    ]
+    if report.prefix_query_tokens is not None and report.prefix_hit_tokens is not None:
+        rate = report.prefix_hit_tokens / max(report.prefix_query_tokens, 1)
+        lines.append(
+            f"prefix cache hits: {report.prefix_hit_tokens} / {report.prefix_query_tokens} tokens "
+            f"({rate:.1%}); prefill tokens saved: {report.prefix_hit_tokens}"
+        )
+    return lines
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m examples.decode_loop", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="cache config YAML (default configs/tiny-cpu.yaml)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), help="overrides cache.device")
+    p.add_argument(
+        "--backend",
+        choices=("reference", "triton", "flash_attn", "auto"),
+        help="overrides attention.backend",
+    )
+    p.add_argument(
+        "--num-blocks", type=_positive, help="overrides cache.num_blocks / cache.memory_budget"
+    )
+    p.add_argument(
+        "--preempt",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="what a preempted request loses",
+    )
+    p.add_argument("--workload", choices=("default", "shared-prefix"), default="default")
+    p.add_argument("--requests", type=_positive, default=20, help="number of requests (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
+    p.add_argument(
+        "--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)"
+    )
+    p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
+    p.add_argument("--quiet", action="store_true", help="print the summary only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the example; returns the exit status (1: bad config or setting)."""
+    args = _parser().parse_args(argv)
+    say = (lambda *_: None) if args.quiet else print
+    try:
+        config = load_config(args.config)
+        device = resolve_device(args.device or config.cache.device)
+        dtype_name = config.cache.dtype
+        m, block_size = config.model, config.cache.block_size
+        name = args.backend or config.attention.backend
+        if name != "auto":
+            refused = capabilities_of(name).problems(
+                block_size=block_size,
+                head_dim=m.head_dim,
+                dtype=dtype_name,
+                device_type=device.type,
+            )
+            if refused:
+                raise ValueError(
+                    f"backend {name} refuses this setting: "
+                    + "; ".join(f"{p.parameter} {p.value}: {p.reason}; {p.fix}" for p in refused)
+                )
+        choice = choose_backend(
+            name, device=device, block_size=block_size, head_dim=m.head_dim, dtype=dtype_name
+        )
+        reason = f"{name} (--backend)" if args.backend and name != "auto" else choice.reason
+        cache = allocate_kv_cache(config, num_blocks=args.num_blocks, device=device)
+        prefix_caching = config.cache.enable_prefix_caching or args.workload == "shared-prefix"
+        manager = BlockManager(cache.num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        preemption = make_preemption(args.preempt, manager, cache, config.cache.swap_space)
+    except (ConfigError, KVCacheError, ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    shape = shape_for_cache(m, vocab_size=VOCAB_SIZE)
+    shape.check_cache(m)
+    model = random_llama(shape, seed=args.seed, dtype=TORCH_DTYPES[dtype_name], device=device)
+    requests = make_workload(
+        args.workload,
+        args.requests,
+        seed=args.seed,
+        block_size=block_size,
+        vocab_size=shape.vocab_size,
+    )
+
+    turned_on = prefix_caching and not config.cache.enable_prefix_caching
+    lengths = [len(r.prompt) for r in requests]
+    say(
+        f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads "
+        f"({m.num_kv_heads} KV), head_dim {m.head_dim}, {dtype_name} on {device}"
+    )
+    say(f"backend: {reason}")
+    say(
+        f"cache: {cache.num_blocks} blocks x {block_size} tokens; prefix caching "
+        f"{'on' if prefix_caching else 'off'}{' (for this workload)' if turned_on else ''}; "
+        f"preempt: {args.preempt}"
+    )
+    say(
+        f"workload: {args.workload}, {len(requests)} requests, prompts {min(lengths)}-"
+        f"{max(lengths)} tokens, arriving over steps 0-{requests[-1].arrival_step}"
+    )
+
+    def progress(step: int, s: Scheduler, elapsed: float, generated: int) -> None:
+        if step % args.log_every == 0 or s.done:
+            used = manager.num_blocks - manager.num_free_blocks
+            say(
+                f"step {step:4d} | running {len(s.running):2d} waiting {len(s.waiting):2d} "
+                f"finished {len(s.finished):2d} | blocks {used:3d}/{manager.num_blocks} | "
+                f"{generated / max(elapsed, 1e-9):7.1f} tok/s | preempted {s.num_preemptions}"
+            )
+
+    report = run_requests(
+        model,
+        requests,
+        manager=manager,
+        cache=cache,
+        backend=choice.backend,
+        preemption=preemption,
+        token_budget=args.token_budget,
+        on_step=progress,
+    )
+    print("summary")
+    for line in format_summary(report):
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
