@@ -1,9 +1,10 @@
 """The ``triton`` backend: our own paged-attention kernels (:mod:`attention.triton_kernels`).
 
-Plan once per step: :meth:`TritonBackend.plan` chooses the kernel (decode when every row has
-one new token, prefill otherwise) and keeps what every layer of the step reuses: the decode
-split count and the prefill tile index, both derived from host-side lengths, so no layer
-call ever waits on the device.
+Plan once per step: :meth:`TritonBackend.plan` sends every one-token row to the split-KV
+decode kernel and every longer row to the prefill kernel (a mixed batch runs both, on
+disjoint output rows), and keeps what every layer of the step reuses: the decode split count,
+the decode row index and the prefill tile index, all derived from host-side lengths, so no
+layer call ever waits on the device.
 
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it also
 accepts CPU tensors and runs the same kernels in Triton's interpreter, slowly, for tests.
@@ -40,10 +41,7 @@ __all__ = ["TritonBackend", "TritonStepPlan"]
 #: split decisions the GPU makes.
 INTERPRETER_NUM_SMS = 132
 
-_CPU_REFUSED = (
-    "the triton backend needs CUDA tensors; set TRITON_INTERPRET=1 to run it on CPU "
-    "(slow, for tests)"
-)
+_CPU_REFUSED = "the triton backend needs CUDA tensors; set TRITON_INTERPRET=1 to run it on CPU (slow, for tests)"
 
 
 @functools.cache
@@ -61,49 +59,93 @@ def _num_sms(device: torch.device) -> int:
 class TritonStepPlan(StepPlan):
     """One step's plan for the Triton kernels.
 
-    use_decode:    every row has one new token, so the split-KV decode kernel runs.
+    decode_rows:   batch rows with one new token: the split-KV decode kernel takes them.
+    prefill_rows:  the other rows: the prefill kernel takes them.
     num_sms:       SMs of the metadata's device (drives the split count).
     split_policy:  how decode splits are chosen; ``forced_splits`` overrides it.
-    The decode split count (it depends on the layer's KV heads) and the prefill tile index
-    (it depends on the tile height) are computed at the first layer that needs them and
-    reused by every later layer of the step.
+    What depends on the layer (split count: its KV heads) or on the kernel configuration
+    (tile index: the tile height) is computed at the first layer that needs it and reused
+    by every later layer of the step.
     """
 
-    use_decode: bool
+    decode_rows: tuple[int, ...]
+    prefill_rows: tuple[int, ...]
     num_sms: int
     split_policy: SplitPolicy
     forced_splits: int | None = None
     _derived: dict[tuple[str, int], object] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def use_decode(self) -> bool:
+        """Every row has one new token: only the decode kernel runs."""
+        return not self.prefill_rows
+
+    @property
+    def decode_max_seq_len(self) -> int:
+        lens = self.metadata.seq_lens_host
+        return max((lens[r] for r in self.decode_rows), default=0)
+
+    @property
+    def prefill_max_query_len(self) -> int:
+        lens = self.metadata.query_lens_host
+        return max((lens[r] for r in self.prefill_rows), default=0)
+
     def decode_splits(self, num_kv_heads: int) -> int:
         """Requested splits per decode row for a layer with ``num_kv_heads`` KV heads."""
         key = ("splits", num_kv_heads)
         if key not in self._derived:
-            meta = self.metadata
             self._derived[key] = self.forced_splits or choose_num_splits(
-                meta.batch, num_kv_heads, meta.max_seq_len, self.num_sms, self.split_policy
+                len(self.decode_rows),
+                num_kv_heads,
+                self.decode_max_seq_len,
+                self.num_sms,
+                self.split_policy,
             )
         splits = self._derived[key]
         assert isinstance(splits, int), f"memo holds {splits!r} for {key}"
         return splits
 
-    def tile_index(self, block_m: int) -> torch.Tensor:
-        """int32 [num_tiles, 2] (row, tile) on the metadata's device, heaviest tile first.
-
-        Built on the host from host lengths; copied with one non-blocking transfer from
-        pinned memory, so the step never waits for the device.
-        """
-        key = ("tiles", block_m)
+    def decode_index(self) -> torch.Tensor | None:
+        """int32 [n, 2] (batch row, query token) of the decode rows of a mixed batch; None
+        for a pure decode step (row i is query token i)."""
+        if self.use_decode:
+            return None
+        key = ("decode_index", 0)
         if key not in self._derived:
-            meta = self.metadata
-            pairs = prefill_tile_index(meta.seq_lens_host, meta.query_lens_host, block_m)
-            host = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
-            if meta.device.type == "cuda":
-                host = host.pin_memory()
-            self._derived[key] = host.to(meta.device, non_blocking=True)
+            starts = _starts(self.metadata.query_lens_host)
+            pairs = [(row, starts[row]) for row in self.decode_rows]
+            self._derived[key] = self._to_device(pairs)
         index = self._derived[key]
         assert isinstance(index, torch.Tensor), f"memo holds {type(index).__name__} for {key}"
         return index
+
+    def tile_index(self, block_m: int) -> torch.Tensor:
+        """int32 [num_tiles, 2] (row, tile) of the prefill rows, heaviest tile first."""
+        key = ("tiles", block_m)
+        if key not in self._derived:
+            meta = self.metadata
+            pairs = prefill_tile_index(meta.seq_lens_host, meta.query_lens_host, block_m, self.prefill_rows)
+            self._derived[key] = self._to_device(pairs)
+        index = self._derived[key]
+        assert isinstance(index, torch.Tensor), f"memo holds {type(index).__name__} for {key}"
+        return index
+
+    def _to_device(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """Host pairs to the metadata's device with one non-blocking copy from pinned
+        memory, so the step never waits for the device."""
+        host = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
+        if self.metadata.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.metadata.device, non_blocking=True)
+
+
+def _starts(query_lens: tuple[int, ...]) -> list[int]:
+    """First query token of each row (query_start_loc, on the host)."""
+    starts, total = [], 0
+    for q in query_lens:
+        starts.append(total)
+        total += q
+    return starts
 
 
 class TritonBackend(AttentionBackend):
@@ -137,9 +179,11 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
 
     def _plan(self, metadata: AttentionMetadata) -> TritonStepPlan:
+        lens = metadata.query_lens_host
         return TritonStepPlan(
             metadata=metadata,
-            use_decode=metadata.is_pure_decode,
+            decode_rows=tuple(r for r, q in enumerate(lens) if q == 1),
+            prefill_rows=tuple(r for r, q in enumerate(lens) if q > 1),
             num_sms=self.num_sms or _num_sms(metadata.device),
             split_policy=self.split_policy,
             forced_splits=self.num_splits,
@@ -177,21 +221,22 @@ class TritonBackend(AttentionBackend):
         # through a temporary.
         target = result if result.stride(-1) == 1 else torch.empty_like(query)
         head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
-        if plan.use_decode:
+        if plan.decode_rows:
             paged_decode(
                 query,
                 k_cache,
                 v_cache,
                 meta.block_tables,
                 meta.seq_lens,
-                max_seq_len=meta.max_seq_len,
+                max_seq_len=plan.decode_max_seq_len,
                 softmax_scale=softmax_scale,
                 out=target,
                 num_splits=plan.decode_splits(kv_heads),
                 config=self.decode_config or default_decode_config(head_dim, query.dtype),
+                decode_index=plan.decode_index(),
             )
-        else:
-            config = self.prefill_config or default_prefill_config(head_dim, query.dtype)
+        if plan.prefill_rows:
+            config = self.prefill_config or default_prefill_config(head_dim, query.dtype, plan.prefill_max_query_len)
             paged_prefill(
                 query,
                 k_cache,

@@ -149,14 +149,22 @@ class Problem:
 
 
 def _sdpa_fn(p: Problem) -> Callable[[], torch.Tensor]:
-    """SDPA on contiguous [batch, heads, len, dim] K/V; returns [tokens, HEADS, HEAD_DIM]."""
+    """SDPA on contiguous [batch, heads, len, dim] K/V; returns [tokens, HEADS, HEAD_DIM].
+
+    Decode passes the KV heads as they are (``enable_gqa``), so K/V bytes read stay what the
+    tbps column counts. Prefill, which is compute-bound, gets K/V repeated to every query
+    head so that SDPA's fused kernels (not its O(L^2)-memory math path) always apply.
+    """
     q = p.q.view(p.batch, p.query_len, HEADS, HEAD_DIM).transpose(1, 2)
     k = p.k.transpose(1, 2).contiguous()
     v = p.v.transpose(1, 2).contiguous()
     causal = p.query_len > 1  # prefill: all tokens new, so top-left == bottom-right alignment
+    if causal:
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
 
     def run() -> torch.Tensor:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=not causal)
         return o.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)
 
     return run
@@ -437,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = False
     decode = QUICK_DECODE if args.quick else DECODE_SHAPES
     prefill = QUICK_PREFILL if args.quick else PREFILL_SHAPES
     bench = Bench(args.warmup_ms, args.rep_ms)

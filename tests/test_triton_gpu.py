@@ -50,9 +50,7 @@ def _fresh_new_tokens(case: PagedCase) -> None:
 
 def _attend(backend: TritonBackend, case: PagedCase) -> torch.Tensor:
     _fresh_new_tokens(case)
-    backend.write_kv(
-        case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping
-    )
+    backend.write_kv(case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     return backend.attend(case.query, case.k_cache, case.v_cache, backend.plan(case.meta))
 
 
@@ -93,9 +91,7 @@ SHAPES = [
 @pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [32, 256])
 @pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
-def test_decode(
-    dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int | None
-) -> None:
+def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int | None) -> None:
     case = _case(
         DECODE,
         group=group,
@@ -112,9 +108,7 @@ def test_decode(
 @pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [32, 256])
 @pytest.mark.parametrize("rows", [MIXED, LONG_PROMPTS], ids=["mixed", "long"])
-def test_prefill(
-    dtype: torch.dtype, group: int, head_dim: int, block_size: int, rows: list[tuple[int, int]]
-) -> None:
+def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int, rows: list[tuple[int, int]]) -> None:
     case = _case(
         rows,
         group=group,
@@ -125,6 +119,17 @@ def test_prefill(
     )
     out = _attend(TritonBackend(), case)
     assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_mixed_batch_decode_rows_split(num_splits: int) -> None:
+    """The one-token rows of a mixed step run split-KV through the row index."""
+    case = _case(MIXED, group=4, head_dim=128, block_size=32, dtype=torch.bfloat16)
+    backend = TritonBackend(num_splits=num_splits)
+    plan = backend.plan(case.meta)
+    assert isinstance(plan, TritonStepPlan) and plan.decode_rows and plan.prefill_rows
+    out = _attend(backend, case)
+    assert rel_err(out, reference_output(case)) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("head_dim", [40, 96, 200])
@@ -189,9 +194,7 @@ def test_cache_past_int32_offsets() -> None:
         small,
         k_cache=k_cache,
         v_cache=v_cache,
-        meta=dataclasses.replace(
-            meta, block_tables=tables, slot_mapping=meta.slot_mapping + slot_shift
-        ),
+        meta=dataclasses.replace(meta, block_tables=tables, slot_mapping=meta.slot_mapping + slot_shift),
     )
     expect = reference_output(small)
     backend = TritonBackend(num_splits=2)

@@ -23,6 +23,7 @@ from attention.triton_kernels import (
     PrefillConfig,
     SplitPolicy,
     choose_num_splits,
+    default_prefill_config,
     prefill_tile_index,
     split_length,
 )
@@ -57,9 +58,7 @@ def _with_nan_border(case: PagedCase) -> PagedCase:
     """Move the caches into storage with one NaN block before and after them: a kernel that
     dereferenced PAD_BLOCK (-1) or ran past the last block would read NaN."""
     n, bs, kvh, d = case.k_cache.shape
-    storage = torch.full(
-        (2, n + 2, bs, kvh, d), float("nan"), dtype=case.k_cache.dtype, device=case.k_cache.device
-    )
+    storage = torch.full((2, n + 2, bs, kvh, d), float("nan"), dtype=case.k_cache.dtype, device=case.k_cache.device)
     storage[0, 1:-1] = case.k_cache
     storage[1, 1:-1] = case.v_cache
     return dataclasses.replace(case, k_cache=storage[0, 1:-1], v_cache=storage[1, 1:-1])
@@ -97,9 +96,7 @@ def _run(
     case = _with_nan_border(case)
     case = dataclasses.replace(case, meta=_widen_tables(case.meta, 2))
     _fresh_new_tokens(case)
-    backend.write_kv(
-        case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping
-    )
+    backend.write_kv(case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan)
     out = backend.attend(case.query, case.k_cache, case.v_cache, plan)
@@ -116,17 +113,11 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [32, 64])
-def test_write_kv_writes_exactly_the_given_slots(
-    dtype: torch.dtype, block_size: int, triton_device: str
-) -> None:
+def test_write_kv_writes_exactly_the_given_slots(dtype: torch.dtype, block_size: int, triton_device: str) -> None:
     kvh, d, blocks = 3, 40, 4  # head_dim 40 pads to 64 lanes in the kernel
-    k_cache = torch.full(
-        (blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=triton_device
-    )
+    k_cache = torch.full((blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=triton_device)
     v_cache = k_cache.clone()
-    slots = torch.tensor(
-        [5, -1, 3 * block_size + 7, block_size, -1, blocks * block_size - 1], device=triton_device
-    )
+    slots = torch.tensor([5, -1, 3 * block_size + 7, block_size, -1, blocks * block_size - 1], device=triton_device)
     # Views into a fused projection: token stride 2 * kvh * d, not contiguous.
     fused = torch.randn(len(slots), 2, kvh, d).to(dtype=dtype, device=triton_device)
     key, value = fused[:, 0], fused[:, 1]
@@ -161,9 +152,7 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "block_size", "heads", "kv_heads", "head_dim", "contexts"), DECODE_CASES
-)
+@pytest.mark.parametrize(("dtype", "block_size", "heads", "kv_heads", "head_dim", "contexts"), DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_decode_matches_reference(
     dtype: torch.dtype,
@@ -229,20 +218,14 @@ def test_decode_more_splits_than_a_short_row_needs(triton_device: str) -> None:
 
 PREFILL_CASES = [
     pytest.param(torch.float32, 32, 4, 4, 64, [(0, n) for n in ODD], id="fp32-prompts-gqa1"),
-    pytest.param(
-        torch.float16, 64, 8, 2, 128, [(40, 33), (96, 1), (0, 70), (5, 1)], id="fp16-mixed-gqa4"
-    ),
-    pytest.param(
-        torch.bfloat16, 256, 8, 1, 64, [(200, 57), (0, 1), (31, 2)], id="bf16-extend-gqa8"
-    ),
+    pytest.param(torch.float16, 64, 8, 2, 128, [(40, 33), (96, 1), (0, 70), (5, 1)], id="fp16-mixed-gqa4"),
+    pytest.param(torch.bfloat16, 256, 8, 1, 64, [(200, 57), (0, 1), (31, 2)], id="bf16-extend-gqa8"),
     pytest.param(torch.bfloat16, 32, 4, 2, 256, [(0, 40), (33, 20)], id="bf16-d256"),
     pytest.param(torch.float16, 32, 6, 3, 40, [(10, 50), (0, 31)], id="fp16-d40"),
 ]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "block_size", "heads", "kv_heads", "head_dim", "rows"), PREFILL_CASES
-)
+@pytest.mark.parametrize(("dtype", "block_size", "heads", "kv_heads", "head_dim", "rows"), PREFILL_CASES)
 def test_prefill_matches_reference(
     dtype: torch.dtype,
     block_size: int,
@@ -269,9 +252,7 @@ def test_prefill_matches_reference(
 
 @pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (16, 64), (64, 16), (32, 32)])
 @pytest.mark.parametrize("block_size", [32, 64])
-def test_prefill_tile_sizes(
-    block_m: int, block_n: int, block_size: int, triton_device: str
-) -> None:
+def test_prefill_tile_sizes(block_m: int, block_n: int, block_size: int, triton_device: str) -> None:
     """Many query tiles per row, key tiles smaller and larger than a block, diagonal tiles
     that start mid-tile (cached prefix not a multiple of the tile)."""
     backend = TritonBackend(prefill_config=PrefillConfig(block_m=block_m, block_n=block_n))
@@ -319,9 +300,7 @@ def test_prefill_writes_nothing_for_padding_tokens(triton_device: str) -> None:
     backend.write_kv(key, key, case.k_cache, case.v_cache, meta.slot_mapping)
     changed = (_bits(before) != _bits(case.k_cache)).any(dim=(2, 3)).flatten().nonzero().flatten()
     assert sorted(changed.tolist()) == sorted(case.meta.slot_mapping.tolist())
-    backend.write_kv(
-        case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping
-    )
+    backend.write_kv(case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = backend.attend(query, case.k_cache, case.v_cache, backend.plan(meta))
     n = case.meta.num_tokens
     _check(out[:n], reference_output(case), torch.float16)
@@ -331,9 +310,7 @@ def test_prefill_writes_nothing_for_padding_tokens(triton_device: str) -> None:
 
 
 @pytest.mark.parametrize("rows", [[(30, 1), (64, 1)], [(30, 5), (0, 1)]], ids=["decode", "prefill"])
-def test_out_argument_scale_and_strided_query(
-    rows: list[tuple[int, int]], triton_device: str
-) -> None:
+def test_out_argument_scale_and_strided_query(rows: list[tuple[int, int]], triton_device: str) -> None:
     case = make_case(
         rows,
         heads=4,
@@ -386,7 +363,7 @@ def test_prefill_tile_index_covers_every_tile_heaviest_first() -> None:
 
 def test_plan_is_derived_once_per_step(triton_device: str) -> None:
     case = make_case(
-        [(10, 5), (3, 1)],
+        [(10, 5), (3, 1), (0, 2), (7, 1)],
         heads=2,
         kv_heads=1,
         head_dim=16,
@@ -397,12 +374,48 @@ def test_plan_is_derived_once_per_step(triton_device: str) -> None:
     backend = TritonBackend()
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and not plan.use_decode
+    # One-token rows go to the decode kernel, at their query tokens; the rest to prefill.
+    assert plan.decode_rows == (1, 3) and plan.prefill_rows == (0, 2)
+    index = plan.decode_index()
+    assert index is not None and index.tolist() == [[1, 5], [3, 8]]
     assert plan.tile_index(64) is plan.tile_index(64)  # every layer reuses the same index
-    assert plan.tile_index(16).tolist() == [
-        list(p) for p in prefill_tile_index((15, 4), (5, 1), 16)
-    ]
+    expect = prefill_tile_index((15, 4, 2, 8), (5, 1, 2, 1), 16, rows=(0, 2))
+    assert plan.tile_index(16).tolist() == [list(p) for p in expect] == [[0, 0], [2, 0]]
     assert plan.decode_splits(8) == plan.decode_splits(8)
+    assert plan.decode_max_seq_len == 8 and plan.prefill_max_query_len == 5
+    pure = backend.plan(
+        make_case(
+            [(5, 1)], heads=2, kv_heads=1, head_dim=16, block_size=32, dtype=torch.float32, device=triton_device
+        ).meta
+    )
+    assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.decode_index() is None
     assert get_backend("triton").plan(case.meta).num_sms > 0
+
+
+def test_prefill_tile_shrinks_to_short_rows() -> None:
+    assert default_prefill_config(128, torch.bfloat16).block_m == 128
+    short = default_prefill_config(128, torch.bfloat16, max_query_len=5)
+    assert (short.block_m, short.num_warps) == (16, 4)
+    assert default_prefill_config(128, torch.bfloat16, max_query_len=100).block_m == 128
+    assert default_prefill_config(128, torch.bfloat16, max_query_len=64).block_m == 64
+
+
+def test_mixed_batch_with_forced_splits(triton_device: str) -> None:
+    """Decode rows of a mixed batch run split-KV through the row index, prefill rows beside."""
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), num_splits=3)
+    rows = [(60, 1), (20, 30), (0, 1), (95, 1), (5, 17)]
+    out, ref, plan = _run(
+        backend,
+        rows,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        block_size=32,
+        dtype=torch.bfloat16,
+        device=triton_device,
+    )
+    assert plan.decode_rows == (0, 2, 3) and plan.prefill_rows == (1, 4)
+    _check(out, ref, torch.bfloat16)
 
 
 # ---- argument checks (before any kernel runs) ------------------------------------------
@@ -459,9 +472,7 @@ def _attend(backend: TritonBackend, args: dict[str, object]) -> None:
         ("non_contiguous", "expected contiguous"),
     ],
 )
-def test_bad_arguments_raise_before_any_kernel(
-    change: str, message: str, triton_device: str
-) -> None:
+def test_bad_arguments_raise_before_any_kernel(change: str, message: str, triton_device: str) -> None:
     args = _small(triton_device)
     q, k = args["query"], args["k_cache"]
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)

@@ -1,4 +1,5 @@
-"""Flash-decoding: paged attention for batches where every row brings exactly one new token.
+"""Flash-decoding: paged attention for rows that bring exactly one new token (a pure decode
+step, or the decode rows of a mixed step, named through a row index).
 
 Decode is memory-bound: the work is reading each row's K/V once. So:
 
@@ -108,9 +109,7 @@ class SplitPolicy:
             raise ValueError(f"SplitPolicy: every field must be >= 1, got {self}")
 
 
-def choose_num_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, policy: SplitPolicy
-) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, policy: SplitPolicy) -> int:
     """Splits per row so that ``batch * num_kv_heads * splits`` programs fill the GPU.
 
     1 when the batch already gives ``programs_per_sm * num_sms`` programs; otherwise as many
@@ -128,6 +127,18 @@ def split_length(max_seq_len: int, num_splits: int, block_n: int) -> int:
     return math.ceil(per_split / block_n) * block_n
 
 
+@triton.jit
+def _decode_row(decode_index_ptr, i, INDIRECT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(batch row, query token) of the i-th decode row."""
+    if INDIRECT:
+        row = tl.load(decode_index_ptr + 2 * i)
+        token = tl.load(decode_index_ptr + 2 * i + 1)
+    else:
+        row = i
+        token = i
+    return row, token
+
+
 # Per-step values are not specialised on: one compiled kernel serves every step.
 @triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt"])
 def _decode_kernel(  # type: ignore[no-untyped-def]
@@ -136,6 +147,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    decode_index_ptr,
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
@@ -158,14 +170,17 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    INDIRECT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (kv_head, split, row): tokens [split * split_len, ...) of one row, all query
-    heads of one KV group. Row ``row``'s query is token ``row`` (pure decode)."""
+    """Program (kv_head, split, i): tokens [split * split_len, ...) of one row, all query
+    heads of one KV group. Pure decode: row i, query token i. INDIRECT (the one-token rows
+    of a mixed batch): row and query token are read from decode_index[i]."""
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    row = tl.program_id(2)
+    i = tl.program_id(2)
+    row, token = _decode_row(decode_index_ptr, i, INDIRECT)
     seq_len = tl.load(seq_lens_ptr + row)
     start = split * split_len
     if start >= seq_len:
@@ -178,8 +193,9 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     g_mask = g < GROUP
     qo_mask = tile_mask(g_mask, d, HEAD_DIM, D_PAD)
     row64 = row.to(tl.int64)
+    token64 = token.to(tl.int64)
     q = tl.load(
-        q_ptr + row64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
+        q_ptr + token64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
         mask=qo_mask,
         other=0.0,
     )
@@ -194,9 +210,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         n_mask = (n0 + offs_n) < end
-        tok = kv_token_offsets(
-            table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True
-        )
+        tok = kv_token_offsets(table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -213,14 +227,14 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     o = acc / l_safe[:, None]
     if DIRECT:
         tl.store(
-            out_ptr + row64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :],
+            out_ptr + token64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=qo_mask,
         )
     else:
         # part_o: fp32 [batch, NUM_HEADS, num_splits, HEAD_DIM];
         # part_lse: fp32 [batch, NUM_HEADS, num_splits], log2 domain.
-        part = (row64 * NUM_HEADS + heads) * num_splits + split
+        part = (i.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=qo_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
 
@@ -230,6 +244,7 @@ def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     part_o_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    decode_index_ptr,
     out_ptr,
     split_len,
     num_splits,
@@ -239,23 +254,25 @@ def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
-    """Program (head, row): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-    over the splits this row actually used (ceil(seq_len / split_len) of them)."""
+    """Program (head, i): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
+    over the splits the i-th decode row actually used (ceil(seq_len / split_len) of them)."""
     h = tl.program_id(0)
-    row = tl.program_id(1)
+    i = tl.program_id(1)
+    row, token = _decode_row(decode_index_ptr, i, INDIRECT)
     seq_len = tl.load(seq_lens_ptr + row)
     used = tl.cdiv(seq_len, split_len)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < used
-    part = (row.to(tl.int64) * NUM_HEADS + h) * num_splits + s
+    part = (i.to(tl.int64) * NUM_HEADS + h) * num_splits + s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # masked splits: 2^-inf = 0
     o_mask = tile_mask(s_mask, d, HEAD_DIM, D_PAD)
     o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
     result = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    dst = out_ptr + row.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
+    dst = out_ptr + token.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
     tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -271,18 +288,27 @@ def paged_decode(
     out: torch.Tensor,
     num_splits: int,
     config: DecodeConfig,
+    decode_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention; writes and returns ``out``.
 
-    query:        [>= batch, num_heads, head_dim]; row i's single new token is query row i.
+    query:        [num_tokens, num_heads, head_dim]; row i's single new token is query row i,
+                  or, with ``decode_index``, the token it names.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
     block_tables: int32 [batch, max_blocks]; seq_lens: int32 [batch] (K/V tokens per row,
-                  the new one included; >= 1). ``max_seq_len``: their host-side maximum.
+                  the new one included; >= 1). ``max_seq_len``: host-side maximum over the
+                  rows attended.
     out:          [>= batch, num_heads, head_dim], query's dtype, last dim contiguous.
     num_splits:   requested splits per row (rounded so each is a whole number of tiles).
+    decode_index: optional int32 [n, 2] of (batch row, query token): attend only these
+                  one-token rows (the decode rows of a mixed batch); other rows of ``out``
+                  are left untouched.
     Arguments are assumed checked by the caller; nothing here reads device data on the host.
     """
-    batch = block_tables.shape[0]
+    indirect = decode_index is not None
+    batch = decode_index.shape[0] if decode_index is not None else block_tables.shape[0]
+    if batch == 0:
+        return out
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
@@ -304,6 +330,7 @@ def paged_decode(
         v_cache,
         block_tables,
         seq_lens,
+        decode_index if decode_index is not None else seq_lens,  # unused when not INDIRECT
         out,
         part_o,
         part_lse,
@@ -326,6 +353,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         DIRECT=direct,
+        INDIRECT=indirect,
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
         num_warps=config.num_warps,
@@ -336,6 +364,7 @@ def paged_decode(
             part_o,
             part_lse,
             seq_lens,
+            decode_index if decode_index is not None else seq_lens,
             out,
             split_len,
             splits,
@@ -345,6 +374,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             SPLITS_PAD=max(2, next_power_of_2(splits)),
+            INDIRECT=indirect,
             num_warps=config.reduce_num_warps,
         )
     return out

@@ -1,8 +1,10 @@
 """Prefill / extend: varlen causal attention over paged K/V (FlashAttention-2 style).
 
-Rows may bring many new tokens (a prompt, or a chunk of one after cached tokens) and may be
-mixed with one-token decode rows. New token i of a row with seq_len s and query_len q sits at
-position s - q + i and sees keys 0 .. s - q + i.
+Rows bring many new tokens (a prompt, or a chunk of one after cached tokens); the kernel
+also takes one-token rows, but the backend sends those to the decode kernel, which reads each
+K/V token once per KV head instead of once per query head and wastes no tile rows.
+New token i of a row with seq_len s and query_len q sits at position s - q + i and sees
+keys 0 .. s - q + i.
 
 Grid: one program per (query tile of BLOCK_M tokens of one row, query head). Which (row,
 tile) a program takes comes from a small index built on the host from host-side lengths
@@ -72,29 +74,43 @@ PREFILL_SWEEP: tuple[PrefillConfig, ...] = tuple(
 )  # fmt: skip
 
 
-def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+def default_prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None = None) -> PrefillConfig:
     """Hopper defaults sized to shared memory (228 KiB per SM): Q tile plus ``num_stages``
-    K and V tiles must fit, and fp32 tiles are twice as large as 16-bit ones."""
+    K and V tiles must fit, and fp32 tiles are twice as large as 16-bit ones.
+
+    With ``max_query_len`` (the longest row this step) below the tile height, the tile
+    shrinks to it (>= 16): short extend rows would otherwise compute mostly masked rows.
+    """
     d_pad = next_power_of_2(max(head_dim, 16))
     if dtype == torch.float32:
-        block_m = 64 if d_pad <= 128 else 32
-        return PrefillConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
-    if d_pad <= 64:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if d_pad <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        config = PrefillConfig(block_m=64 if d_pad <= 128 else 32, block_n=32, num_warps=4, num_stages=2)
+    elif d_pad <= 64:
+        config = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    elif d_pad <= 128:
+        config = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    else:
+        config = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    if max_query_len is not None and max_query_len < config.block_m:
+        block_m = max(16, next_power_of_2(max_query_len))
+        # Fewer than 64 rows cannot feed Hopper's warpgroup MMA; 4 warps suffice then.
+        warps = config.num_warps if block_m >= 64 else 4
+        config = PrefillConfig(block_m, config.block_n, warps, config.num_stages)
+    return config
 
 
 def prefill_tile_index(
-    seq_lens: Sequence[int], query_lens: Sequence[int], block_m: int
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_m: int,
+    rows: Sequence[int] | None = None,
 ) -> list[tuple[int, int]]:
-    """``(row, tile)`` for every query tile of BLOCK_M tokens, heaviest first (host only).
-
-    A tile's work is the number of keys its last token sees; ties keep row order.
+    """``(row, tile)`` for every query tile of BLOCK_M tokens of ``rows`` (default: all),
+    heaviest first (host only). A tile's work is the number of keys its last token sees;
+    ties keep row order.
     """
     tiles: list[tuple[int, int, int]] = []
-    for row, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+    for row in range(len(seq_lens)) if rows is None else rows:
+        s, q = seq_lens[row], query_lens[row]
         for tile in range(-(-q // block_m)):
             keys = s - q + min((tile + 1) * block_m, q)
             tiles.append((-keys, row, tile))
@@ -168,9 +184,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, BLOCK_N)
 
     for n0 in range(0, full_end, BLOCK_N):
-        tok = kv_token_offsets(
-            table_row, n0, offs_n, offs_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, False
-        )
+        tok = kv_token_offsets(table_row, n0, offs_n, offs_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, False)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
@@ -187,9 +201,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < kv_end
-        tok = kv_token_offsets(
-            table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True
-        )
+        tok = kv_token_offsets(table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
