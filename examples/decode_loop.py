@@ -59,6 +59,9 @@ class RunReport:
     num_blocks: int
     peak_blocks: int
     preemptions: int
+    #: Preemptions by mode (``recompute``/``swap``), and blocks swapped out and back in.
+    preemptions_by_mode: dict[str, int]
+    swapped_blocks: tuple[int, int]
     #: Tokens run through the model: prefill chunks, recomputation and decode tokens.
     computed_tokens: int
     prefix_query_tokens: int | None = None
@@ -139,11 +142,18 @@ def run_requests(
         num_blocks=manager.num_blocks,
         peak_blocks=scheduler.peak_blocks,
         preemptions=scheduler.num_preemptions,
+        preemptions_by_mode=dict(manager.preemptions),
+        swapped_blocks=_swapped_blocks(preemption),
         computed_tokens=computed,
         prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
         logits=logits_of if record_logits else {},
     )
+
+
+def _swapped_blocks(preemption: Preemption) -> tuple[int, int]:
+    space = getattr(preemption, "space", None)
+    return (space.swapped_out_blocks, space.swapped_in_blocks) if space is not None else (0, 0)
 
 
 def make_workload(
@@ -184,7 +194,9 @@ def format_summary(report: RunReport) -> list[str]:
         f"wall time: {report.wall_s:.2f} s",
         f"tokens/s: {tok_s:.1f} generated",
         f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
-        f"preemptions: {report.preemptions}",
+        f"preemptions: {report.preemptions} ("
+        + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
+        + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
     ]
     if report.prefix_query_tokens is not None and report.prefix_hit_tokens is not None:
         rate = report.prefix_hit_tokens / max(report.prefix_query_tokens, 1)

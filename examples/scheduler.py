@@ -20,9 +20,8 @@ After the forward pass :meth:`Scheduler.finish_step` records what was computed
 known, and frees finished requests.
 
 Preemption is a strategy (:class:`Preemption`): ``recompute`` frees the victim's blocks and
-later prefills prompt + generated tokens again. A ``swap`` strategy (copy the victim's blocks
-to host memory, bring them back on resume) plugs in through the same hooks, with
-:class:`kvcache.SwapSpace` doing the copies.
+later prefills prompt + generated tokens again; ``swap`` copies the victim's blocks to host
+memory (:class:`kvcache.SwapSpace`) and brings them back on resume.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcache import BlockManager, KVCacheTensors, ScheduledRow
+from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace
 
 __all__ = [
     "PREEMPTION_MODES",
@@ -42,6 +41,7 @@ __all__ = [
     "Request",
     "Scheduler",
     "StepBatch",
+    "SwapPreemption",
     "make_preemption",
 ]
 
@@ -156,8 +156,58 @@ class RecomputePreemption(Preemption):
         admit(req, manager)
 
 
+class SwapPreemption(Preemption):
+    """Copy the victim's K/V to a host block pool; on resume copy it back, so nothing is
+    recomputed. When the host pool is full the victim is recomputed instead."""
+
+    name = "swap"
+
+    def __init__(self, space: SwapSpace):
+        self.space = space
+        self._on_host: set[int] = set()
+
+    @classmethod
+    def create(cls, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+        if swap_space_bytes <= 0:
+            raise ValueError(
+                "--preempt swap: cache.swap_space is 0; set it in the config (e.g. swap_space: 256KiB) "
+                "or use --preempt recompute"
+            )
+        return cls(SwapSpace.for_bytes(manager, cache, swap_space_bytes))
+
+    def begin_step(self) -> None:
+        self.space.poll()
+
+    def evict(self, req: Request, manager: BlockManager) -> None:
+        if not self.space.can_swap_out(req.req_id):
+            manager.preempt(req.req_id, "recompute")
+            req.num_computed = 0
+            return
+        manager.preempt(req.req_id, "swap", self.space)
+        # The scheduler asks can_append right after an eviction, and on CUDA the device blocks
+        # return to the pool only once the copy has read them: wait for it on this rare path.
+        self.space.synchronize()
+        self._on_host.add(req.req_id)
+
+    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+        if req.req_id in self._on_host:
+            # The swapped blocks, plus room for tokens sampled but not yet given slots.
+            return manager.allocator.can_allocate(manager.blocks_for(req.num_tokens))
+        return manager.can_allocate(token_ids=req.tokens)
+
+    def resume(self, req: Request, manager: BlockManager) -> None:
+        if req.req_id not in self._on_host:
+            admit(req, manager)
+            return
+        self.space.swap_in(req.req_id)  # req.num_computed is unchanged: its K/V is back
+        self._on_host.discard(req.req_id)
+        reserved = manager.num_tokens(req.req_id)
+        if req.num_tokens > reserved:  # the token sampled just before the swap out
+            manager.append_slots(req.req_id, req.num_tokens - reserved, token_ids=req.tokens[reserved:])
+
+
 #: ``--preempt`` modes this example implements.
-PREEMPTION_MODES: dict[str, type[Preemption]] = {"recompute": RecomputePreemption}
+PREEMPTION_MODES: dict[str, type[Preemption]] = {"recompute": RecomputePreemption, "swap": SwapPreemption}
 
 
 def make_preemption(
@@ -165,14 +215,7 @@ def make_preemption(
 ) -> Preemption:
     """The strategy for ``--preempt mode``. Raises ValueError naming the modes available."""
     if mode not in PREEMPTION_MODES:
-        available = ", ".join(PREEMPTION_MODES)
-        why = (
-            " (kvcache.SwapSpace can do the copies, but no swap strategy is registered in "
-            "examples.scheduler.PREEMPTION_MODES yet)"
-            if mode == "swap"
-            else ""
-        )
-        raise ValueError(f"--preempt: {mode!r} is not available{why}; use {available}")
+        raise ValueError(f"--preempt: {mode!r} is not a mode; use {', '.join(PREEMPTION_MODES)}")
     return PREEMPTION_MODES[mode].create(manager, cache, swap_space_bytes)
 
 

@@ -99,7 +99,13 @@ def _hf_generate(model: torch.nn.Module, case: Case) -> tuple[list[int], torch.T
 
 
 def _ours(
-    model: Llama, cases: list[Case], *, num_blocks: int, token_budget: int, prefix_caching: bool
+    model: Llama,
+    cases: list[Case],
+    *,
+    num_blocks: int,
+    token_budget: int,
+    prefix_caching: bool,
+    preempt: str = "recompute",
 ) -> tuple[list[Request], RunReport]:
     config = _cache_config(num_blocks)
     model.shape.check_cache(config.model)
@@ -114,7 +120,8 @@ def _ours(
         manager=manager,
         cache=cache,
         backend=get_backend("reference"),
-        preemption=make_preemption("recompute", manager, cache),
+        # Host pool of 3 blocks: swaps happen, and a victim too big for it is recomputed.
+        preemption=make_preemption(preempt, manager, cache, 3 * config.bytes_per_block),
         token_budget=token_budget,
         max_running=8,
         record_logits=True,
@@ -138,8 +145,11 @@ def _assert_same_as_transformers(
     print(f"max |logit difference| = {worst:.2e} (tolerance {LOGITS_ATOL:g})")
 
 
+@pytest.mark.parametrize(
+    ("preempt", "prefix_caching"), [("recompute", False), ("swap", False), ("swap", True)]
+)
 def test_same_tokens_as_transformers_with_batching_chunking_and_preemption(
-    hf_model: torch.nn.Module, our_model: Llama
+    hf_model: torch.nn.Module, our_model: Llama, preempt: str, prefix_caching: bool
 ) -> None:
     gen = torch.Generator().manual_seed(7)
     # Prompt lengths that end exactly on a block boundary (32, 64) and odd ones.
@@ -153,12 +163,15 @@ def test_same_tokens_as_transformers_with_batching_chunking_and_preemption(
     token_budget = 32  # prompts of 33, 64 and 97 tokens are prefilled in chunks
     # 5 blocks of 32 hold 160 tokens; the requests' peaks add up to 13 blocks.
     requests, report = _ours(
-        our_model, cases, num_blocks=5, token_budget=token_budget, prefix_caching=False
+        our_model, cases, num_blocks=5, token_budget=token_budget, prefix_caching=prefix_caching, preempt=preempt
     )
 
     assert report.finished == len(cases)
     assert max(lengths) > token_budget
     assert report.preemptions >= 1, "the pool is meant to be too small for every request at once"
+    assert report.preemptions_by_mode[preempt] >= 1, report.preemptions_by_mode
+    if preempt == "swap":
+        assert report.swapped_blocks[0] == report.swapped_blocks[1] > 0
     _assert_same_as_transformers(hf_model, cases, requests, report)
 
 
@@ -204,7 +217,7 @@ def test_cli_default_summary_is_consistent(capsys: pytest.CaptureFixture[str]) -
     )
     peak, total = (int(x) for x in summary["peak blocks in use"].split(" / "))
     assert 0 < peak <= total
-    assert int(summary["preemptions"]) >= 1, (
+    assert int(summary["preemptions"].split()[0]) >= 1, (
         "configs/tiny-cpu.yaml is sized so the example preempts"
     )
 
@@ -215,8 +228,8 @@ def test_cli_shared_prefix_reports_hits(capsys: pytest.CaptureFixture[str]) -> N
     assert int(hits.split()[0]) > 0
 
 
-def test_cli_swap_mode_is_refused_until_a_strategy_is_registered(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    assert main(["--quiet", "--preempt", "swap"]) == 1
-    assert "no swap strategy is registered" in capsys.readouterr().err
+def test_cli_swap_mode_swaps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quiet", "--preempt", "swap"]) == 0
+    preemptions = _summary(capsys.readouterr().out)["preemptions"]
+    swaps = re.search(r"swap (\d+); blocks swapped out/in (\d+)/(\d+)", preemptions)
+    assert swaps is not None and int(swaps[1]) >= 1 and swaps[2] == swaps[3] != "0", preemptions
