@@ -24,7 +24,8 @@ pytestmark = [
 
 # Norm-relative error against the float64 reference on the same rounded inputs. bf16 keeps 8
 # mantissa bits (P and the output are rounded to it: ~4e-3 relative each); fp16 keeps 11.
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+# fp32 runs its products as "tf32x3" (~2^-21 each) with approximate exp2: ~1e-6.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
 
 DECODE = [(c, 1) for c in (0, 1, 31, 255, 256, 257, 1000, 2047, 4095, 8191)]
 MIXED = [

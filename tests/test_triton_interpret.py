@@ -29,10 +29,10 @@ from attention.triton_kernels import (
 )
 from tests.paged_case import PagedCase, make_case, reference_output
 
-# Element-wise tolerances against a float64 oracle on the same (rounded) inputs. Outputs are
-# O(1). fp32: only summation order differs (~1e-6). fp16: P is rounded to 11 bits before
-# the P@V product and the output is stored in fp16 (~5e-4 relative each). bf16: the same
-# with 8 bits (~4e-3 each).
+# Element-wise tolerances against a float64 oracle on the same (rounded) inputs; outputs are
+# O(1). fp32: summation order (~1e-6; on a GPU also tf32x3 products, ~2^-21 each). fp16: P
+# is rounded to 11 bits before the P@V product and the output is stored in fp16 (~5e-4
+# relative each). bf16: the same with 8 bits (~4e-3 each).
 TOLERANCE = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},

@@ -195,8 +195,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             k = tl.load(k_cache_ptr + kv_off)
             v = tl.load(v_cache_ptr + kv_off)
         else:
-            k = tl.load(k_cache_ptr + kv_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=(d < HEAD_DIM)[None, :], other=0.0)
+            d_mask = tl.max_constancy(d < HEAD_DIM, 8)[None, :]  # as in tile_mask
+            k = tl.load(k_cache_ptr + kv_off, mask=d_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
