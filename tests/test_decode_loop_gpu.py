@@ -1,0 +1,76 @@
+"""The example decode loop on a CUDA GPU: every backend produces the reference backend's
+greedy tokens (block_size 256, fp16, continuous batching with preemption).
+
+Skipped without a CUDA device; each backend is skipped when its library is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention import get_backend
+from examples.decode_loop import VOCAB_SIZE, make_workload, run_requests
+from examples.llama import random_llama, shape_for_cache
+from examples.scheduler import Request, make_preemption
+from kvcache import BlockManager, allocate_kv_cache, load_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-cuda-256.yaml"
+# Backends see the same fp16 K/V but round their fp32 attention output to fp16 at slightly
+# different points, so logits differ by ~1e-3. A greedy token may only differ where the
+# reference's top two logits are closer than this (a near-tie), and then the sequences part.
+TIE_TOLERANCE = 2e-2
+
+
+def _run(backend_name: str, preempt: str) -> tuple[list[Request], dict[int, list[torch.Tensor]], dict[str, int]]:
+    config = load_config(CONFIG)
+    cache = allocate_kv_cache(config, device="cuda", fill=float("nan"))
+    manager = BlockManager(cache.num_blocks, config.cache.block_size)
+    shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
+    model = random_llama(shape, seed=0, dtype=torch.float16, device="cuda")
+    requests = make_workload("default", 12, seed=3, block_size=config.cache.block_size, vocab_size=VOCAB_SIZE)
+    report = run_requests(
+        model,
+        requests,
+        manager=manager,
+        cache=cache,
+        backend=get_backend(backend_name),
+        preemption=make_preemption(preempt, manager, cache, config.cache.swap_space),
+        token_budget=512,
+        record_logits=True,
+    )
+    assert report.finished == len(requests)
+    return requests, report.logits, report.preemptions_by_mode
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("backend", ["flash_attn", "triton"])
+def test_backend_tokens_match_reference_on_cuda(backend: str, preempt: str) -> None:
+    library = {"flash_attn": "flash_attn", "triton": "triton"}[backend]
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"needs {library}")
+    ref_requests, ref_logits, _ = _run("reference", preempt)
+    requests, _, modes = _run(backend, preempt)
+    assert modes[preempt] >= 1, f"the workload is meant to preempt ({modes})"
+    identical = 0
+    for ref, ours in zip(ref_requests, requests, strict=True):
+        mismatch = next((j for j, (a, b) in enumerate(zip(ref.output, ours.output, strict=True)) if a != b), None)
+        if mismatch is None:
+            identical += 1
+            continue
+        logits = ref_logits[ref.req_id][mismatch]
+        gap = float(logits[ref.output[mismatch]] - logits[ours.output[mismatch]])
+        assert gap < TIE_TOLERANCE, (
+            f"request {ref.req_id}: token {mismatch} is {ours.output[mismatch]} with {backend}, "
+            f"{ref.output[mismatch]} with reference, and the reference's logits differ by {gap:.3g}"
+        )
+    print(f"{backend}/{preempt}: {identical} of {len(requests)} requests token-identical to reference")
+    assert identical >= len(requests) - 1, "more than one near-tie in 12 short requests is not chance"
