@@ -42,6 +42,11 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    def __init__(self) -> None:
+        #: (block_size, head_dim, dtype, device type) of caches already checked against the
+        #: capabilities, so the per-layer path skips that check.
+        self._accepted_caches: set[tuple[object, ...]] = set()
+
     @property
     def capabilities(self) -> BackendCapabilities:
         return capabilities_of(self.name)
@@ -148,6 +153,17 @@ class AttentionBackend(ABC):
         check_tensor("k_cache", k_cache, shape=(None, None, None, None))
         n, bs, kvh, d = k_cache.shape
         check_tensor("v_cache", v_cache, shape=(n, bs, kvh, d), dtype=k_cache.dtype, device=k_cache.device)
+        # Every layer of every step passes caches of one shape: check the capabilities once.
+        key = (bs, d, k_cache.dtype, k_cache.device.type)
+        if key not in self._accepted_caches:
+            self._check_capabilities(k_cache)
+            self._accepted_caches.add(key)
+        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            raise ValueError("k_cache/v_cache: expected contiguous tensors (allocate them with kvcache)")
+        return n, bs, kvh, d
+
+    def _check_capabilities(self, k_cache: torch.Tensor) -> None:
+        _, bs, _, d = k_cache.shape
         caps = self.capabilities
         dtype = _DTYPE_NAMES.get(k_cache.dtype, str(k_cache.dtype))
         device_type = k_cache.device.type
@@ -157,9 +173,6 @@ class AttentionBackend(ABC):
         if problems:
             p = problems[0]
             raise ValueError(f"k_cache: {p.parameter} {p.value} is refused: {p.reason}; {p.fix}")
-        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
-            raise ValueError("k_cache/v_cache: expected contiguous tensors (allocate them with kvcache)")
-        return n, bs, kvh, d
 
     def _device_type_for_checks(self, device_type: str) -> str:
         """The device type checked against the capabilities (the Triton backend maps its

@@ -30,19 +30,17 @@ def check_tensor(
     """Check ``tensor`` against an expected shape (None: any size), dtype(s) and device.
 
     Raises TypeError/ValueError: ``query: expected shape [T, 32, 128] ..., got [...]``.
+    Runs on every layer call, so the passing path builds no strings.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if tensor.dim() != len(shape) or any(
-        s is not None and s != got for s, got in zip(shape, tensor.shape, strict=True)
-    ):
-        raise ValueError(f"{name}: expected shape {want}, got {list(tensor.shape)}")
-    if dtype is not None:
-        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if tensor.dtype not in allowed:
-            names = " or ".join(str(d) for d in allowed)
-            raise ValueError(f"{name}: expected dtype {names}, got {tensor.dtype}")
-    if device is not None and not same_device(tensor.device, device):
+    got = tensor.shape
+    if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got, strict=True)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
+    allowed = (dtype,) if isinstance(dtype, torch.dtype) else dtype
+    if allowed is not None and tensor.dtype not in allowed:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {tensor.dtype}")
+    if device is not None and tensor.device != device and not same_device(tensor.device, device):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
     return tensor

@@ -20,6 +20,7 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
         self.compute_dtype = compute_dtype
 
     def _write_kv(

@@ -170,6 +170,7 @@ class TritonBackend(AttentionBackend):
         num_splits: int | None = None,
         num_sms: int | None = None,
     ):
+        super().__init__()
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits: {num_splits} must be >= 1 (or None to choose per step)")
         self.decode_config = decode_config

@@ -19,6 +19,7 @@ lengths, so nothing here syncs with the device.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,17 +70,20 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.block_n: {self.block_n} must be a power of two >= 16")
 
 
+@functools.cache  # called on every layer call: keep it off the host's launch path
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile, loaded with 16-byte async copies, and
-    three pipeline stages so two tiles stream in while one is used: ~64 KiB in flight per
-    program and three programs per SM, which covers HBM latency at full bandwidth.
-    (Compiled for sm_90, 16-bit: ~70 KiB shared memory, ~90-120 registers, no spills; fp32
-    at head_dim 256 takes 8 warps to keep its tiles in registers.)"""
+    two pipeline stages (one tile streams in while one is used): ~64 KiB of shared memory
+    per program, so three programs share an SM and keep enough loads in flight to cover HBM
+    latency. Measured on the H200 (benchmarks/results/attention-sweep-2026-12-02.json,
+    bf16, head_dim 128): 2 stages read K/V at 4.29 TB/s where 3 stages (96 KiB, two
+    programs per SM) reach 3.6 TB/s at batch 64 x 4096 tokens, and tie elsewhere.
+    (fp32 at head_dim 256 takes 8 warps to keep its tiles in registers.)"""
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=dtype).element_size()
     block_n = max(16, min(128, 16384 // (d_pad * itemsize)))
     warps = 8 if itemsize * d_pad > 512 else 4
-    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=3)
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=2)
 
 
 #: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep) around the defaults:
