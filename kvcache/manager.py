@@ -254,24 +254,14 @@ class BlockManager:
             (dst,) = self.allocator.allocate(1)
             copies.append((parent.blocks[-1], dst))
             blocks.append(dst)
-        self._seqs[child_id] = SequenceBlocks(
-            blocks=blocks,
-            num_tokens=parent.num_tokens,
-            token_ids=list(parent.token_ids) if parent.token_ids is not None else None,
-            extra_key=parent.extra_key,
-            num_computed=parent.num_computed,
-            num_indexed_blocks=min(parent.num_indexed_blocks, len(shared)),
-        )
+        self._seqs[child_id] = _copy_of(parent, blocks, num_indexed_blocks=min(parent.num_indexed_blocks, len(shared)))
         return copies
 
     def free(self, seq_id: Hashable) -> None:
         """Release ``seq_id``'s blocks. Cached blocks stay indexed until evicted; the tail is
         queued for eviction before the head, since a later request is likelier to share the
         head. Raises UnknownSequenceError (nothing changed)."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequenceError(seq_id)
-        self._release(seq.blocks)
+        self.detach(seq_id)
 
     def detach(self, seq_id: Hashable) -> SequenceBlocks:
         """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
@@ -291,14 +281,7 @@ class BlockManager:
         if seq_id in self._seqs:
             raise SequenceExistsError(seq_id)
         blocks = self.allocator.allocate(self.blocks_for(record.num_tokens))
-        self._seqs[seq_id] = SequenceBlocks(
-            blocks=blocks,
-            num_tokens=record.num_tokens,
-            token_ids=list(record.token_ids) if record.token_ids is not None else None,
-            extra_key=record.extra_key,
-            num_computed=record.num_computed,
-            num_indexed_blocks=0,
-        )
+        self._seqs[seq_id] = _copy_of(record, blocks, num_indexed_blocks=0)
         return list(blocks)
 
     def preempt(self, seq_id: Hashable, mode: str = "recompute", swap_space: SwapTarget | None = None) -> None:
@@ -407,6 +390,18 @@ class BlockManager:
         """New blocks, plus the hits that must be taken out of the free queue."""
         revived = sum(1 for block in hits if self.allocator.is_free(block))
         return self.blocks_for(num_tokens) - len(hits) + revived
+
+
+def _copy_of(record: SequenceBlocks, blocks: list[int], num_indexed_blocks: int) -> SequenceBlocks:
+    """A new record with ``record``'s tokens over ``blocks`` (a fork, or a swap-in)."""
+    return SequenceBlocks(
+        blocks=blocks,
+        num_tokens=record.num_tokens,
+        token_ids=list(record.token_ids) if record.token_ids is not None else None,
+        extra_key=record.extra_key,
+        num_computed=record.num_computed,
+        num_indexed_blocks=num_indexed_blocks,
+    )
 
 
 def _resolve_length(num_tokens: int | None, token_ids: Sequence[int] | None) -> int:
