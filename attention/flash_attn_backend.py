@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from attention.base import AttentionBackend, StepPlan
 from attention.metadata import AttentionMetadata
+from attention.reference import scatter_kv
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -69,10 +70,7 @@ class FlashAttnBackend(AttentionBackend):
 
             write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
             return
-        n, bs, kvh, d = k_cache.shape
-        keep = slot_mapping >= 0
-        k_cache.view(n * bs, kvh, d)[slot_mapping[keep]] = key[keep]
-        v_cache.view(n * bs, kvh, d)[slot_mapping[keep]] = value[keep]
+        scatter_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _attend(
         self,

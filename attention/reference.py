@@ -11,7 +11,7 @@ import torch
 
 from attention.base import AttentionBackend, StepPlan
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["ReferenceBackend", "scatter_kv"]
 
 
 class ReferenceBackend(AttentionBackend):
@@ -31,16 +31,7 @@ class ReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        n, bs, kvh, d = k_cache.shape
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        if slots.numel() and int(slots.max()) >= n * bs:
-            raise ValueError(
-                f"slot_mapping: slot {int(slots.max())} is outside the cache's {n * bs} slots "
-                f"({n} blocks x {bs})"
-            )
-        k_cache.view(n * bs, kvh, d)[slots] = key[keep]
-        v_cache.view(n * bs, kvh, d)[slots] = value[keep]
+        scatter_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _attend(
         self,
@@ -68,6 +59,23 @@ class ReferenceBackend(AttentionBackend):
             ).to(query.dtype)
             start += q_len
         return result
+
+
+def scatter_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The cache write in plain torch (shapes as in ``AttentionBackend.write_kv``): slots of -1
+    are skipped; a slot past the cache raises ValueError. Reads the slots on the host, so on
+    CUDA it syncs: the fallback when no kernel is available."""
+    n, bs, kvh, d = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    if slots.numel() and int(slots.max()) >= n * bs:
+        raise ValueError(
+            f"slot_mapping: slot {int(slots.max())} is outside the cache's {n * bs} slots ({n} blocks x {bs})"
+        )
+    k_cache.view(n * bs, kvh, d)[slots] = key[keep]
+    v_cache.view(n * bs, kvh, d)[slots] = value[keep]
 
 
 def _causal_attention(
