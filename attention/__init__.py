@@ -1,26 +1,59 @@
 """Paged-attention backends behind one interface.
 
-Importing this package imports no kernel library (triton, flash_attn); backends are loaded
-by name through :func:`get_backend`.
+Names are imported lazily: ``import attention`` imports nothing else (no torch, no kernel
+library), so the config validator and the CLI start fast; backends are loaded by name through
+:func:`get_backend` / :func:`choose_backend`.
 """
 
-from attention.base import AttentionBackend, StepPlan
-from attention.capabilities import BACKEND_CAPABILITIES, BackendCapabilities, capabilities_of
-from attention.metadata import PAD_BLOCK, AttentionMetadata
-from attention.reference import ReferenceBackend
-from attention.registry import BackendChoice, available_backends, choose_backend, get_backend
+from __future__ import annotations
 
-__all__ = [
-    "BACKEND_CAPABILITIES",
-    "PAD_BLOCK",
-    "AttentionBackend",
-    "AttentionMetadata",
-    "BackendCapabilities",
-    "BackendChoice",
-    "ReferenceBackend",
-    "StepPlan",
-    "available_backends",
-    "capabilities_of",
-    "choose_backend",
-    "get_backend",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attention.base import AttentionBackend, StepPlan
+    from attention.capabilities import BACKENDS, BackendInfo, backend_info
+    from attention.dtypes import DTYPES
+    from attention.layer_cache import LayerCache
+    from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
+    from attention.reference import ReferenceBackend
+    from attention.registry import BackendChoice, available_backends, choose_backend, get_backend
+    from attention.spec import AttentionSpec
+    from attention.staging import DirectStaging, PlanStaging, StepCapacity
+
+#: Public name -> the module that defines it.
+_HOME = {
+    "AttentionBackend": "attention.base",
+    "StepPlan": "attention.base",
+    "BACKENDS": "attention.capabilities",
+    "BackendInfo": "attention.capabilities",
+    "backend_info": "attention.capabilities",
+    "DTYPES": "attention.dtypes",
+    "LayerCache": "attention.layer_cache",
+    "PAD_BLOCK": "attention.metadata",
+    "PAD_SLOT": "attention.metadata",
+    "AttentionMetadata": "attention.metadata",
+    "ReferenceBackend": "attention.reference",
+    "BackendChoice": "attention.registry",
+    "available_backends": "attention.registry",
+    "choose_backend": "attention.registry",
+    "get_backend": "attention.registry",
+    "AttentionSpec": "attention.spec",
+    "DirectStaging": "attention.staging",
+    "PlanStaging": "attention.staging",
+    "StepCapacity": "attention.staging",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'attention' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

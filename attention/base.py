@@ -1,180 +1,220 @@
 """The interface every paged-attention backend implements.
 
-Plan once per step, run once per layer: :meth:`AttentionBackend.plan` reads the step's
-:class:`~attention.metadata.AttentionMetadata` once; :meth:`write_kv` and :meth:`attend` are
-then called for every layer with that layer's cache tensors. Both check their tensor
-arguments (shape, dtype, device, and the backend's declared capabilities) before any kernel
-runs; the checks read only shapes and host scalars, never device data, so they cost no sync.
+A backend is built once per model for one :class:`~attention.spec.AttentionSpec` (query and KV
+heads, head_dim, dtypes, window). Then, per step:
+
+1. :meth:`AttentionBackend.plan` reads the step's
+   :class:`~attention.metadata.AttentionMetadata` once and decides everything the kernels need
+   (which rows go to which kernel, split counts, work lists, tile indices, kernel
+   configurations), putting the device-side part through a :class:`~attention.staging.PlanStaging`.
+   The result is a frozen :class:`StepPlan`: a plain value, filled completely by ``plan``.
+2. Per layer, :meth:`write_kv` and :meth:`attend` only check their tensors and launch.
+
+Checks read only shapes, dtypes and host values, never device data, so they cost no sync. A
+layer's cache tensors are checked the first time they are seen and remembered.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from attention.capabilities import BackendCapabilities, capabilities_of
-from attention.checks import check_tensor
+from attention.capabilities import BackendInfo, backend_info
+from attention.checks import check_tensor, same_device
+from attention.dtypes import dtype_name, torch_dtype
+from attention.errors import MetadataError, UnsupportedSettingError
+from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
+from attention.spec import AttentionSpec
+from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
 
 __all__ = ["AttentionBackend", "StepPlan"]
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What a backend derived from one step's metadata; reused by every layer.
-    Backends subclass it to carry their own derived values (split counts, varlen indices)."""
+    """Everything a backend decided for one step; every layer of the step reuses it.
+
+    metadata: the step's metadata.
+    spec:     the attention shape it was planned for (the backend's).
+    backend:  the name of the backend that made it.
+    Backends subclass it with their own decisions; every field is set by ``plan``.
+    """
 
     metadata: AttentionMetadata
+    spec: AttentionSpec
+    backend: str
 
 
 class AttentionBackend(ABC):
-    """Paged attention over K/V caches laid out ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Paged attention over caches laid out ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    Subclasses set ``name`` (a key of the capability table) and implement ``_write_kv`` and
-    ``_attend``; they may override ``_plan``.
+    Subclasses set ``name`` (a key of the backend table) and implement ``_plan``,
+    ``_write_kv`` and ``_attend``; they may override ``buffer_requests`` and ``warmup``.
+    Raises UnsupportedSettingError at construction when the table says the backend cannot
+    serve ``spec``.
     """
 
     name: ClassVar[str]
 
-    def __init__(self) -> None:
-        #: (block_size, head_dim, dtype, device type) of caches already checked against the
-        #: capabilities, so the per-layer path skips that check.
-        self._accepted_caches: set[tuple[object, ...]] = set()
+    def __init__(self, spec: AttentionSpec):
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+        info = self.info
+        refused = [
+            p
+            for p in info.problems(
+                block_size=info.block_sizes.factor,  # checked per cache, when one is seen
+                head_dim=spec.head_dim,
+                dtype=spec.dtype,
+                kv_cache_dtype=spec.kv_cache_dtype,
+                device_type=None,
+                sliding_window=spec.sliding_window is not None,
+            )
+        ]
+        if refused:
+            raise UnsupportedSettingError(
+                "; ".join(f"spec.{p.parameter}: {p.value} is refused: {p.reason}; {p.fix}" for p in refused)
+            )
+        self.spec = spec
+        self.compute_dtype = torch_dtype(spec.dtype)
+        self.cache_dtype = torch_dtype(spec.cache_dtype)
+        #: (K pointer, V pointer, shape, device) of layer caches already checked.
+        self._accepted: set[tuple[object, ...]] = set()
 
     @property
-    def capabilities(self) -> BackendCapabilities:
-        return capabilities_of(self.name)
+    def info(self) -> BackendInfo:
+        """This backend's entry in the backend table."""
+        return backend_info(self.name)
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, int, int, int]:
-        """Shape of one layer's K (and of its V) cache tensor."""
-        return (num_blocks, block_size, num_kv_heads, head_dim)
+    # ---- per step ----------------------------------------------------------------------
 
-    def plan(self, metadata: AttentionMetadata) -> StepPlan:
-        """Prepare one step. Checks the metadata's dtypes and shapes; raises ValueError."""
-        metadata.check()
-        return self._plan(metadata)
+    def plan(self, metadata: AttentionMetadata, *, staging: PlanStaging | None = None, graph: bool = False) -> StepPlan:
+        """Decide everything for one step. Checks the metadata (shapes, dtypes, host lengths;
+        no device sync) and raises MetadataError.
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Scatter new tokens' K/V into their cache slots.
-
-        key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        slot_mapping:     int64 [num_tokens]; token t goes to slot ``slot_mapping[t]``
-                          (block ``slot // block_size``, offset ``slot % block_size``);
-                          entries of -1 are skipped. Every other slot is left untouched.
+        staging: where device-side plan arrays go (default: fresh tensors, copied now).
+        graph:   plan for CUDA-graph capture/replay: launch parameters depend only on the
+                 padded batch size (the bucket), never on this step's lengths.
         """
-        _, _, kvh, d = self._check_caches(k_cache, v_cache)
-        t = slot_mapping.shape[0] if isinstance(slot_mapping, torch.Tensor) else None
-        for name, x in (("key", key), ("value", value)):
-            check_tensor(name, x, shape=(t, kvh, d), dtype=k_cache.dtype, device=k_cache.device)
-        check_tensor("slot_mapping", slot_mapping, shape=(None,), dtype=torch.int64, device=k_cache.device)
-        self._write_kv(key, value, k_cache, v_cache, slot_mapping)
+        metadata.check()
+        if graph and not self.info.cuda_graphs:
+            raise UnsupportedSettingError(
+                f"graph: backend {self.name} cannot be captured in a CUDA graph; use triton or flash_attn"
+            )
+        return self._plan(metadata, staging or DirectStaging(metadata.device), graph)
+
+    def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
+        """The staged arrays and scratch buffers plans may ask for, at most, for steps within
+        ``capacity`` (a persistent builder allocates them once). Default: none."""
+        return []
+
+    # ---- per layer ---------------------------------------------------------------------
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
+        """Write the step's new tokens' K/V into their cache slots.
+
+        key, value: [num_tokens, num_kv_heads, head_dim], the compute dtype (any token/head
+                    strides; an fp8 cache quantizes with the layer's scales).
+        layer:      this layer's cache (``kvcache.KVCacheTensors.layer(i)``).
+        plan:       this step's plan; token t goes to slot ``plan.metadata.slot_mapping[t]``;
+                    slots of -1 are skipped. Every other slot is left untouched.
+        """
+        meta = self._check_step(layer, plan)
+        shape = (meta.num_tokens, self.spec.num_kv_heads, self.spec.head_dim)
+        check_tensor("key", key, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
+        check_tensor("value", value, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
+        self._write_kv(key, value, layer, plan)
 
     def attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: StepPlan,
-        softmax_scale: float | None = None,
-        out: torch.Tensor | None = None,
+        self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Causal attention of the step's new tokens over paged K/V.
+        """Causal attention of the step's new tokens over the paged K/V.
 
-        query: [num_tokens, num_heads, head_dim], the cache's dtype; num_heads a multiple of
-               num_kv_heads (query head h reads KV head ``h // (num_heads // num_kv_heads)``).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
-               this step's new K/V (call ``write_kv`` first).
-        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        query: [num_tokens, num_heads, head_dim], the compute dtype.
+        layer: this layer's cache, already holding this step's new K/V (``write_kv`` first).
         out:   optional [num_tokens, num_heads, head_dim] to write into.
-        Returns [num_tokens, num_heads, head_dim]. Rows past the real tokens (padding) are
-        unspecified.
+        Returns [num_tokens, num_heads, head_dim]. Rows of padding tokens are unspecified.
         """
-        meta = plan.metadata
-        _, bs, kvh, d = self._check_caches(k_cache, v_cache)
-        if bs != meta.block_size:
-            raise ValueError(
-                f"k_cache: block_size {bs} differs from the metadata's block_size "
-                f"{meta.block_size}; build the metadata from the manager that owns this cache"
-            )
-        check_tensor("query", query, shape=(meta.num_tokens, None, d), dtype=k_cache.dtype, device=k_cache.device)
-        h = query.shape[1]
-        if h % kvh != 0:
-            raise ValueError(f"query: {h} heads is not a multiple of the cache's {kvh} KV heads")
+        meta = self._check_step(layer, plan)
+        shape = (meta.num_tokens, self.spec.num_heads, self.spec.head_dim)
+        check_tensor("query", query, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         if out is not None:
-            check_tensor("out", out, shape=tuple(query.shape), dtype=query.dtype, device=query.device)
-        scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-        if not scale > 0:
-            raise ValueError(f"softmax_scale: {softmax_scale} must be positive")
-        return self._attend(query, k_cache, v_cache, plan, scale, out)
+            check_tensor("out", out, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
+        return self._attend(query, layer, plan, out)
+
+    # ---- warm-up -----------------------------------------------------------------------
+
+    def warmup(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
+        """Compile every kernel variant steps within ``capacity`` can reach, so none compiles
+        while serving. Returns how many variants it ran. Default: nothing to compile."""
+        return 0
 
     # ---- for subclasses ----------------------------------------------------------------
 
-    def _plan(self, metadata: AttentionMetadata) -> StepPlan:
-        return StepPlan(metadata)
+    @abstractmethod
+    def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan: ...
 
     @abstractmethod
-    def _write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None: ...
 
     @abstractmethod
     def _attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: StepPlan,
-        softmax_scale: float,
-        out: torch.Tensor | None,
+        self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None
     ) -> torch.Tensor: ...
 
-    def _check_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-        check_tensor("k_cache", k_cache, shape=(None, None, None, None))
-        n, bs, kvh, d = k_cache.shape
-        check_tensor("v_cache", v_cache, shape=(n, bs, kvh, d), dtype=k_cache.dtype, device=k_cache.device)
-        # Every layer of every step passes caches of one shape: check the capabilities once.
-        key = (bs, d, k_cache.dtype, k_cache.device.type)
-        if key not in self._accepted_caches:
-            self._check_capabilities(k_cache)
-            self._accepted_caches.add(key)
-        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
-            raise ValueError("k_cache/v_cache: expected contiguous tensors (allocate them with kvcache)")
-        return n, bs, kvh, d
+    def _device_type_for_checks(self, device_type: str) -> str:
+        """The device type checked against the capabilities (the Triton backend maps its CPU
+        interpreter mode to "cuda")."""
+        return device_type
 
-    def _check_capabilities(self, k_cache: torch.Tensor) -> None:
-        _, bs, _, d = k_cache.shape
-        caps = self.capabilities
-        dtype = _DTYPE_NAMES.get(k_cache.dtype, str(k_cache.dtype))
-        device_type = k_cache.device.type
-        problems = caps.problems(
-            block_size=bs, head_dim=d, dtype=dtype, device_type=self._device_type_for_checks(device_type)
+    # ---- checks ------------------------------------------------------------------------
+
+    def _check_step(self, layer: LayerCache, plan: StepPlan) -> AttentionMetadata:
+        if not isinstance(plan, StepPlan) or plan.backend != self.name or plan.spec != self.spec:
+            made = f"backend {plan.backend!r}" if isinstance(plan, StepPlan) else type(plan).__name__
+            raise MetadataError(
+                f"plan: made by {made} for another spec; call plan() of this {self.name} backend for the step"
+            )
+        meta = plan.metadata
+        if not isinstance(layer, LayerCache):
+            raise TypeError(f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}")
+        k = layer.key
+        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, layer.k_scale is None)
+        if seen not in self._accepted:
+            self._check_layer(layer, meta)
+            self._accepted.add(seen)
+        if k.shape[1] != meta.block_size:
+            raise MetadataError(
+                f"layer.key: block_size {k.shape[1]} differs from the metadata's block_size "
+                f"{meta.block_size}; build the metadata from the manager that owns this cache"
+            )
+        if k.device != meta.device and not same_device(k.device, meta.device):
+            raise MetadataError(f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device")
+        return meta
+
+    def _check_layer(self, layer: LayerCache, meta: AttentionMetadata) -> None:
+        spec = self.spec
+        check_tensor("layer.key", layer.key, shape=(None, None, spec.num_kv_heads, spec.head_dim), dtype=self.cache_dtype)
+        n, bs, kvh, d = layer.key.shape
+        check_tensor("layer.value", layer.value, shape=(n, bs, kvh, d), dtype=self.cache_dtype, device=layer.key.device)
+        if not layer.key.is_contiguous() or not layer.value.is_contiguous():
+            raise UnsupportedSettingError("layer.key/layer.value: expected contiguous tensors (allocate them with kvcache)")
+        problems = self.info.problems(
+            block_size=bs,
+            head_dim=d,
+            dtype=self.spec.dtype,
+            kv_cache_dtype=dtype_name(layer.key.dtype),
+            device_type=self._device_type_for_checks(layer.key.device.type),
         )
         if problems:
             p = problems[0]
-            raise ValueError(f"k_cache: {p.parameter} {p.value} is refused: {p.reason}; {p.fix}")
-
-    def _device_type_for_checks(self, device_type: str) -> str:
-        """The device type checked against the capabilities (the Triton backend maps its
-        CPU interpreter mode to "cuda")."""
-        return device_type
+            raise UnsupportedSettingError(f"layer.key: {p.parameter} {p.value} is refused: {p.reason}; {p.fix}")
+        if spec.quantized_cache:
+            for name, scale in (("k_scale", layer.k_scale), ("v_scale", layer.v_scale)):
+                check_tensor(f"layer.{name}", scale, shape=(kvh,), dtype=torch.float32, device=layer.key.device)
+        if spec.window_layers is not None:
+            spec.window_of(layer.index)  # raises for a layer index outside the pattern

@@ -1,7 +1,12 @@
-"""What each attention backend supports, as plain data.
+"""The one backend table: what each attention backend is and what it supports, as plain data.
 
-This module imports no kernel library, so the config validator can ask "does the chosen
-backend take block_size 32?" on a laptop without triton or flash-attn installed, and a bad
+One entry per backend holds its name, where its class lives, the kernel library it needs and
+the pip extra that installs it, its priority for ``auto``, and its declared limits. The config
+validator, the CLI, the registry and the tests all derive from this table, so adding a backend
+is one entry here (plus its module).
+
+This module imports no torch and no kernel library, so the config validator can ask "does
+the chosen backend take block_size 32?" on a laptop without triton or flash-attn, and a bad
 combination fails when the YAML is parsed instead of at the first kernel call.
 """
 
@@ -9,22 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attention.dtypes import DTYPES
+
 __all__ = [
-    "BACKEND_CAPABILITIES",
-    "KV_LAYOUT_NHD",
-    "BackendCapabilities",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "BackendInfo",
     "CapabilityProblem",
     "MultipleOf",
-    "capabilities_of",
+    "backend_info",
 ]
-
-# Every backend in this project stores K/V as [num_blocks, block_size, num_kv_heads, head_dim]
-# ("NHD" per block): a token's heads are contiguous, which makes the cache write one
-# contiguous store per token and is the layout flash-attn's paged API requires.
-KV_LAYOUT_NHD = "NHD"
-
-#: Dtype names as written in YAML, in the order we list them in messages.
-ALL_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,8 @@ class MultipleOf:
 class CapabilityProblem:
     """One reason a backend refuses a setting.
 
-    ``parameter`` is one of ``block_size``, ``head_dim``, ``dtype``, ``device``; the config
-    layer maps it to the YAML field path.
+    ``parameter`` is one of ``block_size``, ``head_dim``, ``dtype``, ``kv_cache_dtype``,
+    ``device``, ``sliding_window``; the config layer maps it to the YAML field path.
     """
 
     parameter: str
@@ -62,30 +61,58 @@ class CapabilityProblem:
     fix: str
 
 
+_COMPUTE_DTYPES = tuple(name for name, info in DTYPES.items() if not info.cache_only)
+
+
 @dataclass(frozen=True)
-class BackendCapabilities:
-    """The declared limits of one backend. The config validator and the backend both read it."""
+class BackendInfo:
+    """One backend: where it lives and what it declares it supports.
+
+    module, class_name: the backend class, imported only when the backend is asked for.
+    library:      the importable kernel library it needs (None: nothing beyond torch).
+    pip_extra:    the extra of this package that installs that library.
+    auto_priority: ``auto`` tries backends in increasing priority and takes the first that is
+                  installed and accepts the setting.
+    dtypes:       compute dtypes (query, output, and the cache unless kv_cache_dtypes says).
+    kv_cache_dtypes: dtypes the K/V cache may be stored in.
+    devices:      device types it runs on.
+    min_compute_capability: lowest CUDA compute capability, checked on a real device.
+    sliding_window: whether it runs sliding-window attention.
+    cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
+                  launch parameters fixed per batch bucket).
+    block_size_origin: where the block-size rule comes from, quoted in error messages.
+    """
 
     name: str
+    module: str
+    class_name: str
+    library: str | None
+    pip_extra: str | None
+    auto_priority: int
     block_sizes: MultipleOf
     head_dims: MultipleOf
     dtypes: tuple[str, ...]
+    kv_cache_dtypes: tuple[str, ...]
     devices: tuple[str, ...]
-    #: Lowest CUDA compute capability, checked when the backend is built on a real device.
     min_compute_capability: tuple[int, int] | None
-    kv_layout: str
-    #: Where the block-size rule comes from, quoted in error messages.
+    sliding_window: bool
+    cuda_graphs: bool
     block_size_origin: str
-    #: The pip extra that installs the kernel library (None: nothing extra needed).
-    pip_extra: str | None
 
     def problems(
-        self, *, block_size: int, head_dim: int, dtype: str, device_type: str | None
+        self,
+        *,
+        block_size: int,
+        head_dim: int,
+        dtype: str,
+        device_type: str | None,
+        kv_cache_dtype: str | None = None,
+        sliding_window: bool = False,
     ) -> list[CapabilityProblem]:
         """Every reason this backend refuses the setting; empty when it is supported.
 
-        ``device_type`` is "cpu", "cuda", or None when the device is chosen at run time.
-        Does not touch any device.
+        ``device_type`` is "cpu", "cuda", or None when the device is chosen at run time;
+        ``kv_cache_dtype`` None means the same as ``dtype``. Touches no device.
         """
         found: list[CapabilityProblem] = []
         if not self.block_sizes.allows(block_size):
@@ -94,8 +121,7 @@ class BackendCapabilities:
                 CapabilityProblem(
                     "block_size",
                     block_size,
-                    f"backend {self.name} needs {self.block_sizes.describe()} "
-                    f"({self.block_size_origin})",
+                    f"backend {self.name} needs {self.block_sizes.describe()} ({self.block_size_origin})",
                     f"use {options}",
                 )
             )
@@ -113,8 +139,18 @@ class BackendCapabilities:
                 CapabilityProblem(
                     "dtype",
                     dtype,
-                    f"backend {self.name} supports {', '.join(self.dtypes)}",
+                    f"backend {self.name} computes in {', '.join(self.dtypes)}",
                     f"use {' or '.join(self.dtypes)}",
+                )
+            )
+        if kv_cache_dtype is not None and kv_cache_dtype != dtype and kv_cache_dtype not in self.kv_cache_dtypes:
+            others = [b.name for b in BACKENDS.values() if kv_cache_dtype in b.kv_cache_dtypes]
+            found.append(
+                CapabilityProblem(
+                    "kv_cache_dtype",
+                    kv_cache_dtype,
+                    f"backend {self.name} stores the KV cache in {', '.join(self.kv_cache_dtypes)} only",
+                    f"use attention.backend {' or '.join(others)}" if others else "use the model's dtype",
                 )
             )
         if device_type is not None and device_type not in self.devices:
@@ -126,55 +162,87 @@ class BackendCapabilities:
                     f"set cache.device to {self.devices[0]} or pick another attention.backend",
                 )
             )
+        if sliding_window and not self.sliding_window:
+            found.append(
+                CapabilityProblem(
+                    "sliding_window",
+                    True,
+                    f"backend {self.name} has no sliding-window attention",
+                    "pick another attention.backend",
+                )
+            )
         return found
 
 
-BACKEND_CAPABILITIES: dict[str, BackendCapabilities] = {
-    "reference": BackendCapabilities(
-        name="reference",
-        block_sizes=MultipleOf(32, 1024),
-        head_dims=MultipleOf(8, 512),
-        dtypes=ALL_DTYPES,
-        devices=("cpu", "cuda"),
-        min_compute_capability=None,
-        kv_layout=KV_LAYOUT_NHD,
-        block_size_origin="the project-wide rule",
-        pip_extra=None,
-    ),
-    "triton": BackendCapabilities(
-        name="triton",
-        # Tokens are gathered per row through the block table, so any multiple of 32 works;
-        # 32 keeps every tile of 32 tokens inside one block.
-        block_sizes=MultipleOf(32, 1024),
-        head_dims=MultipleOf(8, 256),
-        dtypes=ALL_DTYPES,
-        devices=("cuda",),
-        min_compute_capability=(8, 0),
-        kv_layout=KV_LAYOUT_NHD,
-        block_size_origin="our kernels read tiles of 32 tokens",
-        pip_extra="triton",
-    ),
-    "flash_attn": BackendCapabilities(
-        name="flash_attn",
-        block_sizes=MultipleOf(256, 1024),
-        head_dims=MultipleOf(8, 256),
-        dtypes=("float16", "bfloat16"),
-        devices=("cuda",),
-        min_compute_capability=(8, 0),
-        kv_layout=KV_LAYOUT_NHD,
-        block_size_origin=(
-            'flash-attn 2 csrc/flash_attn/flash_api.cpp: "Paged KV cache block size must be '
-            'divisible by 256"'
+BACKENDS: dict[str, BackendInfo] = {
+    b.name: b
+    for b in (
+        BackendInfo(
+            name="reference",
+            module="attention.reference",
+            class_name="ReferenceBackend",
+            library=None,
+            pip_extra=None,
+            auto_priority=2,
+            block_sizes=MultipleOf(32, 1024),
+            head_dims=MultipleOf(8, 512),
+            dtypes=_COMPUTE_DTYPES,
+            kv_cache_dtypes=tuple(DTYPES),
+            devices=("cpu", "cuda"),
+            min_compute_capability=None,
+            sliding_window=True,
+            cuda_graphs=False,
+            block_size_origin="the project-wide rule",
         ),
-        pip_extra="flash-attn",
-    ),
+        BackendInfo(
+            name="triton",
+            module="attention.triton_backend",
+            class_name="TritonBackend",
+            library="triton",
+            pip_extra="triton",
+            # Fastest on the H200 in benchmarks/results/attention-*.json.
+            auto_priority=0,
+            # Tokens are gathered per row through the block table, so any multiple of 32 works;
+            # 32 keeps every tile of 32 tokens inside one block.
+            block_sizes=MultipleOf(32, 1024),
+            head_dims=MultipleOf(8, 256),
+            dtypes=_COMPUTE_DTYPES,
+            kv_cache_dtypes=tuple(DTYPES),
+            devices=("cuda",),
+            min_compute_capability=(8, 0),
+            sliding_window=True,
+            cuda_graphs=True,
+            block_size_origin="our kernels read tiles of 32 tokens",
+        ),
+        BackendInfo(
+            name="flash_attn",
+            module="attention.flash_attn_backend",
+            class_name="FlashAttnBackend",
+            library="flash_attn",
+            pip_extra="flash-attn",
+            auto_priority=1,
+            block_sizes=MultipleOf(256, 1024),
+            head_dims=MultipleOf(8, 256),
+            dtypes=("float16", "bfloat16"),
+            kv_cache_dtypes=("float16", "bfloat16"),
+            devices=("cuda",),
+            min_compute_capability=(8, 0),
+            sliding_window=True,
+            cuda_graphs=True,
+            block_size_origin=(
+                'flash-attn 2 csrc/flash_attn/flash_api.cpp: "Paged KV cache block size must be divisible by 256"'
+            ),
+        ),
+    )
 }
 
+#: Backend names in table order (the config's and the CLI's choices, with "auto").
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 
-def capabilities_of(name: str) -> BackendCapabilities:
-    """The declared capabilities of backend ``name``. Raises KeyError listing known names."""
+
+def backend_info(name: str) -> BackendInfo:
+    """The table entry of backend ``name``. Raises KeyError listing the known names."""
     try:
-        return BACKEND_CAPABILITIES[name]
+        return BACKENDS[name]
     except KeyError:
-        known = ", ".join(sorted(BACKEND_CAPABILITIES))
-        raise KeyError(f"unknown attention backend {name!r}; known: {known}") from None
+        raise KeyError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}") from None

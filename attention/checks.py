@@ -1,12 +1,43 @@
-"""Argument checks shared by every backend: each error says the argument, expected and got."""
+"""Argument checks shared by both packages: each error names the argument, what was expected
+and what was got. The passing path builds no strings (these run on every call)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from attention.errors import ArgumentTypeError, InvalidArgumentError, quote
 
-__all__ = ["check_tensor", "same_device"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["cdiv", "check_tensor", "require_int", "same_device"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b`` (blocks that hold ``a`` tokens)."""
+    return -(-a // b)
+
+
+def require_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``.
+
+    Accepts Python ints and integer scalars that implement ``__index__`` (numpy ints, 0-d
+    integer tensors); refuses bools, floats and strings with ArgumentTypeError, and values
+    out of range with InvalidArgumentError.
+    """
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name}: expected an integer, got bool {value!r}")
+    try:
+        result = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(f"{name}: expected an integer, got {type(value).__name__} {quote(value)}") from None
+    if minimum is not None and result < minimum:
+        raise InvalidArgumentError(f"{name}: {result} is below the minimum {minimum}")
+    if maximum is not None and result > maximum:
+        raise InvalidArgumentError(f"{name}: {result} is above the maximum {maximum}")
+    return result
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -15,6 +46,8 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return False
     if a.type != "cuda" or a.index == b.index:
         return True
+    import torch
+
     current = torch.cuda.current_device()
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
@@ -29,18 +62,20 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check ``tensor`` against an expected shape (None: any size), dtype(s) and device.
 
-    Raises TypeError/ValueError: ``query: expected shape [T, 32, 128] ..., got [...]``.
-    Runs on every layer call, so the passing path builds no strings.
+    Raises ArgumentTypeError for a non-tensor, InvalidArgumentError otherwise:
+    ``query: expected shape [T, 32, 128] ..., got [...]``.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     got = tensor.shape
     if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got, strict=True)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
+        raise InvalidArgumentError(f"{name}: expected shape {want}, got {list(got)}")
     allowed = (dtype,) if isinstance(dtype, torch.dtype) else dtype
     if allowed is not None and tensor.dtype not in allowed:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {tensor.dtype}")
+        raise InvalidArgumentError(f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {tensor.dtype}")
     if device is not None and tensor.device != device and not same_device(tensor.device, device):
-        raise ValueError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
+        raise InvalidArgumentError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
     return tensor

@@ -1,58 +1,89 @@
-"""Per-step batch metadata: what every paged-attention kernel reads besides Q, K and V.
+"""Per-step batch metadata: what every paged-attention kernel (and the model around it) reads
+besides Q, K and V.
 
-Built once per batch step (``kvcache.batch.build_metadata``) and reused by every layer.
+Built once per batch step (``kvcache.MetadataBuilder``) and reused by every layer.
 
 A batch has ``batch`` rows (sequences). Row ``i`` brings ``query_len[i]`` new tokens, which
 sit at positions ``seq_len[i] - query_len[i] .. seq_len[i] - 1`` of its sequence: a decode row
 has one new token, a prefill or extend row has many. New tokens attend causally to every
-token before them, cached or new.
+token before them, cached or new (or to the last ``sliding_window`` of them).
+
+A batch may be *padded* to a fixed size (a CUDA-graph bucket): rows past ``batch`` have
+``seq_len`` 0, one query token each with slot -1, and read and write nothing.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAD_BLOCK", "AttentionMetadata"]
+from attention.checks import cdiv
+from attention.errors import MetadataError
 
-#: Block-table entry for "no block": never a valid block id, so a kernel that dereferenced it
-#: would fault instead of silently reading another sequence's K/V.
+__all__ = ["PAD_BLOCK", "PAD_SLOT", "AttentionMetadata"]
+
+#: Block-table entry for "no block": never a valid block id.
 PAD_BLOCK = -1
+#: Slot of a token whose K/V must not be written (padding).
+PAD_SLOT = -1
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Device tensors and host scalars for one batch step.
+    """Device tensors and host values for one batch step.
 
-    Tensors (all on the cache's device):
-      block_tables:    int32 [batch, max_blocks_per_seq]; row i lists the blocks covering
-                       the first seq_lens[i] tokens, then PAD_BLOCK.
-      seq_lens:        int32 [batch]; tokens of K/V each row attends to, new ones included.
-      query_start_loc: int32 [batch + 1]; row i's new tokens are query rows
+    Device tensors (all on one device; padded rows/tokens included):
+      block_tables:    int32 [padded_batch, table_width]; row i lists the blocks covering
+                       the first seq_lens[i] tokens; later entries are unspecified (never read).
+      seq_lens:        int32 [padded_batch]; tokens of K/V each row attends to, new ones included.
+      query_start_loc: int32 [padded_batch + 1]; row i's new tokens are query rows
                        query_start_loc[i] .. query_start_loc[i+1]-1 of the step's Q.
       slot_mapping:    int64 [num_tokens]; cache slot (block * block_size + offset) of each new
-                       token; -1 for a padded token whose K/V must not be written.
-    Host scalars (no device sync is needed to read them):
-      seq_lens_host, query_lens_host: the same lengths as Python tuples.
+                       token; PAD_SLOT (-1) for a padding token.
+      positions:       int64 [num_tokens]; position of each new token in its sequence (rotary).
+      logits_indices:  int64 [num_logits]; query rows whose logits the step needs: the last new
+                       token of every row that reaches the end of its known tokens (every decode
+                       row, the last chunk of a prompt), in row order, then one per padding row.
+    Host values (no device sync needed to read them):
+      seq_lens_host, query_lens_host: the real rows' lengths.
+      sampling_rows_host: the real rows that have an entry in logits_indices, in order.
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
     block_size: int
     seq_lens_host: tuple[int, ...]
     query_lens_host: tuple[int, ...]
+    sampling_rows_host: tuple[int, ...]
 
     @property
     def batch(self) -> int:
+        """Real rows."""
         return len(self.seq_lens_host)
+
+    @property
+    def padded_batch(self) -> int:
+        """Rows of the device tensors (>= batch; larger for a CUDA-graph bucket)."""
+        return int(self.seq_lens.shape[0])
 
     @property
     def num_tokens(self) -> int:
         """Rows of Q: the new tokens, then any padding tokens (slot -1) after them."""
-        return self.slot_mapping.shape[0]
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @property
+    def table_width(self) -> int:
+        return int(self.block_tables.shape[1])
 
     @property
     def max_query_len(self) -> int:
@@ -72,41 +103,54 @@ class AttentionMetadata:
         return self.block_tables.device
 
     def check(self) -> None:
-        """Check dtypes, shapes and devices (no device sync). Raises ValueError naming the field."""
+        """Check dtypes, shapes, devices and the host lengths (no device sync). Raises
+        MetadataError naming the field."""
         b = self.batch
         if len(self.query_lens_host) != b:
-            raise ValueError(f"metadata: {len(self.query_lens_host)} query lengths for {b} sequence lengths")
+            raise MetadataError(f"metadata: {len(self.query_lens_host)} query lengths for {b} sequence lengths")
         expect = {
             "block_tables": (self.block_tables, torch.int32, 2),
             "seq_lens": (self.seq_lens, torch.int32, 1),
             "query_start_loc": (self.query_start_loc, torch.int32, 1),
             "slot_mapping": (self.slot_mapping, torch.int64, 1),
+            "positions": (self.positions, torch.int64, 1),
+            "logits_indices": (self.logits_indices, torch.int64, 1),
         }
         for name, (t, dtype, ndim) in expect.items():
-            if t.dtype != dtype or t.dim() != ndim:
-                raise ValueError(
-                    f"metadata.{name}: expected {dtype} with {ndim} dims, got {t.dtype} "
-                    f"with shape {tuple(t.shape)}"
-                )
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != ndim:
+                got = f"{t.dtype} with shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise MetadataError(f"metadata.{name}: expected {dtype} with {ndim} dims, got {got}")
             if t.device != self.device:
-                raise ValueError(f"metadata.{name}: on {t.device}, but block_tables is on {self.device}")
-        if self.block_tables.shape[0] != b or self.seq_lens.shape[0] != b:
-            raise ValueError(
-                f"metadata: block_tables has {self.block_tables.shape[0]} rows and seq_lens "
-                f"{self.seq_lens.shape[0]}, expected batch {b}"
+                raise MetadataError(f"metadata.{name}: on {t.device}, but block_tables is on {self.device}")
+        pb = self.padded_batch
+        if pb < b or self.block_tables.shape[0] != pb or self.query_start_loc.shape[0] != pb + 1:
+            raise MetadataError(
+                f"metadata: block_tables has {self.block_tables.shape[0]} rows, seq_lens {pb}, "
+                f"query_start_loc {self.query_start_loc.shape[0]} entries; expected >= {b} rows and rows + 1 starts"
             )
-        if self.query_start_loc.shape[0] != b + 1:
-            raise ValueError(f"metadata.query_start_loc: expected {b + 1} entries, got {self.query_start_loc.shape[0]}")
-        if sum(self.query_lens_host) > self.num_tokens:
-            raise ValueError(
-                f"metadata: query lengths sum to {sum(self.query_lens_host)} but slot_mapping "
-                f"has only {self.num_tokens} entries"
+        if self.positions.shape[0] != self.num_tokens:
+            raise MetadataError(
+                f"metadata.positions: {self.positions.shape[0]} entries for {self.num_tokens} tokens"
             )
-        for i, (q, s) in enumerate(zip(self.query_lens_host, self.seq_lens_host, strict=True)):
-            if not 0 < q <= s:
-                raise ValueError(f"metadata row {i}: query_len {q} must be in [1, seq_len {s}]")
-            if -(-s // self.block_size) > self.block_tables.shape[1]:
-                raise ValueError(
-                    f"metadata row {i}: seq_len {s} needs {-(-s // self.block_size)} blocks, "
-                    f"block_tables has {self.block_tables.shape[1]} columns"
-                )
+        if self.num_real_tokens + (pb - b) > self.num_tokens:
+            raise MetadataError(
+                f"metadata: query lengths sum to {self.num_real_tokens} (+{pb - b} padding rows) but "
+                f"slot_mapping has only {self.num_tokens} entries"
+            )
+        if self.logits_indices.shape[0] != len(self.sampling_rows_host) + (pb - b):
+            raise MetadataError(
+                f"metadata.logits_indices: {self.logits_indices.shape[0]} entries for "
+                f"{len(self.sampling_rows_host)} sampling rows and {pb - b} padding rows"
+            )
+        width = self.table_width
+        q_lens, s_lens = self.query_lens_host, self.seq_lens_host
+        # C-speed scans on the passing path; the row is located only to report a failure.
+        if b and (min(q_lens) < 1 or not all(map(operator.le, q_lens, s_lens))):
+            i = next(i for i, (q, s) in enumerate(zip(q_lens, s_lens, strict=True)) if not 0 < q <= s)
+            raise MetadataError(f"metadata row {i}: query_len {q_lens[i]} must be in [1, seq_len {s_lens[i]}]")
+        if b and max(s_lens) > width * self.block_size:
+            i = s_lens.index(max(s_lens))
+            raise MetadataError(
+                f"metadata row {i}: seq_len {s_lens[i]} needs {cdiv(s_lens[i], self.block_size)} blocks, "
+                f"block_tables has {width} columns"
+            )

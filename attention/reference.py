@@ -2,7 +2,8 @@
 
 Readable first; it is the oracle every other backend is tested against. Each row's K/V is
 gathered through its block table in one indexing op (a Python loop per sequence, never per
-token) and attention runs in float32, or float64 when asked.
+token) and attention runs in float32, or float64 when asked. It reads the block tables on the
+host to refuse an entry outside the cache, so on CUDA it syncs: it is not for serving speed.
 """
 
 from __future__ import annotations
@@ -10,97 +11,111 @@ from __future__ import annotations
 import torch
 
 from attention.base import AttentionBackend, StepPlan
+from attention.checks import cdiv
+from attention.errors import MetadataError
+from attention.layer_cache import LayerCache
+from attention.metadata import AttentionMetadata
+from attention.quantize import dequantize, quantize
+from attention.spec import AttentionSpec
+from attention.staging import PlanStaging
 
 __all__ = ["ReferenceBackend", "scatter_kv"]
 
 
 class ReferenceBackend(AttentionBackend):
-    """Pure-torch paged attention. ``compute_dtype`` is the precision of the math."""
+    """Pure-torch paged attention. ``compute_dtype`` is the precision of the math (the
+    inputs and outputs keep the spec's dtype)."""
 
     name = "reference"
 
-    def __init__(self, compute_dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.compute_dtype = compute_dtype
+    def __init__(self, spec: AttentionSpec, compute_dtype: torch.dtype = torch.float32):
+        super().__init__(spec)
+        self.math_dtype = compute_dtype
 
-    def _write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        scatter_kv(key, value, k_cache, v_cache, slot_mapping)
+    def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
+        return StepPlan(metadata, self.spec, self.name)
 
-    def _attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: StepPlan,
-        softmax_scale: float,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
+        scatter_kv(key, value, layer, plan.metadata.slot_mapping)
+
+    def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
         meta = plan.metadata
-        n, bs, kvh, d = k_cache.shape
-        group = query.shape[1] // kvh
+        n, bs, kvh, d = layer.key.shape
         tables = meta.block_tables
         _check_tables(tables, meta.seq_lens_host, bs, n)
+        window = self.spec.window_of(layer.index)
+        k_cache = dequantize(layer.key, layer.k_scale, self.math_dtype)
+        v_cache = dequantize(layer.value, layer.v_scale, self.math_dtype)
         result = torch.empty_like(query) if out is None else out
         start = 0
         for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
-            blocks = tables[row, : -(-seq_len // bs)].long()
+            blocks = tables[row, : cdiv(seq_len, bs)].long()
             k = k_cache[blocks].reshape(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
             v = v_cache[blocks].reshape(-1, kvh, d)[:seq_len]
             q = query[start : start + q_len]  # [q_len, heads, d]
             result[start : start + q_len] = _causal_attention(
-                q, k, v, group, softmax_scale, self.compute_dtype
+                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window
             ).to(query.dtype)
             start += q_len
         return result
 
 
-def scatter_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """The cache write in plain torch (shapes as in ``AttentionBackend.write_kv``): slots of -1
-    are skipped; a slot past the cache raises ValueError. Reads the slots on the host, so on
-    CUDA it syncs: the fallback when no kernel is available."""
-    n, bs, kvh, d = k_cache.shape
-    keep = slot_mapping >= 0
+def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_mapping: torch.Tensor) -> None:
+    """The cache write in plain torch (shapes as in ``AttentionBackend.write_kv``): slots of
+    -1 are skipped; any other slot outside the cache raises MetadataError and writes nothing.
+    An fp8 cache stores ``value / scale``, saturated to the format's range. Reads the slots on
+    the host, so on CUDA it syncs: the fallback when no kernel is available."""
+    n, bs, kvh, d = layer.key.shape
+    keep = slot_mapping != -1
     slots = slot_mapping[keep]
-    if slots.numel() and int(slots.max()) >= n * bs:
-        raise ValueError(
-            f"slot_mapping: slot {int(slots.max())} is outside the cache's {n * bs} slots ({n} blocks x {bs})"
-        )
-    k_cache.view(n * bs, kvh, d)[slots] = key[keep]
-    v_cache.view(n * bs, kvh, d)[slots] = value[keep]
+    if slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= n * bs:
+            bad = low if low < 0 else high
+            raise MetadataError(
+                f"slot_mapping: slot {bad} is outside the cache's {n * bs} slots ({n} blocks x {bs}); "
+                f"use -1 for a token whose K/V must not be written"
+            )
+    layer.key.view(n * bs, kvh, d)[slots] = quantize(key[keep], layer.k_scale, layer.key.dtype)
+    layer.value.view(n * bs, kvh, d)[slots] = quantize(value[keep], layer.v_scale, layer.value.dtype)
 
 
 def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float, dtype: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: int,
+    scale: float,
+    dtype: torch.dtype,
+    window: int | None,
 ) -> torch.Tensor:
-    """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len, kv_heads, d]."""
+    """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len, kv_heads, d]. A query
+    at position p sees keys at positions p - window < k <= p (every k <= p without window)."""
     q_len, seq_len = q.shape[0], k.shape[0]
     k = k.to(dtype).repeat_interleave(group, dim=1)
     v = v.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     k_pos = torch.arange(seq_len, device=q.device)
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if window is not None:
+        hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
 def _check_tables(tables: torch.Tensor, seq_lens: tuple[int, ...], block_size: int, num_blocks: int) -> None:
     """Every block-table entry a row needs must be a real block (one device sync, oracle only)."""
-    needed = torch.tensor([-(-s // block_size) for s in seq_lens], device=tables.device)
+    if not seq_lens:
+        return
+    needed = torch.tensor([cdiv(s, block_size) for s in seq_lens], device=tables.device)
     cols = torch.arange(tables.shape[1], device=tables.device)
     used = cols[None, :] < needed[:, None]
-    bad = used & ((tables < 0) | (tables >= num_blocks))
+    rows = tables[: len(seq_lens)]
+    bad = used & ((rows < 0) | (rows >= num_blocks))
     if bool(bad.any()):
         row, col = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"block_tables[{row}, {col}] = {int(tables[row, col])} is not a block in "
+        raise MetadataError(
+            f"block_tables[{row}, {col}] = {int(rows[row, col])} is not a block in "
             f"[0, {num_blocks}) but row {row} needs it for seq_len {seq_lens[row]}"
         )

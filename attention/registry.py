@@ -1,6 +1,7 @@
 """Backends by name, imported lazily: importing :mod:`attention` never imports triton or
-flash_attn. Asking for a backend whose library is missing raises an ImportError that names
-the ``pip install`` to run.
+flash_attn. Everything here derives from the backend table (:data:`attention.capabilities.BACKENDS`).
+Asking for a backend whose library is missing raises :class:`BackendUnavailableError` naming the
+``pip install`` to run.
 """
 
 from __future__ import annotations
@@ -8,87 +9,98 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from attention.capabilities import BACKENDS, BackendInfo
+from attention.errors import BackendUnavailableError, InvalidArgumentError, UnsupportedSettingError
 
-from attention.base import AttentionBackend
-from attention.capabilities import BACKEND_CAPABILITIES, capabilities_of
+if TYPE_CHECKING:
+    from attention.base import AttentionBackend
+    from attention.spec import AttentionSpec
 
-__all__ = ["BackendChoice", "available_backends", "choose_backend", "get_backend"]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    module: str
-    cls: str
-    library: str | None  # the importable kernel library it needs
+__all__ = ["BackendChoice", "available_backends", "choose_backend", "get_backend", "library_installed"]
 
 
-_REGISTRY: dict[str, _Entry] = {
-    "reference": _Entry("attention.reference", "ReferenceBackend", None),
-    "triton": _Entry("attention.triton_backend", "TritonBackend", "triton"),
-    "flash_attn": _Entry("attention.flash_attn_backend", "FlashAttnBackend", "flash_attn"),
-}
-
-#: Order in which ``auto`` tries backends on CUDA (fastest first, from
-#: benchmarks/results/attention-*.json); on CPU only the reference runs.
-AUTO_ORDER_CUDA: tuple[str, ...] = ("triton", "flash_attn", "reference")
-
-
-def _library_installed(library: str | None) -> bool:
-    return library is None or importlib.util.find_spec(library) is not None
+def library_installed(info: BackendInfo) -> bool:
+    """Whether ``info``'s kernel library is importable (without importing it)."""
+    return info.library is None or importlib.util.find_spec(info.library) is not None
 
 
 def available_backends() -> list[str]:
-    """Names whose kernel library is importable (without importing it)."""
-    return [name for name, e in _REGISTRY.items() if _library_installed(e.library)]
+    """Names whose kernel library is importable (without importing it), in table order."""
+    return [name for name, info in BACKENDS.items() if library_installed(info)]
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """A backend instance by name. Raises KeyError for an unknown name and ImportError naming
-    the pip extra when the backend's library is missing."""
-    if name not in _REGISTRY:
-        raise KeyError(f"attention backend {name!r} is unknown; choose one of {', '.join(_REGISTRY)}")
-    entry = _REGISTRY[name]
-    if not _library_installed(entry.library):
-        extra = capabilities_of(name).pip_extra
-        raise ImportError(
-            f"attention backend {name!r} needs the {entry.library} package, which is not "
-            f"installed; run: pip install 'paged-kvcache[{extra}]'"
+def get_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
+    """A backend instance for one attention shape.
+
+    Raises InvalidArgumentError for an unknown name (``auto`` included: resolve it with
+    :func:`choose_backend`), BackendUnavailableError naming the pip extra when the backend's
+    library is missing, and UnsupportedSettingError when the backend refuses ``spec``.
+    """
+    if name not in BACKENDS:
+        hint = "; resolve 'auto' with choose_backend()" if name == "auto" else ""
+        raise InvalidArgumentError(
+            f"name: attention backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}{hint}"
         )
-    cls = getattr(importlib.import_module(entry.module), entry.cls)
-    backend: AttentionBackend = cls()
+    info = BACKENDS[name]
+    if not library_installed(info):
+        raise BackendUnavailableError(
+            f"attention backend {name!r} needs the {info.library} package, which is not "
+            f"installed; run: pip install 'paged-kvcache[{info.pip_extra}]'"
+        )
+    cls = getattr(importlib.import_module(info.module), info.class_name)
+    backend: AttentionBackend = cls(spec)
     return backend
 
 
 @dataclass(frozen=True)
 class BackendChoice:
+    """The backend ``auto`` (or an explicit name) resolved to, and why."""
+
     backend: AttentionBackend
     reason: str
 
 
-def choose_backend(
-    name: str, *, device: torch.device, block_size: int, head_dim: int, dtype: str
-) -> BackendChoice:
-    """Resolve ``auto`` (or check an explicit name) for a device and cache shape.
+def choose_backend(name: str, spec: AttentionSpec, *, device_type: str, block_size: int) -> BackendChoice:
+    """Resolve ``auto`` (or check an explicit name) for a device type ("cpu"/"cuda"), a block
+    size and an attention shape.
 
-    ``auto`` takes the first backend in :data:`AUTO_ORDER_CUDA` that is installed and whose
-    declared capabilities accept the setting (on CPU: the reference), and says why.
+    ``auto`` takes the installed backend of lowest ``auto_priority`` whose declared
+    capabilities accept the setting, and says why (naming the ones it skipped). An explicit
+    name is checked against its capabilities; raises UnsupportedSettingError listing each
+    refusal, with the fix.
     """
     if name != "auto":
-        return BackendChoice(get_backend(name), f"{name} (set in the config)")
-    if device.type != "cuda":
-        return BackendChoice(get_backend("reference"), "reference (auto: the only backend for CPU)")
+        info = BACKENDS.get(name)
+        if info is not None:
+            refused = _problems(info, spec, device_type, block_size)
+            if refused:
+                raise UnsupportedSettingError(f"backend {name} refuses this setting: " + "; ".join(refused))
+        return BackendChoice(get_backend(name, spec), f"{name} (set in the config)")
     skipped = []
-    for candidate in AUTO_ORDER_CUDA:
-        caps = BACKEND_CAPABILITIES[candidate]
-        problems = caps.problems(block_size=block_size, head_dim=head_dim, dtype=dtype, device_type="cuda")
-        if not _library_installed(_REGISTRY[candidate].library):
-            skipped.append(f"{candidate}: not installed")
-        elif problems:
-            skipped.append(f"{candidate}: {problems[0].reason}")
+    for info in sorted(BACKENDS.values(), key=lambda b: b.auto_priority):
+        refused = _problems(info, spec, device_type, block_size)
+        if refused:
+            skipped.append(f"{info.name}: {refused[0]}")
+        elif not library_installed(info):
+            skipped.append(f"{info.name}: not installed")
         else:
-            why = f"{candidate} (auto: fastest supported on CUDA"
+            why = f"{info.name} (auto: first supported on {device_type}"
             why += f"; skipped {'; '.join(skipped)})" if skipped else ")"
-            return BackendChoice(get_backend(candidate), why)
-    raise AssertionError("the reference backend accepts every valid config")
+            return BackendChoice(get_backend(info.name, spec), why)
+    raise UnsupportedSettingError("no attention backend accepts this setting: " + "; ".join(skipped))
+
+
+def _problems(info: BackendInfo, spec: AttentionSpec, device_type: str, block_size: int) -> list[str]:
+    return [
+        f"{p.parameter} {p.value}: {p.reason}; {p.fix}"
+        for p in info.problems(
+            block_size=block_size,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            device_type=device_type,
+            sliding_window=spec.sliding_window is not None,
+        )
+    ]

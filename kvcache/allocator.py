@@ -2,38 +2,39 @@
 
 Pure Python, no torch. Allocation is all-or-nothing. Blocks shared by several sequences
 (forks, prefix-cache hits) carry a reference count and return to the free queue when the
-last owner lets go.
+last owner lets go. Every public method checks its arguments before it changes anything and
+raises the project's own errors (never ``assert``), so a caller's mistake cannot corrupt the
+counts even under ``python -O``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvcache.errors import OutOfBlocksError
+from attention.checks import require_int
+from attention.errors import InvalidArgumentError, OutOfBlocksError
 from kvcache.free_queue import FreeBlockQueue
 
-__all__ = ["BlockAllocator"]
+__all__ = ["MAX_BLOCKS", "BlockAllocator"]
+
+#: Block ids are stored in int32 block tables.
+MAX_BLOCKS = 2**31 - 1
 
 
 class BlockAllocator:
     """Hands out block ids ``0 .. num_blocks-1``.
 
-    Freed blocks that still hold useful K/V (``keep_cached=True``) go to the back of the free
-    queue, so they are reused last (LRU); blocks holding nothing useful go to the front. Each
-    block has a *generation* that grows every time it is handed out for new content, so
-    ``(block, generation)`` names one immutable filling of a block.
+    Freed blocks that still hold useful K/V (``keep_cached=True``) are reused last, least
+    recently freed first (LRU); blocks holding nothing useful are reused first.
     """
 
-    def __init__(self, num_blocks: int, on_reuse: Callable[[int], None] | None = None):
-        """``on_reuse(block)`` is called when a free block is taken for new content (the prefix
-        cache drops what it knew about the block's old content)."""
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: {num_blocks} must be at least 1")
-        self.num_blocks = num_blocks
-        self.on_reuse = on_reuse
-        self._ref = [0] * num_blocks
-        self._generation = [0] * num_blocks
-        self._free = FreeBlockQueue(num_blocks)
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None):
+        """``on_evict(block)`` is called when a cached free block is taken for new content
+        (the prefix cache drops what it knew about the block's old content)."""
+        self.num_blocks = require_int("num_blocks", num_blocks, minimum=1, maximum=MAX_BLOCKS)
+        self.on_evict = on_evict
+        self._ref = [0] * self.num_blocks
+        self._free = FreeBlockQueue(self.num_blocks)
 
     @property
     def num_free(self) -> int:
@@ -44,56 +45,84 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold cached K/V."""
+        return self._free.num_cached
+
     def can_allocate(self, n: int) -> bool:
         """Whether ``n`` blocks are free. Changes nothing."""
-        return n <= len(self._free)
+        return require_int("n", n, minimum=0) <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue, each with reference count 1.
+        """Take ``n`` blocks in reuse order, each with reference count 1.
 
         All or nothing: raises OutOfBlocksError(requested=n, free) and changes nothing when
         fewer than ``n`` are free.
         """
+        n = require_int("n", n, minimum=0)
         if n > len(self._free):
             raise OutOfBlocksError(n, len(self._free))
-        blocks = [self._free.pop_front() for _ in range(n)]
+        blocks, evicted = self._free.take(n)
+        ref = self._ref
         for block in blocks:
-            self._ref[block] = 1
-            self._generation[block] += 1
-            if self.on_reuse is not None:
-                self.on_reuse(block)
+            ref[block] = 1
+        if evicted and self.on_evict is not None:
+            for block in evicted:
+                self.on_evict(block)
         return blocks
 
     def revive(self, block: int) -> None:
-        """Take a specific free block (a prefix-cache hit) without touching its content."""
+        """Take a specific free block (a prefix-cache hit) without touching its content.
+        Raises InvalidArgumentError (nothing changed) when it is not free."""
+        self._check_id(block)
+        if self._ref[block] != 0:
+            raise InvalidArgumentError(f"block {block}: has {self._ref[block]} owners, so it cannot be revived; incref it")
         self._free.remove(block)
         self._ref[block] = 1
 
     def incref(self, block: int) -> None:
-        """One more owner of an owned block (a fork, or a cache hit on a block in use)."""
-        assert self._ref[block] > 0, f"incref on free block {block}; revive it instead"
+        """One more owner of an owned block (a fork, or a cache hit on a block in use).
+        Raises InvalidArgumentError (nothing changed) for a free block."""
+        self._check_id(block)
+        if self._ref[block] <= 0:
+            raise InvalidArgumentError(f"block {block}: incref on a free block; revive it instead")
         self._ref[block] += 1
 
     def decref(self, block: int, keep_cached: bool = False) -> None:
-        """One owner fewer. At zero the block is free: at the back of the queue when its K/V is
-        worth keeping (reused last), else at the front (reused first)."""
-        assert self._ref[block] > 0, f"decref on free block {block} (double free)"
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            if keep_cached:
-                self._free.push_back(block)
-            else:
-                self._free.push_front(block)
+        """One owner fewer. At zero the block is free: reused last when its K/V is worth
+        keeping, else first. Raises InvalidArgumentError (nothing changed) on a double free."""
+        self.release([block], lambda _b: keep_cached)
+
+    def release(self, blocks: Sequence[int], is_cached: Callable[[int], bool] | None = None) -> None:
+        """One owner fewer for each of ``blocks`` (a block listed twice loses two owners).
+        Blocks reaching zero are freed in list order; ``is_cached(block)`` says which of them
+        keep their K/V (reused last, in list order); the others are reused first, the last of
+        them first.
+        Checks every id and count before changing any: raises InvalidArgumentError on a
+        double free or an unknown id, and then nothing has changed."""
+        ref = self._ref
+        if self._needs_careful_check(blocks):
+            self._check_release(blocks)
+        plain: list[int] = []
+        for block in blocks:
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0:
+                if is_cached is not None and is_cached(block):
+                    self._free.give_back_cached(block)
+                else:
+                    plain.append(block)
+        if plain:
+            self._free.give_back_plain(plain)
 
     def ref_count(self, block: int) -> int:
+        self._check_id(block)
         return self._ref[block]
 
-    def generation(self, block: int) -> int:
-        """How many times ``block`` has been handed out for new content."""
-        return self._generation[block]
-
     def is_free(self, block: int) -> bool:
-        return block in self._free
+        self._check_id(block)
+        return self._ref[block] == 0
 
     def free_blocks_in_eviction_order(self) -> list[int]:
         """Free blocks, the next to be reused first. O(n); for checks and tests."""
@@ -101,12 +130,48 @@ class BlockAllocator:
 
     def integrity_problems(self) -> list[str]:
         """Recount every invariant; return a description of each violation (empty: fine)."""
-        found = self._free.check_links()
+        found = self._free.problems(self.num_blocks)
+        queued = set(self._free)
         for block, ref in enumerate(self._ref):
             if ref < 0:
                 found.append(f"block {block} has reference count {ref}")
-            elif ref > 0 and block in self._free:
+            elif ref > 0 and block in queued:
                 found.append(f"block {block} has {ref} owners but is in the free queue")
-            elif ref == 0 and block not in self._free:
+            elif ref == 0 and block not in queued:
                 found.append(f"block {block} has no owner but is not in the free queue")
         return found
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def _check_id(self, block: int) -> None:
+        if type(block) is int and 0 <= block < self.num_blocks:
+            return
+        require_int("block", block, minimum=0, maximum=self.num_blocks - 1)
+        raise InvalidArgumentError(f"block: {block!r} is not a plain int block id")
+
+    def _needs_careful_check(self, blocks: Sequence[int]) -> bool:
+        """False when C-speed scans prove every id is an owned int block listed once (the
+        common case); then release needs no per-block validation pass."""
+        if not blocks:
+            return False
+        try:
+            return (
+                len(set(blocks)) != len(blocks)
+                or min(blocks) < 0
+                or min(map(self._ref.__getitem__, blocks)) < 1  # IndexError past the end
+                or set(map(type, blocks)) != {int}
+            )
+        except (IndexError, TypeError):
+            return True
+
+    def _check_release(self, blocks: Sequence[int]) -> None:
+        pending: dict[int, int] = {}
+        for block in blocks:
+            self._check_id(block)
+            pending[block] = pending.get(block, 0) + 1
+        for block, count in pending.items():
+            if self._ref[block] < count:
+                raise InvalidArgumentError(
+                    f"block {block}: released {count} time(s) but has {self._ref[block]} owner(s) (a double free); "
+                    f"nothing was released"
+                )

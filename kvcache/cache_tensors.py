@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from attention.dtypes import torch_dtype
+from attention.errors import CacheAllocationError, InvalidArgumentError
+from attention.layer_cache import LayerCache
 from kvcache.config import KVCacheConfig
-from kvcache.errors import CacheAllocationError
 from kvcache.sizes import format_bytes
 
 __all__ = [
-    "TORCH_DTYPES",
     "KVCacheTensors",
     "allocate_kv_cache",
     "free_device_memory",
     "num_blocks_for",
     "resolve_device",
 ]
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,22 +75,43 @@ def num_blocks_for(config: KVCacheConfig, free_bytes: int) -> int:
 
 @dataclass
 class KVCacheTensors:
-    """Per-layer K/V cache tensors. ``key[l]``/``value[l]``: [num_blocks, block_size,
-    num_kv_heads, head_dim], views into ``storage`` [num_layers, 2, num_blocks, ...]."""
+    """Per-layer K/V cache tensors, views into one allocation.
+
+    storage: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
+             V at [:, 1]), the cache dtype.
+    scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache
+             (None otherwise).
+    ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time.
+    """
 
     storage: torch.Tensor
+    scales: torch.Tensor | None = None
+    _layers: list[LayerCache] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        s = self.scales
+        self._layers = [
+            LayerCache(
+                self.storage[i, 0],
+                self.storage[i, 1],
+                index=i,
+                k_scale=None if s is None else s[i, 0],
+                v_scale=None if s is None else s[i, 1],
+            )
+            for i in range(self.storage.shape[0])
+        ]
+
+    def layer(self, index: int) -> LayerCache:
+        """Layer ``index``'s cache (what ``write_kv`` and ``attend`` take)."""
+        return self._layers[index]
 
     @property
     def key(self) -> list[torch.Tensor]:
-        return [self.storage[layer, 0] for layer in range(self.num_layers)]
+        return [layer.key for layer in self._layers]
 
     @property
     def value(self) -> list[torch.Tensor]:
-        return [self.storage[layer, 1] for layer in range(self.num_layers)]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache)`` of one layer."""
-        return self.storage[index, 0], self.storage[index, 1]
+        return [layer.value for layer in self._layers]
 
     @property
     def num_layers(self) -> int:
@@ -117,14 +137,27 @@ class KVCacheTensors:
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. a fork's partial
-        last block). Sources and destinations must not overlap."""
+        """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. the pairs
+        ``BlockManager.fork`` returns). Raises InvalidArgumentError, copying nothing, for an
+        id outside the cache or a destination that is also a source or listed twice."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.storage[:, :, dst] = self.storage[:, :, src]
+        src = [s for s, _ in copies]
+        dst = [d for _, d in copies]
+        n = self.num_blocks
+        for b in src + dst:
+            if type(b) is not int or not 0 <= b < n:
+                raise InvalidArgumentError(f"copies: block {b!r:.20} is not a block id in [0, {n})")
+        if len(set(dst)) != len(dst) or set(dst) & set(src):
+            raise InvalidArgumentError("copies: destinations must be distinct and not also sources")
+        index_src = torch.tensor(src, device=self.device)
+        index_dst = torch.tensor(dst, device=self.device)
+        self.storage[:, :, index_dst] = self.storage[:, :, index_src]
 
 
 def allocate_kv_cache(
@@ -156,7 +189,7 @@ def allocate_kv_cache(
         raise _too_big(blocks, per_block, free, dev)
     m = config.model
     shape = (m.num_layers, 2, blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
-    dtype = TORCH_DTYPES[config.cache.dtype]
+    dtype = torch_dtype(config.cache.dtype)
     try:
         storage = torch.empty(shape, dtype=dtype, device=dev)
     except torch.OutOfMemoryError:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from attention.capabilities import BACKEND_CAPABILITIES, MultipleOf
+from attention.capabilities import BACKEND_NAMES, BACKENDS, MultipleOf
+from attention.dtypes import DTYPES
+from attention.errors import ConfigProblem
 from kvcache.sizes import format_bytes, parse_bytes
 
 __all__ = [
@@ -28,10 +30,13 @@ __all__ = [
     "ModelSection",
 ]
 
-DtypeName = Literal["float16", "bfloat16", "float32"]
-BackendName = Literal["auto", "reference", "triton", "flash_attn"]
-
-DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The allowed names come from the one dtype table and the one backend table.
+if TYPE_CHECKING:
+    DtypeName = str
+    BackendName = str
+else:
+    DtypeName = Literal[tuple(DTYPES)]
+    BackendName = Literal[("auto", *BACKEND_NAMES)]
 #: The project-wide block-size rule: every backend reads K/V in tiles of 32 tokens.
 BLOCK_SIZE_RULE = MultipleOf(32, 1024)
 HEAD_DIM_RULE = MultipleOf(8, 512)
@@ -42,14 +47,6 @@ _BUDGET_SCHEMA = WithJsonSchema(
     {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, _SIZE_SCHEMA, {"type": "null"}]}
 )
 _SWAP_SCHEMA = WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, _SIZE_SCHEMA]})
-
-
-@dataclass(frozen=True)
-class ConfigProblem:
-    """One problem in a config: the dotted field path, and a message that says why and the fix."""
-
-    path: str
-    message: str
 
 
 class ConfigProblems(ValueError):
@@ -223,7 +220,7 @@ class CacheSection(BaseModel):
     @property
     def itemsize(self) -> int:
         """Bytes per K/V element."""
-        return DTYPE_ITEMSIZE[self.dtype]
+        return DTYPES[self.dtype].itemsize
 
 
 class AttentionSection(BaseModel):
@@ -251,7 +248,7 @@ class KVCacheConfig(BaseModel):
     def _backend_supports(self) -> KVCacheConfig:
         if self.attention.backend == "auto":
             return self
-        caps = BACKEND_CAPABILITIES[self.attention.backend]
+        caps = BACKENDS[self.attention.backend]
         paths = {
             "block_size": "cache.block_size",
             "head_dim": "model.head_dim",

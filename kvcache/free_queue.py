@@ -1,117 +1,91 @@
-"""A queue of free block ids with O(1) pop from the front, push to the back, and removal
-from the middle.
+"""Free block ids in reuse order, with O(1) take, give back, and removal from the middle.
 
-The queue is a doubly linked list threaded through two arrays indexed by block id, so it
-needs no node objects. Removal from the middle in O(1) is what prefix caching needs: a block
-that was freed but still holds cached K/V sits in the queue until it is either evicted (popped
-from the front, least recently freed first) or revived by a cache hit (removed wherever it is).
+Two tiers, reused in this order:
+
+1. *plain* blocks, whose content nobody will look up again: a stack, so the most recently
+   freed is reused first (its memory is likeliest still warm) and a batch of n blocks moves
+   with one slice operation;
+2. *cached* blocks, freed while still holding K/V the prefix cache may hand out again: an
+   ordered dict in least-recently-freed-first order (LRU). Removal from the middle is O(1),
+   which prefix caching needs: a cached free block is either evicted (taken from the front)
+   or revived by a cache hit (removed wherever it is).
+
+The queue holds ids only; the allocator owns reference counts and decides which tier a block
+goes to.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 
 __all__ = ["FreeBlockQueue"]
 
-_NONE = -1
-
 
 class FreeBlockQueue:
-    """Free block ids in eviction order: the front is evicted (reused) first."""
+    """Free block ids; :meth:`take` hands out plain blocks first, then cached ones (LRU)."""
 
-    def __init__(self, num_blocks: int, initially_free: bool = True):
-        # _next[b] / _prev[b] link block b to its neighbours; _head/_tail are the ends.
-        self._next = [_NONE] * num_blocks
-        self._prev = [_NONE] * num_blocks
-        self._in_queue = [False] * num_blocks
-        self._head = _NONE
-        self._tail = _NONE
-        self._len = 0
-        if initially_free:
-            for block in range(num_blocks):
-                self.push_back(block)
+    def __init__(self, num_blocks: int):
+        # The stack's end is reused first: block 0 first on a fresh pool.
+        self._plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return self._len
-
-    def __contains__(self, block: int) -> bool:
-        return self._in_queue[block]
+        return len(self._plain) + len(self._cached)
 
     def __iter__(self) -> Iterator[int]:
-        """Front to back. O(n); for checks and tests."""
-        block = self._head
-        while block != _NONE:
-            yield block
-            block = self._next[block]
+        """In reuse order. O(n); for checks and tests."""
+        yield from reversed(self._plain)
+        yield from self._cached
 
-    def push_back(self, block: int) -> None:
-        """Append ``block`` at the back (evicted last). The caller guarantees it is not queued."""
-        assert not self._in_queue[block], f"block {block} is already in the free queue"
-        self._in_queue[block] = True
-        self._prev[block] = self._tail
-        self._next[block] = _NONE
-        if self._tail == _NONE:
-            self._head = block
-        else:
-            self._next[self._tail] = block
-        self._tail = block
-        self._len += 1
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold cached K/V."""
+        return len(self._cached)
 
-    def push_front(self, block: int) -> None:
-        """Insert ``block`` at the front (evicted first). The caller guarantees it is not queued."""
-        if self._head == _NONE:
-            self.push_back(block)
-            return
-        assert not self._in_queue[block], f"block {block} is already in the free queue"
-        self._in_queue[block] = True
-        self._prev[block] = _NONE
-        self._next[block] = self._head
-        self._prev[self._head] = block
-        self._head = block
-        self._len += 1
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """Remove the next ``n`` blocks (the caller checks ``n <= len(self)``).
 
-    def pop_front(self) -> int:
-        """Remove and return the front block. The caller checks the queue is not empty."""
-        block = self._head
-        assert block != _NONE, "pop_front on an empty free queue"
-        self.remove(block)
-        return block
+        Returns ``(blocks, evicted)``: every block in reuse order, and those of them that came
+        from the cached tier (their cached content is about to be overwritten).
+        """
+        plain = self._plain
+        if n <= len(plain):
+            blocks = plain[len(plain) - n :]
+            del plain[len(plain) - n :]
+            blocks.reverse()
+            return blocks, []
+        blocks = plain[::-1]
+        plain.clear()
+        pop = self._cached.popitem
+        evicted = [pop(last=False)[0] for _ in range(n - len(blocks))]
+        return blocks + evicted, evicted
+
+    def give_back_plain(self, blocks: list[int]) -> None:
+        """Return blocks whose content is worthless; ``blocks[-1]`` is reused first (like
+        pushing each to the front of a queue in turn)."""
+        self._plain.extend(blocks)
+
+    def give_back_cached(self, block: int) -> None:
+        """Return a block that still holds cached K/V; it is reused after every plain block
+        and after the cached blocks returned before it."""
+        self._cached[block] = None
 
     def remove(self, block: int) -> None:
-        """Unlink ``block`` from wherever it is. The caller guarantees it is queued."""
-        assert self._in_queue[block], f"block {block} is not in the free queue"
-        prev, nxt = self._prev[block], self._next[block]
-        if prev == _NONE:
-            self._head = nxt
+        """Take ``block`` out wherever it is (a prefix-cache hit). O(1) for a cached block.
+        The caller guarantees it is free."""
+        if block in self._cached:
+            del self._cached[block]
         else:
-            self._next[prev] = nxt
-        if nxt == _NONE:
-            self._tail = prev
-        else:
-            self._prev[nxt] = prev
-        self._prev[block] = self._next[block] = _NONE
-        self._in_queue[block] = False
-        self._len -= 1
+            self._plain.remove(block)  # O(n): plain blocks hold nothing to hit, so this is rare
 
-    def check_links(self) -> list[str]:
-        """Walk the list both ways; return a description of every broken link (empty: fine)."""
-        found: list[str] = []
-        limit = len(self._next) + 1  # a corrupted (cyclic) list must not hang the check
-        forward: list[int] = []
-        block = self._head
-        while block != _NONE and len(forward) < limit:
-            forward.append(block)
-            block = self._next[block]
-        if len(forward) != self._len:
-            found.append(f"free queue walks {len(forward)} blocks but counts {self._len}")
-        backward: list[int] = []
-        block = self._tail
-        while block != _NONE and len(backward) < limit:
-            backward.append(block)
-            block = self._prev[block]
-        if backward[::-1] != forward:
-            found.append("free queue's backward links disagree with its forward links")
-        flagged = sum(self._in_queue)
-        if flagged != len(forward) or not all(self._in_queue[b] for b in forward):
-            found.append(f"{flagged} blocks flagged as queued but {len(forward)} reachable")
+    def problems(self, num_blocks: int) -> list[str]:
+        """Every inconsistency: ids out of range or queued twice (empty: fine)."""
+        everything = list(self)
+        found = []
+        if len(set(everything)) != len(everything):
+            found.append(f"free queue holds a block twice: {len(everything)} entries, {len(set(everything))} distinct")
+        bad = [b for b in everything if not 0 <= b < num_blocks]
+        if bad:
+            found.append(f"free queue holds ids outside [0, {num_blocks}): {bad[:5]}")
         return found

@@ -15,33 +15,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kvcache.config import ConfigProblem, ConfigProblems, KVCacheConfig
+from attention.dtypes import DTYPES
+from attention.errors import ConfigError, ConfigProblem
+from kvcache.config import ConfigProblems, KVCacheConfig
 
 __all__ = ["ConfigError", "load_config", "parse_config"]
 
-# Names people write for dtypes, mapped to the ones the config takes.
-_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-            "float": "float32", "flash-attn": "flash_attn", "flashattn": "flash_attn"}
-
-
-class ConfigError(ValueError):
-    """A config file could not be loaded. ``problems`` lists every problem found."""
-
-    def __init__(self, source: str, problems: list[ConfigProblem], lines: dict[str, int] | None = None):
-        self.source = source
-        self._lines = lines or {}
-        # Report in file order, so the messages read top to bottom like the YAML.
-        self.problems = sorted(problems, key=lambda p: _line_of(p.path, self._lines) or 0)
-        super().__init__(self.format())
-
-    def format(self) -> str:
-        """One line per problem: ``file:line: path: message``."""
-        out = []
-        for p in self.problems:
-            line = _line_of(p.path, self._lines)
-            where = f"{self.source}:{line}" if line else self.source
-            out.append(f"{where}: {p.path}: {p.message}" if p.path else f"{where}: {p.message}")
-        return "\n".join(out)
+# Names people write, mapped to the ones the config takes (dtype aliases from the dtype table).
+_ALIASES = {alias: info.name for info in DTYPES.values() for alias in info.aliases}
+_ALIASES.update({"flash-attn": "flash_attn", "flashattn": "flash_attn"})
 
 
 def load_config(path: str | Path) -> KVCacheConfig:
@@ -157,14 +139,3 @@ def _field_lines(text: str) -> dict[str, int]:
     if root is not None:
         walk(root, "")
     return lines
-
-
-def _line_of(path: str, lines: dict[str, int]) -> int | None:
-    """The line of ``path``, or of its nearest written parent (a missing key's section)."""
-    parts = path.split(".")
-    while parts:
-        line = lines.get(".".join(parts))
-        if line is not None:
-            return line
-        parts.pop()
-    return None

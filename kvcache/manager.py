@@ -1,72 +1,71 @@
 """The block manager: one block table per sequence, over a shared block allocator.
 
-Check, then act: every ``can_*`` method changes nothing, and every acting method either does
-all of its work or raises and leaves the state exactly as it was.
+Check, then act: every ``can_*`` method changes nothing and agrees with its action for every
+input (both raise the same error for an invalid argument); every acting method checks all of
+its arguments first, then either does all of its work or raises and leaves the state exactly
+as it was.
 
 Invariant that keeps appends simple: a block shared by several owners is always *full*. Forks
 copy a partly filled last block at once (the copy is returned for the caller to perform) and
-prefix-cache hits are full blocks, so an append never writes into a shared block and never
-needs copy-on-write.
+prefix-cache hits are full blocks, so an append never writes into a shared block.
+
+With a sliding window (every layer windowed), blocks that no future query can see are
+released as soon as :meth:`commit` passes them; their table entries become ``PAD_BLOCK``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Literal
 
+from attention.checks import cdiv, require_int
+from attention.errors import (
+    ArgumentTypeError,
+    IntegrityError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    SequenceExistsError,
+)
+from attention.metadata import PAD_BLOCK
 from kvcache.allocator import BlockAllocator
-from kvcache.errors import KVCacheError, OutOfBlocksError, SequenceExistsError, UnknownSequenceError
-from kvcache.prefix_cache import ROOT, PrefixCache
+from kvcache.prefix_cache import PrefixCache
+from kvcache.rows import ScheduledRow
+from kvcache.sequence import BlockCopy, SequenceBlocks, SequenceTable
+from kvcache.tokens import token_count, token_list
 
-if TYPE_CHECKING:
-    from kvcache.metrics import CacheStats
+__all__ = ["BlockCopy", "BlockManager", "FreeReason"]
 
-__all__ = ["BlockCopy", "BlockManager", "IntegrityError", "SequenceBlocks", "SwapTarget"]
-
-#: ``(source block, destination block)``: a copy the caller performs on the cache tensors.
-BlockCopy = tuple[int, int]
-
-
-class SwapTarget(Protocol):
-    """What ``preempt(mode="swap")`` needs: anything with ``swap_out(seq_id)``."""
-
-    def swap_out(self, seq_id: Hashable) -> object: ...
+FreeReason = Literal["finished", "aborted", "preempted"]
+_REASONS = ("finished", "aborted", "preempted")
 
 
-class IntegrityError(KVCacheError, AssertionError):
-    """``check_integrity`` found the bookkeeping inconsistent; the message lists each count."""
+class BlockManager(SequenceTable):
+    """Per-sequence block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
+    enable_prefix_caching: share full blocks whose content (and whole prefix) matches.
+    sliding_window: tokens each query sees when *every* layer is windowed (None otherwise):
+                    blocks behind the window are released as the sequence advances.
+    """
 
-@dataclass
-class SequenceBlocks:
-    """One sequence's block table and token counts."""
-
-    blocks: list[int]
-    #: Token slots reserved (the sequence's length once all its tokens are computed).
-    num_tokens: int
-    #: Token ids, kept only for prefix-cached sequences (to key their full blocks).
-    token_ids: list[int] | None = None
-    extra_key: Hashable = None
-    #: Leading tokens whose K/V has been written (see ``mark_computed``).
-    num_computed: int = 0
-    #: Leading full blocks already indexed in (or taken from) the prefix cache.
-    num_indexed_blocks: int = 0
-
-
-class BlockManager:
-    """Per-sequence block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if block_size < 1:
-            raise ValueError(f"block_size: {block_size} must be at least 1")
-        self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache(self.allocator, block_size) if enable_prefix_caching else None
-        self._seqs: dict[Hashable, SequenceBlocks] = {}
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        *,
+        sliding_window: int | None = None,
+    ):
+        self.block_size = require_int("block_size", block_size, minimum=1, maximum=1 << 20)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ArgumentTypeError(f"enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}")
+        self.sliding_window = None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
+        self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, self.prefix_cache.forget if self.prefix_cache else None)
+        super().__init__()
         # Blocks kept alive by someone other than a block table (a swap-out copy in flight).
         self._holds: dict[int, int] = {}
-        #: Preemptions by mode, counted by ``preempt``.
+        #: Sequences given up to make room, by how (``free(reason="preempted")`` counts
+        #: "recompute"; a swap-out counts "swap").
         self.preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
 
     # ---- queries (change nothing) ------------------------------------------------------
@@ -79,62 +78,30 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.block_size)
-
-    def sequence(self, seq_id: Hashable) -> SequenceBlocks:
-        """The live record of ``seq_id`` (read it, don't modify it)."""
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise UnknownSequenceError(seq_id) from None
-
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self.sequence(seq_id).blocks)
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        return self.sequence(seq_id).num_tokens
-
-    def slots(self, seq_id: Hashable, start: int, end: int) -> list[int]:
-        """Slot ids (``block * block_size + offset``) of token positions ``[start, end)``."""
-        seq = self.sequence(seq_id)
-        if not 0 <= start <= end <= seq.num_tokens:
-            raise ValueError(
-                f"positions [{start}, {end}) are outside sequence {seq_id!r}'s "
-                f"{seq.num_tokens} reserved tokens; append_slots first"
-            )
-        bs, blocks = self.block_size, seq.blocks
-        return [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        return cdiv(num_tokens, self.block_size)
 
     def can_allocate(
-        self,
-        num_tokens: int | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        extra_key: Hashable = None,
+        self, num_tokens: int | None = None, *, token_ids: Sequence[int] | None = None, extra_key: Hashable = None
     ) -> bool:
-        """Whether ``allocate`` with these arguments would succeed. Changes nothing."""
-        num_tokens = _resolve_length(num_tokens, token_ids)
-        hits = self._prefix_hits(token_ids, extra_key)
+        """Whether ``allocate`` with these arguments would succeed (for a new id). Changes
+        nothing; raises the same argument errors as ``allocate``."""
+        num_tokens, tokens = self._prompt(num_tokens, token_ids, extra_key)
+        hits, _ = self._prefix_hits(tokens, extra_key)
         return self.allocator.num_free >= self._free_blocks_needed(num_tokens, hits)
 
     def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
-        """Whether ``append_slots(seq_id, n)`` would succeed. Changes nothing."""
+        """Whether ``append_slots(seq_id, n)`` would succeed. Changes nothing; raises the same
+        argument errors as ``append_slots``."""
         seq = self.sequence(seq_id)
-        return self.allocator.can_allocate(self.blocks_for(seq.num_tokens + n) - len(seq.blocks))
+        n = require_int("n", n, minimum=1)
+        return self.allocator.num_free >= self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
 
     def can_fork(self, parent_id: Hashable) -> bool:
         """Whether ``fork(parent_id, ...)`` would succeed. Changes nothing."""
         seq = self.sequence(parent_id)
-        return seq.num_tokens % self.block_size == 0 or self.allocator.can_allocate(1)
+        return seq.num_tokens % self.block_size == 0 or self.allocator.num_free >= 1
 
     # ---- actions (all or nothing) ------------------------------------------------------
 
@@ -151,190 +118,198 @@ class BlockManager:
         With prefix caching and ``token_ids``, the longest run of cached full blocks is shared
         instead of allocated; the last token is never taken from the cache (its logits are
         needed). Returns how many leading tokens are already computed (0 without a hit).
-        Raises SequenceExistsError or OutOfBlocksError and changes nothing.
+        Raises SequenceExistsError, OutOfBlocksError or an argument error; changes nothing then.
         """
-        if seq_id in self._seqs:
-            raise SequenceExistsError(seq_id)
-        num_tokens = _resolve_length(num_tokens, token_ids)
-        hits = self._prefix_hits(token_ids, extra_key)
+        self.check_new_id(seq_id)
+        num_tokens, tokens = self._prompt(num_tokens, token_ids, extra_key)
+        hits, keys = self._prefix_hits(tokens, extra_key)
         needed = self._free_blocks_needed(num_tokens, hits)
         if needed > self.allocator.num_free:
-            raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r}")
+            raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
         for block in hits:
             if self.allocator.is_free(block):
                 self.allocator.revive(block)
             else:
                 self.allocator.incref(block)
         blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
-        cached_tokens = len(hits) * self.block_size
-        tracked = self.prefix_cache is not None and token_ids is not None
-        if tracked:
-            assert self.prefix_cache is not None
-            self.prefix_cache.record_query(num_tokens, cached_tokens)
-        self._seqs[seq_id] = SequenceBlocks(
-            blocks=blocks,
-            num_tokens=num_tokens,
-            token_ids=list(token_ids) if tracked and token_ids is not None else None,
-            extra_key=extra_key,
-            num_computed=cached_tokens,
-            num_indexed_blocks=len(hits),
-        )
-        return cached_tokens
+        cached = len(hits) * self.block_size
+        if self.prefix_cache is not None and tokens is not None:
+            self.prefix_cache.record_query(num_tokens, cached)
+        self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, tokens, extra_key, cached, keys)
+        return cached
 
-    def append_slots(
-        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None
-    ) -> list[int]:
+    def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> list[int]:
         """Reserve ``n`` more tokens for ``seq_id``; return their slot ids.
 
         ``token_ids`` (length ``n``) are required for a prefix-cached sequence. Raises
-        OutOfBlocksError (nothing changed) when the new blocks are not free.
+        OutOfBlocksError or an argument error; changes nothing then.
         """
         seq = self.sequence(seq_id)
-        if n < 1:
-            raise ValueError(f"n: {n} must be at least 1")
-        if seq.token_ids is not None and (token_ids is None or len(token_ids) != n):
-            got = "none" if token_ids is None else len(token_ids)
-            raise ValueError(
-                f"token_ids: sequence {seq_id!r} is prefix-cached, so append_slots needs "
-                f"the {n} new token ids (got {got})"
-            )
+        n = require_int("n", n, minimum=1)
+        new_ids = None
+        if seq.token_ids is not None:
+            if token_ids is None:
+                raise InvalidArgumentError(
+                    f"token_ids: sequence {seq_id!r:.60} is prefix-cached, so append_slots needs the {n} new token ids"
+                )
+            new_ids = token_list(token_ids)
+            if len(new_ids) != n:
+                raise InvalidArgumentError(f"token_ids: {len(new_ids)} ids for n={n} new tokens")
         new_blocks = self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
         if new_blocks > self.allocator.num_free:
-            raise OutOfBlocksError(new_blocks, self.allocator.num_free, f"append to {seq_id!r}")
-        seq.blocks.extend(self.allocator.allocate(new_blocks))
+            raise OutOfBlocksError(new_blocks, self.allocator.num_free, f"append to {seq_id!r:.60}")
+        if new_blocks:
+            seq.blocks.extend(self.allocator.allocate(new_blocks))
         start = seq.num_tokens
-        seq.num_tokens += n
-        if seq.token_ids is not None and token_ids is not None:
-            seq.token_ids.extend(token_ids)
-        return self.slots(seq_id, start, seq.num_tokens)
+        seq.num_tokens = start + n
+        if new_ids is not None:
+            seq.token_ids.extend(new_ids)  # type: ignore[union-attr]
+        return seq.slot_range(start, start + n, self.block_size)
+
+    def commit(self, rows: Iterable[ScheduledRow]) -> None:
+        """Record what a step computed: row ``r`` wrote the K/V of tokens ``[start, start +
+        num_new)`` of its sequence (``start`` as the metadata resolved it). Each row must
+        continue its sequence's computed prefix. Checks every row first; raises an argument
+        error and changes nothing when one does not fit."""
+        updates = []
+        for i, row in enumerate(rows):
+            seq = self.sequence(row.seq_id)
+            num_new = require_int(f"rows[{i}].num_new", row.num_new, minimum=1)
+            start = seq.num_tokens - num_new if row.start is None else require_int(f"rows[{i}].start", row.start)
+            if not start <= seq.num_computed or start + num_new > seq.num_tokens:
+                raise InvalidArgumentError(
+                    f"rows[{i}]: tokens [{start}, {start + num_new}) of sequence {row.seq_id!r:.60} do not continue "
+                    f"its {seq.num_computed} computed tokens within its {seq.num_tokens} reserved ones"
+                )
+            updates.append((seq, max(seq.num_computed, start + num_new)))
+        for seq, computed in updates:
+            self._advance(seq, computed)
 
     def mark_computed(self, seq_id: Hashable, num_computed: int) -> None:
-        """Record that the K/V of the first ``num_computed`` tokens is written.
-
-        With prefix caching, full blocks inside that range become shareable from now on.
-        """
+        """Record that the K/V of the first ``num_computed`` tokens is written. Prefer
+        :meth:`commit` with the step's rows: under chunked prefill, passing the reserved length
+        here would share blocks whose K/V is not written yet."""
         seq = self.sequence(seq_id)
+        num_computed = require_int("num_computed", num_computed)
         if not seq.num_computed <= num_computed <= seq.num_tokens:
-            raise ValueError(
-                f"num_computed: {num_computed} must lie in [{seq.num_computed}, "
-                f"{seq.num_tokens}] for sequence {seq_id!r}"
+            raise InvalidArgumentError(
+                f"num_computed: {num_computed} must lie in [{seq.num_computed}, {seq.num_tokens}] "
+                f"for sequence {seq_id!r:.60}"
             )
-        seq.num_computed = num_computed
-        cache = self.prefix_cache
-        if cache is None or seq.token_ids is None:
-            return
-        bs = self.block_size
-        full = min(num_computed, len(seq.token_ids)) // bs
-        for i in range(seq.num_indexed_blocks, full):
-            parent = ROOT if i == 0 else cache.parent_of(seq.blocks[i - 1])
-            key = cache.key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
-            cache.insert(seq.blocks[i], key)
-        seq.num_indexed_blocks = max(seq.num_indexed_blocks, full)
+        self._advance(seq, num_computed)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[BlockCopy]:
         """Make ``child_id`` share ``parent_id``'s blocks.
 
         Full blocks are shared by reference count. A partly filled last block is copied now
         (so no shared block is ever written): the returned ``(src, dst)`` pairs are the block
-        copies the caller must perform on every layer's K and V before the next write.
-        Raises UnknownSequenceError, SequenceExistsError or OutOfBlocksError; changes nothing.
+        copies the caller must perform on every layer's K and V before the next write
+        (``KVCacheTensors.copy_blocks``). Raises UnknownSequenceError, SequenceExistsError or
+        OutOfBlocksError; changes nothing then.
         """
         parent = self.sequence(parent_id)
-        if child_id in self._seqs:
-            raise SequenceExistsError(child_id)
+        self.check_new_id(child_id)
         partial = parent.num_tokens % self.block_size != 0
-        if partial and not self.allocator.can_allocate(1):
-            raise OutOfBlocksError(1, self.allocator.num_free, f"fork {parent_id!r}")
+        if partial and self.allocator.num_free < 1:
+            raise OutOfBlocksError(1, self.allocator.num_free, f"fork {parent_id!r:.60}")
         shared = parent.blocks[:-1] if partial else parent.blocks
         for block in shared:
-            self.allocator.incref(block)
-        copies: list[BlockCopy] = []
+            if block != PAD_BLOCK:
+                self.allocator.incref(block)
         blocks = list(shared)
+        copies: list[BlockCopy] = []
         if partial:
             (dst,) = self.allocator.allocate(1)
             copies.append((parent.blocks[-1], dst))
             blocks.append(dst)
-        self._seqs[child_id] = _copy_of(parent, blocks, num_indexed_blocks=min(parent.num_indexed_blocks, len(shared)))
+        self._seqs[child_id] = parent.copy_onto(blocks, keep_keys=True)
         return copies
 
-    def free(self, seq_id: Hashable) -> None:
-        """Release ``seq_id``'s blocks. Cached blocks stay indexed until evicted; the tail is
-        queued for eviction before the head, since a later request is likelier to share the
-        head. Raises UnknownSequenceError (nothing changed)."""
+    def free(self, seq_id: Hashable, *, reason: FreeReason = "finished") -> None:
+        """Release ``seq_id``'s blocks. ``reason="preempted"`` counts a preemption (the engine
+        will recompute it). Cached blocks stay indexed until evicted; the tail is queued for
+        eviction before the head, since a later request is likelier to share the head.
+        Raises UnknownSequenceError or InvalidArgumentError; changes nothing then."""
+        if reason not in _REASONS:
+            raise InvalidArgumentError(f"reason: {reason!r} is not one of {', '.join(_REASONS)}")
         self.detach(seq_id)
+        if reason == "preempted":
+            self.preemptions["recompute"] += 1
 
-    def detach(self, seq_id: Hashable) -> SequenceBlocks:
+    def detach(self, seq_id: Hashable, *, swapped: bool = False) -> SequenceBlocks:
         """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
-        it held) so that :meth:`attach` can bring it back later, e.g. after a swap."""
+        it held) so that :meth:`attach` can bring it back later. ``swapped``: its K/V was
+        copied out (a swap preemption, counted); the id stays reserved until :meth:`attach`
+        or :meth:`drop_swapped`."""
         seq = self.sequence(seq_id)
         del self._seqs[seq_id]
-        self._release(seq.blocks)
+        self._release_blocks(seq.blocks)
+        if swapped:
+            self._parked.add(seq_id)
+            self.preemptions["swap"] += 1
         return seq
 
     def attach(self, seq_id: Hashable, record: SequenceBlocks) -> list[int]:
-        """Re-create ``seq_id`` from a detached ``record`` in fresh blocks; returns them.
+        """Bring back a detached sequence in fresh blocks (e.g. a swap-in): returns the new
+        block ids, one per real block of ``record``, in order. Its cached-block keys are
+        dropped (the fresh blocks are not indexed). Raises SequenceExistsError or
+        OutOfBlocksError; changes nothing then."""
+        parked = seq_id in self._parked
+        self._parked.discard(seq_id)
+        try:
+            self.check_new_id(seq_id)
+            real = sum(1 for b in record.blocks if b != PAD_BLOCK)
+            fresh = self.allocator.allocate(real)
+        except Exception:
+            if parked:
+                self._parked.add(seq_id)
+            raise
+        self._seqs[seq_id] = record.copy_onto([PAD_BLOCK] * (len(record.blocks) - real) + fresh, keep_keys=False)
+        return list(fresh)
 
-        Its tokens count as computed once the caller has copied the K/V back; its full blocks
-        are indexed in the prefix cache again at the next :meth:`mark_computed`. Raises
-        SequenceExistsError or OutOfBlocksError; changes nothing then.
-        """
-        if seq_id in self._seqs:
-            raise SequenceExistsError(seq_id)
-        blocks = self.allocator.allocate(self.blocks_for(record.num_tokens))
-        self._seqs[seq_id] = _copy_of(record, blocks, num_indexed_blocks=0)
-        return list(blocks)
-
-    def preempt(self, seq_id: Hashable, mode: str = "recompute", swap_space: SwapTarget | None = None) -> None:
-        """Take ``seq_id``'s blocks back from a running sequence.
-
-        ``recompute``: its blocks are freed; the caller re-admits it later and recomputes its
-        K/V (prompt + generated tokens). ``swap``: its K/V is copied to ``swap_space`` (a
-        :class:`kvcache.swap.SwapSpace`) and comes back with ``swap_space.swap_in``.
-        Raises UnknownSequenceError, ValueError for a bad mode, OutOfBlocksError when the
-        swap space is full; changes nothing then.
-        """
-        if mode == "recompute":
-            self.free(seq_id)
-        elif mode == "swap":
-            if swap_space is None:
-                raise ValueError("swap_space: preempt(mode='swap') needs the SwapSpace to copy into")
-            swap_space.swap_out(seq_id)
-        else:
-            raise ValueError(f"mode: {mode!r} is not a preemption mode; use 'recompute' or 'swap'")
-        self.preemptions[mode] += 1
+    def drop_swapped(self, seq_id: Hashable) -> None:
+        """Free the id of a swapped-out sequence that will not come back."""
+        self._parked.discard(seq_id)
 
     def hold(self, blocks: Iterable[int]) -> None:
-        """Keep ``blocks`` allocated without a block table (e.g. while a copy reads them)."""
+        """Keep owned ``blocks`` allocated without a block table (while a copy reads them).
+        Raises InvalidArgumentError (nothing changed) for an id that is not an owned block."""
+        blocks = list(blocks)
+        for block in blocks:
+            if self.allocator.is_free(block):
+                raise InvalidArgumentError(f"blocks: block {block} is free; only owned blocks can be held")
         for block in blocks:
             self.allocator.incref(block)
             self._holds[block] = self._holds.get(block, 0) + 1
 
     def release(self, blocks: Iterable[int]) -> None:
-        """Drop holds taken with :meth:`hold`."""
+        """Drop holds taken with :meth:`hold`. Raises InvalidArgumentError (nothing changed)
+        for a block that is not held (as many times as listed)."""
         blocks = list(blocks)
+        counts: dict[int, int] = {}
         for block in blocks:
-            count = self._holds.get(block, 0)
-            assert count > 0, f"release of block {block}, which is not held"
-            if count == 1:
-                del self._holds[block]
+            counts[block] = counts.get(block, 0) + 1
+        for block, count in counts.items():
+            if self._holds.get(block, 0) < count:
+                raise InvalidArgumentError(
+                    f"blocks: block {block!r:.20} is released {count} time(s) but held {self._holds.get(block, 0)}"
+                )
+        for block, count in counts.items():
+            left = self._holds[block] - count
+            if left:
+                self._holds[block] = left
             else:
-                self._holds[block] = count - 1
-        self._release(blocks)
+                del self._holds[block]
+        self._release_blocks(blocks)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block key; returns how many were dropped (0 without caching)."""
+        """Forget every cached block key; returns how many were dropped (0 without caching).
+        Running sequences re-index their blocks at their next commit."""
         if self.prefix_cache is None:
             return 0
-        dropped = self.prefix_cache.reset()
         for seq in self._seqs.values():
-            seq.num_indexed_blocks = 0
-        return dropped
-
-    def stats(self, swap_space: SwapTarget | None = None) -> CacheStats:
-        """A metrics snapshot (see :mod:`kvcache.metrics`)."""
-        from kvcache.metrics import collect_stats  # metrics imports this module
-
-        return collect_stats(self, swap_space)  # type: ignore[arg-type]
+            seq.keys.clear()
+        return self.prefix_cache.reset()
 
     # ---- checks ------------------------------------------------------------------------
 
@@ -347,71 +322,74 @@ class BlockManager:
         for block, count in self._holds.items():
             owners[block] += count
         for seq_id, seq in self._seqs.items():
-            found += self._sequence_problems(seq_id, seq)
+            found += seq.problems(seq_id, self.block_size, self.allocator)
             for block in seq.blocks:
-                owners[block] += 1
+                if 0 <= block < self.num_blocks:
+                    owners[block] += 1
         for block, count in enumerate(owners):
             ref = self.allocator.ref_count(block)
             if ref != count:
-                found.append(
-                    f"block {block}: reference count {ref}, but {count} block tables and holds have it"
-                )
+                found.append(f"block {block}: reference count {ref}, but {count} block tables and holds have it")
         if found:
             raise IntegrityError(f"{len(found)} integrity problem(s):\n  " + "\n  ".join(found))
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _sequence_problems(self, seq_id: Hashable, seq: SequenceBlocks) -> list[str]:
-        found = []
-        want = self.blocks_for(seq.num_tokens)
-        if len(seq.blocks) != want:
-            found.append(f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens (want {want})")
-        if len(set(seq.blocks)) != len(seq.blocks):
-            found.append(f"sequence {seq_id!r} holds a block twice: {seq.blocks}")
-        if seq.token_ids is not None and len(seq.token_ids) != seq.num_tokens:
-            found.append(f"sequence {seq_id!r}: {len(seq.token_ids)} token ids for {seq.num_tokens} tokens")
-        last_partial = seq.num_tokens % self.block_size != 0
-        if seq.blocks and last_partial and self.allocator.ref_count(seq.blocks[-1]) > 1:
-            found.append(f"sequence {seq_id!r}: partly filled last block {seq.blocks[-1]} is shared")
-        return found
+    def _prompt(
+        self, num_tokens: int | None, token_ids: Sequence[int] | None, extra_key: Hashable
+    ) -> tuple[int, list[int] | None]:
+        """(length, token list kept for prefix caching or None), checked."""
+        tokens = None
+        if token_ids is not None:
+            if self.prefix_cache is not None:
+                tokens = token_list(token_ids)
+                length = len(tokens)
+            else:
+                length = token_count(token_ids)
+            if num_tokens is not None and require_int("num_tokens", num_tokens) != length:
+                raise InvalidArgumentError(
+                    f"num_tokens: {num_tokens} disagrees with len(token_ids) = {length}; pass one of them"
+                )
+            num_tokens = length
+        if num_tokens is None:
+            raise InvalidArgumentError("num_tokens: pass num_tokens or token_ids")
+        num_tokens = require_int("num_tokens", num_tokens, minimum=1)
+        try:
+            hash(extra_key)
+        except TypeError:
+            raise ArgumentTypeError(f"extra_key: {type(extra_key).__name__} is not hashable") from None
+        return num_tokens, tokens
 
-    def _release(self, blocks: Iterable[int]) -> None:
-        cache = self.prefix_cache
-        for block in reversed(list(blocks)):
-            self.allocator.decref(block, keep_cached=cache is not None and cache.is_cached(block))
-
-    def _prefix_hits(self, token_ids: Sequence[int] | None, extra_key: Hashable) -> list[int]:
-        if self.prefix_cache is None or token_ids is None or len(token_ids) == 0:
-            return []
+    def _prefix_hits(self, tokens: list[int] | None, extra_key: Hashable) -> tuple[list[int], list]:
+        if self.prefix_cache is None or not tokens:
+            return [], []
         # Match over all tokens but the last: its logits are needed, so it is always computed.
-        return self.prefix_cache.match(token_ids[: len(token_ids) - 1], extra_key)
+        return self.prefix_cache.match(tokens[: len(tokens) - 1], extra_key)
 
     def _free_blocks_needed(self, num_tokens: int, hits: list[int]) -> int:
         """New blocks, plus the hits that must be taken out of the free queue."""
         revived = sum(1 for block in hits if self.allocator.is_free(block))
         return self.blocks_for(num_tokens) - len(hits) + revived
 
+    def _advance(self, seq: SequenceBlocks, num_computed: int) -> None:
+        """Set the computed prefix; index newly full blocks; release blocks behind the window."""
+        seq.num_computed = num_computed
+        cache = self.prefix_cache
+        if cache is not None and seq.token_ids is not None:
+            full = min(num_computed, len(seq.token_ids)) // self.block_size
+            if full > len(seq.keys):
+                cache.index(seq.blocks, seq.keys, seq.token_ids, seq.extra_key, full)
+        if self.sliding_window is not None:
+            behind = max(0, num_computed - self.sliding_window + 1) // self.block_size
+            if behind > seq.num_released:
+                gone = seq.blocks[seq.num_released : behind]
+                seq.blocks[seq.num_released : behind] = [PAD_BLOCK] * len(gone)
+                seq.num_released = behind
+                seq.epoch += 1
+                self._release_blocks(gone)
 
-def _copy_of(record: SequenceBlocks, blocks: list[int], num_indexed_blocks: int) -> SequenceBlocks:
-    """A new record with ``record``'s tokens over ``blocks`` (a fork, or a swap-in)."""
-    return SequenceBlocks(
-        blocks=blocks,
-        num_tokens=record.num_tokens,
-        token_ids=list(record.token_ids) if record.token_ids is not None else None,
-        extra_key=record.extra_key,
-        num_computed=record.num_computed,
-        num_indexed_blocks=num_indexed_blocks,
-    )
-
-
-def _resolve_length(num_tokens: int | None, token_ids: Sequence[int] | None) -> int:
-    if token_ids is not None:
-        if num_tokens is not None and num_tokens != len(token_ids):
-            raise ValueError(
-                f"num_tokens: {num_tokens} disagrees with len(token_ids) = {len(token_ids)}; "
-                f"pass one of them"
-            )
-        num_tokens = len(token_ids)
-    if num_tokens is None or num_tokens < 1:
-        raise ValueError(f"num_tokens: {num_tokens} must be at least 1 (or pass token_ids)")
-    return num_tokens
+    def _release_blocks(self, blocks: list[int]) -> None:
+        # Tail first: a later request is likelier to share the head, so the head is evicted last.
+        real = [b for b in reversed(blocks) if b != PAD_BLOCK]
+        cache = self.prefix_cache
+        self.allocator.release(real, cache.keep_on_free if cache is not None else None)

@@ -58,18 +58,15 @@ class CacheStats:
 
 
 def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) -> CacheStats:
-    """Snapshot ``manager`` (and its swap space). O(number of cached blocks)."""
+    """Snapshot ``manager`` (and its swap space). O(1)."""
     cache = manager.prefix_cache
     alloc = manager.allocator
-    cached_free = 0
-    if cache is not None:
-        cached_free = sum(1 for block in cache.cached_blocks() if alloc.is_free(block))
     return CacheStats(
         blocks_total=alloc.num_blocks,
         blocks_used=alloc.num_used,
         blocks_free=alloc.num_free,
         blocks_cached=len(cache) if cache is not None else 0,
-        blocks_cached_free=cached_free,
+        blocks_cached_free=alloc.num_cached_free,
         prefix_cache_queries=cache.query_tokens if cache is not None else 0,
         prefix_cache_hits=cache.hit_tokens if cache is not None else 0,
         prefix_cache_evictions=cache.evictions if cache is not None else 0,

@@ -1,111 +1,188 @@
 """Prefix caching: find full blocks whose K/V another sequence already computed.
 
-A full block is identified by a chained key ``(parent, tokens, extra)``: ``parent`` names the
-exact filling of the previous block as ``(block id, generation)``, ``tokens`` are this block's
-token ids and ``extra`` is a caller's key (an adapter id, a salt). Keys are compared by
-equality, not by a digest, so two different prefixes can never share a key: a hash collision
-cannot hand out the wrong K/V. The generation grows whenever a block is refilled, so a key
-whose parent block was evicted and reused can no longer be reached.
+A full block is identified by its *content*: a :class:`BlockKey` holds the block's token ids,
+a caller's extra key (an adapter id, a salt) and the key of the block before it, so a key
+stands for the whole prefix up to and including its block, whichever physical blocks hold
+that prefix. Two requests sharing a system prompt therefore key their later blocks alike even
+when they were admitted in the same step and computed the prompt twice.
+
+Lookups hash (a digest of the chain, precomputed per key), but equality compares tokens and
+extra keys exactly, link by link, so a hash collision can never hand out the wrong K/V.
 
 The cache only indexes blocks; the allocator owns them. A cached block with no owner waits in
-the allocator's free queue (least recently freed in front) until it is revived by a hit or
-evicted by an allocation, at which point :meth:`PrefixCache.forget` drops its key.
+the allocator's free queue (least recently freed first) until it is revived by a hit or
+evicted by an allocation, at which point :meth:`PrefixCache.forget` drops it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvcache.allocator import BlockAllocator
+__all__ = ["BlockKey", "PrefixCache"]
 
-__all__ = ["ROOT", "BlockKey", "PrefixCache"]
 
-#: ``(parent block, parent generation, token ids, extra key)``.
-BlockKey = tuple[int, int, tuple[int, ...], Hashable]
-#: The parent of a sequence's first block.
-ROOT: tuple[int, int] = (-1, 0)
+class BlockKey:
+    """The content of one full block and of every block before it (see the module docstring).
+    Immutable; hashed once at construction."""
+
+    __slots__ = ("_hash", "extra", "parent", "tokens")
+
+    def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable):
+        self.parent = parent
+        self.tokens = tokens
+        self.extra = extra
+        self._hash = hash((0 if parent is None else parent._hash, tokens, extra))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockKey):
+            return NotImplemented
+        a: BlockKey | None = self
+        b: BlockKey | None = other
+        # Walk both chains; links built from the cache's own keys are the same objects, so
+        # the walk usually stops after one step. A loop, not recursion: chains can be long.
+        while a is not b:
+            if a is None or b is None or a._hash != b._hash or a.tokens != b.tokens or a.extra != b.extra:
+                return False
+            a, b = a.parent, b.parent
+        return True
+
+    def __repr__(self) -> str:
+        return f"BlockKey(tokens={self.tokens!r}, extra={self.extra!r}, has_parent={self.parent is not None})"
 
 
 class PrefixCache:
-    """Maps block keys to the block holding that K/V, and counts hits and evictions."""
+    """Maps block keys to the block holding that K/V, and counts queries, hits, evictions.
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
-        self.allocator = allocator
+    Each key has at most one *holder* block that lookups return. A block computed with the
+    same content as a held key (two requests admitted together) is a *duplicate*: it is not
+    returned by lookups, but takes over as holder if the holder is evicted while it lives.
+    """
+
+    def __init__(self, block_size: int):
         self.block_size = block_size
-        self._block_of: dict[BlockKey, int] = {}
+        self._holder: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
-        allocator.on_reuse = self.forget
+        self._duplicates: dict[BlockKey, set[int]] = {}
+        self._duplicate_key: dict[int, BlockKey] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._block_of)
+        """Keys indexed (one holder block each)."""
+        return len(self._holder)
 
-    def parent_of(self, block: int) -> tuple[int, int]:
-        """The parent name a key uses for ``block``: its id and current generation."""
-        return (block, self.allocator.generation(block))
+    # ---- lookups (change nothing) ------------------------------------------------------
 
-    def key(self, parent: tuple[int, int], tokens: Sequence[int], extra: Hashable) -> BlockKey:
-        assert len(tokens) == self.block_size, "only full blocks are cached"
-        return (parent[0], parent[1], tuple(tokens), extra)
-
-    def match(self, token_ids: Sequence[int], extra: Hashable) -> list[int]:
-        """The blocks holding the longest cached run of full blocks of ``token_ids``.
-
-        Changes nothing (counting queries and hits is :meth:`record_query`'s job).
-        """
-        found: list[int] = []
-        parent = ROOT
+    def match(self, token_ids: Sequence[int], extra: Hashable) -> tuple[list[int], list[BlockKey]]:
+        """The holder blocks of the longest cached run of full blocks of ``token_ids``, and
+        their keys. Changes nothing (counting is :meth:`record_query`'s job)."""
+        blocks: list[int] = []
+        keys: list[BlockKey] = []
+        parent: BlockKey | None = None
         bs = self.block_size
+        holder, key_of = self._holder, self._key_of
         for start in range(0, len(token_ids) - bs + 1, bs):
-            block = self._block_of.get(self.key(parent, token_ids[start : start + bs], extra))
+            block = holder.get(BlockKey(parent, tuple(token_ids[start : start + bs]), extra))
             if block is None:
                 break
-            found.append(block)
-            parent = self.parent_of(block)
-        return found
+            parent = key_of[block]  # the stored key: later links compare by identity
+            blocks.append(block)
+            keys.append(parent)
+        return blocks, keys
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is the holder of a key (a lookup can return it)."""
+        return block in self._key_of
+
+    def cached_blocks(self) -> list[int]:
+        """Every holder block (in use or free)."""
+        return list(self._key_of)
+
+    # ---- updates -----------------------------------------------------------------------
 
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
-    def insert(self, block: int, key: BlockKey) -> bool:
-        """Index ``block`` under ``key``. Returns False (and indexes nothing) when another block
-        already holds that key or ``block`` is already indexed."""
-        if key in self._block_of or block in self._key_of:
+    def index(
+        self, blocks: Sequence[int], keys: list[BlockKey], token_ids: Sequence[int], extra: Hashable, num_full: int
+    ) -> None:
+        """Key a sequence's full blocks ``len(keys) .. num_full - 1`` and append their keys to
+        ``keys`` (the sequence's list of its blocks' keys, extended in place).
+
+        A block whose key is already held by another block becomes a duplicate; either way
+        the key appended is the stored one, so the chain continues from it.
+        """
+        bs = self.block_size
+        for i in range(len(keys), num_full):
+            key = BlockKey(keys[-1] if keys else None, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
+            block = blocks[i]
+            holder = self._holder.get(key)
+            if holder is None:
+                self._holder[key] = block
+                self._key_of[block] = key
+            else:
+                key = self._key_of[holder]
+                if holder != block:
+                    self._duplicates.setdefault(key, set()).add(block)
+                    self._duplicate_key[block] = key
+            keys.append(key)
+
+    def keep_on_free(self, block: int) -> bool:
+        """Called when ``block`` loses its last owner: whether its K/V is worth keeping (it is
+        a holder). A duplicate is dropped here: nothing can look it up."""
+        key = self._duplicate_key.pop(block, None)
+        if key is not None:
+            self._drop_duplicate(key, block)
             return False
-        self._block_of[key] = block
-        self._key_of[block] = key
-        return True
-
-    def cached_blocks(self) -> list[int]:
-        """Every indexed block (in use or free)."""
-        return list(self._key_of)
-
-    def is_cached(self, block: int) -> bool:
         return block in self._key_of
 
     def forget(self, block: int) -> None:
-        """Drop ``block``'s key: it is being refilled. Counts an eviction if it had one."""
+        """Drop ``block`` from the index: it is being refilled with other content. Counts an
+        eviction if it held a key; a live duplicate of that key takes over."""
         key = self._key_of.pop(block, None)
-        if key is not None:
-            del self._block_of[key]
-            self.evictions += 1
+        if key is None:
+            return
+        del self._holder[key]
+        self.evictions += 1
+        dupes = self._duplicates.get(key)
+        if dupes:
+            heir = dupes.pop()
+            del self._duplicate_key[heir]
+            if not dupes:
+                del self._duplicates[key]
+            self._holder[key] = heir
+            self._key_of[heir] = key
 
     def reset(self) -> int:
-        """Forget every key (blocks in use keep their K/V but can no longer be shared).
-        Returns how many keys were dropped."""
-        dropped = len(self._block_of)
-        self._block_of.clear()
+        """Forget every key (blocks in use keep their K/V). Returns how many were dropped."""
+        dropped = len(self._holder)
+        self._holder.clear()
         self._key_of.clear()
+        self._duplicates.clear()
+        self._duplicate_key.clear()
         return dropped
 
     def integrity_problems(self) -> list[str]:
         found = []
-        if len(self._block_of) != len(self._key_of):
-            found.append(f"prefix cache maps {len(self._block_of)} keys but {len(self._key_of)} blocks")
-        for key, block in self._block_of.items():
-            if self._key_of.get(block) != key:
+        if len(self._holder) != len(self._key_of):
+            found.append(f"prefix cache maps {len(self._holder)} keys but {len(self._key_of)} holder blocks")
+        for key, block in self._holder.items():
+            if self._key_of.get(block) is not key:
                 found.append(f"prefix cache key of block {block} does not map back to it")
+        for block, key in self._duplicate_key.items():
+            if block in self._key_of:
+                found.append(f"block {block} is both a holder and a duplicate")
+            if block not in self._duplicates.get(key, ()):
+                found.append(f"duplicate block {block} is missing from its key's set")
         return found
+
+    def _drop_duplicate(self, key: BlockKey, block: int) -> None:
+        dupes = self._duplicates[key]
+        dupes.discard(block)
+        if not dupes:
+            del self._duplicates[key]

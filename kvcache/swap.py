@@ -23,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from attention.checks import require_int
+from attention.errors import InvalidArgumentError, OutOfBlocksError, SequenceExistsError, UnknownSequenceError
+from attention.metadata import PAD_BLOCK
 from kvcache.allocator import BlockAllocator
 from kvcache.cache_tensors import KVCacheTensors
-from kvcache.errors import OutOfBlocksError, SequenceExistsError, UnknownSequenceError
-from kvcache.manager import BlockManager, SequenceBlocks
+from kvcache.manager import BlockManager
+from kvcache.sequence import SequenceBlocks
 
 __all__ = ["SwapSpace"]
 
@@ -41,8 +44,18 @@ class SwapSpace:
     """A host block pool for one manager and its device cache."""
 
     def __init__(self, manager: BlockManager, cache: KVCacheTensors, num_host_blocks: int):
+        """Raises InvalidArgumentError (allocating nothing) when the pool would hold no block
+        or the cache has fewer blocks than the manager hands out."""
+        num_host_blocks = require_int("num_host_blocks", num_host_blocks)
         if num_host_blocks < 1:
-            raise ValueError(f"num_host_blocks: {num_host_blocks} must be at least 1 (cache.swap_space is too small)")
+            raise InvalidArgumentError(
+                f"num_host_blocks: {num_host_blocks} must be at least 1 (cache.swap_space is too small)"
+            )
+        if cache.num_blocks < manager.num_blocks or cache.block_size != manager.block_size:
+            raise InvalidArgumentError(
+                f"cache: {cache.num_blocks} blocks of {cache.block_size} tokens, but the manager hands out "
+                f"{manager.num_blocks} blocks of {manager.block_size}; build both from the same config"
+            )
         self.manager = manager
         self.cache = cache
         self.allocator = BlockAllocator(num_host_blocks)
@@ -60,8 +73,7 @@ class SwapSpace:
     @classmethod
     def for_bytes(cls, manager: BlockManager, cache: KVCacheTensors, num_bytes: int) -> SwapSpace:
         """A pool of ``num_bytes`` (``cache.swap_space``), in whole blocks."""
-        per_block = cache.nbytes // cache.num_blocks
-        return cls(manager, cache, num_bytes // per_block)
+        return cls(manager, cache, require_int("num_bytes", num_bytes, minimum=0) // cache.bytes_per_block)
 
     @property
     def num_host_blocks(self) -> int:
@@ -77,7 +89,7 @@ class SwapSpace:
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Whether the host pool has room for ``seq_id``'s blocks. Changes nothing."""
-        return self.allocator.can_allocate(len(self.manager.sequence(seq_id).blocks))
+        return self.allocator.can_allocate(len(_real(self.manager.sequence(seq_id).blocks)))
 
     def can_swap_in(self, seq_id: Hashable) -> bool:
         """Whether the device has free blocks for swapped-out ``seq_id``. Changes nothing."""
@@ -91,13 +103,12 @@ class SwapSpace:
         """
         self.poll()
         record = self.manager.sequence(seq_id)
-        device_blocks = list(record.blocks)
+        device_blocks = _real(record.blocks)
         if not self.allocator.can_allocate(len(device_blocks)):
             raise OutOfBlocksError(len(device_blocks), self.allocator.num_free, f"swap out {seq_id!r} (host pool)")
         host_blocks = self.allocator.allocate(len(device_blocks))
         self._copy_to_host(device_blocks, host_blocks)
-        self.manager.detach(seq_id)
-        record.blocks = []
+        self.manager.detach(seq_id, swapped=True)
         self._swapped[seq_id] = _Swapped(record, host_blocks)
         self.swapped_out_blocks += len(device_blocks)
         return list(zip(device_blocks, host_blocks, strict=True))
@@ -110,8 +121,7 @@ class SwapSpace:
         entry = self._entry(seq_id)
         device_blocks = self.manager.attach(seq_id, entry.record)
         self._copy_to_device(entry.host_blocks, device_blocks)
-        for block in entry.host_blocks:
-            self.allocator.decref(block)
+        self.allocator.release(entry.host_blocks)
         del self._swapped[seq_id]
         self.swapped_in_blocks += len(device_blocks)
         return list(zip(entry.host_blocks, device_blocks, strict=True))
@@ -119,9 +129,9 @@ class SwapSpace:
     def drop(self, seq_id: Hashable) -> None:
         """Forget a swapped-out sequence (e.g. its request was cancelled)."""
         entry = self._entry(seq_id)
-        for block in entry.host_blocks:
-            self.allocator.decref(block)
+        self.allocator.release(entry.host_blocks)
         del self._swapped[seq_id]
+        self.manager.drop_swapped(seq_id)
 
     def poll(self) -> None:
         """Return device blocks whose swap-out copy has finished to the free pool."""
@@ -196,3 +206,8 @@ class SwapSpace:
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_event(done)
+
+
+def _real(blocks: list[int]) -> list[int]:
+    """The block ids of a table, without entries released behind a sliding window."""
+    return [b for b in blocks if b != PAD_BLOCK]

@@ -1,0 +1,78 @@
+"""The one dtype table: every element type a config may name, as plain data.
+
+Imports no torch, so the config validator and the CLI stay fast; :func:`torch_dtype` looks
+the torch dtype up when a tensor is about to be made. Adding a dtype is one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "DtypeInfo", "dtype_info", "dtype_name", "resolve_dtype_alias", "torch_dtype"]
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    """One element type.
+
+    name:       as written in YAML (``cache.dtype``).
+    torch_name: the attribute of ``torch`` holding it.
+    itemsize:   bytes per element.
+    aliases:    other spellings people write, accepted with a "did you mean".
+    cache_only: a storage format for the KV cache only (fp8): the model computes in another
+                dtype, and values are scaled when written and read.
+    """
+
+    name: str
+    torch_name: str
+    itemsize: int
+    aliases: tuple[str, ...] = ()
+    cache_only: bool = False
+
+
+DTYPES: dict[str, DtypeInfo] = {
+    d.name: d
+    for d in (
+        DtypeInfo("float16", "float16", 2, ("fp16", "half")),
+        DtypeInfo("bfloat16", "bfloat16", 2, ("bf16",)),
+        DtypeInfo("float32", "float32", 4, ("fp32", "float")),
+    )
+}
+
+
+def dtype_info(name: str) -> DtypeInfo:
+    """The entry for ``name``. Raises KeyError listing the known names."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise KeyError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def resolve_dtype_alias(text: str) -> str | None:
+    """The table name an alias (``bf16``, ``half``, ...) stands for, or None."""
+    lowered = text.lower()
+    for info in DTYPES.values():
+        if lowered == info.name or lowered in info.aliases:
+            return info.name
+    return None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of table entry ``name`` (imports torch)."""
+    import torch
+
+    result: torch.dtype = getattr(torch, dtype_info(name).torch_name)
+    return result
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The table name of a torch dtype, or ``str(dtype)`` when it has none."""
+    short = str(dtype).removeprefix("torch.")
+    for info in DTYPES.values():
+        if info.torch_name == short:
+            return info.name
+    return str(dtype)

@@ -1,0 +1,41 @@
+"""One layer's view of the paged K/V cache: what ``write_kv`` and ``attend`` read and write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LayerCache"]
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's K and V cache tensors.
+
+    key, value: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the spec's
+                cache dtype (``AttentionSpec.cache_dtype``).
+    index:      the layer's index in the model (which layers use a sliding window).
+    k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (the stored
+                value times the scale is the real K/V); None for 16/32-bit caches.
+    ``kvcache.KVCacheTensors.layer(i)`` builds these once per layer and hands the same objects
+    out every step.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    index: int = 0
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.key.shape[0] * self.key.shape[1])

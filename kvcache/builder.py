@@ -1,0 +1,349 @@
+"""Each step's attention metadata (and its plan) in persistent buffers, with one host-to-device
+copy per step.
+
+The builder keeps one host buffer (pinned on CUDA) and one device buffer of the same layout,
+allocated once for a :class:`~attention.staging.StepCapacity` (or grown on demand when no
+capacity is given). Every integer a step needs -- lengths, query starts, slots, positions,
+logits indices, the backend plan's work lists, and the block tables -- is written into the
+host buffer and copied in one transfer; the metadata's tensors are views of the device buffer,
+so their addresses never change (what a CUDA graph captured over them needs).
+
+Block tables are persistent rows: row ``i`` remembers which sequence record it showed and how
+many of its blocks are already written, so a step writes only the blocks appended since (a
+decode step: one block every ``block_size`` steps per row), and rewrites a row only when
+another sequence takes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from attention.base import AttentionBackend, StepPlan
+from attention.checks import require_int
+from attention.errors import InvalidArgumentError, MetadataError, UnknownSequenceError
+from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
+from attention.staging import PlanStaging, StepCapacity
+from kvcache.manager import BlockManager
+from kvcache.rows import ScheduledRow
+from kvcache.sequence import SequenceBlocks
+
+__all__ = ["MetadataBuilder", "ScheduledRow", "build_metadata"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of the regions of one buffer, for one capacity. The block tables come
+    last, so a step copies only the rows it uses of them."""
+
+    capacity: StepCapacity
+    seq_lens: int
+    query_start_loc: int
+    staged: dict[str, tuple[int, int]]  # name -> (offset, int32 entries)
+    slots: int
+    positions: int
+    logits: int
+    tables: int
+    nbytes: int
+
+    @staticmethod
+    def of(capacity: StepCapacity, staged: dict[str, int]) -> _Layout:
+        r, t, w = capacity.max_rows, capacity.max_tokens, capacity.max_blocks_per_seq
+        offset = 0
+
+        def take(nbytes: int) -> int:
+            nonlocal offset
+            start = offset
+            offset += -(-nbytes // 8) * 8  # 8-byte aligned, for the int64 views
+            return start
+
+        seq_lens, qsl = take(4 * r), take(4 * (r + 1))
+        regions = {name: (take(4 * n), n) for name, n in staged.items()}
+        slots, positions, logits = take(8 * t), take(8 * t), take(8 * r)
+        tables = take(4 * r * w)
+        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, tables, offset)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a CPU tensor's bytes (no numpy needed)."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class MetadataBuilder:
+    """Builds :class:`AttentionMetadata` (and, with a backend, the step's plan) for one device.
+
+    device:   where the metadata lives (the cache's device).
+    capacity: fixed buffer sizes (required for CUDA graphs); None: buffers grow as needed.
+    backend:  the backend whose plans :meth:`plan` makes, staged into the same buffers.
+    One builder per engine: rows stay persistent between steps.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        capacity: StepCapacity | None = None,
+        backend: AttentionBackend | None = None,
+    ):
+        self.device = torch.device(device)
+        self.backend = backend
+        self.fixed = capacity is not None
+        self._on_cuda = self.device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None
+        self._allocate(capacity or StepCapacity(8, 64, 8))
+
+    @property
+    def capacity(self) -> StepCapacity:
+        return self._layout.capacity
+
+    # ---- per step ----------------------------------------------------------------------
+
+    def build(self, manager: BlockManager, rows: Sequence[ScheduledRow], *, pad_to: int | None = None) -> AttentionMetadata:
+        """Metadata for ``rows``, in order, padded with empty rows to ``pad_to`` rows (a CUDA
+        graph bucket). Changes nothing in ``manager``. Raises MetadataError naming the row
+        when a row asks for positions outside the sequence's held tokens,
+        UnknownSequenceError for an unknown id, and InvalidArgumentError when the step does
+        not fit a fixed capacity."""
+        meta = self._fill(manager, rows, pad_to)
+        self._commit(meta)
+        return meta
+
+    def plan(self, manager: BlockManager, rows: Sequence[ScheduledRow], *, pad_to: int | None = None) -> StepPlan:
+        """Metadata and the backend's plan for ``rows``, staged together and copied to the
+        device in one transfer. ``pad_to``: plan for a CUDA-graph bucket of that many rows."""
+        if self.backend is None:
+            raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
+        meta = self._fill(manager, rows, pad_to)
+        plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
+        self._commit(meta)
+        return plan
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _allocate(self, capacity: StepCapacity) -> None:
+        staged = {}
+        if self.backend is not None:
+            staged = {r.name: r.numel for r in self.backend.buffer_requests(capacity) if r.staged}
+        layout = _Layout.of(capacity, staged)
+        pin = self._on_cuda
+        self._host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._device_buf = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
+        self._mv = _bytes_view(self._host)
+        self._layout = layout
+        rows = capacity.max_rows
+        self._row_record: list[SequenceBlocks | None] = [None] * rows
+        self._row_epoch = [0] * rows
+        self._row_written = [0] * rows
+        self._staging = _BufferStaging(self, capacity)
+
+    def _grow(self, rows: int, tokens: int, width: int) -> None:
+        cap = self._layout.capacity
+        if rows <= cap.max_rows and tokens <= cap.max_tokens and width <= cap.max_blocks_per_seq:
+            return
+        if self.fixed:
+            raise InvalidArgumentError(
+                f"rows: the step has {rows} rows, {tokens} tokens and needs {width} block-table columns; the "
+                f"builder's capacity is {cap.max_rows} rows, {cap.max_tokens} tokens, {cap.max_blocks_per_seq} "
+                f"columns; schedule smaller steps or build the MetadataBuilder with a larger capacity"
+            )
+        self._wait_for_copy()
+        self._allocate(
+            StepCapacity(
+                max(rows, 2 * cap.max_rows) if rows > cap.max_rows else cap.max_rows,
+                max(tokens, 2 * cap.max_tokens) if tokens > cap.max_tokens else cap.max_tokens,
+                max(width, 2 * cap.max_blocks_per_seq) if width > cap.max_blocks_per_seq else cap.max_blocks_per_seq,
+            )
+        )
+
+    def _fill(self, manager: BlockManager, rows: Sequence[ScheduledRow], pad_to: int | None) -> AttentionMetadata:
+        n = len(rows)
+        if n == 0:
+            raise InvalidArgumentError("rows: a step needs at least one scheduled row")
+        padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=n)
+        seqs = manager._seqs
+        bs = manager.block_size
+        records: list[SequenceBlocks] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        starts: list[int] = []
+        tokens = 0
+        widest = 0
+        for i, row in enumerate(rows):
+            try:
+                seq = seqs.get(row.seq_id) if isinstance(row, ScheduledRow) else None
+            except TypeError:  # an unhashable id
+                seq = None
+            if seq is None:
+                _raise_bad_row(i, row, manager)
+            num_new = row.num_new
+            start = seq.num_tokens - num_new if row.start is None else row.start
+            end = start + num_new
+            if (
+                type(num_new) is not int
+                or type(start) is not int
+                or num_new < 1
+                or start < seq.num_released * bs
+                or end > seq.num_tokens
+            ):
+                raise MetadataError(
+                    f"rows[{i}]: tokens [{start!r:.20}, {end!r:.20}) of sequence {row.seq_id!r:.60} are not within "
+                    f"its held tokens [{seq.num_released * bs}, {seq.num_tokens}); append_slots first"
+                )
+            records.append(seq)
+            seq_lens.append(end)
+            query_lens.append(num_new)
+            starts.append(start)
+            tokens += num_new
+            widest = max(widest, len(seq.blocks))
+        self._grow(padded, tokens + padded - n, widest)
+        self._wait_for_copy()
+        self._write_tables(records)
+        return self._write_rows(records, seq_lens, query_lens, starts, tokens, padded, bs)
+
+    def _write_tables(self, records: list[SequenceBlocks]) -> None:
+        """Write the blocks each row does not show yet (all of them when the row changed hands)."""
+        layout = self._layout
+        width = layout.capacity.max_blocks_per_seq
+        table = self._mv[layout.tables : layout.tables + 4 * layout.capacity.max_rows * width].cast("i")
+        shown, epochs, written = self._row_record, self._row_epoch, self._row_written
+        for i, seq in enumerate(records):
+            blocks = seq.blocks
+            have = len(blocks)
+            if shown[i] is seq and epochs[i] == seq.epoch:
+                done = written[i]
+                if have > done:
+                    table[i * width + done : i * width + have] = array("i", blocks[done:])
+                    written[i] = have
+                continue
+            stale = written[i] if shown[i] is not None else 0
+            table[i * width : i * width + have] = array("i", blocks)
+            if stale > have:  # the previous sequence of this row was longer: hide its blocks
+                table[i * width + have : i * width + stale] = array("i", [PAD_BLOCK]) * (stale - have)
+            shown[i], epochs[i], written[i] = seq, seq.epoch, have
+
+    def _write_rows(
+        self,
+        records: list[SequenceBlocks],
+        seq_lens: list[int],
+        query_lens: list[int],
+        starts: list[int],
+        tokens: int,
+        padded: int,
+        bs: int,
+    ) -> AttentionMetadata:
+        n = len(records)
+        slots: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        logits: list[int] = []
+        sampling: list[int] = []
+        total = 0
+        for i, seq in enumerate(records):
+            start, num_new, end = starts[i], query_lens[i], seq_lens[i]
+            slots += seq.slot_range(start, end, bs)
+            positions += range(start, end)
+            total += num_new
+            qsl.append(total)
+            if end == seq.num_tokens:  # reaches the end of what is known: its logits are needed
+                logits.append(total - 1)
+                sampling.append(i)
+        pad = padded - n  # padding rows: one token each, slot -1, no K/V
+        num_tokens = tokens + pad
+        if pad:
+            slots += [PAD_SLOT] * pad
+            positions += [0] * pad
+            logits += range(tokens, num_tokens)
+            qsl += range(tokens + 1, num_tokens + 1)
+            seq_lens = seq_lens + [0] * pad
+        layout, mv = self._layout, self._mv
+        mv[layout.seq_lens : layout.seq_lens + 4 * padded].cast("i")[:] = array("i", seq_lens)
+        mv[layout.query_start_loc : layout.query_start_loc + 4 * (padded + 1)].cast("i")[:] = array("i", qsl)
+        mv[layout.slots : layout.slots + 8 * num_tokens].cast("q")[:] = array("q", slots)
+        mv[layout.positions : layout.positions + 8 * num_tokens].cast("q")[:] = array("q", positions)
+        mv[layout.logits : layout.logits + 8 * len(logits)].cast("q")[:] = array("q", logits)
+        self._rows_in_use = padded
+        return AttentionMetadata(
+            block_tables=self._view(layout.tables, torch.int32, padded * layout.capacity.max_blocks_per_seq).view(
+                padded, layout.capacity.max_blocks_per_seq
+            ),
+            seq_lens=self._view(layout.seq_lens, torch.int32, padded),
+            query_start_loc=self._view(layout.query_start_loc, torch.int32, padded + 1),
+            slot_mapping=self._view(layout.slots, torch.int64, num_tokens),
+            positions=self._view(layout.positions, torch.int64, num_tokens),
+            logits_indices=self._view(layout.logits, torch.int64, len(logits)),
+            block_size=bs,
+            seq_lens_host=tuple(seq_lens[:n]),
+            query_lens_host=tuple(query_lens),
+            sampling_rows_host=tuple(sampling),
+        )
+
+    def _view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        itemsize = 4 if dtype == torch.int32 else 8
+        return self._device_buf[offset : offset + itemsize * numel].view(dtype)
+
+    def _commit(self, meta: AttentionMetadata) -> None:
+        """The step's one host-to-device copy: everything up to the last table row in use."""
+        if self.device.type == "cpu":
+            return
+        end = self._layout.tables + 4 * self._rows_in_use * self._layout.capacity.max_blocks_per_seq
+        self._device_buf[:end].copy_(self._host[:end], non_blocking=True)
+        if self._on_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _wait_for_copy(self) -> None:
+        """The previous step's copy must have read the host buffer before it is rewritten."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
+class _BufferStaging(PlanStaging):
+    """Plan arrays in the builder's buffers (copied with the metadata), scratch allocated once."""
+
+    def __init__(self, builder: MetadataBuilder, capacity: StepCapacity):
+        self.builder = builder
+        self.device = builder.device
+        self._scratch: dict[str, torch.Tensor] = {}
+        backend = builder.backend
+        if backend is not None:
+            for r in backend.buffer_requests(capacity):
+                if not r.staged:
+                    maker = torch.zeros if r.zeroed else torch.empty
+                    self._scratch[r.name] = maker(r.numel, dtype=r.dtype, device=self.device)
+
+    def stage(self, name: str, values: array) -> torch.Tensor:
+        layout = self.builder._layout
+        if name not in layout.staged:
+            raise MetadataError(f"stage: {name!r} is not among the backend's buffer_requests")
+        offset, room = layout.staged[name]
+        if len(values) > room:
+            raise MetadataError(f"stage: {name!r} needs {len(values)} entries, its buffer holds {room}")
+        self.builder._mv[offset : offset + 4 * len(values)].cast("i")[:] = values
+        return self.builder._view(offset, torch.int32, len(values))
+
+    def scratch(self, name: str, dtype: torch.dtype, numel: int, *, zeroed: bool = False) -> torch.Tensor:
+        buf = self._scratch.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            raise MetadataError(
+                f"scratch: {name!r} ({numel} x {dtype}) is not among the backend's buffer_requests at this capacity"
+            )
+        return buf[:numel]
+
+
+def _raise_bad_row(i: int, row: object, manager: BlockManager) -> None:
+    if not isinstance(row, ScheduledRow):
+        raise InvalidArgumentError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
+    seq_id: Hashable = row.seq_id
+    manager.sequence(seq_id)  # raises the precise error (unknown or unhashable)
+    raise UnknownSequenceError(seq_id)
+
+
+def build_metadata(manager: BlockManager, rows: Sequence[ScheduledRow], device: torch.device | str) -> AttentionMetadata:
+    """One-off :meth:`MetadataBuilder.build` (a serving loop keeps one builder instead)."""
+    return MetadataBuilder(device).build(manager, rows)

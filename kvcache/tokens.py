@@ -1,0 +1,72 @@
+"""Token ids as callers pass them (lists, tuples, arrays, 1-D integer tensors), checked once
+and turned into one form, so a tensor behaves exactly like the list it holds."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from attention.errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["token_count", "token_list"]
+
+
+def _from_array_like(token_ids: Any, name: str) -> list[int] | None:
+    """A 1-D integer tensor / ndarray as a list of ints; None for anything else."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is None or not hasattr(token_ids, "tolist"):
+        return None
+    ndim = token_ids.dim() if callable(getattr(token_ids, "dim", None)) else getattr(token_ids, "ndim", None)
+    if ndim != 1:
+        raise InvalidArgumentError(f"{name}: expected a 1-D sequence of token ids, got {ndim} dimensions")
+    if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) or str(dtype) in (
+        "torch.bool",
+        "bool",
+    ):
+        raise ArgumentTypeError(f"{name}: expected integer token ids, got dtype {dtype}")
+    kind = getattr(dtype, "kind", "i")  # numpy dtypes have a kind; torch ints pass above
+    if kind not in "iu":
+        raise ArgumentTypeError(f"{name}: expected integer token ids, got dtype {dtype}")
+    values: list[int] = token_ids.tolist()
+    return values
+
+
+def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
+    """``token_ids`` as a new list of Python ints. Raises ArgumentTypeError for a string, a
+    mapping, a non-sequence, or an element that is not an integer; InvalidArgumentError for a
+    tensor that is not 1-D."""
+    values = _from_array_like(token_ids, name)
+    if values is None:
+        if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
+            raise ArgumentTypeError(
+                f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), "
+                f"got {type(token_ids).__name__}"
+            )
+        values = list(token_ids)
+    try:
+        array("q", values)  # C-speed check that every element is an integer that fits int64
+    except (TypeError, OverflowError):
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
+        raise ArgumentTypeError(
+            f"{name}: every token id must be an integer in int64 range; found {type(bad).__name__} {bad!r:.40}"
+        ) from None
+    return values
+
+
+def token_count(token_ids: object, name: str = "token_ids") -> int:
+    """How many token ids ``token_ids`` holds, with the container rules of :func:`token_list`
+    (1-D tensors and arrays, sequences, not strings) but without reading the elements, for
+    callers that need only the length: a list and a tensor of the same ids count alike."""
+    if type(token_ids) in (list, tuple):
+        return len(token_ids)  # type: ignore[arg-type]
+    if getattr(token_ids, "dtype", None) is not None and hasattr(token_ids, "tolist"):
+        shape = tuple(getattr(token_ids, "shape", ()))
+        if len(shape) != 1:
+            raise InvalidArgumentError(f"{name}: expected a 1-D sequence of token ids, got {len(shape)} dimensions")
+        return int(shape[0])
+    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
+        raise ArgumentTypeError(
+            f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), got {type(token_ids).__name__}"
+        )
+    return len(token_ids)
