@@ -24,8 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionBackend, StepPlan
+from attention.errors import MetadataError
+from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.reference import scatter_kv
+from attention.staging import PlanStaging
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -40,7 +43,8 @@ __all__ = ["FlashAttnBackend", "FlashAttnPlan"]
 
 @dataclass(frozen=True)
 class FlashAttnPlan(StepPlan):
-    """cu_seqlens_k: int32 [batch + 1], cumulative K/V lengths (varlen path only)."""
+    """cu_seqlens_k: int32 [batch + 1], cumulative K/V lengths (varlen path only; None for a
+    pure decode step, which goes through flash_attn_with_kvcache)."""
 
     cu_seqlens_k: torch.Tensor | None
 
@@ -50,64 +54,56 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash_attn"
 
-    def _plan(self, metadata: AttentionMetadata) -> StepPlan:
-        _check_compute_capability(metadata.device, self.capabilities.min_compute_capability)
+    def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
+        _check_compute_capability(metadata.device, self.info.min_compute_capability)
         if metadata.is_pure_decode:
-            return FlashAttnPlan(metadata, None)
-        cu_k = F.pad(metadata.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return FlashAttnPlan(metadata, cu_k)
+            return FlashAttnPlan(metadata, self.spec, self.name, None)
+        if graph:
+            raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
+        cu_k = F.pad(metadata.seq_lens[: metadata.batch].cumsum(0, dtype=torch.int32), (1, 0))
+        return FlashAttnPlan(metadata, self.spec, self.name, cu_k)
 
-    def _write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
         if _triton_available():
             from attention.triton_kernels.cache_write import write_kv_cache
 
-            write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+            write_kv_cache(key, value, layer.key, layer.value, plan.metadata.slot_mapping)
             return
-        scatter_kv(key, value, k_cache, v_cache, slot_mapping)
+        scatter_kv(key, value, layer, plan.metadata.slot_mapping)
 
-    def _attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        plan: StepPlan,
-        softmax_scale: float,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        assert isinstance(plan, FlashAttnPlan), "plan() of this backend makes a FlashAttnPlan"
+    def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+        assert isinstance(plan, FlashAttnPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
-        b = meta.batch
+        window = self.spec.window_of(layer.index)
+        # flash-attn's window counts keys left of the query; ours counts the query too.
+        window_size = (-1, -1) if window is None else (window - 1, 0)
         if plan.cu_seqlens_k is None:
+            b = meta.padded_batch
             # Decode: [batch, 1, heads, d]; cache_seqlens counts the token just written.
             result = flash_attn_with_kvcache(
                 query[:b].unsqueeze(1),
-                k_cache,
-                v_cache,
+                layer.key,
+                layer.value,
                 cache_seqlens=meta.seq_lens,
                 block_table=meta.block_tables,
-                softmax_scale=softmax_scale,
+                softmax_scale=self.spec.scale,
                 causal=True,
+                window_size=window_size,
             ).squeeze(1)
         else:
-            real = int(sum(meta.query_lens_host))
+            real = meta.num_real_tokens
             result = flash_attn_varlen_func(
                 query[:real],
-                k_cache,
-                v_cache,
-                cu_seqlens_q=meta.query_start_loc,
+                layer.key,
+                layer.value,
+                cu_seqlens_q=meta.query_start_loc[: meta.batch + 1],
                 cu_seqlens_k=plan.cu_seqlens_k,
                 max_seqlen_q=meta.max_query_len,
                 max_seqlen_k=meta.max_seq_len,
-                softmax_scale=softmax_scale,
+                softmax_scale=self.spec.scale,
                 causal=True,
-                block_table=meta.block_tables,
+                window_size=window_size,
+                block_table=meta.block_tables[: meta.batch],
             )
         rows = result.shape[0]
         if out is None:

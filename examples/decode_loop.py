@@ -24,20 +24,22 @@ from pathlib import Path
 
 import torch
 
-from attention import AttentionBackend, capabilities_of, choose_backend
+from attention import AttentionBackend, StepCapacity
+from attention.checks import cdiv
+from attention.dtypes import torch_dtype
 from examples.llama import Llama, random_llama, shape_for_cache
+from examples.runner import ModelRunner, WarmupReport
 from examples.scheduler import Preemption, Request, Scheduler, make_preemption
 from kvcache import (
     BlockManager,
-    ConfigError,
     KVCacheError,
     KVCacheTensors,
-    MetadataBuilder,
     allocate_kv_cache,
+    backend_for,
     load_config,
+    manager_for,
     resolve_device,
 )
-from kvcache.cache_tensors import TORCH_DTYPES
 
 __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
 
@@ -67,6 +69,7 @@ class RunReport:
     prefix_query_tokens: int | None = None
     prefix_hit_tokens: int | None = None
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    warmup: WarmupReport | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,15 +98,26 @@ def run_requests(
     preemption: Preemption,
     token_budget: int = 64,
     max_running: int = 16,
+    use_graphs: bool = False,
     record_logits: bool = False,
     on_step: ProgressHook | None = None,
+    on_warmup: Callable[[WarmupReport], None] | None = None,
 ) -> RunReport:
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
-    ``request.output``). The model, cache and metadata all live on ``cache.device``."""
-    scheduler = Scheduler(
-        manager, requests, preemption, token_budget=token_budget, max_running=max_running
+    ``request.output``). The model, cache and metadata all live on ``cache.device``.
+    ``use_graphs``: replay decode steps from CUDA graphs (captured, with every kernel
+    compiled, before the first request runs)."""
+    scheduler = Scheduler(manager, requests, preemption, token_budget=token_budget, max_running=max_running)
+    longest = max((r.peak_tokens for r in requests), default=1)
+    capacity = StepCapacity(
+        max_rows=max_running,
+        max_tokens=max(token_budget, max_running),
+        max_blocks_per_seq=cdiv(longest, manager.block_size),
     )
-    builder = MetadataBuilder(cache.device)  # one per run: it reuses its staging buffer
+    runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs)
+    report = runner.warmup()
+    if on_warmup is not None:
+        on_warmup(report)
     logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
     computed = generated = forward_steps = 0
     step = 0  # the clock request arrivals are given in
@@ -112,21 +126,18 @@ def run_requests(
         batch = scheduler.schedule(step)
         if batch is None:  # nothing has arrived yet: jump to the next arrival
             arrival = scheduler.next_arrival()
-            assert arrival is not None and arrival > step, "an idle step must wait for an arrival"
+            if arrival is None or arrival <= step:
+                raise RuntimeError("the scheduler is idle but no request is due to arrive")
             step = arrival
             continue
-        meta = builder.build(manager, batch.rows)  # once per step
-        plan = backend.plan(meta)  # once per step; every layer reuses it
-        token_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=cache.device)
-        with torch.no_grad():
-            logits = model(token_ids, cache, backend, plan)  # [rows, vocab]
-        next_tokens = logits.argmax(dim=-1).tolist()  # the one device sync of the step
+        plan, logits = runner.step(batch.rows, batch.token_ids)  # once per step
+        rows = plan.metadata.sampling_rows_host
+        next_tokens = dict(zip(rows, logits.argmax(dim=-1).tolist(), strict=True))  # the step's one sync
         if record_logits:
-            for i, req in enumerate(batch.requests):
-                if batch.samples(i):
-                    logits_of[req.req_id].append(logits[i].float().cpu())
+            for j, i in enumerate(rows):
+                logits_of[batch.requests[i].req_id].append(logits[j].float().cpu())
         computed += len(batch.token_ids)
-        generated += sum(batch.samples(i) for i in range(len(batch.rows)))
+        generated += len(rows)
         scheduler.finish_step(batch, next_tokens)
         forward_steps += 1
         if on_step is not None:
@@ -148,6 +159,7 @@ def run_requests(
         prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
         logits=logits_of if record_logits else {},
+        warmup=report,
     )
 
 
@@ -249,6 +261,7 @@ def _parser() -> argparse.ArgumentParser:
         "--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)"
     )
     p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument("--quiet", action="store_true", help="print the summary only")
     return p
 
@@ -260,35 +273,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         device = resolve_device(args.device or config.cache.device)
-        dtype_name = config.cache.dtype
         m, block_size = config.model, config.cache.block_size
-        name = args.backend or config.attention.backend
-        if name != "auto":
-            refused = capabilities_of(name).problems(
-                block_size=block_size,
-                head_dim=m.head_dim,
-                dtype=dtype_name,
-                device_type=device.type,
-            )
-            if refused:
-                raise ValueError(
-                    f"backend {name} refuses this setting: "
-                    + "; ".join(f"{p.parameter} {p.value}: {p.reason}; {p.fix}" for p in refused)
-                )
-        choice = choose_backend(
-            name, device=device, block_size=block_size, head_dim=m.head_dim, dtype=dtype_name
-        )
-        reason = f"{name} (--backend)" if args.backend and name != "auto" else choice.reason
+        dtype_name = config.attention_spec().dtype
+        choice = backend_for(config, device.type, args.backend)
+        reason = f"{args.backend} (--backend)" if args.backend and args.backend != "auto" else choice.reason
         cache = allocate_kv_cache(config, num_blocks=args.num_blocks, device=device)
-        prefix_caching = config.cache.enable_prefix_caching or args.workload == "shared-prefix"
-        manager = BlockManager(cache.num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        # The shared-prefix workload exists to show prefix caching: turn it on for it.
+        turned_on = args.workload == "shared-prefix" and not config.cache.enable_prefix_caching
+        manager = manager_for(config, cache, prefix_caching=True if turned_on else None)
+        prefix_caching = manager.prefix_cache is not None
         preemption = make_preemption(args.preempt, manager, cache, config.cache.swap_space)
-    except (ConfigError, KVCacheError, ValueError, ImportError) as err:
+        use_graphs = device.type == "cuda" and not args.eager and choice.backend.info.cuda_graphs
+    except (KVCacheError, ValueError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     shape = shape_for_cache(m, vocab_size=VOCAB_SIZE)
     shape.check_cache(m)
-    model = random_llama(shape, seed=args.seed, dtype=TORCH_DTYPES[dtype_name], device=device)
+    model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device)
     requests = make_workload(
         args.workload,
         args.requests,
@@ -297,7 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab_size=shape.vocab_size,
     )
 
-    turned_on = prefix_caching and not config.cache.enable_prefix_caching
     lengths = [len(r.prompt) for r in requests]
     say(
         f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads "
@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(
         f"cache: {cache.num_blocks} blocks x {block_size} tokens; prefix caching "
         f"{'on' if prefix_caching else 'off'}{' (for this workload)' if turned_on else ''}; "
-        f"preempt: {args.preempt}"
+        f"preempt: {args.preempt}; CUDA graphs: {'on' if use_graphs else 'off'}"
     )
     say(
         f"workload: {args.workload}, {len(requests)} requests, prompts {min(lengths)}-"
@@ -331,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=choice.backend,
         preemption=preemption,
         token_budget=args.token_budget,
+        use_graphs=use_graphs,
         on_step=progress,
+        on_warmup=lambda report: say(report.line()),
     )
     print("summary")
     for line in format_summary(report):

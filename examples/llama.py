@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import AttentionBackend, AttentionMetadata, StepPlan
+from attention import AttentionBackend, LayerCache, StepPlan
 from kvcache import KVCacheTensors
 from kvcache.config import ModelSection
 
@@ -35,7 +35,6 @@ __all__ = [
     "random_llama",
     "shape_for_cache",
     "shape_from_transformers",
-    "token_positions",
 ]
 
 
@@ -179,20 +178,18 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        layer: LayerCache,
         backend: AttentionBackend,
         plan: StepPlan,
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, D]; k_cache, v_cache: this layer's
-        [num_blocks, block_size, KVH, D]. Returns [T, hidden]."""
+        """x: [T, hidden]; cos, sin: [T, 1, D]; layer: this layer's cache. Returns [T, hidden]."""
         t = x.shape[0]
         q = apply_rotary(self.wq(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self.wk(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(t, self.num_kv_heads, self.head_dim)
         # The cache holds K after rotary, so cached positions never need rotating again.
-        backend.write_kv(k, v, k_cache, v_cache, plan.metadata.slot_mapping)
-        out = backend.attend(q, k_cache, v_cache, plan, self.head_dim**-0.5)  # [T, H, D]
+        backend.write_kv(k, v, layer, plan)
+        out = backend.attend(q, layer, plan)  # [T, H, D]
         return self.wo(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -225,13 +222,12 @@ class Block(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        layer: LayerCache,
         backend: AttentionBackend,
         plan: StepPlan,
     ) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]; the cache arguments are as in :class:`Attention`."""
-        h = h + self.attn(self.attn_norm(h), cos, sin, k_cache, v_cache, backend, plan)
+        h = h + self.attn(self.attn_norm(h), cos, sin, layer, backend, plan)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -253,34 +249,20 @@ class Llama(nn.Module):
         backend: AttentionBackend,
         plan: StepPlan,
     ) -> torch.Tensor:
-        """Run one step; return the logits of each row's last new token.
+        """Run one step; return the logits the step needs.
 
         token_ids: int64 [T], the new tokens of every row in row order (as in the metadata).
-        cache:     per-layer K/V, ``[num_blocks, block_size, KVH, D]`` each, in the model dtype.
+        cache:     per-layer K/V in the cache dtype.
         plan:      ``backend.plan(metadata)`` for this step, shared by every layer.
-        Returns float [B, vocab_size]: a row's next-token logits (ignored for a prompt chunk
-        that does not reach the end of what is known).
+        Returns float [len(metadata.logits_indices), vocab_size]: row
+        ``metadata.sampling_rows_host[j]``'s next-token logits are row j (then padding rows).
         """
         meta = plan.metadata
-        cos, sin = rotary_cos_sin(token_positions(meta), self.shape.head_dim, self.shape.rope_theta)
+        cos, sin = rotary_cos_sin(meta.positions, self.shape.head_dim, self.shape.rope_theta)
         h = self.embed(token_ids)  # [T, hidden]
         for index, layer in enumerate(self.layers):
-            k_cache, v_cache = cache.layer(index)
-            h = layer(h, cos, sin, k_cache, v_cache, backend, plan)
-        last = meta.query_start_loc[1:].long() - 1  # each row's last new token
-        return self.lm_head(self.norm(h[last]))
-
-
-def token_positions(meta: AttentionMetadata) -> torch.Tensor:
-    """Position of every new token, int64 [T]: row i's new tokens sit at
-    ``seq_len[i] - query_len[i] .. seq_len[i] - 1``. Read from the host copies of the lengths,
-    so it costs no device sync."""
-    positions = [
-        p
-        for seq_len, q_len in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)
-        for p in range(seq_len - q_len, seq_len)
-    ]
-    return torch.tensor(positions, dtype=torch.int64, device=meta.device)
+            h = layer(h, cos, sin, cache.layer(index), backend, plan)
+        return self.lm_head(self.norm(h[meta.logits_indices]))
 
 
 # ---- weights -----------------------------------------------------------------------------

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace
+from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
 __all__ = [
     "PREEMPTION_MODES",
@@ -146,7 +146,7 @@ class RecomputePreemption(Preemption):
     name = "recompute"
 
     def evict(self, req: Request, manager: BlockManager) -> None:
-        manager.preempt(req.req_id, "recompute")  # frees the blocks; counted in manager.stats()
+        preempt(manager, req.req_id, "recompute")  # frees the blocks; counted by the manager
         req.num_computed = 0
 
     def can_resume(self, req: Request, manager: BlockManager) -> bool:
@@ -180,10 +180,10 @@ class SwapPreemption(Preemption):
 
     def evict(self, req: Request, manager: BlockManager) -> None:
         if not self.space.can_swap_out(req.req_id):
-            manager.preempt(req.req_id, "recompute")
+            preempt(manager, req.req_id, "recompute")
             req.num_computed = 0
             return
-        manager.preempt(req.req_id, "swap", self.space)
+        preempt(manager, req.req_id, "swap", self.space)
         # The scheduler asks can_append right after an eviction, and on CUDA the device blocks
         # return to the pool only once the copy has read them: wait for it on this rare path.
         self.space.synchronize()
@@ -336,16 +336,14 @@ class Scheduler:
         self.peak_blocks = max(self.peak_blocks, self.manager.allocator.num_used)
         return batch if batch.rows else None
 
-    def finish_step(self, batch: StepBatch, next_tokens: Sequence[int]) -> list[Request]:
-        """Record that ``batch`` ran. ``next_tokens[i]`` is row i's sampled token (ignored
-        for rows that do not sample). Returns the requests that finished."""
+    def finish_step(self, batch: StepBatch, next_tokens: Mapping[int, int]) -> list[Request]:
+        """Record that ``batch`` ran: ``manager.commit`` marks exactly the tokens each row
+        computed. ``next_tokens[i]`` is row i's sampled token (only rows that sample have one).
+        Returns the requests that finished."""
+        self.manager.commit(batch.rows)
         done = []
         for i, (row, req) in enumerate(zip(batch.rows, batch.requests, strict=True)):
-            assert row.start == req.num_computed, (
-                f"request {req.req_id}: row does not continue its cache"
-            )
             req.num_computed += row.num_new
-            self.manager.mark_computed(req.req_id, req.num_computed)
             if batch.samples(i):
                 req.output.append(int(next_tokens[i]))
                 if req.is_finished:

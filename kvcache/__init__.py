@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvcache.planning import CapacityPlan, plan_capacity
     from kvcache.preemption import preempt
     from kvcache.rows import ScheduledRow
+    from kvcache.setup import backend_for, manager_for
     from kvcache.swap import SwapSpace
 
 _ERRORS = (
@@ -74,6 +75,8 @@ _HOME = {
     "plan_capacity": "kvcache.planning",
     "preempt": "kvcache.preemption",
     "ScheduledRow": "kvcache.rows",
+    "backend_for": "kvcache.setup",
+    "manager_for": "kvcache.setup",
     "SwapSpace": "kvcache.swap",
 }
 

@@ -31,6 +31,7 @@ from attention.staging import PlanStaging, StepCapacity
 from kvcache.manager import BlockManager
 from kvcache.rows import ScheduledRow
 from kvcache.sequence import SequenceBlocks
+from kvcache.tokens import token_list
 
 __all__ = ["MetadataBuilder", "ScheduledRow", "build_metadata"]
 
@@ -47,6 +48,7 @@ class _Layout:
     slots: int
     positions: int
     logits: int
+    token_ids: int
     tables: int
     nbytes: int
 
@@ -63,9 +65,9 @@ class _Layout:
 
         seq_lens, qsl = take(4 * r), take(4 * (r + 1))
         regions = {name: (take(4 * n), n) for name, n in staged.items()}
-        slots, positions, logits = take(8 * t), take(8 * t), take(8 * r)
+        slots, positions, logits, token_ids = take(8 * t), take(8 * t), take(8 * r), take(8 * t)
         tables = take(4 * r * w)
-        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, tables, offset)
+        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, token_ids, tables, offset)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -103,25 +105,45 @@ class MetadataBuilder:
 
     # ---- per step ----------------------------------------------------------------------
 
-    def build(self, manager: BlockManager, rows: Sequence[ScheduledRow], *, pad_to: int | None = None) -> AttentionMetadata:
+    def build(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        *,
+        pad_to: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> AttentionMetadata:
         """Metadata for ``rows``, in order, padded with empty rows to ``pad_to`` rows (a CUDA
-        graph bucket). Changes nothing in ``manager``. Raises MetadataError naming the row
-        when a row asks for positions outside the sequence's held tokens,
-        UnknownSequenceError for an unknown id, and InvalidArgumentError when the step does
-        not fit a fixed capacity."""
-        meta = self._fill(manager, rows, pad_to)
-        self._commit(meta)
+        graph bucket). ``token_ids``: the step's input tokens (all rows' new tokens in row
+        order), staged too and read back with :meth:`token_ids`. Changes nothing in
+        ``manager``. Raises MetadataError naming the row when a row asks for positions
+        outside the sequence's held tokens, UnknownSequenceError for an unknown id, and
+        InvalidArgumentError when the step does not fit a fixed capacity."""
+        meta = self._fill(manager, rows, pad_to, token_ids)
+        self._commit()
         return meta
 
-    def plan(self, manager: BlockManager, rows: Sequence[ScheduledRow], *, pad_to: int | None = None) -> StepPlan:
-        """Metadata and the backend's plan for ``rows``, staged together and copied to the
-        device in one transfer. ``pad_to``: plan for a CUDA-graph bucket of that many rows."""
+    def plan(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        *,
+        pad_to: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> StepPlan:
+        """Metadata and the backend's plan for ``rows`` (arguments as in :meth:`build`),
+        staged together and copied to the device in one transfer. ``pad_to``: plan for a
+        CUDA-graph bucket of that many rows."""
         if self.backend is None:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
-        meta = self._fill(manager, rows, pad_to)
+        meta = self._fill(manager, rows, pad_to, token_ids)
         plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
-        self._commit(meta)
+        self._commit()
         return plan
+
+    def token_ids(self, num_tokens: int) -> torch.Tensor:
+        """int64 [num_tokens] device view of the staged input tokens (padding tokens: 0)."""
+        return self._view(self._layout.token_ids, torch.int64, num_tokens)
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -160,11 +182,17 @@ class MetadataBuilder:
             )
         )
 
-    def _fill(self, manager: BlockManager, rows: Sequence[ScheduledRow], pad_to: int | None) -> AttentionMetadata:
+    def _fill(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        pad_to: int | None,
+        token_ids: Sequence[int] | None,
+    ) -> AttentionMetadata:
         n = len(rows)
-        if n == 0:
-            raise InvalidArgumentError("rows: a step needs at least one scheduled row")
-        padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=n)
+        if n == 0 and pad_to is None:
+            raise InvalidArgumentError("rows: a step needs at least one scheduled row (or pad_to)")
+        padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=max(n, 1))
         seqs = manager._seqs
         bs = manager.block_size
         records: list[SequenceBlocks] = []
@@ -200,9 +228,17 @@ class MetadataBuilder:
             starts.append(start)
             tokens += num_new
             widest = max(widest, len(seq.blocks))
+        if token_ids is not None and len(token_ids) != tokens:
+            raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
         self._grow(padded, tokens + padded - n, widest)
         self._wait_for_copy()
         self._write_tables(records)
+        if token_ids is not None:
+            ids = token_list(token_ids)
+            total = tokens + padded - n
+            self._mv[self._layout.token_ids : self._layout.token_ids + 8 * total].cast("q")[:] = array(
+                "q", ids + [0] * (padded - n)
+            )
         return self._write_rows(records, seq_lens, query_lens, starts, tokens, padded, bs)
 
     def _write_tables(self, records: list[SequenceBlocks]) -> None:
@@ -286,7 +322,7 @@ class MetadataBuilder:
         itemsize = 4 if dtype == torch.int32 else 8
         return self._device_buf[offset : offset + itemsize * numel].view(dtype)
 
-    def _commit(self, meta: AttentionMetadata) -> None:
+    def _commit(self) -> None:
         """The step's one host-to-device copy: everything up to the last table row in use."""
         if self.device.type == "cpu":
             return

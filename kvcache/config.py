@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from attention.capabilities import BACKEND_NAMES, BACKENDS, MultipleOf
 from attention.dtypes import DTYPES
 from attention.errors import ConfigProblem
+from attention.spec import AttentionSpec
 from kvcache.sizes import format_bytes, parse_bytes
 
 __all__ = [
@@ -278,3 +279,19 @@ class KVCacheConfig(BaseModel):
     def bytes_per_token(self) -> int:
         """K/V bytes one token takes across all layers."""
         return self.bytes_per_block // self.cache.block_size
+
+    def attention_spec(self) -> AttentionSpec:
+        """The attention shape the backend serves, from the ``model`` and ``cache`` sections."""
+        m = self.model
+        compute = getattr(m, "dtype", None) or self.cache.dtype
+        window = getattr(m, "sliding_window", None)
+        pattern = getattr(m, "window_pattern", None)
+        return AttentionSpec(
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=compute,
+            kv_cache_dtype=self.cache.dtype if self.cache.dtype != compute else None,
+            sliding_window=window,
+            window_layers=tuple(pattern) if pattern is not None else None,
+        )

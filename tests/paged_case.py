@@ -1,81 +1,137 @@
 """Random paged-attention cases shared by the backend tests.
 
 A case is a batch of rows, each with ``context`` cached tokens and ``new`` tokens this step,
-laid out in a NaN-poisoned cache through a real BlockManager whose free queue was scrambled,
-so block ids are shuffled and non-contiguous. The K/V of every token (cached and new) is
-written with the reference backend, so a backend under test sees exactly what a serving
-engine would have written.
+laid out through a real BlockManager whose free queue was scrambled (block ids shuffled and
+non-contiguous), in a NaN-poisoned cache with one NaN block on each side of it (a kernel that
+reads an unwritten slot, a padding entry, or past either end of the cache produces NaN, which
+never passes a comparison). The K/V of every cached token is written by the reference backend,
+so a backend under test sees exactly what a serving engine would have written; the step's
+new K/V is left for the backend under test to write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 import torch
 
-from attention import AttentionMetadata, ReferenceBackend
-from kvcache import BlockManager, ScheduledRow, build_metadata
+from attention import AttentionMetadata, AttentionSpec, LayerCache, ReferenceBackend
+from attention.dtypes import dtype_name
+from attention.quantize import dequantize
+from kvcache import BlockManager, MetadataBuilder, ScheduledRow
 
 
 @dataclass
 class PagedCase:
-    query: torch.Tensor  # [num_new_tokens, heads, d]
-    new_key: torch.Tensor  # [num_new_tokens, kv_heads, d]
+    spec: AttentionSpec
+    query: torch.Tensor  # [num_tokens, heads, d] (padding tokens included)
+    new_key: torch.Tensor  # [num_tokens, kv_heads, d]
     new_value: torch.Tensor
-    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, d], holds every token's K
-    v_cache: torch.Tensor
+    layer: LayerCache  # holds every cached token's K/V; the new tokens' slots are NaN
+    storage: torch.Tensor  # [2, num_blocks + 2, block_size, kv_heads, d]: the layer plus a NaN block each side
     meta: AttentionMetadata
+    all_key: torch.Tensor  # [context + new tokens of every row, kv_heads, d], row-major
+    all_value: torch.Tensor
+
+
+def make_spec(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, **kw: object) -> AttentionSpec:
+    return AttentionSpec(heads, kv_heads, head_dim, dtype=dtype_name(dtype), **kw)  # type: ignore[arg-type]
+
+
+def scrambled_manager(blocks: int, block_size: int, seed: int) -> BlockManager:
+    """A manager whose free queue hands out blocks in a random order."""
+    manager = BlockManager(blocks, block_size)
+    for i in range(blocks):
+        manager.allocate(("filler", i), 1)
+    order = list(range(blocks))
+    random.Random(seed).shuffle(order)
+    for i in order:
+        manager.free(("filler", i))
+    return manager
 
 
 def make_case(
     rows: list[tuple[int, int]],
+    spec: AttentionSpec,
     *,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
     block_size: int,
-    dtype: torch.dtype,
     device: str,
     seed: int = 0,
-    spare_blocks: int = 7,
+    spare_blocks: int = 3,
+    pad_to: int | None = None,
+    layer_index: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedCase:
-    """``rows``: (context, new) per row. Returns a case whose cache already holds all K/V."""
+    """``rows``: (context, new) per row. The layer holds the context tokens' K/V; the step's
+    metadata covers the new tokens (padded to ``pad_to`` rows when given)."""
     gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    store_dtype = cache_dtype or getattr(torch, spec.cache_dtype.replace("float8_e4m3", "float8_e4m3fn"))
+    kvh, d = spec.num_kv_heads, spec.head_dim
     need = sum(-(-(c + n) // block_size) for c, n in rows)
-    manager = BlockManager(need + spare_blocks, block_size)
-    # Scramble the free queue: take every block, free them in a random order.
-    rng = random.Random(seed)
-    for i in range(need + spare_blocks):
-        manager.allocate(("filler", i), 1)
-    order = list(range(need + spare_blocks))
-    rng.shuffle(order)
-    for i in order:
-        manager.free(("filler", i))
+    manager = scrambled_manager(need + spare_blocks, block_size, seed)
     for i, (context, new) in enumerate(rows):
         manager.allocate(i, context + new)
-    shape = (manager.num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    everything = build_metadata(manager, [ScheduledRow(i, c + n, start=0) for i, (c, n) in enumerate(rows)], device)
-    total = everything.num_tokens
-    keys = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
-    values = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=device)
-    ReferenceBackend().write_kv(keys, values, k_cache, v_cache, everything.slot_mapping)
-    meta = build_metadata(manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], device)
-    starts = everything.query_start_loc.tolist()
-    new_rows = torch.cat([torch.arange(starts[i] + c, starts[i] + c + n) for i, (c, n) in enumerate(rows)])
-    new_rows = new_rows.to(device)
-    query = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).to(dtype=dtype, device=device)
-    return PagedCase(query, keys[new_rows], values[new_rows], k_cache, v_cache, meta)
+    storage = torch.full((2, manager.num_blocks + 2, block_size, kvh, d), float("nan"), device=device).to(store_dtype)
+    scales = None
+    if spec.quantized_cache:
+        scales = (torch.rand(2, kvh, generator=gen) * 0.02 + 0.005).to(device)
+    layer = LayerCache(
+        storage[0, 1:-1],
+        storage[1, 1:-1],
+        index=layer_index,
+        k_scale=None if scales is None else scales[0],
+        v_scale=None if scales is None else scales[1],
+    )
+    total = sum(c + n for c, n in rows)
+    all_key = torch.randn(total, kvh, d, generator=gen).to(dtype=dtype, device=device)
+    all_value = torch.randn(total, kvh, d, generator=gen).to(dtype=dtype, device=device)
+    # Write the context tokens' K/V with the reference backend (float32 math spec for writing).
+    context_rows = [ScheduledRow(i, c, start=0) for i, (c, _) in enumerate(rows) if c > 0]
+    starts = [0]
+    for c, n in rows:
+        starts.append(starts[-1] + c + n)
+    if context_rows:
+        writer = ReferenceBackend(spec)
+        ctx_plan = writer.plan(MetadataBuilder(device).build(manager, context_rows))
+        ctx_index = torch.cat([torch.arange(starts[i], starts[i] + c) for i, (c, _) in enumerate(rows) if c > 0])
+        writer.write_kv(all_key[ctx_index.to(device)], all_value[ctx_index.to(device)], layer, ctx_plan)
+    meta = MetadataBuilder(device).build(
+        manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], pad_to=pad_to
+    )
+    new_index = torch.cat([torch.arange(starts[i] + c, starts[i] + c + n) for i, (c, n) in enumerate(rows)])
+    pad = meta.num_tokens - meta.num_real_tokens
+    new_key = torch.cat([all_key[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)])
+    new_value = torch.cat(
+        [all_value[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)]
+    )
+    query = torch.randn(meta.num_tokens, spec.num_heads, d, generator=gen).to(dtype=dtype, device=device)
+    return PagedCase(spec, query, new_key, new_value, layer, storage, meta, all_key, all_value)
 
 
-def reference_output(case: PagedCase, scale: float | None = None) -> torch.Tensor:
-    """Reference attention of the case computed in float64 on float32 copies of the inputs
-    (so the oracle's output is not rounded to bf16/fp16), [num_new_tokens, heads, d] float32."""
-    backend = ReferenceBackend(compute_dtype=torch.float64)
-    q, k, v = case.query.float(), case.k_cache.float(), case.v_cache.float()
-    return backend.attend(q, k, v, backend.plan(case.meta), scale)
+def reference_output(case: PagedCase, *, cache_after_write: LayerCache | None = None) -> torch.Tensor:
+    """Attention of the case computed in float64 on float32 copies of the inputs (so the
+    oracle's output is not rounded to bf16/fp16), [num_real_tokens, heads, d] float32.
+
+    The oracle's cache holds every token's K/V as written by the reference backend (for an
+    fp8 cache: the dequantized values the cache stores)."""
+    spec32 = dataclasses.replace(case.spec, dtype="float32", kv_cache_dtype=None)
+    oracle = ReferenceBackend(spec32, compute_dtype=torch.float64)
+    layer = case.layer
+    # Float32 copy of the cache with this step's K/V written as the reference would.
+    written = LayerCache(layer.key.clone(), layer.value.clone(), layer.index, layer.k_scale, layer.v_scale)
+    ReferenceBackend(case.spec).write_kv(case.new_key, case.new_value, written, _plan_for(case))
+    k32 = dequantize(written.key, written.k_scale, torch.float32)
+    v32 = dequantize(written.value, written.v_scale, torch.float32)
+    plain = LayerCache(k32, v32, layer.index)
+    out = oracle.attend(case.query.float(), plain, oracle.plan(case.meta))
+    return out[: case.meta.num_real_tokens]
+
+
+def _plan_for(case: PagedCase):  # type: ignore[no-untyped-def]
+    return ReferenceBackend(case.spec).plan(case.meta)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -126,8 +126,24 @@ def prefill_tile_index(
     return [(row, tile) for _, row, tile in tiles]
 
 
+@triton.jit
+def _masked_softmax_update(  # type: ignore[no-untyped-def]
+    qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
+):
+    """:func:`online_softmax_update` for tiles where a row may see no key at all (the left
+    edge of a sliding window): a row whose running max is still -inf contributes nothing
+    instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk * qk_scale - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # The block-table width changes every step: do not compile a variant per width.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -138,6 +154,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     tile_index_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -153,9 +170,11 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (head, tile): heads vary fastest so the query heads of one KV group run side
-    by side and share each K/V tile through L2."""
+    by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
+    keys p - window < k <= p, and key tiles wholly left of every query's window are skipped."""
     pid = tl.program_id(0)
     h = pid % NUM_HEADS
     entry = tile_index_ptr + 2 * (pid // NUM_HEADS).to(tl.int64)
@@ -172,8 +191,18 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     first_pos = seq_len - q_len + tile * BLOCK_M
     pos = tl.minimum(first_pos + tl.arange(0, BLOCK_M), seq_len - 1)
     kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
-    # Key tiles entirely at or left of the first query's position need no mask.
+    # Key tiles entirely at or left of the first query's position need no causal mask.
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    lo = 0
+    mid_start = 0
+    if HAS_WINDOW:
+        # Tiles before `lo` are outside every query's window; tiles in [lo, mid_start) are
+        # partly outside some query's window and take the mask.
+        lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        last_pos = tl.minimum(first_pos + BLOCK_M - 1, seq_len - 1)
+        win_full = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        mid_start = tl.minimum(tl.maximum(lo, win_full), full_end)
+        lo = tl.minimum(lo, mid_start)
 
     q_mask = tile_mask(m_mask, d, HEAD_DIM, D_PAD)
     tok_q = (q_start + offs_m).to(tl.int64)
@@ -189,9 +218,26 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     head_off = (h // GROUP) * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
+    if HAS_WINDOW:
+        for n0 in range(lo, mid_start, BLOCK_N):
+            n = n0 + offs_n
+            pages = load_tile_pages(table_row, n0, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+            tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+            kv_off = tok[:, None] + head_off + d[None, :]
+            kv_mask = tile_mask(n < kv_end, d, HEAD_DIM, D_PAD)
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
     # Block ids run one tile ahead (see load_tile_pages), across both loops.
-    pages = load_tile_pages(table_row, 0, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
-    for n0 in range(0, full_end, BLOCK_N):
+    pages = load_tile_pages(table_row, mid_start, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+    for n0 in range(mid_start, full_end, BLOCK_N):
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
         pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
@@ -221,10 +267,15 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if HAS_WINDOW:
+            visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        else:
+            qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    o = acc / l_i[:, None]
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + tok_q[:, None] * stride_ot + h * stride_oh + d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -244,6 +295,7 @@ def paged_prefill(
     softmax_scale: float,
     out: torch.Tensor,
     config: PrefillConfig,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``.
 
@@ -255,6 +307,7 @@ def paged_prefill(
     tile_index:      int32 [num_tiles, 2] of (row, tile) from :func:`prefill_tile_index`
                      with the same ``config.block_m``, on the device.
     out:             [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous.
+    window:          sliding window (a query sees this many keys, itself included); None: all.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -275,6 +328,7 @@ def paged_prefill(
         tile_index,
         out,
         softmax_scale * _LOG2E,
+        window or 0,
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -290,6 +344,7 @@ def paged_prefill(
         BLOCK_N=config.block_n,
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
+        HAS_WINDOW=window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
