@@ -27,6 +27,7 @@ from attention.base import AttentionBackend, StepPlan
 from attention.checks import require_int
 from attention.errors import InvalidArgumentError, MetadataError, UnknownSequenceError
 from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
+from attention.metadata_check import DeviceCheck
 from attention.staging import PlanStaging, StepCapacity
 from kvcache.manager import BlockManager
 from kvcache.rows import ScheduledRow
@@ -82,6 +83,9 @@ class MetadataBuilder:
     device:   where the metadata lives (the cache's device).
     capacity: fixed buffer sizes (required for CUDA graphs); None: buffers grow as needed.
     backend:  the backend whose plans :meth:`plan` makes, staged into the same buffers.
+    device_check: check (and repair) every step's metadata on the device after its copy, with
+              no sync (:mod:`attention.metadata_check`); a violation is raised by
+              :meth:`raise_if_violated` at the engine's next sync point. Default: on for CUDA.
     One builder per engine: rows stay persistent between steps.
     """
 
@@ -91,9 +95,12 @@ class MetadataBuilder:
         *,
         capacity: StepCapacity | None = None,
         backend: AttentionBackend | None = None,
+        device_check: bool | None = None,
     ):
         self.device = torch.device(device)
         self.backend = backend
+        check = self.device.type == "cuda" if device_check is None else device_check
+        self._check = DeviceCheck(self.device) if check else None
         self.fixed = capacity is not None
         self._on_cuda = self.device.type == "cuda"
         self._copied: torch.cuda.Event | None = None
@@ -120,7 +127,7 @@ class MetadataBuilder:
         outside the sequence's held tokens, UnknownSequenceError for an unknown id, and
         InvalidArgumentError when the step does not fit a fixed capacity."""
         meta = self._fill(manager, rows, pad_to, token_ids)
-        self._commit()
+        self._commit(meta, manager)
         return meta
 
     def plan(
@@ -138,8 +145,14 @@ class MetadataBuilder:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
         meta = self._fill(manager, rows, pad_to, token_ids)
         plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
-        self._commit()
+        self._commit(meta, manager)
         return plan
+
+    def raise_if_violated(self) -> None:
+        """Raise MetadataError when a finished step's device check found a violation (never
+        waits: call it after the engine's own sync point, e.g. after reading the logits)."""
+        if self._check is not None:
+            self._check.raise_if_violated()
 
     def token_ids(self, num_tokens: int) -> torch.Tensor:
         """int64 [num_tokens] device view of the staged input tokens (padding tokens: 0)."""
@@ -322,8 +335,14 @@ class MetadataBuilder:
         itemsize = 4 if dtype == torch.int32 else 8
         return self._device_buf[offset : offset + itemsize * numel].view(dtype)
 
-    def _commit(self) -> None:
-        """The step's one host-to-device copy: everything up to the last table row in use."""
+    def _commit(self, meta: AttentionMetadata, manager: BlockManager) -> None:
+        """The step's one host-to-device copy (everything up to the last table row in use),
+        then the device check."""
+        self._copy()
+        if self._check is not None:
+            self._check.run(meta, manager.num_blocks, manager.sliding_window)
+
+    def _copy(self) -> None:
         if self.device.type == "cpu":
             return
         end = self._layout.tables + 4 * self._rows_in_use * self._layout.capacity.max_blocks_per_seq

@@ -127,6 +127,17 @@ def prefill_tile_index(
 
 
 @triton.jit
+def _pages_in_cache(  # type: ignore[no-untyped-def]
+    table_row_ptr, n0, offs_n, limit, num_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """:func:`load_tile_pages`, with any id outside [0, num_blocks) replaced by block 0, so a
+    corrupt block table can never send a load outside the cache (the row's output is garbage;
+    the device metadata check reports it)."""
+    pages = load_tile_pages(table_row_ptr, n0, offs_n, limit, BLOCK_SIZE, BLOCK_N)
+    return tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+
+
+@triton.jit
 def _masked_softmax_update(  # type: ignore[no-untyped-def]
     qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
 ):
@@ -143,7 +154,7 @@ def _masked_softmax_update(  # type: ignore[no-untyped-def]
 
 
 # The block-table width changes every step: do not compile a variant per width.
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_blocks", "num_tokens", "table_width"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -155,6 +166,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     qk_scale,
     window,
+    num_blocks,
+    num_tokens,
+    table_width,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -182,10 +196,12 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     tile = tl.load(entry + 1)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + row)
+    # Clamped so that no metadata can index past the block table.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + row), table_width * BLOCK_SIZE)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < q_len
+    # Query rows outside the step's tokens are never read or written, whatever the metadata.
+    m_mask = (offs_m < q_len) & (q_start + offs_m < num_tokens) & (q_start + offs_m >= 0)
     d = tl.arange(0, D_PAD)
     # Absolute positions; rows past q_len are clamped so they see >= 1 key and stay finite.
     first_pos = seq_len - q_len + tile * BLOCK_M
@@ -221,7 +237,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     if HAS_WINDOW:
         for n0 in range(lo, mid_start, BLOCK_N):
             n = n0 + offs_n
-            pages = load_tile_pages(table_row, n0, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+            pages = _pages_in_cache(table_row, n0, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
             tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
             kv_off = tok[:, None] + head_off + d[None, :]
             kv_mask = tile_mask(n < kv_end, d, HEAD_DIM, D_PAD)
@@ -236,10 +252,10 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # Block ids run one tile ahead (see load_tile_pages), across both loops.
-    pages = load_tile_pages(table_row, mid_start, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+    pages = _pages_in_cache(table_row, mid_start, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
     for n0 in range(mid_start, full_end, BLOCK_N):
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
-        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+        pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
@@ -258,7 +274,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         n = n0 + offs_n
         n_mask = n < kv_end
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
-        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, kv_end, BLOCK_SIZE, BLOCK_N)
+        pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -329,6 +345,9 @@ def paged_prefill(
         out,
         softmax_scale * _LOG2E,
         window or 0,
+        k_cache.shape[0],
+        query.shape[0],
+        block_tables.shape[1],
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
