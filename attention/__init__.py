@@ -11,15 +11,63 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from attention.base import AttentionBackend, StepPlan
-    from attention.capabilities import BACKENDS, BackendInfo, backend_info
-    from attention.dtypes import DTYPES
-    from attention.layer_cache import LayerCache
-    from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
-    from attention.reference import ReferenceBackend
-    from attention.registry import BackendChoice, available_backends, choose_backend, get_backend
-    from attention.spec import AttentionSpec
-    from attention.staging import DirectStaging, PlanStaging, StepCapacity
+    from attention.base import (
+        AttentionBackend as AttentionBackend,
+    )
+    from attention.base import (
+        StepPlan as StepPlan,
+    )
+    from attention.capabilities import (
+        BACKENDS as BACKENDS,
+    )
+    from attention.capabilities import (
+        BackendInfo as BackendInfo,
+    )
+    from attention.capabilities import (
+        backend_info as backend_info,
+    )
+    from attention.dtypes import (
+        DTYPES as DTYPES,
+    )
+    from attention.layer_cache import (
+        LayerCache as LayerCache,
+    )
+    from attention.metadata import (
+        PAD_BLOCK as PAD_BLOCK,
+    )
+    from attention.metadata import (
+        PAD_SLOT as PAD_SLOT,
+    )
+    from attention.metadata import (
+        AttentionMetadata as AttentionMetadata,
+    )
+    from attention.reference import (
+        ReferenceBackend as ReferenceBackend,
+    )
+    from attention.registry import (
+        BackendChoice as BackendChoice,
+    )
+    from attention.registry import (
+        available_backends as available_backends,
+    )
+    from attention.registry import (
+        choose_backend as choose_backend,
+    )
+    from attention.registry import (
+        get_backend as get_backend,
+    )
+    from attention.spec import (
+        AttentionSpec as AttentionSpec,
+    )
+    from attention.staging import (
+        DirectStaging as DirectStaging,
+    )
+    from attention.staging import (
+        PlanStaging as PlanStaging,
+    )
+    from attention.staging import (
+        StepCapacity as StepCapacity,
+    )
 
 #: Public name -> the module that defines it.
 _HOME = {

@@ -193,16 +193,22 @@ class AttentionBackend(ABC):
                 f"{meta.block_size}; build the metadata from the manager that owns this cache"
             )
         if k.device != meta.device and not same_device(k.device, meta.device):
-            raise MetadataError(f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device")
+            raise MetadataError(
+                f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device"
+            )
         return meta
 
     def _check_layer(self, layer: LayerCache, meta: AttentionMetadata) -> None:
         spec = self.spec
-        check_tensor("layer.key", layer.key, shape=(None, None, spec.num_kv_heads, spec.head_dim), dtype=self.cache_dtype)
+        check_tensor(
+            "layer.key", layer.key, shape=(None, None, spec.num_kv_heads, spec.head_dim), dtype=self.cache_dtype
+        )
         n, bs, kvh, d = layer.key.shape
         check_tensor("layer.value", layer.value, shape=(n, bs, kvh, d), dtype=self.cache_dtype, device=layer.key.device)
         if not layer.key.is_contiguous() or not layer.value.is_contiguous():
-            raise UnsupportedSettingError("layer.key/layer.value: expected contiguous tensors (allocate them with kvcache)")
+            raise UnsupportedSettingError(
+                "layer.key/layer.value: expected contiguous tensors (allocate them with kvcache)"
+            )
         problems = self.info.problems(
             block_size=bs,
             head_dim=d,

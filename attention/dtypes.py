@@ -40,6 +40,8 @@ DTYPES: dict[str, DtypeInfo] = {
         DtypeInfo("float16", "float16", 2, ("fp16", "half")),
         DtypeInfo("bfloat16", "bfloat16", 2, ("bf16",)),
         DtypeInfo("float32", "float32", 4, ("fp32", "float")),
+        # OCP fp8 E4M3 (finite max 448), for the KV cache only; vLLM calls it "fp8_e4m3".
+        DtypeInfo("float8_e4m3", "float8_e4m3fn", 1, ("fp8", "fp8_e4m3", "float8_e4m3fn"), cache_only=True),
     )
 }
 

@@ -129,9 +129,7 @@ class AttentionMetadata:
                 f"query_start_loc {self.query_start_loc.shape[0]} entries; expected >= {b} rows and rows + 1 starts"
             )
         if self.positions.shape[0] != self.num_tokens:
-            raise MetadataError(
-                f"metadata.positions: {self.positions.shape[0]} entries for {self.num_tokens} tokens"
-            )
+            raise MetadataError(f"metadata.positions: {self.positions.shape[0]} entries for {self.num_tokens} tokens")
         if self.num_real_tokens + (pb - b) > self.num_tokens:
             raise MetadataError(
                 f"metadata: query lengths sum to {self.num_real_tokens} (+{pb - b} padding rows) but "

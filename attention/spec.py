@@ -55,7 +55,9 @@ class AttentionSpec:
                 f"each KV head serves a whole group of query heads"
             )
         if self.head_dim % 8:
-            raise InvalidArgumentError(f"head_dim: {self.head_dim} is not a multiple of 8; use {self.head_dim // 8 * 8 or 8}")
+            raise InvalidArgumentError(
+                f"head_dim: {self.head_dim} is not a multiple of 8; use {self.head_dim // 8 * 8 or 8}"
+            )
         compute = [n for n, info in DTYPES.items() if not info.cache_only]
         if self.dtype not in compute:
             raise InvalidArgumentError(f"dtype: {self.dtype!r} is not a compute dtype; use one of {', '.join(compute)}")

@@ -150,8 +150,9 @@ class TritonBackend(AttentionBackend):
         q_lens, s_lens = metadata.query_lens_host, metadata.seq_lens_host
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q == 1)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > 1)
-        if self.spec.sliding_window is not None and not graph:
-            # The decode kernel reads whole rows; windowed steps go through the prefill kernel.
+        if (self.spec.sliding_window is not None or self.spec.quantized_cache) and not graph:
+            # The decode kernel reads whole rows of 16/32-bit K/V; windowed and fp8 steps go
+            # through the prefill kernel.
             decode_rows, prefill_rows = (), tuple(range(len(q_lens)))
         if graph:
             if prefill_rows:
@@ -190,7 +191,7 @@ class TritonBackend(AttentionBackend):
     # ---- per layer ---------------------------------------------------------------------
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
-        write_kv_cache(key, value, layer.key, layer.value, plan.metadata.slot_mapping)
+        write_kv_cache(key, value, layer.key, layer.value, plan.metadata.slot_mapping, layer.k_scale, layer.v_scale)
 
     def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
         assert isinstance(plan, TritonStepPlan), "checked by AttentionBackend._check_step"
@@ -229,6 +230,8 @@ class TritonBackend(AttentionBackend):
                 out=target,
                 config=p.config,
                 window=self.spec.window_of(layer.index),
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
             )
         if target is not result:
             result.copy_(target)
@@ -257,4 +260,3 @@ def _starts(query_lens: tuple[int, ...]) -> list[int]:
         starts.append(total)
         total += q
     return starts
-

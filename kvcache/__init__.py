@@ -12,32 +12,104 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from attention.errors import (
-        ArgumentTypeError,
-        BackendUnavailableError,
-        CacheAllocationError,
-        ConfigError,
-        IntegrityError,
-        InvalidArgumentError,
-        KVCacheError,
-        MetadataError,
-        OutOfBlocksError,
-        SequenceExistsError,
-        UnknownSequenceError,
-        UnsupportedSettingError,
+        ArgumentTypeError as ArgumentTypeError,
     )
-    from attention.staging import StepCapacity
-    from kvcache.allocator import BlockAllocator
-    from kvcache.builder import MetadataBuilder, build_metadata
-    from kvcache.cache_tensors import KVCacheTensors, allocate_kv_cache, resolve_device
-    from kvcache.config import KVCacheConfig
-    from kvcache.loading import load_config, parse_config
-    from kvcache.manager import BlockManager
-    from kvcache.metrics import CacheStats, PrometheusExporter, collect_stats
-    from kvcache.planning import CapacityPlan, plan_capacity
-    from kvcache.preemption import preempt
-    from kvcache.rows import ScheduledRow
-    from kvcache.setup import backend_for, manager_for
-    from kvcache.swap import SwapSpace
+    from attention.errors import (
+        BackendUnavailableError as BackendUnavailableError,
+    )
+    from attention.errors import (
+        CacheAllocationError as CacheAllocationError,
+    )
+    from attention.errors import (
+        ConfigError as ConfigError,
+    )
+    from attention.errors import (
+        IntegrityError as IntegrityError,
+    )
+    from attention.errors import (
+        InvalidArgumentError as InvalidArgumentError,
+    )
+    from attention.errors import (
+        KVCacheError as KVCacheError,
+    )
+    from attention.errors import (
+        MetadataError as MetadataError,
+    )
+    from attention.errors import (
+        OutOfBlocksError as OutOfBlocksError,
+    )
+    from attention.errors import (
+        SequenceExistsError as SequenceExistsError,
+    )
+    from attention.errors import (
+        UnknownSequenceError as UnknownSequenceError,
+    )
+    from attention.errors import (
+        UnsupportedSettingError as UnsupportedSettingError,
+    )
+    from attention.staging import (
+        StepCapacity as StepCapacity,
+    )
+    from kvcache.allocator import (
+        BlockAllocator as BlockAllocator,
+    )
+    from kvcache.builder import (
+        MetadataBuilder as MetadataBuilder,
+    )
+    from kvcache.builder import (
+        build_metadata as build_metadata,
+    )
+    from kvcache.cache_tensors import (
+        KVCacheTensors as KVCacheTensors,
+    )
+    from kvcache.cache_tensors import (
+        allocate_kv_cache as allocate_kv_cache,
+    )
+    from kvcache.cache_tensors import (
+        resolve_device as resolve_device,
+    )
+    from kvcache.config import (
+        KVCacheConfig as KVCacheConfig,
+    )
+    from kvcache.loading import (
+        load_config as load_config,
+    )
+    from kvcache.loading import (
+        parse_config as parse_config,
+    )
+    from kvcache.manager import (
+        BlockManager as BlockManager,
+    )
+    from kvcache.metrics import (
+        CacheStats as CacheStats,
+    )
+    from kvcache.metrics import (
+        PrometheusExporter as PrometheusExporter,
+    )
+    from kvcache.metrics import (
+        collect_stats as collect_stats,
+    )
+    from kvcache.planning import (
+        CapacityPlan as CapacityPlan,
+    )
+    from kvcache.planning import (
+        plan_capacity as plan_capacity,
+    )
+    from kvcache.preemption import (
+        preempt as preempt,
+    )
+    from kvcache.rows import (
+        ScheduledRow as ScheduledRow,
+    )
+    from kvcache.setup import (
+        backend_for as backend_for,
+    )
+    from kvcache.setup import (
+        manager_for as manager_for,
+    )
+    from kvcache.swap import (
+        SwapSpace as SwapSpace,
+    )
 
 _ERRORS = (
     "ArgumentTypeError",

@@ -77,7 +77,9 @@ class BlockAllocator:
         Raises InvalidArgumentError (nothing changed) when it is not free."""
         self._check_id(block)
         if self._ref[block] != 0:
-            raise InvalidArgumentError(f"block {block}: has {self._ref[block]} owners, so it cannot be revived; incref it")
+            raise InvalidArgumentError(
+                f"block {block}: has {self._ref[block]} owners, so it cannot be revived; incref it"
+            )
         self._free.remove(block)
         self._ref[block] = 1
 

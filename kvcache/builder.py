@@ -399,6 +399,8 @@ def _raise_bad_row(i: int, row: object, manager: BlockManager) -> None:
     raise UnknownSequenceError(seq_id)
 
 
-def build_metadata(manager: BlockManager, rows: Sequence[ScheduledRow], device: torch.device | str) -> AttentionMetadata:
+def build_metadata(
+    manager: BlockManager, rows: Sequence[ScheduledRow], device: torch.device | str
+) -> AttentionMetadata:
     """One-off :meth:`MetadataBuilder.build` (a serving loop keeps one builder instead)."""
     return MetadataBuilder(device).build(manager, rows)

@@ -91,7 +91,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.builder.device)
         return len(self._graphs)
 
-    def run(self, manager: BlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int]) -> tuple[StepPlan, torch.Tensor]:
+    def run(
+        self, manager: BlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int]
+    ) -> tuple[StepPlan, torch.Tensor]:
         """Plan a pure decode step padded to its bucket and replay that bucket's graph.
         Returns the plan and the output rows of the real rows (a view into the graph's
         output, valid until the next replay). Raises InvalidArgumentError when the step is

@@ -24,14 +24,14 @@ from attention.errors import (
     IntegrityError,
     InvalidArgumentError,
     OutOfBlocksError,
-    SequenceExistsError,
 )
 from attention.metadata import PAD_BLOCK
 from kvcache.allocator import BlockAllocator
+from kvcache.holds import BlockHolds
 from kvcache.prefix_cache import PrefixCache
 from kvcache.rows import ScheduledRow
 from kvcache.sequence import BlockCopy, SequenceBlocks, SequenceTable
-from kvcache.tokens import token_count, token_list
+from kvcache.tokens import prompt_length, token_list
 
 __all__ = ["BlockCopy", "BlockManager", "FreeReason"]
 
@@ -57,13 +57,17 @@ class BlockManager(SequenceTable):
     ):
         self.block_size = require_int("block_size", block_size, minimum=1, maximum=1 << 20)
         if not isinstance(enable_prefix_caching, bool):
-            raise ArgumentTypeError(f"enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}")
-        self.sliding_window = None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
+            raise ArgumentTypeError(
+                f"enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        self.sliding_window = (
+            None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
+        )
         self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
         self.allocator = BlockAllocator(num_blocks, self.prefix_cache.forget if self.prefix_cache else None)
         super().__init__()
-        # Blocks kept alive by someone other than a block table (a swap-out copy in flight).
-        self._holds: dict[int, int] = {}
+        #: Blocks kept alive by someone other than a block table (a swap-out copy in flight).
+        self.holds = BlockHolds(self.allocator)
         #: Sequences given up to make room, by how (``free(reason="preempted")`` counts
         #: "recompute"; a swap-out counts "swap").
         self.preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
@@ -274,33 +278,12 @@ class BlockManager(SequenceTable):
     def hold(self, blocks: Iterable[int]) -> None:
         """Keep owned ``blocks`` allocated without a block table (while a copy reads them).
         Raises InvalidArgumentError (nothing changed) for an id that is not an owned block."""
-        blocks = list(blocks)
-        for block in blocks:
-            if self.allocator.is_free(block):
-                raise InvalidArgumentError(f"blocks: block {block} is free; only owned blocks can be held")
-        for block in blocks:
-            self.allocator.incref(block)
-            self._holds[block] = self._holds.get(block, 0) + 1
+        self.holds.hold(blocks)
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop holds taken with :meth:`hold`. Raises InvalidArgumentError (nothing changed)
         for a block that is not held (as many times as listed)."""
-        blocks = list(blocks)
-        counts: dict[int, int] = {}
-        for block in blocks:
-            counts[block] = counts.get(block, 0) + 1
-        for block, count in counts.items():
-            if self._holds.get(block, 0) < count:
-                raise InvalidArgumentError(
-                    f"blocks: block {block!r:.20} is released {count} time(s) but held {self._holds.get(block, 0)}"
-                )
-        for block, count in counts.items():
-            left = self._holds[block] - count
-            if left:
-                self._holds[block] = left
-            else:
-                del self._holds[block]
-        self._release_blocks(blocks)
+        self._release_blocks(self.holds.drop(blocks))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key; returns how many were dropped (0 without caching).
@@ -319,7 +302,7 @@ class BlockManager(SequenceTable):
         if self.prefix_cache is not None:
             found += self.prefix_cache.integrity_problems()
         owners = [0] * self.num_blocks
-        for block, count in self._holds.items():
+        for block, count in self.holds.counts.items():
             owners[block] += count
         for seq_id, seq in self._seqs.items():
             found += seq.problems(seq_id, self.block_size, self.allocator)
@@ -339,21 +322,7 @@ class BlockManager(SequenceTable):
         self, num_tokens: int | None, token_ids: Sequence[int] | None, extra_key: Hashable
     ) -> tuple[int, list[int] | None]:
         """(length, token list kept for prefix caching or None), checked."""
-        tokens = None
-        if token_ids is not None:
-            if self.prefix_cache is not None:
-                tokens = token_list(token_ids)
-                length = len(tokens)
-            else:
-                length = token_count(token_ids)
-            if num_tokens is not None and require_int("num_tokens", num_tokens) != length:
-                raise InvalidArgumentError(
-                    f"num_tokens: {num_tokens} disagrees with len(token_ids) = {length}; pass one of them"
-                )
-            num_tokens = length
-        if num_tokens is None:
-            raise InvalidArgumentError("num_tokens: pass num_tokens or token_ids")
-        num_tokens = require_int("num_tokens", num_tokens, minimum=1)
+        num_tokens, tokens = prompt_length(num_tokens, token_ids, keep=self.prefix_cache is not None)
         try:
             hash(extra_key)
         except TypeError:

@@ -7,9 +7,10 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from attention.checks import require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["token_count", "token_list"]
+__all__ = ["prompt_length", "token_count", "token_list"]
 
 
 def _from_array_like(token_ids: Any, name: str) -> list[int] | None:
@@ -20,9 +21,14 @@ def _from_array_like(token_ids: Any, name: str) -> list[int] | None:
     ndim = token_ids.dim() if callable(getattr(token_ids, "dim", None)) else getattr(token_ids, "ndim", None)
     if ndim != 1:
         raise InvalidArgumentError(f"{name}: expected a 1-D sequence of token ids, got {ndim} dimensions")
-    if getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) or str(dtype) in (
-        "torch.bool",
-        "bool",
+    if (
+        getattr(dtype, "is_floating_point", False)
+        or getattr(dtype, "is_complex", False)
+        or str(dtype)
+        in (
+            "torch.bool",
+            "bool",
+        )
     ):
         raise ArgumentTypeError(f"{name}: expected integer token ids, got dtype {dtype}")
     kind = getattr(dtype, "kind", "i")  # numpy dtypes have a kind; torch ints pass above
@@ -70,3 +76,24 @@ def token_count(token_ids: object, name: str = "token_ids") -> int:
             f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), got {type(token_ids).__name__}"
         )
     return len(token_ids)
+
+
+def prompt_length(num_tokens: object, token_ids: object, *, keep: bool) -> tuple[int, list[int] | None]:
+    """A prompt given as a count and/or its token ids: ``(length, ids)``, the ids as a list
+    when ``keep`` (prefix caching reads them), else None. Raises InvalidArgumentError /
+    ArgumentTypeError naming the argument."""
+    tokens = None
+    if token_ids is not None:
+        if keep:
+            tokens = token_list(token_ids)
+            length = len(tokens)
+        else:
+            length = token_count(token_ids)
+        if num_tokens is not None and require_int("num_tokens", num_tokens) != length:
+            raise InvalidArgumentError(
+                f"num_tokens: {num_tokens} disagrees with len(token_ids) = {length}; pass one of them"
+            )
+        num_tokens = length
+    if num_tokens is None:
+        raise InvalidArgumentError("num_tokens: pass num_tokens or token_ids")
+    return require_int("num_tokens", num_tokens, minimum=1), tokens

@@ -78,7 +78,9 @@ def _run(
     block_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, PagedCase]:
     """Write the step's K/V and attend with the backend; return (output, oracle, case)."""
-    case = make_case(rows, spec, block_size=block_size or under.block_size, device=under.device, seed=seed, pad_to=pad_to)
+    case = make_case(
+        rows, spec, block_size=block_size or under.block_size, device=under.device, seed=seed, pad_to=pad_to
+    )
     backend = under.make(spec)
     plan = backend.plan(case.meta)
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
@@ -105,8 +107,9 @@ def test_write_kv_writes_exactly_the_new_slots(under: UnderTest, dtype: torch.dt
     if not under.supports(dtype):
         pytest.skip(f"{under.name} does not compute in {dtype}")
     spec = make_spec(6, 3, 40, dtype)  # head_dim 40 pads to 64 lanes in the kernels
-    case = make_case([(3, 5), (0, 1), (under.block_size - 1, 2)], spec, block_size=under.block_size,
-                     device=under.device, pad_to=5)
+    case = make_case(
+        [(3, 5), (0, 1), (under.block_size - 1, 2)], spec, block_size=under.block_size, device=under.device, pad_to=5
+    )
     backend = under.make(spec)
     plan = backend.plan(case.meta)
     before = case.storage.clone()
@@ -254,3 +257,17 @@ def test_metadata_inconsistent_with_itself_is_refused_at_plan(under: UnderTest) 
         under.make(spec).plan(bad)
     with pytest.raises(InvalidArgumentError):
         under.make(spec).plan(dataclasses.replace(case.meta, slot_mapping=case.meta.slot_mapping.int()))
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_cache(under: UnderTest, dtype: torch.dtype) -> None:
+    """An fp8 cache: writes quantize with the layer's per-KV-head scales, reads dequantize.
+    The oracle attends over the dequantized values the cache holds, so the only extra error
+    is the kernels' own arithmetic (as for the 16-bit tolerances)."""
+    if "float8_e4m3" not in BACKENDS[under.name].kv_cache_dtypes:
+        pytest.skip(f"{under.name} has no fp8 cache")
+    spec = make_spec(8, 2, 64, dtype, kv_cache_dtype="float8_e4m3")
+    out, ref, case = _run(under, [(40, 1), (0, 17), (33, 5), (97, 1)], spec, seed=4)
+    assert case.layer.key.dtype == torch.float8_e4m3fn
+    _check(out, ref, dtype)

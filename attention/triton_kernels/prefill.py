@@ -138,6 +138,17 @@ def _pages_in_cache(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _to_compute(x, scale, DEQUANT: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A loaded K/V tile in the dtype the dots take: an fp8 tile times its KV head's scale;
+    float32 under the interpreter's bf16 workaround (UPCAST); else as loaded."""
+    if DEQUANT:
+        x = (x.to(tl.float32) * scale).to(dtype)
+    elif UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _masked_softmax_update(  # type: ignore[no-untyped-def]
     qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
 ):
@@ -164,6 +175,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     query_start_loc_ptr,
     tile_index_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     window,
     num_blocks,
@@ -185,6 +198,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     """Program (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
@@ -226,6 +240,11 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    k_scale = 1.0
+    v_scale = 1.0
+    if DEQUANT:
+        k_scale = tl.load(k_scale_ptr + h // GROUP)
+        v_scale = tl.load(v_scale_ptr + h // GROUP)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -243,9 +262,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             kv_mask = tile_mask(n < kv_end, d, HEAD_DIM, D_PAD)
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
@@ -264,9 +282,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             d_mask = tl.max_constancy(d < HEAD_DIM, 8)[None, :]  # as in tile_mask
             k = tl.load(k_cache_ptr + kv_off, mask=d_mask, other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+        v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
@@ -279,9 +296,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+        v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_WINDOW:
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
@@ -312,6 +328,8 @@ def paged_prefill(
     out: torch.Tensor,
     config: PrefillConfig,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``.
 
@@ -324,6 +342,7 @@ def paged_prefill(
                      with the same ``config.block_m``, on the device.
     out:             [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous.
     window:          sliding window (a query sees this many keys, itself included); None: all.
+    k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (else None).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -343,6 +362,8 @@ def paged_prefill(
         query_start_loc,
         tile_index,
         out,
+        k_scale if k_scale is not None else seq_lens,  # unused unless DEQUANT
+        v_scale if v_scale is not None else seq_lens,
         softmax_scale * _LOG2E,
         window or 0,
         k_cache.shape[0],
@@ -364,6 +385,7 @@ def paged_prefill(
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
         HAS_WINDOW=window is not None,
+        DEQUANT=k_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
