@@ -9,7 +9,7 @@ counts even under ``python -O``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from attention.checks import require_int
 from attention.errors import InvalidArgumentError, OutOfBlocksError
@@ -94,29 +94,31 @@ class BlockAllocator:
     def decref(self, block: int, keep_cached: bool = False) -> None:
         """One owner fewer. At zero the block is free: reused last when its K/V is worth
         keeping, else first. Raises InvalidArgumentError (nothing changed) on a double free."""
-        self.release([block], lambda _b: keep_cached)
+        self.release([block], {block} if keep_cached else None)
 
-    def release(self, blocks: Sequence[int], is_cached: Callable[[int], bool] | None = None) -> None:
+    def release(self, blocks: Sequence[int], cached: Container[int] | None = None) -> None:
         """One owner fewer for each of ``blocks`` (a block listed twice loses two owners).
-        Blocks reaching zero are freed in list order; ``is_cached(block)`` says which of them
-        keep their K/V (reused last, in list order); the others are reused first, the last of
-        them first.
+        Blocks reaching zero are freed in list order: those in ``cached`` keep their K/V
+        (reused last, in list order); the others are reused first, the last of them first.
         Checks every id and count before changing any: raises InvalidArgumentError on a
         double free or an unknown id, and then nothing has changed."""
         ref = self._ref
         if self._needs_careful_check(blocks):
             self._check_release(blocks)
-        plain: list[int] = []
+        zero: list[int] = []
         for block in blocks:
             count = ref[block] - 1
             ref[block] = count
-            if count == 0:
-                if is_cached is not None and is_cached(block):
-                    self._free.give_back_cached(block)
-                else:
-                    plain.append(block)
+            if not count:
+                zero.append(block)
+        if not cached:
+            self._free.give_back_plain(zero)
+            return
+        plain = [b for b in zero if b not in cached]
         if plain:
             self._free.give_back_plain(plain)
+        if len(plain) != len(zero):
+            self._free.give_back_cached([b for b in zero if b in cached])
 
     def ref_count(self, block: int) -> int:
         self._check_id(block)

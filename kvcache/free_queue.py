@@ -66,10 +66,10 @@ class FreeBlockQueue:
         pushing each to the front of a queue in turn)."""
         self._plain.extend(blocks)
 
-    def give_back_cached(self, block: int) -> None:
-        """Return a block that still holds cached K/V; it is reused after every plain block
-        and after the cached blocks returned before it."""
-        self._cached[block] = None
+    def give_back_cached(self, blocks: list[int]) -> None:
+        """Return blocks that still hold cached K/V; each is reused after every plain block
+        and after the cached blocks returned before it (list order)."""
+        self._cached.update(dict.fromkeys(blocks))
 
     def remove(self, block: int) -> None:
         """Take ``block`` out wherever it is (a prefix-cache hit). O(1) for a cached block.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from attention.errors import InvalidArgumentError
+from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.allocator import BlockAllocator
 
 __all__ = ["BlockHolds"]
@@ -21,7 +21,7 @@ class BlockHolds:
     def hold(self, blocks: Iterable[int]) -> list[int]:
         """One hold on each owned block of ``blocks``. Raises InvalidArgumentError (nothing
         changed) for an id that is not an owned block. Returns the blocks held."""
-        blocks = list(blocks)
+        blocks = _block_list(blocks)
         for block in blocks:
             if self.allocator.is_free(block):
                 raise InvalidArgumentError(f"blocks: block {block} is free; only owned blocks can be held")
@@ -34,7 +34,7 @@ class BlockHolds:
         """Drop one hold per listed block. Raises InvalidArgumentError (nothing changed) for a
         block held fewer times than listed. Returns the blocks whose owner count the caller
         must now release in the allocator."""
-        blocks = list(blocks)
+        blocks = _block_list(blocks)
         listed: dict[int, int] = {}
         for block in blocks:
             listed[block] = listed.get(block, 0) + 1
@@ -50,3 +50,14 @@ class BlockHolds:
             else:
                 del self.counts[block]
         return blocks
+
+
+def _block_list(blocks: Iterable[int]) -> list[int]:
+    """``blocks`` as a list of ints; raises ArgumentTypeError for a non-iterable or a non-int."""
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+        raise ArgumentTypeError(f"blocks: expected an iterable of block ids, got {type(blocks).__name__}")
+    out = list(blocks)
+    for block in out:
+        if type(block) is not int:
+            raise ArgumentTypeError(f"blocks: expected int block ids, got {type(block).__name__} {block!r:.20}")
+    return out

@@ -15,6 +15,7 @@ released as soon as :meth:`commit` passes them; their table entries become ``PAD
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Literal
 
@@ -31,7 +32,7 @@ from kvcache.holds import BlockHolds
 from kvcache.prefix_cache import PrefixCache
 from kvcache.rows import ScheduledRow
 from kvcache.sequence import BlockCopy, SequenceBlocks, SequenceTable
-from kvcache.tokens import prompt_length, token_list
+from kvcache.tokens import prompt_length, token_count, token_list
 
 __all__ = ["BlockCopy", "BlockManager", "FreeReason"]
 
@@ -64,7 +65,7 @@ class BlockManager(SequenceTable):
             None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
         )
         self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
-        self.allocator = BlockAllocator(num_blocks, self.prefix_cache.forget if self.prefix_cache else None)
+        self.allocator = BlockAllocator(num_blocks, None if self.prefix_cache is None else self.prefix_cache.forget)
         super().__init__()
         #: Blocks kept alive by someone other than a block table (a swap-out copy in flight).
         self.holds = BlockHolds(self.allocator)
@@ -139,7 +140,8 @@ class BlockManager(SequenceTable):
         cached = len(hits) * self.block_size
         if self.prefix_cache is not None and tokens is not None:
             self.prefix_cache.record_query(num_tokens, cached)
-        self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, tokens, extra_key, cached, keys)
+        stored = array("q", tokens) if tokens is not None else None  # compact: one buffer, cheap to free
+        self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, stored, extra_key, cached, keys)
         return cached
 
     def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> list[int]:
@@ -151,6 +153,8 @@ class BlockManager(SequenceTable):
         seq = self.sequence(seq_id)
         n = require_int("n", n, minimum=1)
         new_ids = None
+        if token_ids is not None and seq.token_ids is None and token_count(token_ids) != n:
+            raise InvalidArgumentError(f"token_ids: {token_count(token_ids)} ids for n={n} new tokens")
         if seq.token_ids is not None:
             if token_ids is None:
                 raise InvalidArgumentError(
@@ -177,6 +181,8 @@ class BlockManager(SequenceTable):
         error and changes nothing when one does not fit."""
         updates = []
         for i, row in enumerate(rows):
+            if not isinstance(row, ScheduledRow):
+                raise ArgumentTypeError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
             seq = self.sequence(row.seq_id)
             num_new = require_int(f"rows[{i}].num_new", row.num_new, minimum=1)
             start = seq.num_tokens - num_new if row.start is None else require_int(f"rows[{i}].start", row.start)
@@ -258,6 +264,7 @@ class BlockManager(SequenceTable):
         block ids, one per real block of ``record``, in order. Its cached-block keys are
         dropped (the fresh blocks are not indexed). Raises SequenceExistsError or
         OutOfBlocksError; changes nothing then."""
+        self.check_hashable(seq_id)
         parked = seq_id in self._parked
         self._parked.discard(seq_id)
         try:
@@ -273,6 +280,7 @@ class BlockManager(SequenceTable):
 
     def drop_swapped(self, seq_id: Hashable) -> None:
         """Free the id of a swapped-out sequence that will not come back."""
+        self.check_hashable(seq_id)
         self._parked.discard(seq_id)
 
     def hold(self, blocks: Iterable[int]) -> None:
@@ -359,6 +367,11 @@ class BlockManager(SequenceTable):
 
     def _release_blocks(self, blocks: list[int]) -> None:
         # Tail first: a later request is likelier to share the head, so the head is evicted last.
-        real = [b for b in reversed(blocks) if b != PAD_BLOCK]
+        real = blocks[::-1] if PAD_BLOCK not in blocks else [b for b in reversed(blocks) if b != PAD_BLOCK]
         cache = self.prefix_cache
-        self.allocator.release(real, cache.keep_on_free if cache is not None else None)
+        if cache is None:
+            self.allocator.release(real)
+            return
+        if cache.has_duplicates:
+            cache.drop_duplicates([b for b in real if self.allocator.ref_count(b) == 1])
+        self.allocator.release(real, cache.holders)

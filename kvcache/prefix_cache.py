@@ -16,7 +16,7 @@ evicted by an allocation, at which point :meth:`PrefixCache.forget` drops it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 
 __all__ = ["BlockKey", "PrefixCache"]
 
@@ -132,14 +132,22 @@ class PrefixCache:
                     self._duplicate_key[block] = key
             keys.append(key)
 
-    def keep_on_free(self, block: int) -> bool:
-        """Called when ``block`` loses its last owner: whether its K/V is worth keeping (it is
-        a holder). A duplicate is dropped here: nothing can look it up."""
-        key = self._duplicate_key.pop(block, None)
-        if key is not None:
-            self._drop_duplicate(key, block)
-            return False
-        return block in self._key_of
+    @property
+    def holders(self) -> Container[int]:
+        """The holder blocks, for fast membership tests (a live view)."""
+        return self._key_of.keys()
+
+    @property
+    def has_duplicates(self) -> bool:
+        return bool(self._duplicate_key)
+
+    def drop_duplicates(self, blocks: Iterable[int]) -> None:
+        """Called before ``blocks`` lose their last owner: a duplicate among them is forgotten
+        (nothing can look it up, so its K/V is not worth keeping)."""
+        for block in blocks:
+            key = self._duplicate_key.pop(block, None)
+            if key is not None:
+                self._drop_duplicate(key, block)
 
     def forget(self, block: int) -> None:
         """Drop ``block`` from the index: it is being refilled with other content. Counts an

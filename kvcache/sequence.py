@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,7 +28,8 @@ class SequenceBlocks:
     blocks:       block ids covering its reserved tokens; ``PAD_BLOCK`` for leading blocks
                   released behind a sliding window.
     num_tokens:   token slots reserved (its length once all its tokens are computed).
-    token_ids:    its token ids, kept only when prefix-cached (to key its full blocks).
+    token_ids:    its token ids (``array('q')``), kept only when prefix-cached (to key its
+                  full blocks).
     extra_key:    the caller's prefix-cache salt.
     num_computed: leading tokens whose K/V is written (``commit``).
     keys:         prefix-cache keys of its leading full blocks, as indexed (or hit).
@@ -38,7 +40,7 @@ class SequenceBlocks:
 
     blocks: list[int]
     num_tokens: int
-    token_ids: list[int] | None = None
+    token_ids: array | None = None
     extra_key: Hashable = None
     num_computed: int = 0
     keys: list[BlockKey] = field(default_factory=list)
@@ -58,7 +60,7 @@ class SequenceBlocks:
         return SequenceBlocks(
             blocks=blocks,
             num_tokens=self.num_tokens,
-            token_ids=list(self.token_ids) if self.token_ids is not None else None,
+            token_ids=self.token_ids[:] if self.token_ids is not None else None,
             extra_key=self.extra_key,
             num_computed=self.num_computed,
             keys=list(self.keys) if keep_keys else [],
@@ -115,6 +117,14 @@ class SequenceTable:
             return self._seqs[seq_id]
         except KeyError:
             raise UnknownSequenceError(seq_id) from None
+        except TypeError:
+            raise ArgumentTypeError(f"seq_id: {type(seq_id).__name__} is not hashable") from None
+
+    @staticmethod
+    def check_hashable(seq_id: Hashable) -> None:
+        """Raise ArgumentTypeError unless ``seq_id`` can be a sequence id."""
+        try:
+            hash(seq_id)
         except TypeError:
             raise ArgumentTypeError(f"seq_id: {type(seq_id).__name__} is not hashable") from None
 

@@ -85,7 +85,10 @@ class SwapSpace:
         return len(self._swapped)
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return seq_id in self._swapped
+        try:
+            return seq_id in self._swapped
+        except TypeError:  # an unhashable id names nothing
+            return False
 
     def can_swap_out(self, seq_id: Hashable) -> bool:
         """Whether the host pool has room for ``seq_id``'s blocks. Changes nothing."""
@@ -164,6 +167,7 @@ class SwapSpace:
     # ---- copies ------------------------------------------------------------------------
 
     def _entry(self, seq_id: Hashable) -> _Swapped:
+        self.manager.check_hashable(seq_id)
         try:
             return self._swapped[seq_id]
         except KeyError:

@@ -103,7 +103,9 @@ def make_case(
     )
     new_index = torch.cat([torch.arange(starts[i] + c, starts[i] + c + n) for i, (c, n) in enumerate(rows)])
     pad = meta.num_tokens - meta.num_real_tokens
-    new_key = torch.cat([all_key[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)])
+    new_key = torch.cat(
+        [all_key[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)]
+    )
     new_value = torch.cat(
         [all_value[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)]
     )

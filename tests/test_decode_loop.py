@@ -119,7 +119,7 @@ def _ours(
         requests,
         manager=manager,
         cache=cache,
-        backend=get_backend("reference"),
+        backend=get_backend("reference", config.attention_spec()),
         # Host pool of 3 blocks: swaps happen, and a victim too big for it is recomputed.
         preemption=make_preemption(preempt, manager, cache, 3 * config.bytes_per_block),
         token_budget=token_budget,

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from kvcache import (
     BlockManager,
     IntegrityError,
+    InvalidArgumentError,
     OutOfBlocksError,
+    ScheduledRow,
     SequenceExistsError,
     UnknownSequenceError,
 )
-
-
-def snapshot(m: BlockManager) -> tuple[object, ...]:
-    """Everything observable about the manager's state."""
-    seqs = {k: copy.deepcopy(v) for k, v in m._seqs.items()}
-    return (
-        seqs,
-        m.allocator.free_blocks_in_eviction_order(),
-        list(m.allocator._ref),
-        list(m.allocator._generation),
-    )
+from tests.manager_state import snapshot
 
 
 def test_allocate_append_free_exact_blocks_and_slots() -> None:
@@ -95,7 +85,7 @@ def test_errors_leave_state_unchanged() -> None:
         m.fork("a", "child")  # partial last block, nothing free for the copy
     assert snapshot(m) == mid
     m.free("full")
-    assert snapshot(m)[0] == before[0]
+    assert snapshot(m)["seqs"] == before["seqs"]
     m.check_integrity()
 
 
@@ -107,6 +97,10 @@ def test_can_methods_agree_with_actions() -> None:
     assert m.can_fork("a")
     m.allocate("b", 1)
     assert not m.can_fork("a")
+    # can_append(seq, 0) raises exactly what append_slots(seq, 0) raises (it used to say False).
+    for call in (m.can_append, m.append_slots):
+        with pytest.raises(InvalidArgumentError, match="n: 0 is below the minimum 1"):
+            call("a", 0)
 
 
 def test_slots_outside_reserved_tokens_are_refused() -> None:
@@ -126,3 +120,36 @@ def test_check_integrity_reports_the_numbers() -> None:
     assert "2 blocks for 5 tokens" not in text  # 3 blocks now
     assert "3 blocks for 5 tokens (want 2)" in text
     assert "block 3: reference count 0, but 1 block tables and holds have it" in text
+
+
+def test_commit_records_exactly_what_a_step_computed() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.allocate("a", 10)
+    m.allocate("b", 3)
+    m.commit([ScheduledRow("a", 4, start=0), ScheduledRow("b", 3)])  # b: start defaults to 0
+    assert (m.num_computed("a"), m.num_computed("b")) == (4, 3)
+    m.commit([ScheduledRow("a", 6, start=2)])  # a recomputed chunk may overlap the prefix
+    assert m.num_computed("a") == 8
+    m.commit([ScheduledRow("a", 1, start=3)])  # entirely inside: nothing moves back
+    assert m.num_computed("a") == 8
+    m.append_slots("b", 1)
+    m.commit([ScheduledRow("b", 1)])  # a decode row: the last reserved token
+    assert m.num_computed("b") == 4
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError, match="do not continue"):
+        m.commit([ScheduledRow("b", 1, start=3), ScheduledRow("a", 1, start=9 + 1)])
+    assert snapshot(m) == before, "a refused commit records none of its rows"
+    m.check_integrity()
+
+
+def test_free_reasons_and_preemption_counts() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    for seq in ("f", "x", "p"):
+        m.allocate(seq, 5)
+    m.free("f")
+    m.free("x", reason="aborted")
+    m.free("p", reason="preempted")
+    assert m.preemptions == {"recompute": 1, "swap": 0}
+    assert m.num_free_blocks == 8
+    m.allocate("p", 9)  # a preempted (recompute) sequence is admitted again under its id
+    m.check_integrity()

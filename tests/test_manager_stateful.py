@@ -1,23 +1,39 @@
-"""Random allocate / append / fork / free / mark_computed / swap sequences against the manager.
+"""Random allocate / append / fork / free / commit / mark_computed / preempt / swap sequences
+against the manager, mixed with invalid calls.
 
 After every step ``check_integrity()`` recounts everything; a refused operation must leave the
 state exactly as it was; at the end every block is free again. The swap variant also keeps
 real cache tensors in which every token's K/V is a value derived from its whole prefix (as
 real K/V is), and checks after every step that each sequence reads back exactly its own
 values: nothing lost, duplicated, or overwritten by a swap, a fork copy or a cache hit.
+Invalid calls (bad counts, bad ids, misuse) must raise the project's typed errors and change
+nothing.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache import BlockManager, KVCacheTensors, OutOfBlocksError, SwapSpace
+from kvcache import (
+    ArgumentTypeError,
+    BlockManager,
+    InvalidArgumentError,
+    KVCacheError,
+    KVCacheTensors,
+    OutOfBlocksError,
+    ScheduledRow,
+    SequenceExistsError,
+    SwapSpace,
+    UnknownSequenceError,
+    collect_stats,
+    preempt,
+)
+from tests.manager_state import snapshot as manager_snapshot
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -26,15 +42,19 @@ PIECES = ([7, 3, 5, 1], [2, 8, 6, 4], [0, 1, 0, 1])
 
 
 def snapshot(m: BlockManager, swap: SwapSpace | None) -> tuple[object, ...]:
-    return (
-        {k: copy.deepcopy(v) for k, v in m._seqs.items()},
-        m.allocator.free_blocks_in_eviction_order(),
-        list(m.allocator._ref),
-        list(m.allocator._generation),
-        dict(m.prefix_cache._block_of) if m.prefix_cache else None,
-        None if swap is None else (swap.allocator.free_blocks_in_eviction_order(), dict(swap._swapped).keys()),
-        None if swap is None else swap.host.clone(),
-    )
+    return (manager_snapshot(m, swap), None if swap is None else swap.host.clone())
+
+
+def same_state(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
+    if before[0] != after[0]:
+        return False
+    if before[1] is None:
+        return True
+    return torch.equal(before[1].nan_to_num(-1), after[1].nan_to_num(-1))  # type: ignore[union-attr]
+
+
+#: What an invalid call may raise: the project's typed errors only.
+ARGUMENT_ERRORS = (ArgumentTypeError, InvalidArgumentError, UnknownSequenceError, SequenceExistsError)
 
 
 def prefix_value(tokens: list[int]) -> float:
@@ -83,10 +103,7 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             action(*args, **kwargs)  # type: ignore[operator]
         except OutOfBlocksError:
-            after = snapshot(self.m, self.swap)
-            assert str(after[:-1]) == str(before[:-1]), "a refused operation changed the state"
-            if self.swap is not None:
-                assert torch.equal(after[-1].nan_to_num(-1), before[-1].nan_to_num(-1))  # type: ignore[union-attr]
+            assert same_state(before, snapshot(self.m, self.swap)), "a refused operation changed the state"
             return True
         return False
 
@@ -100,14 +117,22 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = self._draw_tokens(data, n)
         seq = self.next_id
         expect = self.m.can_allocate(n, token_ids=self._token_arg(tokens))
-        before = self.m.stats().prefix_cache_hits
+        before = collect_stats(self.m).prefix_cache_hits
         refused = self._refused(self.m.allocate, seq, n, token_ids=self._token_arg(tokens))
         assert refused != expect, "can_allocate disagreed with allocate"
         if not refused:
             self.next_id += 1
             self.tokens[seq] = tokens
-            hit = self.m.stats().prefix_cache_hits - before
+            hit = collect_stats(self.m).prefix_cache_hits - before
             self._write(seq, hit)  # the cached prefix is not recomputed
+
+    @precondition(lambda self: self.m.num_free_blocks > 0)
+    @rule(data=st.data())
+    def allocate_every_free_block(self, data: st.DataObject) -> None:
+        """A prompt as long as the free pool: evicts every cached free block (the pressure
+        under which a stale prefix-cache entry would hand out refilled blocks)."""
+        n = self.m.num_free_blocks * BLOCK_SIZE - data.draw(st.integers(0, BLOCK_SIZE - 1))
+        self.allocate(n, data)
 
     @precondition(lambda self: self.tokens)
     @rule(n=st.integers(1, BLOCK_SIZE + 2), data=st.data())
@@ -149,10 +174,186 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        """A step that computed a chunk continuing each chosen sequence's computed prefix (a
+        chunk may start inside it, as a recomputed chunk does)."""
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=3, unique=True))
+        rows = []
+        for seq in seqs:
+            record = self.m.sequence(seq)
+            start = data.draw(st.integers(0, min(record.num_computed, record.num_tokens - 1)))
+            end = data.draw(st.integers(max(start + 1, record.num_computed), record.num_tokens))
+            rows.append(ScheduledRow(seq, end - start, start=start))
+        expect = {
+            seq: max(self.m.num_computed(seq), row.start + row.num_new) for seq, row in zip(seqs, rows, strict=True)
+        }
+        self.m.commit(rows)
+        assert {seq: self.m.num_computed(seq) for seq in seqs} == expect
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.m.free(seq)
+        reason = data.draw(st.sampled_from(["finished", "aborted", "preempted"]))
+        counts = dict(self.m.preemptions)
+        self.m.free(seq, reason=reason)
         del self.tokens[seq]
+        counts["recompute"] += reason == "preempted"
+        assert self.m.preemptions == counts
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def preempt_recompute(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = collect_stats(self.m, self.swap).preemptions_recompute
+        preempt(self.m, seq, "recompute")
+        del self.tokens[seq]
+        assert collect_stats(self.m, self.swap).preemptions_recompute == before + 1
+        self.m.check_new_id(seq)  # a recomputed sequence can be admitted again at once
+
+    @rule(data=st.data())
+    def invalid_call(self, data: st.DataObject) -> None:
+        """A random misuse: it must raise a typed error (the same one from the matching can_*
+        query) and leave everything as it was."""
+        m = self.m
+        new_id = self.next_id
+        calls: list[tuple[str, Callable[[], object], tuple[type[BaseException], ...]]] = []
+        for bad in (0, -1, 1.5, True, "3", None):
+            calls.append((f"allocate n={bad!r}", lambda b=bad: m.allocate(new_id, b), ARGUMENT_ERRORS))
+            calls.append((f"can_allocate n={bad!r}", lambda b=bad: m.can_allocate(b), ARGUMENT_ERRORS))
+        calls += [
+            ("allocate unhashable id", lambda: m.allocate([new_id], 3), (ArgumentTypeError,)),
+            ("allocate str tokens", lambda: m.allocate(new_id, token_ids="abc"), (ArgumentTypeError,)),
+            (
+                "allocate num_tokens != len(token_ids)",
+                lambda: m.allocate(new_id, 2, token_ids=[1, 2, 3]),
+                (InvalidArgumentError,),
+            ),
+            ("allocate unhashable extra_key", lambda: m.allocate(new_id, 3, extra_key=[1]), (ArgumentTypeError,)),
+            ("append unknown", lambda: m.append_slots("nope", 1, token_ids=[0]), (UnknownSequenceError,)),
+            ("can_append unknown", lambda: m.can_append("nope", 1), (UnknownSequenceError,)),
+            ("free unknown", lambda: m.free("nope"), (UnknownSequenceError,)),
+            ("fork unknown", lambda: m.fork("nope", new_id), (UnknownSequenceError,)),
+            ("commit unknown", lambda: m.commit([ScheduledRow("nope", 1)]), (UnknownSequenceError,)),
+            ("preempt bad mode", lambda: preempt(m, "nope", "pause"), ARGUMENT_ERRORS),
+            (
+                "hold free block",
+                lambda: m.hold([b for b in range(NUM_BLOCKS) if m.allocator.is_free(b)][:1] or [-1]),
+                (InvalidArgumentError,),
+            ),
+            ("hold out of range", lambda: m.hold([NUM_BLOCKS]), (InvalidArgumentError,)),
+            ("hold float id", lambda: m.hold([0.0]), (ArgumentTypeError, InvalidArgumentError)),
+            ("release never held", lambda: m.release([0]), (InvalidArgumentError,)),
+        ]
+        if self.prefix_caching:
+            calls.append(
+                ("allocate non-int token", lambda: m.allocate(new_id, token_ids=[1, 2.5, 3]), (ArgumentTypeError,))
+            )
+            calls.append(
+                (
+                    "allocate 2-D tensor tokens",
+                    lambda: m.allocate(new_id, token_ids=torch.zeros(2, 2, dtype=torch.long)),
+                    (InvalidArgumentError,),
+                )
+            )
+            calls.append(
+                (
+                    "allocate float tensor tokens",
+                    lambda: m.allocate(new_id, token_ids=torch.zeros(3)),
+                    (ArgumentTypeError,),
+                )
+            )
+        if self.tokens:
+            seq = data.draw(st.sampled_from(sorted(self.tokens)))
+            rec = m.sequence(seq)
+            for bad in (0, -2, 2.0, False, "1"):
+                calls.append(
+                    (f"append n={bad!r}", lambda b=bad: m.append_slots(seq, b, token_ids=[0]), ARGUMENT_ERRORS)
+                )
+                calls.append((f"can_append n={bad!r}", lambda b=bad: m.can_append(seq, b), ARGUMENT_ERRORS))
+            calls += [
+                ("allocate existing id", lambda: m.allocate(seq, 1), (SequenceExistsError,)),
+                ("fork onto existing id", lambda: m.fork(seq, seq), (SequenceExistsError,)),
+                ("fork onto unhashable id", lambda: m.fork(seq, {}), (ArgumentTypeError,)),
+                ("free bad reason", lambda: m.free(seq, reason="done"), (InvalidArgumentError,)),
+                (
+                    "mark_computed past the end",
+                    lambda: m.mark_computed(seq, rec.num_tokens + 1),
+                    (InvalidArgumentError,),
+                ),
+                ("mark_computed float", lambda: m.mark_computed(seq, float(rec.num_computed)), (ArgumentTypeError,)),
+                ("commit num_new 0", lambda: m.commit([ScheduledRow(seq, 0)]), (InvalidArgumentError,)),
+                (
+                    "commit past the end",
+                    lambda: m.commit([ScheduledRow(seq, 1, start=rec.num_tokens)]),
+                    (InvalidArgumentError,),
+                ),
+                (
+                    "commit a valid row with a bad one",
+                    lambda: m.commit(
+                        [ScheduledRow(seq, 1, start=min(rec.num_computed, rec.num_tokens - 1)), ScheduledRow("nope", 1)]
+                    ),
+                    (UnknownSequenceError,),
+                ),
+                ("slots past the end", lambda: m.slots(seq, 0, rec.num_tokens + 1), (InvalidArgumentError,)),
+                ("release more than held", lambda: m.release(rec.blocks[-1:]), (InvalidArgumentError,)),
+                ("hold owned + out of range", lambda: m.hold([rec.blocks[-1], -5]), (InvalidArgumentError,)),
+            ]
+            if rec.num_computed > 0:
+                calls.append(
+                    (
+                        "mark_computed backwards",
+                        lambda: m.mark_computed(seq, rec.num_computed - 1),
+                        (InvalidArgumentError,),
+                    )
+                )
+            if rec.num_computed + 1 < rec.num_tokens:
+                calls.append(
+                    (
+                        "commit leaves a gap",
+                        lambda: m.commit([ScheduledRow(seq, 1, start=rec.num_computed + 1)]),
+                        (InvalidArgumentError,),
+                    )
+                )
+            if self.prefix_caching:
+                calls.append(("append without token ids", lambda: m.append_slots(seq, 1), (InvalidArgumentError,)))
+                calls.append(
+                    ("append with too few ids", lambda: m.append_slots(seq, 2, token_ids=[1]), (InvalidArgumentError,))
+                )
+                calls.append(
+                    ("append non-int token", lambda: m.append_slots(seq, 1, token_ids=["x"]), (ArgumentTypeError,))
+                )
+            if self.swap is not None:
+                calls.append(("preempt swap without a space", lambda: preempt(m, seq, "swap"), (InvalidArgumentError,)))
+                calls.append(
+                    (
+                        "swap_in a running sequence",
+                        lambda: self.swap.swap_in(seq),  # type: ignore[union-attr]
+                        (SequenceExistsError,),
+                    )
+                )
+        if self.swapped:
+            parked = data.draw(st.sampled_from(sorted(self.swapped)))
+            calls += [
+                ("allocate a swapped-out id", lambda: m.allocate(parked, 1), (SequenceExistsError,)),
+                (
+                    "fork onto a swapped-out id",
+                    lambda: m.fork(next(iter(self.tokens)), parked) if self.tokens else m.allocate(parked, 1),
+                    (SequenceExistsError,),
+                ),
+                ("free a swapped-out id", lambda: m.free(parked), (UnknownSequenceError,)),
+            ]
+        label, call, expected = data.draw(st.sampled_from(calls), label="invalid call")
+        before = snapshot(m, self.swap)
+        try:
+            call()
+        except expected as err:
+            assert isinstance(err, KVCacheError), f"{label}: {type(err).__name__} is not a KVCacheError"
+        except BaseException as err:
+            raise AssertionError(f"{label}: raised {type(err).__name__}: {err}, expected {expected}") from err
+        else:
+            raise AssertionError(f"{label}: did not raise")
+        assert same_state(before, snapshot(m, self.swap)), f"{label}: raised but changed the state"
 
     @precondition(lambda self: self.with_swap and self.tokens)
     @rule(data=st.data())
@@ -160,10 +361,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.swap is not None
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         expect = self.swap.can_swap_out(seq)
-        refused = self._refused(self.m.preempt, seq, "swap", self.swap)
+        refused = self._refused(preempt, self.m, seq, "swap", self.swap)
         assert refused != expect, "can_swap_out disagreed with swap_out"
         if not refused:
             self.swapped[seq] = self.tokens.pop(seq)
+            # The id stays reserved until it is swapped in or dropped.
+            assert not self.m.can_allocate(1) or not _can_take_id(self.m, seq)
 
     @precondition(lambda self: self.with_swap and self.swapped)
     @rule(data=st.data())
@@ -221,6 +424,14 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.swap.allocator.num_free == HOST_BLOCKS, "host blocks leaked"
 
 
+def _can_take_id(m: BlockManager, seq: Hashable) -> bool:
+    try:
+        m.check_new_id(seq)
+    except SequenceExistsError:
+        return False
+    return True
+
+
 class PrefixCachingMachine(ManagerMachine):
     prefix_caching = True
 
@@ -230,7 +441,14 @@ class SwapMachine(ManagerMachine):
     with_swap = True
 
 
-_SETTINGS = settings(max_examples=120, stateful_step_count=40, deadline=None)
+# No shrink phase: shrinking a failing 40-step run takes Hypothesis up to 5 minutes per
+# machine on a 2-core box; the unshrunk failing steps are printed and are short enough to read.
+_SETTINGS = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
+)
 TestManagerStateful = ManagerMachine.TestCase
 TestManagerStateful.settings = _SETTINGS
 TestPrefixCachingStateful = PrefixCachingMachine.TestCase

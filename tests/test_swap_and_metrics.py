@@ -12,6 +12,8 @@ from kvcache import (
     PrometheusExporter,
     SwapSpace,
     UnknownSequenceError,
+    collect_stats,
+    preempt,
 )
 
 
@@ -77,14 +79,14 @@ def test_preempt_modes_are_counted() -> None:
     m, _, swap = setup()
     m.allocate("r", 5)
     m.allocate("s", 5)
-    m.preempt("r", "recompute")
-    m.preempt("s", "swap", swap)
+    preempt(m, "r", "recompute")
+    preempt(m, "s", "swap", swap)
     with pytest.raises(ValueError, match="'pause' is not a preemption mode"):
-        m.preempt("s", "pause")
+        preempt(m, "s", "pause")
     with pytest.raises(ValueError, match="needs the SwapSpace"):
         m.allocate("t", 1)
-        m.preempt("t", "swap")
-    stats = m.stats(swap)
+        preempt(m, "t", "swap")
+    stats = collect_stats(m, swap)
     assert (stats.preemptions_recompute, stats.preemptions_swap, stats.preemptions) == (1, 1, 2)
     assert (stats.swapped_out_blocks, stats.sequences_swapped, stats.host_blocks_used) == (2, 1, 2)
 
@@ -95,7 +97,7 @@ def test_stats_counts_blocks_and_prefix_tokens() -> None:
     m.mark_computed("a", 9)
     m.allocate("b", token_ids=[1, 2, 3, 4, 0])
     m.free("a")
-    stats = m.stats()
+    stats = collect_stats(m)
     assert (stats.blocks_total, stats.blocks_used, stats.blocks_free) == (8, 2, 6)
     assert (stats.blocks_cached, stats.blocks_cached_free) == (2, 1)  # block 0 shared with b
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (14, 4)
@@ -109,9 +111,9 @@ def test_prometheus_exporter_uses_vllm_like_names() -> None:
     m = BlockManager(8, 4, enable_prefix_caching=True)
     m.allocate("a", token_ids=[1, 2, 3, 4, 5])
     m.mark_computed("a", 5)
-    exporter.update(m.stats())
+    exporter.update(collect_stats(m))
     m.allocate("b", token_ids=[1, 2, 3, 4, 6])
-    exporter.update(m.stats())
+    exporter.update(collect_stats(m))
     value = registry.get_sample_value
     assert value("kvcache_kv_cache_usage_perc") == 3 / 8
     assert value("kvcache_prefix_cache_queries_total") == 10
