@@ -1,10 +1,10 @@
 """The ``triton`` backend: our own paged-attention kernels (:mod:`attention.triton_kernels`).
 
-Plan once per step: :meth:`TritonBackend.plan` sends every one-token row to the split-KV
-decode kernel and every longer row to the prefill kernel (a mixed batch runs both, on
-disjoint output rows), and keeps what every layer of the step reuses: the decode split count,
-the decode row index and the prefill tile index, all derived from host-side lengths, so no
-layer call ever waits on the device.
+Plan once per step: :meth:`TritonBackend.plan` sends every one-token row to the decode
+kernel and every longer row to the prefill kernel (a mixed batch runs both, on disjoint output
+rows), and keeps what every layer of the step reuses: the decode schedule (rows cut into
+equal-token chunks) with its device metadata and workspace, and the prefill tile index, all
+derived from host-side lengths, so no layer call ever waits on the device.
 
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it also
 accepts CPU tensors and runs the same kernels in Triton's interpreter, slowly, for tests.
@@ -22,9 +22,12 @@ from attention.checks import same_device
 from attention.metadata import AttentionMetadata
 from attention.triton_kernels import (
     DecodeConfig,
+    DecodePolicy,
+    DecodeSchedule,
+    DecodeWorkspace,
     PrefillConfig,
-    SplitPolicy,
-    choose_num_splits,
+    allocate_decode_workspace,
+    decode_metadata,
     default_decode_config,
     default_prefill_config,
     interpreter_requested,
@@ -32,13 +35,14 @@ from attention.triton_kernels import (
     paged_decode,
     paged_prefill,
     prefill_tile_index,
+    schedule_decode,
     write_kv_cache,
 )
 
-__all__ = ["TritonBackend", "TritonStepPlan"]
+__all__ = ["DecodeLaunch", "TritonBackend", "TritonStepPlan"]
 
 #: SMs assumed when planning for the CPU interpreter: the H200's, so tests exercise the same
-#: split decisions the GPU makes.
+#: chunking decisions the GPU makes.
 INTERPRETER_NUM_SMS = 132
 
 _CPU_REFUSED = "the triton backend needs CUDA tensors; set TRITON_INTERPRET=1 to run it on CPU (slow, for tests)"
@@ -56,24 +60,37 @@ def _num_sms(device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
+class DecodeLaunch:
+    """What the decode launcher needs besides the layer's tensors, made once per step.
+
+    rows: int32 [grid_rows, 4], items: int32 [grid_items, 8] (see decode_schedule), on the
+    metadata's device; workspace sized for the schedule."""
+
+    schedule: DecodeSchedule
+    rows: torch.Tensor
+    items: torch.Tensor
+    workspace: DecodeWorkspace
+
+
+@dataclass(frozen=True)
 class TritonStepPlan(StepPlan):
     """One step's plan for the Triton kernels.
 
-    decode_rows:   batch rows with one new token: the split-KV decode kernel takes them.
+    decode_rows:   batch rows with one new token: the decode kernel takes them.
     prefill_rows:  the other rows: the prefill kernel takes them.
-    num_sms:       SMs of the metadata's device (drives the split count).
-    split_policy:  how decode splits are chosen; ``forced_splits`` overrides it.
-    What depends on the layer (split count: its KV heads) or on the kernel configuration
-    (tile index: the tile height) is computed at the first layer that needs it and reused
-    by every later layer of the step.
+    num_sms:       SMs of the metadata's device (drives the chunk length).
+    decode_policy: how decode chunks are chosen; ``decode_chunk_len`` forces a length.
+    What depends on the layer's shape (decode schedule: its KV heads; workspace: its heads)
+    or on the kernel configuration (chunk multiple of block_n; tile index: the tile height)
+    is computed at the first layer that needs it and reused by every later layer of the step.
     """
 
     decode_rows: tuple[int, ...]
     prefill_rows: tuple[int, ...]
     num_sms: int
-    split_policy: SplitPolicy
-    forced_splits: int | None = None
-    _derived: dict[tuple[str, int], object] = field(default_factory=dict, compare=False, repr=False)
+    decode_policy: DecodePolicy
+    decode_chunk_len: int | None = None
+    _derived: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def use_decode(self) -> bool:
@@ -90,34 +107,48 @@ class TritonStepPlan(StepPlan):
         lens = self.metadata.query_lens_host
         return max((lens[r] for r in self.prefill_rows), default=0)
 
-    def decode_splits(self, num_kv_heads: int) -> int:
-        """Requested splits per decode row for a layer with ``num_kv_heads`` KV heads."""
-        key = ("splits", num_kv_heads)
+    def decode_schedule(self, num_kv_heads: int, block_n: int) -> DecodeSchedule:
+        """The decode rows cut into chunks for a layer with ``num_kv_heads`` KV heads and a
+        kernel tile of ``block_n`` tokens: row d of the schedule is batch row
+        ``decode_rows[d]`` (its block-table row), attending K/V [0, seq_len) with the query
+        token it owns (row i itself in a pure decode step)."""
+        key = ("schedule", num_kv_heads, block_n)
         if key not in self._derived:
-            self._derived[key] = self.forced_splits or choose_num_splits(
-                len(self.decode_rows),
-                num_kv_heads,
-                self.decode_max_seq_len,
-                self.num_sms,
-                self.split_policy,
+            meta = self.metadata
+            starts = _starts(meta.query_lens_host)
+            self._derived[key] = schedule_decode(
+                [(0, meta.seq_lens_host[r]) for r in self.decode_rows],
+                num_kv_heads=num_kv_heads,
+                num_sms=self.num_sms,
+                block_n=block_n,
+                policy=self.decode_policy,
+                chunk_len=self.decode_chunk_len,
+                table_rows=self.decode_rows,
+                q_tokens=[starts[r] for r in self.decode_rows],
             )
-        splits = self._derived[key]
-        assert isinstance(splits, int), f"memo holds {splits!r} for {key}"
-        return splits
+        schedule = self._derived[key]
+        assert isinstance(schedule, DecodeSchedule), f"memo holds {type(schedule).__name__} for {key}"
+        return schedule
 
-    def decode_index(self) -> torch.Tensor | None:
-        """int32 [n, 2] (batch row, query token) of the decode rows of a mixed batch; None
-        for a pure decode step (row i is query token i)."""
-        if self.use_decode:
-            return None
-        key = ("decode_index", 0)
+    def decode_launch(self, num_heads: int, num_kv_heads: int, head_dim: int, block_n: int) -> DecodeLaunch:
+        """The schedule with its device metadata and a workspace (allocated once per step)."""
+        key = ("decode", num_heads, num_kv_heads, head_dim, block_n)
         if key not in self._derived:
-            starts = _starts(self.metadata.query_lens_host)
-            pairs = [(row, starts[row]) for row in self.decode_rows]
-            self._derived[key] = self._to_device(pairs)
-        index = self._derived[key]
-        assert isinstance(index, torch.Tensor), f"memo holds {type(index).__name__} for {key}"
-        return index
+            schedule = self.decode_schedule(num_kv_heads, block_n)
+            device = self.metadata.device
+            rows, items = decode_metadata(schedule, device)
+            workspace = allocate_decode_workspace(
+                max_rows=schedule.grid_rows,
+                max_partials=schedule.num_partials,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                device=device,
+            )
+            self._derived[key] = DecodeLaunch(schedule, rows, items, workspace)
+        launch = self._derived[key]
+        assert isinstance(launch, DecodeLaunch), f"memo holds {type(launch).__name__} for {key}"
+        return launch
 
     def tile_index(self, block_m: int) -> torch.Tensor:
         """int32 [num_tiles, 2] (row, tile) of the prefill rows, heaviest tile first."""
@@ -154,8 +185,8 @@ class TritonBackend(AttentionBackend):
     All arguments are optional tuning knobs (the registry builds it with none):
       decode_config / prefill_config: fixed launch parameters instead of the per-shape
                       defaults (``default_decode_config`` / ``default_prefill_config``);
-      split_policy:   how the decode split count follows the batch and the GPU size;
-      num_splits:     force this many decode splits (tests, sweeps);
+      decode_policy:  how the decode chunk length follows the batch and the GPU size;
+      decode_chunk_len: force this decode chunk length (tests, sweeps);
       num_sms:        plan as if the GPU had this many SMs.
     """
 
@@ -166,17 +197,17 @@ class TritonBackend(AttentionBackend):
         *,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
-        split_policy: SplitPolicy | None = None,
-        num_splits: int | None = None,
+        decode_policy: DecodePolicy | None = None,
+        decode_chunk_len: int | None = None,
         num_sms: int | None = None,
     ):
         super().__init__()
-        if num_splits is not None and num_splits < 1:
-            raise ValueError(f"num_splits: {num_splits} must be >= 1 (or None to choose per step)")
+        if decode_chunk_len is not None and decode_chunk_len < 1:
+            raise ValueError(f"decode_chunk_len: {decode_chunk_len} must be >= 1 (or None to choose per step)")
         self.decode_config = decode_config
         self.prefill_config = prefill_config
-        self.split_policy = split_policy or SplitPolicy()
-        self.num_splits = num_splits
+        self.decode_policy = decode_policy or DecodePolicy()
+        self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
 
     def _plan(self, metadata: AttentionMetadata) -> TritonStepPlan:
@@ -186,8 +217,8 @@ class TritonBackend(AttentionBackend):
             decode_rows=tuple(r for r, q in enumerate(lens) if q == 1),
             prefill_rows=tuple(r for r, q in enumerate(lens) if q > 1),
             num_sms=self.num_sms or _num_sms(metadata.device),
-            split_policy=self.split_policy,
-            forced_splits=self.num_splits,
+            decode_policy=self.decode_policy,
+            decode_chunk_len=self.decode_chunk_len,
         )
 
     def _write_kv(
@@ -223,18 +254,20 @@ class TritonBackend(AttentionBackend):
         target = result if result.stride(-1) == 1 else torch.empty_like(query)
         head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
         if plan.decode_rows:
+            decode_config = self.decode_config or default_decode_config(head_dim, query.dtype)
+            launch = plan.decode_launch(query.shape[1], kv_heads, head_dim, decode_config.block_n)
             paged_decode(
                 query,
                 k_cache,
                 v_cache,
                 meta.block_tables,
-                meta.seq_lens,
-                max_seq_len=plan.decode_max_seq_len,
+                launch.rows,
+                launch.items,
+                launch.schedule,
+                launch.workspace,
                 softmax_scale=softmax_scale,
                 out=target,
-                num_splits=plan.decode_splits(kv_heads),
-                config=self.decode_config or default_decode_config(head_dim, query.dtype),
-                decode_index=plan.decode_index(),
+                config=decode_config,
             )
         if plan.prefill_rows:
             config = self.prefill_config or default_prefill_config(head_dim, query.dtype, plan.prefill_max_query_len)

@@ -1,4 +1,4 @@
-"""The triton backend on a CUDA GPU: larger shapes, 16-bit dtypes, forced split counts,
+"""The triton backend on a CUDA GPU: larger shapes, 16-bit dtypes, forced decode chunk lengths,
 every launch configuration the benchmark sweeps, and caches past 2**31 elements.
 
 Skipped without a CUDA device (the interpreter tests in test_triton_interpret.py cover the
@@ -91,8 +91,8 @@ SHAPES = [
 
 @pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [32, 256])
-@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
-def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int | None) -> None:
+@pytest.mark.parametrize("chunk_len", [None, 10**6, 256, 64])
+def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, chunk_len: int | None) -> None:
     case = _case(
         DECODE,
         group=group,
@@ -101,7 +101,7 @@ def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, 
         dtype=dtype,
         seed=group * 1000 + head_dim,
     )
-    backend = TritonBackend(num_splits=num_splits)
+    backend = TritonBackend(decode_chunk_len=chunk_len)
     out = _attend(backend, case)
     assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
 
@@ -122,11 +122,11 @@ def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int,
     assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
-def test_mixed_batch_decode_rows_split(num_splits: int) -> None:
-    """The one-token rows of a mixed step run split-KV through the row index."""
+@pytest.mark.parametrize("chunk_len", [10**6, 256, 64])
+def test_mixed_batch_decode_rows_split(chunk_len: int) -> None:
+    """The one-token rows of a mixed step run chunked, naming their table rows and tokens."""
     case = _case(MIXED, group=4, head_dim=128, block_size=32, dtype=torch.bfloat16)
-    backend = TritonBackend(num_splits=num_splits)
+    backend = TritonBackend(decode_chunk_len=chunk_len)
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and plan.decode_rows and plan.prefill_rows
     out = _attend(backend, case)
@@ -155,7 +155,7 @@ def test_every_decode_sweep_config(config: DecodeConfig, block_size: int) -> Non
     """Each configuration the benchmark sweep may pick compiles and is correct (bf16, GQA 4,
     d 128, the benchmark's shape)."""
     case = _case(DECODE, group=4, head_dim=128, block_size=block_size, dtype=torch.bfloat16)
-    out = _attend(TritonBackend(decode_config=config, num_splits=3), case)
+    out = _attend(TritonBackend(decode_config=config, decode_chunk_len=256), case)
     assert rel_err(out, reference_output(case)) < TOLERANCE[torch.bfloat16]
 
 
@@ -198,7 +198,7 @@ def test_cache_past_int32_offsets() -> None:
         meta=dataclasses.replace(meta, block_tables=tables, slot_mapping=meta.slot_mapping + slot_shift),
     )
     expect = reference_output(small)
-    backend = TritonBackend(num_splits=2)
+    backend = TritonBackend(decode_chunk_len=256)
     out = _attend(backend, big)
     assert rel_err(out, expect) < TOLERANCE[torch.bfloat16]
     del k_cache, v_cache, big
@@ -211,7 +211,7 @@ def test_registry_and_plan_on_gpu() -> None:
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and plan.use_decode
     assert plan.num_sms == torch.cuda.get_device_properties(0).multi_processor_count
-    assert plan.decode_splits(2) > 1  # one row, two KV heads: split to fill the GPU
+    assert plan.decode_schedule(2, 64).num_items > 1  # one row, two KV heads: split to fill the GPU
 
 
 def test_write_kv_exact_and_nothing_else() -> None:
