@@ -150,6 +150,13 @@ class TritonStepPlan(StepPlan):
         assert isinstance(launch, DecodeLaunch), f"memo holds {type(launch).__name__} for {key}"
         return launch
 
+    def first_time(self, key: tuple[object, ...]) -> bool:
+        """True the first time ``key`` is asked about in this step (then remembered)."""
+        if key in self._derived:
+            return False
+        self._derived[key] = True
+        return True
+
     def tile_index(self, block_m: int) -> torch.Tensor:
         """int32 [num_tiles, 2] (row, tile) of the prefill rows, heaviest tile first."""
         key = ("tiles", block_m)
@@ -256,6 +263,9 @@ class TritonBackend(AttentionBackend):
         if plan.decode_rows:
             decode_config = self.decode_config or default_decode_config(head_dim, query.dtype)
             launch = plan.decode_launch(query.shape[1], kv_heads, head_dim, decode_config.block_n)
+            # The launcher's host checks once per step and shape: later layers pass tensors
+            # of the same shapes (the base class checks each call's shapes and dtypes).
+            shapes = ("decode checked", decode_config, *query.shape, *query.stride(), *target.stride(), *k_cache.shape)
             paged_decode(
                 query,
                 k_cache,
@@ -268,6 +278,7 @@ class TritonBackend(AttentionBackend):
                 softmax_scale=softmax_scale,
                 out=target,
                 config=decode_config,
+                check=plan.first_time(shapes),
             )
         if plan.prefill_rows:
             config = self.prefill_config or default_prefill_config(head_dim, query.dtype, plan.prefill_max_query_len)

@@ -348,3 +348,20 @@ def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> N
             config=config,
             **scales,
         )
+
+
+def test_backend_checks_the_launch_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a step passes tensors of one shape: the launcher's host checks run for
+    the first layer only, and the output stays right for the others."""
+    from attention.triton_backend import TritonBackend
+    from attention.triton_kernels import decode as decode_module
+
+    calls = []
+    real = decode_module.check_decode_launch
+    monkeypatch.setattr(decode_module, "check_decode_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = _case([40, 3], heads=4, kv_heads=2, head_dim=16, block_size=32, dtype=torch.float32)
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
+    plan = backend.plan(case.meta)
+    for _ in range(2):
+        _check(backend.attend(case.query, case.k_cache, case.v_cache, plan), reference_output(case), torch.float32)
+    assert len(calls) == 1

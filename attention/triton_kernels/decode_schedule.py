@@ -180,8 +180,10 @@ def _count_items(ranges: Sequence[tuple[int, int]], chunk_len: int) -> int:
 
 
 def _smallest_fitting(ranges: Sequence[tuple[int, int]], budget: int, granule: int, lo: int) -> int:
-    """Smallest multiple of ``granule`` >= ``lo`` whose item count is <= budget (budget >= R:
-    a chunk as long as the furthest kv_end gives every row one item).
+    """A multiple of ``granule`` >= ``lo`` whose item count is <= budget (budget >= R: a
+    chunk as long as the furthest kv_end gives every row one item): the smallest one when
+    every row starts at 0 (counts then fall as chunks grow); with windows the bisection
+    still only ever returns a fitting length.
 
     The search starts from bounds the counts imply: a row of n tokens needs >= n / c chunks,
     so c >= T / budget; a row starting at 0 needs <= n / c + 1, so when every row starts at
@@ -231,8 +233,12 @@ def _choose_chunk_len(
         # Too small a batch to give every SM a program at the usual floor: shorter chunks,
         # as long as possible while still reaching one program per SM.
         floor = _largest_with_at_least(ranges, one_per_sm, block_n, policy.small_batch_chunk_tokens, floor)
-    # The budget bounds the fixed grid; only windowed rows (unaligned starts) can need it.
-    return max(chunk, floor, _smallest_fitting(ranges, budget, block_n, block_n))
+    chunk = max(chunk, floor)
+    if _count_items(ranges, chunk) <= budget:
+        return chunk
+    # Only windowed rows get here: with unaligned starts a longer chunk can even give more
+    # items (a row may straddle one more boundary), so search up from here for one that fits.
+    return _smallest_fitting(ranges, budget, block_n, chunk)
 
 
 def _check_ranges(kv_ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
