@@ -7,11 +7,14 @@ the KV group at once. Rows of one chunk write their output directly; rows of sev
 fp32 partials that a small combine kernel (or, with ``DecodeConfig.fused_combine``, the
 last chunk program of the row) merges. With no split row there is a single launch.
 
-CUDA graphs: capture once per batch bucket with a schedule made with ``max_items`` /
-``max_rows`` (the fixed grid), device metadata in persistent buffers
-(:func:`decode_metadata` with ``rows_out`` / ``items_out``) and a workspace allocated once
-(:func:`allocate_decode_workspace`); nothing here allocates or reads device data on the host,
-so replays only need the buffers refreshed.
+CUDA graphs, per bucket of B rows: persistent buffers rows int32 [B, 4] and items int32
+[max_decode_items(B, ...), 8], a workspace of max_decode_partials(B, ...) slots and B counter
+rows, all allocated once; every step's schedule made with ``max_items=max_decode_items(B,
+...)``, ``max_rows=B`` and the config's block_n, and copied into the buffers with
+:func:`decode_metadata` (``rows_out`` / ``items_out``). A launch captured with any such
+schedule replays right for every later one: grids and compile-time constants depend only on
+(B, heads, SMs, policy, config), and the step's work is read from the buffers. Nothing here
+allocates or reads device data on the host.
 
 Decode is memory-bound: the work is reading each row's K/V once. Tiles of BLOCK_N tokens lie
 in one block when ``block_size % block_n == 0`` (one table read per tile), the next tile's
@@ -76,10 +79,11 @@ class DecodeConfig:
 @functools.cache  # called on every layer call: keep it off the host's launch path
 def default_decode_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
-    stages (~64 KiB of shared memory per program, three programs per SM). Measured on the
-    H200 for the previous decode kernel (benchmarks/results/attention-sweep-2026-12-02.json,
-    bf16, head_dim 128): 2 stages read K/V at 4.29 TB/s where 3 stages reach 3.6 TB/s at
-    64 x 4096 tokens. An fp8 cache (``kv_dtype``) halves the bytes per token, so its tiles
+    stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
+    (benchmarks/results/attention-sweep-2026-12-02.json, bf16, head_dim 128): 2 stages read
+    K/V at 4.29 TB/s where 3 stages reach 3.6 TB/s at 64 x 4096 tokens. Compiled ahead of
+    time for sm_90 (triton 3.9), bf16 head_dim 128 takes 38 KiB of shared memory and 72
+    registers, no spills. An fp8 cache (``kv_dtype``) halves the bytes per token, so its tiles
     hold twice the tokens. fp32 at head_dim 256 takes 8 warps to keep its tiles in registers.
     """
     d_pad = next_power_of_2(max(head_dim, 16))

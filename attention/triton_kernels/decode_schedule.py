@@ -18,7 +18,13 @@ positions, so every chunk but a row's first starts on a tile boundary, also when
   one length never split for it.
 
 In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row x 1024
-tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``.
+tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. A fixed grid
+(``max_items``) too small for that chunk makes it grow until the items fit.
+
+The defaults come from a model, not yet from GPU timings: HBM shared by the resident
+programs, each capped at what its own pipeline keeps in flight (~20 GB/s on the H200, which
+is why flash-attn needs 354 us for a 64-row LogNormal batch whose longest row alone streams
+for about that long). bench_attention.py --decode-sweep times a finer and a coarser policy.
 
 For CUDA graphs the kernel's grid is fixed per batch bucket: :func:`max_decode_items` and
 :func:`max_decode_partials` depend only on the bucket's row count (never on lengths) and bound
