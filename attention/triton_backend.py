@@ -27,23 +27,28 @@ from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, PlanStaging, StepCapacity
 from attention.triton_kernels import (
     DecodeConfig,
+    DecodePolicy,
+    DecodeSchedule,
+    DecodeWorkspace,
     PrefillConfig,
-    SplitPolicy,
-    choose_num_splits,
     default_decode_config,
     default_prefill_config,
     interpreter_requested,
     kernels_interpreted,
+    max_decode_items,
+    max_decode_partials,
     paged_decode,
     paged_prefill,
     prefill_tile_index,
+    schedule_decode,
     write_kv_cache,
 )
+from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 
 __all__ = ["DecodeLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
 #: SMs assumed when planning for the CPU interpreter: the H200's, so tests exercise the same
-#: split decisions the GPU makes.
+#: decisions the GPU makes.
 INTERPRETER_NUM_SMS = 132
 #: Smallest prefill tile height (rows of Q per program).
 _MIN_BLOCK_M = 16
@@ -64,18 +69,16 @@ def _num_sms(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """The decode kernel's launch for one step.
+    """The decode kernel's launch for the layers of one window (None: full attention).
 
-    num_splits:   splits per row; max_seq_len: longest decode row (host).
-    config:       launch parameters.
-    decode_index: int32 [n, 2] (batch row, query token) of the decode rows of a mixed step;
-                  None for a pure decode step (row i is query token i).
+    schedule: the host partition of the decode rows into items (grid sizes).
+    rows, items: its int32 arrays on the device ([grid_rows, 4], [grid_items, 8]).
     """
 
-    num_splits: int
-    max_seq_len: int
-    config: DecodeConfig
-    decode_index: torch.Tensor | None
+    window: int | None
+    schedule: DecodeSchedule
+    rows: torch.Tensor
+    items: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,15 @@ class TritonStepPlan(StepPlan):
 
     decode_rows:  batch rows with one new token (the decode kernel takes them).
     prefill_rows: the other rows (the prefill kernel takes them).
+    decode:       one launch per distinct window among the layers (full, windowed, or both).
+    workspace:    the decode kernels' partial outputs and counters (shared by the launches:
+                  layers run one after another).
     """
 
     decode_rows: tuple[int, ...]
     prefill_rows: tuple[int, ...]
-    decode: DecodeLaunch | None
+    decode: tuple[DecodeLaunch, ...]
+    workspace: DecodeWorkspace | None
     prefill: PrefillLaunch | None
 
     @property
@@ -105,15 +112,18 @@ class TritonStepPlan(StepPlan):
         """Every row has one new token: only the decode kernel runs."""
         return not self.prefill_rows
 
+    def decode_for(self, window: int | None) -> DecodeLaunch | None:
+        return next((d for d in self.decode if d.window == window), None)
+
 
 class TritonBackend(AttentionBackend):
     """Paged attention with our Triton kernels.
 
     Tuning knobs (the registry builds it with none):
       decode_config / prefill_config: fixed launch parameters instead of the per-shape defaults;
-      split_policy: how the decode split count follows the batch and the GPU size;
-      num_splits:   force this many decode splits (tests, sweeps);
-      num_sms:      plan as if the GPU had this many SMs.
+      decode_policy:    how decode rows are cut into chunks (see DecodePolicy);
+      decode_chunk_len: force this chunk length (tests, sweeps);
+      num_sms:          plan as if the GPU had this many SMs.
     """
 
     name = "triton"
@@ -124,61 +134,68 @@ class TritonBackend(AttentionBackend):
         *,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
-        split_policy: SplitPolicy | None = None,
-        num_splits: int | None = None,
+        decode_policy: DecodePolicy | None = None,
+        decode_chunk_len: int | None = None,
         num_sms: int | None = None,
     ):
         super().__init__(spec)
-        if num_splits is not None and num_splits < 1:
-            raise UnsupportedSettingError(f"num_splits: {num_splits} must be >= 1 (or None to choose per step)")
-        self.decode_config = decode_config or default_decode_config(spec.head_dim, self.compute_dtype)
+        if decode_chunk_len is not None and decode_chunk_len < 1:
+            raise UnsupportedSettingError(f"decode_chunk_len: {decode_chunk_len} must be >= 1 (or None to choose)")
+        self.decode_config = decode_config or default_decode_config(
+            spec.head_dim, self.compute_dtype, self.cache_dtype if spec.quantized_cache else None
+        )
         self.prefill_config = prefill_config
-        self.split_policy = split_policy or SplitPolicy()
-        self.num_splits = num_splits
+        self.decode_policy = decode_policy or DecodePolicy()
+        self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows among the layers (None: full attention)."""
+        spec = self.spec
+        if spec.sliding_window is None:
+            return (None,)
+        if spec.window_layers is None or all(spec.window_layers):
+            return (spec.sliding_window,)
+        return (None, spec.sliding_window)
 
     # ---- plan --------------------------------------------------------------------------
 
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
+        rows = capacity.max_rows
+        sms = self._sms(None)
+        kvh, heads, d = self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
+        items = max_decode_items(rows, kvh, sms, self.decode_policy)
+        partials = max(1, max_decode_partials(rows, kvh, sms, self.decode_policy))
         tiles = capacity.max_tokens // _MIN_BLOCK_M + capacity.max_rows
-        return [
-            BufferRequest("decode_index", torch.int32, 2 * capacity.max_rows, staged=True),
-            BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True),
+        found = [BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True)]
+        for w in self.windows:
+            found.append(BufferRequest(f"decode_items_{w}", torch.int32, ITEM_FIELDS * items, staged=True))
+            found.append(BufferRequest(f"decode_rows_{w}", torch.int32, ROW_FIELDS * rows, staged=True))
+        found += [
+            BufferRequest("decode_part_o", torch.float32, partials * heads * d, staged=False),
+            BufferRequest("decode_part_lse", torch.float32, partials * heads, staged=False),
+            BufferRequest("decode_counters", torch.int32, rows * kvh, staged=False, zeroed=True),
         ]
+        return found
+
+    def _sms(self, device: torch.device | None) -> int:
+        if self.num_sms is not None:
+            return self.num_sms
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() and not kernels_interpreted() else "cpu")
+        return _num_sms(device)
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         q_lens, s_lens = metadata.query_lens_host, metadata.seq_lens_host
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q == 1)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > 1)
-        if (self.spec.sliding_window is not None or self.spec.quantized_cache) and not graph:
-            # The decode kernel reads whole rows of 16/32-bit K/V; windowed and fp8 steps go
-            # through the prefill kernel.
-            decode_rows, prefill_rows = (), tuple(range(len(q_lens)))
-        if graph:
-            if prefill_rows:
-                raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
-            # Every row of the bucket, padding included: the launch depends on the bucket only.
-            decode_rows = tuple(range(metadata.padded_batch))
-        decode = None
-        if decode_rows:
-            pure = not prefill_rows
-            if graph:
-                max_len = metadata.table_width * metadata.block_size  # the bucket's bound
-            else:
-                max_len = max(s_lens[r] for r in decode_rows)
-            splits = self.num_splits or choose_num_splits(
-                len(decode_rows),
-                self.spec.num_kv_heads,
-                max_len,
-                self.num_sms or _num_sms(metadata.device),
-                self.split_policy,
-            )
-            index = None
-            if not pure:
-                starts = _starts(q_lens)
-                index = staging.stage("decode_index", array("i", [v for r in decode_rows for v in (r, starts[r])]))
-                index = index.view(-1, 2)
-            decode = DecodeLaunch(splits, max_len, self.decode_config, index)
+        if graph and prefill_rows:
+            raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
+        decode: tuple[DecodeLaunch, ...] = ()
+        workspace = None
+        if decode_rows or graph:
+            decode, workspace = self._plan_decode(metadata, decode_rows, staging, graph)
         prefill = None
         if prefill_rows:
             longest = max(q_lens[r] for r in prefill_rows)
@@ -186,7 +203,49 @@ class TritonBackend(AttentionBackend):
             pairs = prefill_tile_index(s_lens, q_lens, config.block_m, prefill_rows)
             tiles = staging.stage("prefill_tiles", array("i", [v for pair in pairs for v in pair])).view(-1, 2)
             prefill = PrefillLaunch(config, tiles)
-        return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, prefill)
+        return TritonStepPlan(
+            metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill
+        )
+
+    def _plan_decode(
+        self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, graph: bool
+    ) -> tuple[tuple[DecodeLaunch, ...], DecodeWorkspace]:
+        """One schedule per window. On a CUDA-graph step the grid comes from the bucket (the
+        padded batch) alone, so every replay of the bucket launches exactly what was captured."""
+        s_lens, sms, kvh = meta.seq_lens_host, self._sms(meta.device), self.spec.num_kv_heads
+        starts = _starts(meta.query_lens_host)
+        max_rows = meta.padded_batch if graph else None
+        max_items = max_decode_items(meta.padded_batch, kvh, sms, self.decode_policy) if graph else None
+        launches = []
+        partials = 1
+        for window in self.windows:
+            ranges = [(0 if window is None else max(0, s_lens[r] - window), s_lens[r]) for r in rows]
+            schedule = schedule_decode(
+                ranges,
+                num_kv_heads=kvh,
+                num_sms=sms,
+                block_n=self.decode_config.block_n,
+                max_items=max_items,
+                max_rows=max_rows,
+                policy=self.decode_policy,
+                chunk_len=self.decode_chunk_len,
+                table_rows=rows,
+                q_tokens=[starts[r] for r in rows],
+            )
+            items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
+            row_arr = staging.stage(f"decode_rows_{window}", schedule.rows).view(-1, ROW_FIELDS)
+            launches.append(DecodeLaunch(window, schedule, row_arr, items))
+            partials = max(partials, schedule.num_partials)
+        if graph:
+            partials = max(1, max_decode_partials(meta.padded_batch, kvh, sms, self.decode_policy))
+        heads, d = self.spec.num_heads, self.spec.head_dim
+        counter_rows = max(1, max(launch.schedule.grid_rows for launch in launches))
+        workspace = DecodeWorkspace(
+            part_o=staging.scratch("decode_part_o", torch.float32, partials * heads * d).view(partials, heads, d),
+            part_lse=staging.scratch("decode_part_lse", torch.float32, partials * heads).view(partials, heads),
+            counters=staging.scratch("decode_counters", torch.int32, counter_rows * kvh, zeroed=True).view(-1, kvh),
+        )
+        return tuple(launches), workspace
 
     # ---- per layer ---------------------------------------------------------------------
 
@@ -200,21 +259,30 @@ class TritonBackend(AttentionBackend):
         # The kernels store rows with unit stride along head_dim; anything else goes through
         # a temporary.
         target = result if result.stride(-1) == 1 else torch.empty_like(query)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
         scale = self.spec.scale
-        if plan.decode is not None:
-            d = plan.decode
+        window = self.spec.window_of(layer.index)
+        launch = plan.decode_for(window)
+        if launch is not None and plan.workspace is not None:
+            # The plan made the schedule from the metadata and the spec, so the launch's host
+            # checks (schedule vs tensors) hold by construction; the kernel itself stays
+            # inside its tensors whatever the device metadata says.
             paged_decode(
                 query,
                 layer.key,
                 layer.value,
                 meta.block_tables,
-                meta.seq_lens,
-                max_seq_len=d.max_seq_len,
+                launch.rows,
+                launch.items,
+                launch.schedule,
+                plan.workspace,
                 softmax_scale=scale,
                 out=target,
-                num_splits=d.num_splits,
-                config=d.config,
-                decode_index=d.decode_index,
+                config=self.decode_config,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
+                check=False,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -229,7 +297,7 @@ class TritonBackend(AttentionBackend):
                 softmax_scale=scale,
                 out=target,
                 config=p.config,
-                window=self.spec.window_of(layer.index),
+                window=window,
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
             )

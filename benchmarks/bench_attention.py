@@ -2,12 +2,14 @@
 
 Shape: bf16, 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B-like).
 
-  decode:  one new token per row, the whole row cached; tbps = K/V bytes read / time
-           (2 tensors x batch x seq_len x kv_heads x head_dim x 2 bytes), against the
-           device-to-device copy bandwidth measured in the same run;
+  decode:  see bench_decode.py: uniform and LogNormal-length batches, K/V read from HBM
+           (a graph replays one call per layer over >= 400 MB of distinct caches); tbps = K/V
+           bytes read / time, against the device-to-device copy bandwidth of the same run;
+           triton at block 32 and 256 vs flash-attn 2 at block 256. ``--decode-sweep``
+           also times the decode variants (combine modes, tiles, chunking policies).
   prefill: causal, every token new; tflops = 4 * batch * heads * head_dim * L^2 / 2 / time.
 
-Backends: ``triton`` at block 32 and 256, ``flash_attn`` at block 256 (through
+Prefill backends: ``triton`` at block 32 and 256, ``flash_attn`` at block 256 (through
 ``attention.registry.get_backend``; skipped with a note when flash-attn is missing), and
 ``sdpa``: torch's scaled_dot_product_attention on contiguous, unpaged K/V. Paged caches get
 a random permutation of block ids, so no row's pages are contiguous. Before timing, every
@@ -16,17 +18,18 @@ max |sdpa|. Times are medians of ``triton.testing.do_bench`` (warm-up first, L2 
 before every run) of one layer call (the step's plan is made once, outside the timing), in two
 ways: ``ms`` replays the call captured in a CUDA graph (the GPU's time, as serving engines run
 decode), ``eager_ms`` calls the backend from Python (the backend's argument checks and kernel
-launches included). Small decode shapes are launch-bound: there the two differ most.
+launches included).
 
-``--sweep`` also times the decode kernel's launch candidates (``DECODE_SWEEP``) and split
-counts / policies, and the prefill kernel's candidates (``PREFILL_SWEEP``), and prints the
-best per shape, so one GPU run can pick the defaults.
+``--sweep`` also times the prefill kernel's candidates (``PREFILL_SWEEP``) and the decode
+variants, and prints the best per shape, so one GPU run can pick the defaults.
 
-Prints a table last and writes benchmarks/results/attention-<YYYY-MM-DD>.json
-({"header": {...}, "rows": [...], "sweep": [...]}).
+Prints the tables last and writes benchmarks/results/attention-<YYYY-MM-DD>.json
+({"header": {...}, "rows": [prefill rows], "decode": [...], "decode_best": [...],
+"sweep": [prefill sweep rows]}).
 
 Run (from the project root, on the GPU machine):
-    python3 benchmarks/bench_attention.py [--quick] [--sweep | --sweep-only] [--out PATH]
+    python3 benchmarks/bench_attention.py [--quick] [--decode-only] [--decode-sweep]
+        [--sweep | --sweep-only] [--out PATH]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import datetime
 import importlib.metadata
 import json
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,14 +49,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# The project's packages from this checkout (ahead of any installed copy), and bench_decode
+# beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_decode import (
+    Timer,
+    best_per_shape,
+    decode_shapes,
+    print_best,
+    print_decode_table,
+    run_decode,
+)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
-DECODE_SHAPES = [
-    (1, 1024), (1, 32768), (8, 512), (32, 512), (64, 4096), (128, 2048), (256, 1024), (16, 16384),
-]  # fmt: skip
 PREFILL_SHAPES = [(8, 4096), (32, 1024), (2, 16384)]
-QUICK_DECODE = [(1, 32768), (8, 512), (64, 4096)]
 QUICK_PREFILL = [(32, 1024)]
 #: A result further than this from SDPA (bf16 vs bf16) is flagged in the table.
 REL_ERR_LIMIT = 2e-2
@@ -74,7 +87,6 @@ class Row:
     rel_err: float | None = None
     vs_flash_attn: float | None = None
     variant: str | None = None
-    splits: int | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -254,14 +266,6 @@ def _attend_fn(backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tenso
     return run
 
 
-def _decode_splits(backend: Any, meta: Any) -> int:
-    from attention.triton_backend import TritonStepPlan
-
-    plan = backend.plan(meta)
-    assert isinstance(plan, TritonStepPlan), f"expected a triton plan, got {type(plan).__name__}"
-    return plan.decode_splits(KV_HEADS)
-
-
 def _flash_attn_backend(notes: list[str]) -> Any | None:
     from attention.registry import get_backend
 
@@ -272,14 +276,13 @@ def _flash_attn_backend(notes: list[str]) -> Any | None:
         return None
 
 
-def run_main(
-    bench: Bench, decode: list[tuple[int, int]], prefill: list[tuple[int, int]], notes: list[str]
-) -> list[Row]:
+def run_main(bench: Bench, prefill: list[tuple[int, int]], notes: list[str]) -> list[Row]:
+    """Prefill rows (decode: bench_decode.run_decode)."""
     from attention.triton_backend import TritonBackend
 
     flash = _flash_attn_backend(notes)
     rows: list[Row] = []
-    for op, shapes in (("decode", decode), ("prefill", prefill)):
+    for op, shapes in (("prefill", prefill),):
         for batch, seq_len in shapes:
             p = Problem.make(op, batch, seq_len)
             sdpa = _sdpa_fn(p)
@@ -291,8 +294,6 @@ def run_main(
                 triton_backend = TritonBackend()
                 row = Row(op, "triton", batch, seq_len, block_size)
                 fn = _attend_fn(triton_backend, p, caches)
-                if op == "decode":
-                    row.splits = _decode_splits(triton_backend, caches[2])
                 shape_rows.append(_measure(bench, row, p, fn, ref))
                 if block_size == 256 and flash is not None:
                     fa = Row(op, "flash_attn", batch, seq_len, block_size)
@@ -308,46 +309,26 @@ def run_main(
     return rows
 
 
-def run_sweep(bench: Bench, decode: list[tuple[int, int]], prefill: list[tuple[int, int]]) -> list[Row]:
-    """Time the Triton kernels' launch candidates; prints the best per (shape, block size)."""
+def run_sweep(bench: Bench, prefill: list[tuple[int, int]]) -> list[Row]:
+    """Time the prefill kernel's launch candidates; prints the best per (shape, block size).
+    (The decode sweep is bench_decode.run_decode with sweep=True.)"""
     from attention.triton_backend import TritonBackend
-    from attention.triton_kernels import (
-        DECODE_SWEEP,
-        PREFILL_SWEEP,
-        SplitPolicy,
-        default_decode_config,
-        default_prefill_config,
-    )
+    from attention.triton_kernels import PREFILL_SWEEP, default_prefill_config
 
     rows: list[Row] = []
     best_lines: list[str] = []
-    for op, shapes in (("decode", decode), ("prefill", prefill)):
+    for op, shapes in (("prefill", prefill),):
         for batch, seq_len in shapes:
             p = Problem.make(op, batch, seq_len)
             ref = _sdpa_fn(p)()
             for block_size in (32, 256):
                 caches = p.paged(block_size)
-                variants: list[tuple[str, Any]] = []
-                if op == "decode":
-                    default = default_decode_config(HEAD_DIM, DTYPE)
-                    variants += [(f"default {_describe(default)}", TritonBackend())]
-                    variants += [(_describe(c), TritonBackend(decode_config=c)) for c in DECODE_SWEEP]
-                    for splits in (1, 2, 4, 8, 16, 32, 64):
-                        if splits == 1 or seq_len // splits >= 64:
-                            variants.append((f"forced num_splits={splits}", TritonBackend(num_splits=splits)))
-                    for per_sm in (1, 2, 8):
-                        for min_tokens in (128, 512):
-                            policy = SplitPolicy(programs_per_sm=per_sm, min_split_tokens=min_tokens)
-                            variants.append((f"policy {_describe(policy)}", TritonBackend(split_policy=policy)))
-                else:
-                    default_p = default_prefill_config(HEAD_DIM, DTYPE)
-                    variants += [(f"default {_describe(default_p)}", TritonBackend())]
-                    variants += [(_describe(c), TritonBackend(prefill_config=c)) for c in PREFILL_SWEEP]
+                default_p = default_prefill_config(HEAD_DIM, DTYPE)
+                variants: list[tuple[str, Any]] = [(f"default {_describe(default_p)}", TritonBackend())]
+                variants += [(_describe(c), TritonBackend(prefill_config=c)) for c in PREFILL_SWEEP]
                 found: list[Row] = []
                 for name, backend in variants:
                     row = Row(op, "triton", batch, seq_len, block_size, variant=name)
-                    if op == "decode":
-                        row.splits = _decode_splits(backend, caches[2])
                     found.append(_measure(bench, row, p, _attend_fn(backend, p, caches), ref))
                 timed = [r for r in found if r.ms is not None and (r.rel_err or 0) < REL_ERR_LIMIT]
                 if timed:
@@ -357,13 +338,11 @@ def run_sweep(bench: Bench, decode: list[tuple[int, int]], prefill: list[tuple[i
                     best_lines.append(
                         f"{op:7s} b={batch:<4d} L={seq_len:<6d} bs={block_size:<4d} best "
                         f"{best.ms:.4f} ms{gain}: {best.variant}"
-                        f"{f' splits={best.splits}' if best.splits else ''}"
                     )
                 for r in found:
                     print(
                         f"  sweep {op} b={batch} L={seq_len} bs={block_size} "
-                        f"{_fmt(r.ms, '.4f')} ms  rel_err={_fmt(r.rel_err, '.1e')}  {r.variant}"
-                        f"{'  splits=' + str(r.splits) if r.splits else ''}",
+                        f"{_fmt(r.ms, '.4f')} ms  rel_err={_fmt(r.rel_err, '.1e')}  {r.variant}",
                         flush=True,
                     )
                 rows += found
@@ -393,7 +372,7 @@ def _describe(config: Any) -> str:
 def print_table(rows: list[Row], copy_tbps: float) -> None:
     head = (
         f"{'op':7s} {'backend':10s} {'batch':>5s} {'seq_len':>7s} {'block':>5s} {'ms':>9s} {'eager':>8s} "
-        f"{'TB/s':>6s} {'%copy':>6s} {'TFLOP/s':>8s} {'vs_fa':>6s} {'rel_err':>8s} splits"
+        f"{'TB/s':>6s} {'%copy':>6s} {'TFLOP/s':>8s} {'vs_fa':>6s} {'rel_err':>8s}"
     )
     print("\n" + head)
     print("-" * len(head))
@@ -404,8 +383,8 @@ def print_table(rows: list[Row], copy_tbps: float) -> None:
             f"{r.op:7s} {r.backend:10s} {r.batch:5d} {r.seq_len:7d} "
             f"{'-' if r.block_size is None else r.block_size:>5} {_fmt(r.ms, '9.4f')} {_fmt(r.eager_ms, '8.4f')} "
             f"{_fmt(r.tbps, '6.2f')} {_fmt(pct, '6.1f')} {_fmt(r.tflops, '8.1f')} "
-            f"{_fmt(r.vs_flash_attn, '6.2f')} {_fmt(r.rel_err, '8.1e')} "
-            f"{r.splits or ''}{flag}{'  ERROR ' + r.error if r.error else ''}"
+            f"{_fmt(r.vs_flash_attn, '6.2f')} {_fmt(r.rel_err, '8.1e')}"
+            f"{flag}{'  ERROR ' + r.error if r.error else ''}"
         )
     print(
         f"(ms: CUDA-graph replay, the GPU time of one call; eager: the same call from Python, host "
@@ -444,7 +423,13 @@ def header(copy_tbps: float, notes: list[str]) -> dict[str, Any]:
             "ms": "median of triton.testing.do_bench (L2 flushed before each run) over replays of one "
             "call captured in a CUDA graph: the GPU time, without host launch overhead",
             "eager_ms": "the same, calling the backend from Python each time (host overhead included)",
-            "tbps": "decode: K/V bytes read (2 x batch x seq_len x kv_heads x head_dim x 2) / time",
+            "tbps": "decode: K/V bytes read (2 x tokens x kv_heads x head_dim x 2) / time",
+            "decode_ms": "decode rows: one CUDA graph replaying one call per layer over `layers` distinct "
+            "caches (>= 400 MB of K/V, so every call reads HBM), divided by `layers`; eager_ms likewise",
+            "decode_rel_err": "decode rows: max |out - ref| / max |ref| against a float32 reference from "
+            "the cache",
+            "chunk_len/items/partials": "decode rows: the triton schedule (tokens per chunk, work items, "
+            "partial slots)",
             "tflops": "prefill: 4 x batch x heads x head_dim x seq_len^2 / 2 / time (causal)",
             "rel_err": "max |out - sdpa| / max |sdpa| on the same data",
             "vs_flash_attn": "flash-attn ms / this row's ms (> 1: faster than flash-attn)",
@@ -456,8 +441,11 @@ def header(copy_tbps: float, notes: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short subset of the shapes")
-    parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters")
-    parser.add_argument("--sweep-only", action="store_true", help="only the parameter sweep")
+    parser.add_argument("--decode-only", action="store_true", help="skip prefill")
+    parser.add_argument("--decode-sweep", action="store_true", help="also time the decode variants")
+    parser.add_argument("--decode-budget-s", type=float, default=270.0, help="stop decode sweep variants after this")
+    parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters (prefill and decode)")
+    parser.add_argument("--sweep-only", action="store_true", help="the sweeps, without the prefill main rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=100)
@@ -469,7 +457,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    decode = QUICK_DECODE if args.quick else DECODE_SHAPES
     prefill = QUICK_PREFILL if args.quick else PREFILL_SHAPES
     bench = Bench(args.warmup_ms, args.rep_ms)
     notes: list[str] = []
@@ -477,19 +464,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth: {copy_tbps:.3f} TB/s (read+write, {COPY_BYTES >> 20} MiB)", flush=True)
     rows: list[Row] = []
     sweep: list[Row] = []
+    decode: list[Any] = []
+    started = time.monotonic()
     out = args.out or RESULTS / f"attention-{datetime.date.today().isoformat()}.json"
     try:
-        if not args.sweep_only:
-            rows = run_main(bench, decode, prefill, notes)
-        if args.sweep or args.sweep_only:
+        # Decode replays >= 400 MB per timing, so shorter timing windows keep the sweep short.
+        timer = Timer(min(args.warmup_ms, 10), min(args.rep_ms, 50))
+        decode_sweep = args.decode_sweep or args.sweep or args.sweep_only
+        decode = run_decode(
+            decode_shapes(args.quick),
+            sweep=decode_sweep,
+            timer=timer,
+            copy_tbps=copy_tbps,
+            notes=notes,
+            budget_s=args.decode_budget_s,
+        )
+        notes.append(f"decode part took {time.monotonic() - started:.0f} s")
+        if not (args.sweep_only or args.decode_only):
+            rows = run_main(bench, prefill, notes)
+        if (args.sweep or args.sweep_only) and not args.decode_only:
             sweep_bench = Bench(min(args.warmup_ms, 10), min(args.rep_ms, 40))
-            sweep = run_sweep(sweep_bench, decode, prefill)
+            sweep = run_sweep(sweep_bench, prefill)
     except Exception:
         notes.append("run aborted: " + traceback.format_exc().splitlines()[-1])
         traceback.print_exc()
     finally:
         out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"header": header(copy_tbps, notes), "rows": [r.as_json() for r in rows]}
+        result: dict[str, Any] = {"header": header(copy_tbps, notes), "rows": [r.as_json() for r in rows]}
+        if decode:
+            result["decode"] = [r.as_json() for r in decode]
+            result["decode_best"] = best_per_shape(decode)
         if sweep:
             result["sweep"] = [r.as_json() for r in sweep]
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -497,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         print("note: " + note)
     if rows:
         print_table(rows, copy_tbps)
-    print(f"wrote {out}")
+    if decode:
+        print_decode_table(decode)
+        print_best(best_per_shape(decode), copy_tbps)
+    print(f"wrote {out} ({time.monotonic() - started:.0f} s)")
     return 1 if any("aborted" in n for n in notes) else 0
 
 

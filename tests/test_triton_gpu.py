@@ -1,4 +1,4 @@
-"""The triton backend on a CUDA GPU: larger shapes, 16-bit dtypes, forced split counts,
+"""The triton backend on a CUDA GPU: larger shapes, 16-bit dtypes, forced decode chunk lengths,
 every launch configuration the benchmark sweeps, and caches past 2**31 elements.
 
 Skipped without a CUDA device (the interpreter tests in test_triton_interpret.py cover the
@@ -14,7 +14,19 @@ import torch
 
 from attention import get_backend
 from attention.triton_backend import TritonBackend, TritonStepPlan
-from attention.triton_kernels import DECODE_SWEEP, PREFILL_SWEEP, DecodeConfig, PrefillConfig
+from attention.triton_kernels import (
+    DECODE_SWEEP,
+    PREFILL_SWEEP,
+    DecodeConfig,
+    DecodeSchedule,
+    PrefillConfig,
+    allocate_decode_workspace,
+    decode_metadata,
+    max_decode_items,
+    max_decode_partials,
+    paged_decode,
+    schedule_decode,
+)
 from tests.paged_case import PagedCase, make_case, reference_output, rel_err
 
 pytestmark = [
@@ -91,8 +103,8 @@ SHAPES = [
 
 @pytest.mark.parametrize(("dtype", "group", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [32, 256])
-@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
-def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int | None) -> None:
+@pytest.mark.parametrize("chunk_len", [None, 10**6, 256, 64])
+def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, chunk_len: int | None) -> None:
     case = _case(
         DECODE,
         group=group,
@@ -101,7 +113,7 @@ def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int, 
         dtype=dtype,
         seed=group * 1000 + head_dim,
     )
-    backend = TritonBackend(num_splits=num_splits)
+    backend = TritonBackend(decode_chunk_len=chunk_len)
     out = _attend(backend, case)
     assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
 
@@ -122,11 +134,11 @@ def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int,
     assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
-def test_mixed_batch_decode_rows_split(num_splits: int) -> None:
-    """The one-token rows of a mixed step run split-KV through the row index."""
+@pytest.mark.parametrize("chunk_len", [10**6, 256, 64])
+def test_mixed_batch_decode_rows_split(chunk_len: int) -> None:
+    """The one-token rows of a mixed step run chunked, naming their table rows and tokens."""
     case = _case(MIXED, group=4, head_dim=128, block_size=32, dtype=torch.bfloat16)
-    backend = TritonBackend(num_splits=num_splits)
+    backend = TritonBackend(decode_chunk_len=chunk_len)
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and plan.decode_rows and plan.prefill_rows
     out = _attend(backend, case)
@@ -155,7 +167,7 @@ def test_every_decode_sweep_config(config: DecodeConfig, block_size: int) -> Non
     """Each configuration the benchmark sweep may pick compiles and is correct (bf16, GQA 4,
     d 128, the benchmark's shape)."""
     case = _case(DECODE, group=4, head_dim=128, block_size=block_size, dtype=torch.bfloat16)
-    out = _attend(TritonBackend(decode_config=config, num_splits=3), case)
+    out = _attend(TritonBackend(decode_config=config, decode_chunk_len=256), case)
     assert rel_err(out, reference_output(case)) < TOLERANCE[torch.bfloat16]
 
 
@@ -198,7 +210,7 @@ def test_cache_past_int32_offsets() -> None:
         meta=dataclasses.replace(meta, block_tables=tables, slot_mapping=meta.slot_mapping + slot_shift),
     )
     expect = reference_output(small)
-    backend = TritonBackend(num_splits=2)
+    backend = TritonBackend(decode_chunk_len=256)
     out = _attend(backend, big)
     assert rel_err(out, expect) < TOLERANCE[torch.bfloat16]
     del k_cache, v_cache, big
@@ -211,7 +223,7 @@ def test_registry_and_plan_on_gpu() -> None:
     plan = backend.plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and plan.use_decode
     assert plan.num_sms == torch.cuda.get_device_properties(0).multi_processor_count
-    assert plan.decode_splits(2) > 1  # one row, two KV heads: split to fill the GPU
+    assert plan.decode_schedule(2, 64).num_items > 1  # one row, two KV heads: split to fill the GPU
 
 
 def test_write_kv_exact_and_nothing_else() -> None:
@@ -228,3 +240,80 @@ def test_write_kv_exact_and_nothing_else() -> None:
     backend.write_kv(key, value, k, v, slots)
     assert torch.equal(k.view(torch.int16), expect_k.view(torch.int16))
     assert torch.equal(v.view(torch.int16), expect_v.view(torch.int16))
+
+
+def _rows_reference(case: PagedCase, table_rows: list[int], q_tokens: list[int], scale: float) -> torch.Tensor:
+    """float64 [rows, heads, d]: query token q_tokens[i] over all of table row table_rows[i]."""
+    bs, kvh, d = case.k_cache.shape[1:]
+    heads = case.query.shape[1]
+    outs = []
+    for row, token in zip(table_rows, q_tokens, strict=True):
+        pos = torch.arange(case.meta.seq_lens_host[row], device="cuda")
+        slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        k = case.k_cache.view(-1, kvh, d)[slots].double().repeat_interleave(heads // kvh, dim=1)
+        v = case.v_cache.view(-1, kvh, d)[slots].double().repeat_interleave(heads // kvh, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
+        outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel", "fused-combine"])
+def test_decode_graph_replays_later_steps_on_a_fixed_grid(fused: bool) -> None:
+    """Capture one decode launch for a bucket of 8 rows, then replay it for steps with other
+    rows, lengths and chunkings: only the persistent metadata buffers change (a graph's
+    launches keep their grid and arguments). Fused counters are back at 0 after each."""
+    case = _case([(c, 1) for c in (4095, 30, 700, 2047, 1, 9000, 256, 5000)], group=4, head_dim=128, block_size=32,
+                 dtype=torch.bfloat16)  # fmt: skip
+    kvh, heads, d = 2, 8, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bucket, config = 8, DecodeConfig(block_n=64, fused_combine=fused)
+    cap_items = max_decode_items(bucket, kvh, sms)
+    rows_buf = torch.zeros((bucket, 4), dtype=torch.int32, device="cuda")
+    items_buf = torch.zeros((cap_items, 8), dtype=torch.int32, device="cuda")
+    workspace = allocate_decode_workspace(
+        max_rows=bucket,
+        max_partials=max_decode_partials(bucket, kvh, sms),
+        num_heads=heads,
+        num_kv_heads=kvh,
+        head_dim=d,
+        device="cuda",
+    )
+    scale = d**-0.5
+    lens = case.meta.seq_lens_host
+
+    def schedule(table_rows: list[int]) -> DecodeSchedule:
+        return schedule_decode(
+            [(0, lens[r]) for r in table_rows],
+            num_kv_heads=kvh,
+            num_sms=sms,
+            block_n=config.block_n,
+            max_items=cap_items,
+            max_rows=bucket,
+            table_rows=table_rows,
+            q_tokens=list(range(len(table_rows))),
+        )
+
+    out = torch.zeros_like(case.query)
+    first = schedule([0, 1, 2])
+    decode_metadata(first, "cuda", rows_out=rows_buf, items_out=items_buf)
+
+    def launch() -> None:
+        paged_decode(case.query, case.k_cache, case.v_cache, case.meta.block_tables, rows_buf, items_buf, first,
+                     workspace, softmax_scale=scale, out=out, config=config)  # fmt: skip
+
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for table_rows in ([0, 1, 2], [7, 6, 5, 4, 3, 2, 1, 0], [5], [3, 5, 7, 0, 1]):
+        step = schedule(table_rows)
+        decode_metadata(step, "cuda", rows_out=rows_buf, items_out=items_buf)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(table_rows)
+        expect = _rows_reference(case, table_rows, list(range(n)), scale)
+        assert rel_err(out[:n], expect) < TOLERANCE[torch.bfloat16], f"step {table_rows}"
+        assert not out[n:].any(), "a token no row names was written"
+        assert not workspace.counters.any()

@@ -21,11 +21,8 @@ from attention.triton_backend import TritonBackend, TritonStepPlan
 from attention.triton_kernels import (
     DecodeConfig,
     PrefillConfig,
-    SplitPolicy,
-    choose_num_splits,
     default_prefill_config,
     prefill_tile_index,
-    split_length,
 )
 from tests.paged_case import PagedCase, make_case, reference_output
 
@@ -153,7 +150,7 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize(("dtype", "block_size", "heads", "kv_heads", "head_dim", "contexts"), DECODE_CASES)
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("chunk_len", [None, 10**6, 32], ids=["policy", "whole-rows", "one-tile-chunks"])
 def test_decode_matches_reference(
     dtype: torch.dtype,
     block_size: int,
@@ -161,10 +158,11 @@ def test_decode_matches_reference(
     kv_heads: int,
     head_dim: int,
     contexts: list[int],
-    num_splits: int | None,
+    chunk_len: int | None,
     triton_device: str,
 ) -> None:
-    backend = TritonBackend(num_splits=num_splits)
+    # 32 is rounded up to the tile (block_n), so long rows split into one-tile chunks.
+    backend = TritonBackend(decode_chunk_len=chunk_len)
     rows = [(c, 1) for c in contexts]
     out, ref, plan = _run(
         backend,
@@ -184,7 +182,7 @@ def test_decode_matches_reference(
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_decode_tile_sizes(block_n: int, block_size: int, triton_device: str) -> None:
     """Tiles inside one block (one table read) and tiles spanning blocks (per-token reads)."""
-    backend = TritonBackend(decode_config=DecodeConfig(block_n=block_n), num_splits=2)
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=block_n), decode_chunk_len=64)
     out, ref, _ = _run(
         backend,
         [(c, 1) for c in (0, 63, 64, 150)],
@@ -198,9 +196,9 @@ def test_decode_tile_sizes(block_n: int, block_size: int, triton_device: str) ->
     _check(out, ref, torch.float32)
 
 
-def test_decode_more_splits_than_a_short_row_needs(triton_device: str) -> None:
-    """Splits past a short row's end do nothing, and the combine step skips them."""
-    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), num_splits=16)
+def test_decode_chunks_of_one_tile(triton_device: str) -> None:
+    """Many chunks per long row, one for short rows (the combine step skips those)."""
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
     out, ref, _ = _run(
         backend,
         [(0, 1), (17, 1), (250, 1)],
@@ -340,18 +338,6 @@ def test_out_argument_scale_and_strided_query(rows: list[tuple[int, int]], trito
 # ---- planning ------------------------------------------------------------------------------
 
 
-def test_split_policy_follows_batch_and_length() -> None:
-    policy = SplitPolicy()  # 4 programs per SM, >= 256 tokens per split
-    assert choose_num_splits(64, 8, 4096, 132, policy) == 1  # 512 programs fill the GPU
-    assert choose_num_splits(256, 8, 1024, 132, policy) == 1
-    assert choose_num_splits(16, 8, 16384, 132, policy) == 4
-    assert choose_num_splits(1, 8, 32768, 132, policy) == 66
-    assert choose_num_splits(1, 8, 1024, 132, policy) == 4  # capped by length / 256
-    assert choose_num_splits(1, 8, 100, 132, policy) == 1
-    assert choose_num_splits(1, 1, 10**6, 132, SplitPolicy(max_splits=8)) == 8
-    assert split_length(1000, 4, 64) == 256 and split_length(1, 5, 64) == 64
-
-
 def test_prefill_tile_index_covers_every_tile_heaviest_first() -> None:
     seq_lens, query_lens = (100, 1, 300, 64), (100, 1, 40, 64)
     tiles = prefill_tile_index(seq_lens, query_lens, 32)
@@ -376,19 +362,21 @@ def test_plan_is_derived_once_per_step(triton_device: str) -> None:
     assert isinstance(plan, TritonStepPlan) and not plan.use_decode
     # One-token rows go to the decode kernel, at their query tokens; the rest to prefill.
     assert plan.decode_rows == (1, 3) and plan.prefill_rows == (0, 2)
-    index = plan.decode_index()
-    assert index is not None and index.tolist() == [[1, 5], [3, 8]]
-    assert plan.tile_index(64) is plan.tile_index(64)  # every layer reuses the same index
+    # Decode row d reads table row decode_rows[d] and owns its query token.
+    schedule = plan.decode_schedule(1, 16)
+    assert [schedule.row(d)[:2] for d in range(2)] == [(1, 5), (3, 8)]
+    assert plan.decode_schedule(1, 16) is schedule  # every layer reuses the same schedule
+    assert plan.decode_launch(2, 1, 16, 16) is plan.decode_launch(2, 1, 16, 16)
+    assert plan.tile_index(64) is plan.tile_index(64)
     expect = prefill_tile_index((15, 4, 2, 8), (5, 1, 2, 1), 16, rows=(0, 2))
     assert plan.tile_index(16).tolist() == [list(p) for p in expect] == [[0, 0], [2, 0]]
-    assert plan.decode_splits(8) == plan.decode_splits(8)
     assert plan.decode_max_seq_len == 8 and plan.prefill_max_query_len == 5
     pure = backend.plan(
         make_case(
             [(5, 1)], heads=2, kv_heads=1, head_dim=16, block_size=32, dtype=torch.float32, device=triton_device
         ).meta
     )
-    assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.decode_index() is None
+    assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.decode_schedule(1, 16).row(0)[:2] == (0, 0)
     assert get_backend("triton").plan(case.meta).num_sms > 0
 
 
@@ -400,9 +388,10 @@ def test_prefill_tile_shrinks_to_short_rows() -> None:
     assert default_prefill_config(128, torch.bfloat16, max_query_len=64).block_m == 64
 
 
-def test_mixed_batch_with_forced_splits(triton_device: str) -> None:
-    """Decode rows of a mixed batch run split-KV through the row index, prefill rows beside."""
-    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), num_splits=3)
+def test_mixed_batch_with_forced_chunks(triton_device: str) -> None:
+    """Decode rows of a mixed batch run chunked (their table rows and query tokens named in
+    the items), prefill rows beside."""
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), decode_chunk_len=32)
     rows = [(60, 1), (20, 30), (0, 1), (95, 1), (5, 17)]
     out, ref, plan = _run(
         backend,

@@ -2,11 +2,14 @@
 
 One concept per module:
 
-- :mod:`.paging`:      device helpers shared by the attention kernels (block-table address
-                       math, one online-softmax step);
-- :mod:`.cache_write`: scatter new tokens' K/V into their cache slots;
-- :mod:`.decode`:      flash-decoding (split-KV) for batches of one new token per row;
-- :mod:`.prefill`:     FlashAttention-2 style varlen causal attention for prefill/extend.
+- :mod:`.paging`:          device helpers shared by the attention kernels (block-table address
+                           math, one online-softmax step);
+- :mod:`.cache_write`:     scatter new tokens' K/V into their cache slots;
+- :mod:`.decode_schedule`: host-side partition of decode rows into equal-token chunks (pure
+                           Python; fixed grids for CUDA graphs);
+- :mod:`.decode_kernels`:  the decode kernels (one program per chunk and KV head, combine);
+- :mod:`.decode`:          their launch parameters, workspace and launcher;
+- :mod:`.prefill`:         FlashAttention-2 style varlen causal attention for prefill/extend.
 
 Triton decides at decoration time whether a kernel is compiled for the GPU or run by its CPU
 interpreter (``TRITON_INTERPRET=1``), so that variable must be set before this package is
@@ -16,12 +19,21 @@ first imported; :func:`kernels_interpreted` reports what was in effect then.
 from attention.triton_kernels.cache_write import write_kv_cache
 from attention.triton_kernels.decode import (
     DECODE_SWEEP,
+    FP8_KV_DTYPES,
     DecodeConfig,
-    SplitPolicy,
-    choose_num_splits,
+    DecodeWorkspace,
+    allocate_decode_workspace,
+    check_decode_launch,
+    decode_metadata,
     default_decode_config,
     paged_decode,
-    split_length,
+)
+from attention.triton_kernels.decode_schedule import (
+    DecodePolicy,
+    DecodeSchedule,
+    max_decode_items,
+    max_decode_partials,
+    schedule_decode,
 )
 from attention.triton_kernels.paging import interpreter_requested, kernels_interpreted
 from attention.triton_kernels.prefill import (
@@ -34,18 +46,25 @@ from attention.triton_kernels.prefill import (
 
 __all__ = [
     "DECODE_SWEEP",
+    "FP8_KV_DTYPES",
     "PREFILL_SWEEP",
     "DecodeConfig",
+    "DecodePolicy",
+    "DecodeSchedule",
+    "DecodeWorkspace",
     "PrefillConfig",
-    "SplitPolicy",
-    "choose_num_splits",
+    "allocate_decode_workspace",
+    "check_decode_launch",
+    "decode_metadata",
     "default_decode_config",
     "default_prefill_config",
     "interpreter_requested",
     "kernels_interpreted",
+    "max_decode_items",
+    "max_decode_partials",
     "paged_decode",
     "paged_prefill",
     "prefill_tile_index",
-    "split_length",
+    "schedule_decode",
     "write_kv_cache",
 ]

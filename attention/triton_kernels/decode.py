@@ -1,69 +1,75 @@
-"""Flash-decoding: paged attention for rows that bring exactly one new token (a pure decode
-step, or the decode rows of a mixed step, named through a row index).
+"""Paged decode attention, balanced by tokens: launch parameters, workspace, launcher.
 
-Decode is memory-bound: the work is reading each row's K/V once. So:
+A decode step attends rows that bring exactly one new token. :func:`~.decode_schedule.
+schedule_decode` cuts every row into chunks of one length (long rows get more chunks), and
+the kernel (:mod:`.decode_kernels`) runs one program per (chunk, KV head), all query heads of
+the KV group at once. Rows of one chunk write their output directly; rows of several write
+fp32 partials that a small combine kernel (or, with ``DecodeConfig.fused_combine``, the
+last chunk program of the row) merges. With no split row there is a single launch.
 
-- one program per (row, kv_head, split) handles *all* query heads of that KV group at once
-  (the group is padded to >= 16 rows so ``tl.dot`` runs on tensor cores); each K/V token is
-  read from memory once per KV head, not once per query head;
-- a row's tokens are cut into ``num_splits`` contiguous ranges (split-KV) when the batch alone
-  cannot fill the GPU; each split keeps an fp32 online softmax and writes its partial output
-  and log-sum-exp, and a small second kernel combines the splits. With one split the first
-  kernel writes the output directly and the reduce launch is skipped;
-- tokens are walked in tiles of BLOCK_N; when block_size is a multiple of BLOCK_N a tile lies
-  in one block and costs one block-table read.
+CUDA graphs, per bucket of B rows: persistent buffers rows int32 [B, 4] and items int32
+[max_decode_items(B, ...), 8], a workspace of max_decode_partials(B, ...) slots and B counter
+rows, all allocated once; every step's schedule made with ``max_items=max_decode_items(B,
+...)``, ``max_rows=B`` and the config's block_n, and copied into the buffers with
+:func:`decode_metadata` (``rows_out`` / ``items_out``). A launch captured with any such
+schedule replays right for every later one: grids and compile-time constants depend only on
+(B, heads, SMs, policy, config), and the step's work is read from the buffers. Nothing here
+allocates or reads device data on the host.
 
-The split count is a host decision (:func:`choose_num_splits`), made once per step from host
-lengths, so nothing here syncs with the device.
+Decode is memory-bound: the work is reading each row's K/V once. Tiles of BLOCK_N tokens lie
+in one block when ``block_size % block_n == 0`` (one table read per tile), the next tile's
+block ids are prefetched (loop-carried, so Triton multi-buffers the K/V copies), cache
+strides are compile-time constants (16-byte loads) and addresses are int64.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+from array import array
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from attention.triton_kernels.paging import (
-    dot_precision_for,
-    load_tile_pages,
-    next_power_of_2,
-    online_softmax_update,
-    tile_mask,
-    tile_token_offsets,
-    upcast_for,
-)
+from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
+from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
+from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 
 __all__ = [
     "DECODE_SWEEP",
+    "FP8_KV_DTYPES",
     "DecodeConfig",
-    "SplitPolicy",
-    "choose_num_splits",
+    "DecodeWorkspace",
+    "allocate_decode_workspace",
+    "check_decode_launch",
+    "decode_metadata",
     "default_decode_config",
     "paged_decode",
-    "split_length",
 ]
 
 _LOG2E = 1.4426950408889634
+#: Partials merged per step of the combine loop (a [32, head_dim] fp32 tile).
+_MERGE_CHUNKS = 32
+_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: KV-cache dtypes read with per-KV-head dequantisation scales.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the decode kernel (benchmarks sweep them).
+    """Launch parameters of the decode kernels (benchmarks sweep them).
 
-    block_n:    tokens per tile (power of two, >= 16).
-    num_warps:  warps per program.
-    num_stages: software-pipelining depth: K/V tiles in flight per program.
-    reduce_num_warps: warps of the split-combining kernel.
+    block_n:    tokens per tile (power of two, >= 16); schedules must be made for it.
+    num_warps:  warps per chunk program; num_stages: K/V tiles in flight per program.
+    fused_combine: merge split rows inside the chunk kernel (atomic arrival counter, no
+                second launch) instead of a separate combine kernel.
+    combine_num_warps: warps of the combine kernel.
     """
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
-    reduce_num_warps: int = 4
+    num_stages: int = 2
+    fused_combine: bool = False
+    combine_num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -71,218 +77,215 @@ class DecodeConfig:
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
-def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """A Hopper default: ~16 KiB per K (and V) tile, loaded with 16-byte async copies, and
-    two pipeline stages (one tile streams in while one is used): ~64 KiB of shared memory
-    per program, so three programs share an SM and keep enough loads in flight to cover HBM
-    latency. Measured on the H200 (benchmarks/results/attention-sweep-2026-12-02.json,
-    bf16, head_dim 128): 2 stages read K/V at 4.29 TB/s where 3 stages (96 KiB, two
-    programs per SM) reach 3.6 TB/s at batch 64 x 4096 tokens, and tie elsewhere.
-    (fp32 at head_dim 256 takes 8 warps to keep its tiles in registers.)"""
+def default_decode_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
+    stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
+    (benchmarks/results/attention-sweep-2026-12-02.json, bf16, head_dim 128): 2 stages read
+    K/V at 4.29 TB/s where 3 stages reach 3.6 TB/s at 64 x 4096 tokens. Compiled ahead of
+    time for sm_90 (triton 3.9), bf16 head_dim 128 takes 38 KiB of shared memory and 72
+    registers, no spills. An fp8 cache (``kv_dtype``) halves the bytes per token, so its tiles
+    hold twice the tokens. fp32 at head_dim 256 takes 8 warps to keep its tiles in registers.
+    """
     d_pad = next_power_of_2(max(head_dim, 16))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
     block_n = max(16, min(128, 16384 // (d_pad * itemsize)))
-    warps = 8 if itemsize * d_pad > 512 else 4
+    q_itemsize = torch.empty((), dtype=dtype).element_size()
+    warps = 8 if q_itemsize * d_pad > 512 else 4
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=2)
 
 
-#: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep) around the defaults:
-#: tile length, warps, and pipeline depth; each compiles for sm_90 (Triton 3.6 and 3.9)
-#: without register spills.
-DECODE_SWEEP: tuple[DecodeConfig, ...] = tuple(
-    DecodeConfig(block_n=bn, num_warps=w, num_stages=s)
-    for bn, w, s in (
-        (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
-        (128, 4, 2), (128, 4, 3), (128, 8, 3), (32, 2, 4), (64, 2, 3),
-    )
-)  # fmt: skip
+#: Launch candidates a GPU sweep times around the default (bf16, head_dim 128): the two
+#: combine modes, a shorter tile with a deeper pipeline, a longer tile.
+DECODE_SWEEP: tuple[DecodeConfig, ...] = (
+    DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+    DecodeConfig(block_n=64, num_warps=4, num_stages=2, fused_combine=True),
+    DecodeConfig(block_n=32, num_warps=4, num_stages=3),
+    DecodeConfig(block_n=128, num_warps=4, num_stages=2),
+)
 
 
 @dataclass(frozen=True)
-class SplitPolicy:
-    """How many splits a decode step gets (see :func:`choose_num_splits`).
+class DecodeWorkspace:
+    """Preallocated buffers of the decode kernels (fixed addresses, for CUDA graphs).
 
-    programs_per_sm:  aim for this many programs per SM, so each SM has several tiles
-                      streaming from memory at once.
-    min_split_tokens: never make a split shorter than this; below it the combine step and
-                      per-program start-up cost more than the extra parallelism gains.
-    max_splits:       upper bound (caps the partial-output buffer).
+    part_o:   fp32 [max_partials, num_heads, head_dim]: one chunk's normalised output.
+    part_lse: fp32 [max_partials, num_heads]: its log2-sum-exp (-inf for an empty chunk).
+    counters: int32 [max_rows, num_kv_heads]: fused-combine arrivals per (row, KV head);
+              zero between launches (each launch leaves them zero; after an aborted launch
+              call :meth:`reset`).
     """
 
-    programs_per_sm: int = 4
-    min_split_tokens: int = 256
-    max_splits: int = 128
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    counters: torch.Tensor
 
-    def __post_init__(self) -> None:
-        if self.programs_per_sm < 1 or self.min_split_tokens < 1 or self.max_splits < 1:
-            raise ValueError(f"SplitPolicy: every field must be >= 1, got {self}")
+    @property
+    def max_partials(self) -> int:
+        return int(self.part_o.shape[0])
 
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, policy: SplitPolicy) -> int:
-    """Splits per row so that ``batch * num_kv_heads * splits`` programs fill the GPU.
-
-    1 when the batch already gives ``programs_per_sm * num_sms`` programs; otherwise as many
-    as the target asks, but no split under ``min_split_tokens`` tokens. Host-only arithmetic.
-    """
-    base = max(1, batch * num_kv_heads)
-    want = (policy.programs_per_sm * num_sms) // base
-    by_length = max(1, max_seq_len // policy.min_split_tokens)
-    return max(1, min(want, by_length, policy.max_splits))
+    def reset(self) -> None:
+        self.counters.zero_()
 
 
-def split_length(max_seq_len: int, num_splits: int, block_n: int) -> int:
-    """Tokens per split: a multiple of ``block_n`` so tiles never straddle two splits."""
-    per_split = math.ceil(max(1, max_seq_len) / max(1, num_splits))
-    return math.ceil(per_split / block_n) * block_n
-
-
-@triton.jit
-def _decode_row(decode_index_ptr, i, INDIRECT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(batch row, query token) of the i-th decode row."""
-    if INDIRECT:
-        row = tl.load(decode_index_ptr + 2 * i)
-        token = tl.load(decode_index_ptr + 2 * i + 1)
-    else:
-        row = i
-        token = i
-    return row, token
-
-
-# Per-step values are not specialised on: one compiled kernel serves every step.
-@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt"])
-def _decode_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    decode_index_ptr,
-    out_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    qk_scale,
-    split_len,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr,
-    INDIRECT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Program (kv_head, split, i): tokens [split * split_len, ...) of one row, all query
-    heads of one KV group. Pure decode: row i, query token i. INDIRECT (the one-token rows
-    of a mixed batch): row and query token are read from decode_index[i]."""
-    kvh = tl.program_id(0)
-    split = tl.program_id(1)
-    i = tl.program_id(2)
-    row, token = _decode_row(decode_index_ptr, i, INDIRECT)
-    seq_len = tl.load(seq_lens_ptr + row)
-    start = split * split_len
-    if start >= seq_len:
-        return  # a shorter row needs fewer splits; the reduce kernel skips this one
-    end = tl.minimum(start + split_len, seq_len)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = kvh * GROUP + g
-    g_mask = g < GROUP
-    qo_mask = tile_mask(g_mask, d, HEAD_DIM, D_PAD)
-    row64 = row.to(tl.int64)
-    token64 = token.to(tl.int64)
-    q = tl.load(
-        q_ptr + token64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh + d[None, :],
-        mask=qo_mask,
-        other=0.0,
+def allocate_decode_workspace(
+    *,
+    max_rows: int,
+    max_partials: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+) -> DecodeWorkspace:
+    """Workspace for schedules of at most ``max_rows`` rows (``schedule.grid_rows``) and
+    ``max_partials`` partial slots (``max_decode_partials`` for a graph bucket, or
+    ``schedule.num_partials``). At least one slot and row are allocated so every pointer
+    handed to the kernels is real."""
+    for name, v in (("max_rows", max_rows), ("max_partials", max_partials)):
+        if v < 0:
+            raise ValueError(f"{name}: {v} must be >= 0")
+    slots, rows = max(1, max_partials), max(1, max_rows)
+    f32 = torch.float32
+    return DecodeWorkspace(
+        part_o=torch.empty((slots, num_heads, head_dim), dtype=f32, device=device),
+        part_lse=torch.empty((slots, num_heads), dtype=f32, device=device),
+        counters=torch.zeros((rows, num_kv_heads), dtype=torch.int32, device=device),
     )
-    if UPCAST:
-        q = q.to(tl.float32)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    table_row = block_tables_ptr + row64 * stride_bt
-    head_off = kvh * HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    pages = load_tile_pages(table_row, start, offs_n, end, BLOCK_SIZE, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        n_mask = (n0 + offs_n) < end
-        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
-        pages = load_tile_pages(table_row, n0 + BLOCK_N, offs_n, end, BLOCK_SIZE, BLOCK_N)
-        kv_off = tok[:, None] + head_off + d[None, :]
-        kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    # Every program that got here saw >= 1 token, so l_i > 0 on every real head.
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if DIRECT:
-        tl.store(
-            out_ptr + token64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=qo_mask,
+def _host_int32(values: array, fields: int) -> torch.Tensor:
+    if not len(values):  # frombuffer refuses an empty buffer
+        return torch.empty((0, fields), dtype=torch.int32)
+    assert values.itemsize == 4, f"array('i') has {values.itemsize}-byte items on this platform"
+    return torch.frombuffer(values, dtype=torch.int32).view(-1, fields)
+
+
+def _copy_into(name: str, host: torch.Tensor, dst: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``host`` onto ``device``: into ``dst[:len(host)]`` when given (persistent buffers),
+    else a new tensor; one non-blocking copy from pinned memory on CUDA."""
+    # Pinned for an asynchronous copy; on CPU a copy, so nothing aliases the schedule's arrays.
+    host = host.pin_memory() if device.type == "cuda" else host.clone()
+    if dst is None:
+        return host.to(device, non_blocking=True)
+    fields = host.shape[1]
+    if dst.dtype != torch.int32 or dst.dim() != 2 or dst.shape[1] != fields or dst.shape[0] < host.shape[0]:
+        raise ValueError(
+            f"{name}: expected int32 [>= {host.shape[0]}, {fields}], got {dst.dtype} {tuple(dst.shape)}; "
+            f"allocate it for the largest bucket"
         )
-    else:
-        # part_o: fp32 [batch, NUM_HEADS, num_splits, HEAD_DIM];
-        # part_lse: fp32 [batch, NUM_HEADS, num_splits], log2 domain.
-        part = (i.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=qo_mask)
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_safe), mask=g_mask)
+    if dst.device != device:
+        raise ValueError(f"{name}: on {dst.device}, expected {device}")
+    dst[: host.shape[0]].copy_(host, non_blocking=True)
+    return dst
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits"])
-def _combine_splits_kernel(  # type: ignore[no-untyped-def]
-    part_o_ptr,
-    part_lse_ptr,
-    seq_lens_ptr,
-    decode_index_ptr,
-    out_ptr,
-    split_len,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    INDIRECT: tl.constexpr,
-):
-    """Program (head, i): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-    over the splits the i-th decode row actually used (ceil(seq_len / split_len) of them)."""
-    h = tl.program_id(0)
-    i = tl.program_id(1)
-    row, token = _decode_row(decode_index_ptr, i, INDIRECT)
-    seq_len = tl.load(seq_lens_ptr + row)
-    used = tl.cdiv(seq_len, split_len)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, D_PAD)
-    s_mask = s < used
-    part = (i.to(tl.int64) * NUM_HEADS + h) * num_splits + s
-    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # masked splits: 2^-inf = 0
-    o_mask = tile_mask(s_mask, d, HEAD_DIM, D_PAD)
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
-    result = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    dst = out_ptr + token.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
-    tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+def decode_metadata(
+    schedule: DecodeSchedule,
+    device: torch.device | str,
+    *,
+    rows_out: torch.Tensor | None = None,
+    items_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule's arrays on ``device``: (rows int32 [grid_rows, 4], items int32
+    [grid_items, 8]), or written into the first rows of the persistent buffers ``rows_out`` /
+    ``items_out`` (which are returned). Never waits for the device."""
+    device = torch.device(device)
+    rows = _copy_into("rows_out", _host_int32(schedule.rows, ROW_FIELDS), rows_out, device)
+    items = _copy_into("items_out", _host_int32(schedule.items, ITEM_FIELDS), items_out, device)
+    return rows, items
+
+
+def _check_int32_table(name: str, t: torch.Tensor, fields: int, need: int, device: torch.device) -> None:
+    if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != fields or not t.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous int32 [n, {fields}], got {t.dtype} {tuple(t.shape)}")
+    if t.shape[0] < need:
+        raise ValueError(f"{name}: {t.shape[0]} entries, the schedule's grid needs {need}; use decode_metadata")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} (the cache's device)")
+
+
+def check_decode_launch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    items: torch.Tensor,
+    schedule: DecodeSchedule,
+    workspace: DecodeWorkspace,
+    out: torch.Tensor,
+    config: DecodeConfig,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> None:
+    """The host checks of :func:`paged_decode` (same arguments; ``scales`` = (k_scale,
+    v_scale)): shapes, dtypes, devices and the schedule's maxima against the tensors. O(1),
+    no sync; raises ValueError naming the argument. A caller that runs these once for a
+    step (every layer passes tensors of the same shapes) may launch with ``check=False``."""
+    if query.dtype not in _QUERY_DTYPES:
+        raise ValueError(f"query: dtype {query.dtype} is not one of {_QUERY_DTYPES}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache/v_cache: expected two [num_blocks, block_size, kv_heads, head_dim] tensors of one "
+            f"shape and dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: the decode kernel needs contiguous caches")
+    _, _, kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    if query.dim() != 3 or query.shape[2] != head_dim or num_heads % kv_heads:
+        raise ValueError(
+            f"query: expected [tokens, a multiple of {kv_heads} heads, {head_dim}], got {tuple(query.shape)}"
+        )
+    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out: expected [tokens, {num_heads}, {head_dim}] {query.dtype} with unit stride on the last dim, "
+            f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    if not fp8 and k_cache.dtype != query.dtype:
+        raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from the query's {query.dtype} (or is not fp8)")
+    for name, s in zip(("k_scale", "v_scale"), scales, strict=True):
+        bad = s is None or s.dtype != torch.float32 or tuple(s.shape) != (kv_heads,) or s.device != k_cache.device
+        if fp8 and bad:
+            got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
+            raise ValueError(f"{name}: an fp8 cache needs fp32 [{kv_heads}] scales on {k_cache.device}, got {got}")
+        if not fp8 and s is not None:
+            raise ValueError(f"{name}: given for a {k_cache.dtype} cache; scales apply only to fp8 caches")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[1] < 1:
+        raise ValueError(
+            f"block_tables: expected int32 [rows, >= 1 blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    for name, t in (("query", query), ("out", out), ("block_tables", block_tables)):
+        if t.device != k_cache.device:
+            raise ValueError(f"{name}: on {t.device}, expected {k_cache.device} (the cache's device)")
+    _check_int32_table("items", items, ITEM_FIELDS, schedule.grid_items, k_cache.device)
+    _check_int32_table("rows", rows, ROW_FIELDS, schedule.grid_rows, k_cache.device)
+    if schedule.chunk_len % config.block_n:
+        raise ValueError(
+            f"schedule: chunk_len {schedule.chunk_len} is not a multiple of config.block_n {config.block_n}; "
+            f"make the schedule with block_n={config.block_n}"
+        )
+    if schedule.max_table_row >= block_tables.shape[0]:
+        raise ValueError(
+            f"schedule: names table row {schedule.max_table_row}, block_tables has {block_tables.shape[0]}"
+        )
+    if schedule.max_q_token >= min(query.shape[0], out.shape[0]):
+        raise ValueError(
+            f"schedule: names query token {schedule.max_q_token}, query has {query.shape[0]} and out {out.shape[0]}"
+        )
+    ws = workspace
+    if ws.part_o.shape[1:] != (num_heads, head_dim) or ws.part_lse.shape[1:] != (num_heads,):
+        raise ValueError(
+            f"workspace: made for {tuple(ws.part_o.shape[1:])} heads x head_dim, the query has {(num_heads, head_dim)}"
+        )
+    if schedule.num_partials > ws.max_partials:
+        raise ValueError(
+            f"workspace: {ws.max_partials} partial slots, the schedule uses {schedule.num_partials}; "
+            f"allocate max_decode_partials(...) slots"
+        )
+    if ws.counters.shape != (ws.counters.shape[0], kv_heads) or ws.counters.shape[0] < schedule.grid_rows:
+        raise ValueError(
+            f"workspace.counters: {tuple(ws.counters.shape)}, expected [>= {schedule.grid_rows}, {kv_heads}]"
+        )
 
 
 def paged_decode(
@@ -290,64 +293,72 @@ def paged_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    items: torch.Tensor,
+    schedule: DecodeSchedule,
+    workspace: DecodeWorkspace,
     *,
-    max_seq_len: int,
     softmax_scale: float,
     out: torch.Tensor,
-    num_splits: int,
     config: DecodeConfig,
-    decode_index: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Decode attention; writes and returns ``out``.
+    """Decode attention of the schedule's rows; writes their tokens of ``out``, returns it.
 
-    query:        [num_tokens, num_heads, head_dim]; row i's single new token is query row i,
-                  or, with ``decode_index``, the token it names.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
-    block_tables: int32 [batch, max_blocks]; seq_lens: int32 [batch] (K/V tokens per row,
-                  the new one included; >= 1). ``max_seq_len``: host-side maximum over the
-                  rows attended.
-    out:          [>= batch, num_heads, head_dim], query's dtype, last dim contiguous.
-    num_splits:   requested splits per row (rounded so each is a whole number of tiles).
-    decode_index: optional int32 [n, 2] of (batch row, query token): attend only these
-                  one-token rows (the decode rows of a mixed batch); other rows of ``out``
-                  are left untouched.
-    Arguments are assumed checked by the caller; nothing here reads device data on the host.
+    query:        [num_tokens, num_heads, head_dim] fp16/bf16/fp32 (any strides but a unit
+                  last one is fastest); row d's query is token ``q_tokens[d]``.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the
+                  query's dtype, or fp8 (FP8_KV_DTYPES) with ``k_scale`` / ``v_scale``: fp32
+                  [num_kv_heads] dequantisation scales (K = k_scale[h] * k_fp8).
+    block_tables: int32 [table_rows, max_blocks]; row d reads table row ``table_rows[d]``
+                  (a persistent table may have more rows than the step).
+    rows, items:  int32 [>= grid_rows, 4] and [>= grid_items, 8] from :func:`decode_metadata`.
+    schedule:     the host schedule those were made from (grid sizes; made for
+                  ``config.block_n``). workspace: from :func:`allocate_decode_workspace`.
+    out:          [>= num_tokens, num_heads, head_dim], the query's dtype, unit last stride;
+                  tokens no row names are left untouched.
+    check:        run :func:`check_decode_launch` first (~20-40 us of Python). Pass False
+                  only for arguments of shapes already checked (e.g. every layer after the
+                  first of a step): the kernels then still stay inside their tensors
+                  whatever the device metadata says, but host-side sizes are trusted.
+    Nothing syncs with the device.
     """
-    indirect = decode_index is not None
-    batch = decode_index.shape[0] if decode_index is not None else block_tables.shape[0]
-    if batch == 0:
+    if check:
+        scales = (k_scale, v_scale)
+        check_decode_launch(
+            query, k_cache, v_cache, block_tables, rows, items, schedule, workspace, out, config, scales
+        )
+    if schedule.grid_items == 0:
         return out
     num_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, kv_heads, _ = k_cache.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     d_pad = next_power_of_2(max(head_dim, 16))
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache: the decode kernel needs contiguous caches")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    split_len = split_length(max_seq_len, num_splits, config.block_n)
-    splits = triton.cdiv(max(1, max_seq_len), split_len)
-    direct = splits == 1
-    if direct:
-        part_o = part_lse = out  # unused placeholders (DIRECT is a compile-time branch)
-    else:
-        f32, device = torch.float32, out.device
-        part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=f32, device=device)
-        part_lse = torch.empty((batch, num_heads, splits), dtype=f32, device=device)
-    _decode_kernel[(kv_heads, splits, batch)](
+    scaled = k_cache.dtype in FP8_KV_DTYPES
+    ws = workspace
+    num_q_tokens = min(query.shape[0], out.shape[0])
+    decode_items_kernel[(kv_heads, schedule.grid_items)](
         query,
         k_cache,
         v_cache,
+        k_scale if k_scale is not None else ws.part_lse,  # unused unless KV_SCALED
+        v_scale if v_scale is not None else ws.part_lse,
         block_tables,
-        seq_lens,
-        decode_index if decode_index is not None else seq_lens,  # unused when not INDIRECT
+        items,
         out,
-        part_o,
-        part_lse,
+        ws.part_o,
+        ws.part_lse,
+        ws.counters,
         softmax_scale * _LOG2E,
-        split_len,
-        splits,
+        items.shape[0],
+        block_tables.shape[0],
+        block_tables.shape[1],
+        num_blocks,
+        num_q_tokens,
+        ws.max_partials,
+        ws.counters.shape[0],
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -361,29 +372,29 @@ def paged_decode(
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
-        DIRECT=direct,
-        INDIRECT=indirect,
+        KV_SCALED=scaled,
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
+        FUSED_COMBINE=config.fused_combine,
+        MERGE_CHUNKS=_MERGE_CHUNKS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if not direct:
-        _combine_splits_kernel[(num_heads, batch)](
-            part_o,
-            part_lse,
-            seq_lens,
-            decode_index if decode_index is not None else seq_lens,
+    if schedule.needs_combine and not config.fused_combine:
+        decode_combine_kernel[(num_heads, schedule.grid_rows)](
+            rows,
+            ws.part_o,
+            ws.part_lse,
             out,
-            split_len,
-            splits,
+            rows.shape[0],
+            num_q_tokens,
+            ws.max_partials,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            SPLITS_PAD=max(2, next_power_of_2(splits)),
-            INDIRECT=indirect,
-            num_warps=config.reduce_num_warps,
+            MERGE_CHUNKS=_MERGE_CHUNKS,
+            num_warps=config.combine_num_warps,
         )
     return out

@@ -1,0 +1,346 @@
+"""Triton source of the paged decode kernels (the launcher is :mod:`.decode`).
+
+Program (kv_head, i) of :func:`decode_items_kernel` takes item i of the step's schedule
+(:mod:`.decode_schedule`): one chunk ``[kv_start, kv_end)`` of one decode row, for all query
+heads of one KV group (the group padded to >= 16 rows so ``tl.dot`` runs on tensor cores; each
+K/V token is read once per KV head, not once per query head). A row with one chunk writes
+its output directly; a row with several writes an fp32 partial output and log-sum-exp per
+chunk, merged either by :func:`decode_combine_kernel` or, with FUSED_COMBINE, by the last of
+the row's chunk programs to finish (an int32 counter per (row, kv_head), incremented with an
+acq_rel atomic after the partial is stored and reset to 0 by the merging program).
+
+Scalar conditions join tensor masks through ``tl.where(cond, mask, False)``: the interpreter
+(triton 3.9) rejects ``mask & scalar`` as a load mask ("mask has unsupported dtype").
+
+Memory safety holds for any metadata: item indices, table rows, query tokens, partial slots
+and counter rows are range-checked; every block id read from the table is checked against
+[0, num_blocks) and an out-of-range id masks its K/V off (never dereferenced, and left out of
+the softmax); table columns are clamped to the table width and kv ranges to
+[0, table_width * block_size].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attention.triton_kernels.paging import tile_mask, tile_token_offsets
+
+__all__ = ["decode_combine_kernel", "decode_items_kernel"]
+
+
+@triton.jit
+def _tile_pages(  # type: ignore[no-untyped-def]
+    table_ptr,
+    n0,
+    offs_n,
+    kv_end,
+    table_width,
+    num_blocks,
+    row_ok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(int64 block ids, validity) of the tile of tokens ``n0 + offs_n`` (n0 a multiple of
+    BLOCK_N) of a row attended up to ``kv_end``.
+
+    Tile inside one block (BLOCK_SIZE % BLOCK_N == 0): one id, of the block holding token
+    ``min(n0, kv_end - 1)``; the clamp lets the loop prefetch one tile past its end (it
+    rereads the last entry). Otherwise one id per token; lanes at or past kv_end read nothing.
+    Ids outside [0, num_blocks), and every id of a row whose table row is out of range, come
+    back invalid with id 0, so the caller's K/V loads can mask them off.
+    """
+    if BLOCK_SIZE % BLOCK_N == 0:
+        col = tl.minimum(n0, kv_end - 1) // BLOCK_SIZE
+        col = tl.maximum(tl.minimum(col, table_width - 1), 0)
+        page = tl.load(table_ptr + col, mask=row_ok, other=-1)
+    else:
+        n = n0 + offs_n
+        col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
+        page = tl.load(table_ptr + col, mask=tl.where(row_ok, n < kv_end, False), other=-1)
+    ok = (page >= 0) & (page < num_blocks)
+    return tl.where(ok, page, 0).to(tl.int64), ok
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Fold one tile into the running softmax (FlashAttention-2 recurrence, log2 domain).
+
+    s: fp32 [M, N] scores already scaled by softmax_scale * log2(e), -inf where masked.
+    Unlike the prefill helper, a tile may be entirely masked (out-of-range block ids): a row
+    whose running max is still -inf subtracts 0 instead, so it stays at l = 0, acc = 0
+    rather than turning NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge_head(  # type: ignore[no-untyped-def]
+    part_o_ptr,
+    part_lse_ptr,
+    first,
+    count,
+    head,
+    dst_ptr,
+    store_ok,
+    num_partial_slots,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_CHUNKS: tl.constexpr,
+):
+    """out[head] = sum_c 2^lse_c o_c / sum_c 2^lse_c over partial slots first .. first+count-1.
+
+    part_o: fp32 [num_partial_slots, NUM_HEADS, HEAD_DIM]; part_lse: fp32
+    [num_partial_slots, NUM_HEADS] (log2 domain, -inf for an empty chunk). Chunks are read
+    MERGE_CHUNKS at a time, through L2 (".cg"): in the fused combine they were written by
+    other programs of this launch, which this SM's L1 does not see. The running max and sum
+    are kept as [D_PAD] vectors of equal lanes, so the loop carries tensors only.
+    """
+    c = tl.arange(0, MERGE_CHUNKS)
+    d = tl.arange(0, D_PAD)
+    m_run = tl.full([D_PAD], float("-inf"), tl.float32)
+    l_run = tl.zeros([D_PAD], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    n = tl.minimum(count, num_partial_slots)  # bounds the loop whatever the metadata says
+    for c0 in range(0, n, MERGE_CHUNKS):
+        slot = first + c0 + c
+        ok = (c0 + c < n) & (slot >= 0) & (slot < num_partial_slots)
+        idx = slot.to(tl.int64) * NUM_HEADS + head
+        lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            part_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+            mask=tile_mask(ok, d, HEAD_DIM, D_PAD),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - tl.max(m_safe, 0))  # masked chunks: 2^-inf = 0
+        alpha = tl.exp2(m_run - m_safe)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        l_run = l_run * alpha + tl.sum(w, 0)
+        m_run = m_new
+    result = acc / tl.where(l_run > 0.0, l_run, 1.0)
+    tl.store(dst_ptr + d, result.to(dst_ptr.dtype.element_ty), mask=tl.where(store_ok, d < HEAD_DIM, False))
+
+
+# Per-step sizes are not specialised on: one compiled kernel serves every step and bucket.
+@triton.jit(
+    do_not_specialize=[
+        "num_item_slots",
+        "num_table_rows",
+        "table_width",
+        "num_blocks",
+        "num_q_tokens",
+        "num_partial_slots",
+        "num_counter_rows",
+        "stride_bt",
+    ]
+)
+def decode_items_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    items_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    counters_ptr,
+    qk_scale,
+    num_item_slots,
+    num_table_rows,
+    table_width,
+    num_blocks,
+    num_q_tokens,
+    num_partial_slots,
+    num_counter_rows,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+    MERGE_CHUNKS: tl.constexpr,
+):
+    """Program (kv_head, i): item i of int32 items [num_item_slots, 8] = (d, kv_start,
+    kv_end, partial_slot, table_row, q_token, num_chunks, first_partial); d < 0 is padding.
+
+    K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous (compile-time
+    strides). KV_SCALED (an fp8 cache): K and V are converted to the query's dtype and
+    dequantised with per-KV-head fp32 scales, k_scale folded into the score scale and
+    v_scale applied to the output (both constant over the head, so the same as scaling
+    every element).
+    """
+    kvh = tl.program_id(0)
+    i = tl.program_id(1)
+    if i >= num_item_slots:
+        return
+    # All fields first: they share one 32-byte line, so this is one memory latency.
+    item = items_ptr + i.to(tl.int64) * 8
+    d = tl.load(item)
+    kv_start = tl.load(item + 1)
+    kv_end = tl.load(item + 2)
+    slot = tl.load(item + 3)
+    table_row = tl.load(item + 4)
+    q_token = tl.load(item + 5)
+    num_chunks = tl.load(item + 6)
+    first_partial = tl.load(item + 7)
+    if d < 0:
+        return  # padding of a fixed (CUDA-graph) grid
+
+    kv_start = tl.maximum(kv_start, 0)
+    kv_end = tl.minimum(kv_end, table_width * BLOCK_SIZE)
+    row_ok = (table_row >= 0) & (table_row < num_table_rows)
+    q_ok = (q_token >= 0) & (q_token < num_q_tokens)
+    table_ptr = block_tables_ptr + tl.where(row_ok, table_row, 0).to(tl.int64) * stride_bt
+    token64 = tl.where(q_ok, q_token, 0).to(tl.int64)
+
+    g = tl.arange(0, GROUP_PAD)
+    dd = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    qo_mask = tile_mask(g_mask, dd, HEAD_DIM, D_PAD)
+    q_off = token64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh + dd[None, :]
+    q_mask = tl.where(q_ok, qo_mask, False)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    scale = qk_scale
+    if KV_SCALED:
+        scale = qk_scale * tl.load(k_scale_ptr + kvh)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    head_off = kvh * HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned (one table read per tile)
+    pages, ok = _tile_pages(table_ptr, first, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N)
+    for n0 in range(first, kv_end, BLOCK_N):
+        n = n0 + offs_n
+        valid = tl.where(ok, (n >= kv_start) & (n < kv_end), False)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        # Next tile's ids now: loop-carried, so the pipeliner multi-buffers the K/V copies.
+        pages, ok = _tile_pages(
+            table_ptr, n0 + BLOCK_N, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N
+        )
+        kv_off = tok[:, None] + head_off + dd[None, :]
+        kv_mask = tile_mask(valid, dd, HEAD_DIM, D_PAD)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST or KV_SCALED:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if KV_SCALED:
+        o = o * tl.load(v_scale_ptr + kvh)
+    if slot < 0:
+        dst = out_ptr + token64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + dd[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        slot_ok = slot < num_partial_slots
+        part = slot.to(tl.int64) * NUM_HEADS + heads
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dd[None, :], o, mask=tl.where(slot_ok, qo_mask, False))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=tl.where(slot_ok, g_mask, False))
+        if FUSED_COMBINE:  # noqa: SIM102 (a compile-time branch; the inner test is a runtime one)
+            if d < num_counter_rows:
+                # Every thread's partial stores precede the release below (the atomic runs
+                # on one thread), so the merging program sees them.
+                tl.debug_barrier()
+                counter = counters_ptr + d.to(tl.int64) * NUM_KV_HEADS + kvh
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == num_chunks - 1:
+                    tl.debug_barrier()
+                    for gi in range(GROUP):
+                        head = kvh * GROUP + gi
+                        dst_head = out_ptr + token64 * stride_ot + head.to(tl.int64) * stride_oh
+                        _merge_head(
+                            part_o_ptr,
+                            part_lse_ptr,
+                            first_partial,
+                            num_chunks,
+                            head,
+                            dst_head,
+                            q_ok,
+                            num_partial_slots,
+                            NUM_HEADS,
+                            HEAD_DIM,
+                            D_PAD,
+                            MERGE_CHUNKS,
+                        )
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["num_row_slots", "num_q_tokens", "num_partial_slots"])
+def decode_combine_kernel(  # type: ignore[no-untyped-def]
+    rows_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_row_slots,
+    num_q_tokens,
+    num_partial_slots,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_CHUNKS: tl.constexpr,
+):
+    """Program (head, r): merge the partials of decode row r for one query head, from int32
+    rows [num_row_slots, 4] = (table_row, q_token, num_chunks, first_partial). Rows with one
+    chunk (written directly) and padding rows (num_chunks 0) exit at once."""
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    if r >= num_row_slots:
+        return
+    row = rows_ptr + r.to(tl.int64) * 4
+    q_token = tl.load(row + 1)
+    num_chunks = tl.load(row + 2)
+    first_partial = tl.load(row + 3)
+    if num_chunks <= 1:
+        return
+    q_ok = (q_token >= 0) & (q_token < num_q_tokens)
+    token64 = tl.where(q_ok, q_token, 0).to(tl.int64)
+    dst = out_ptr + token64 * stride_ot + h.to(tl.int64) * stride_oh
+    _merge_head(
+        part_o_ptr,
+        part_lse_ptr,
+        first_partial,
+        num_chunks,
+        h,
+        dst,
+        q_ok,
+        num_partial_slots,
+        NUM_HEADS,
+        HEAD_DIM,
+        D_PAD,
+        MERGE_CHUNKS,
+    )

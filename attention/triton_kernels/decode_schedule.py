@@ -1,0 +1,386 @@
+"""Host-side work partition for the paged decode kernel: rows cut into equal-token chunks.
+
+A decode step attends ``R`` rows, row ``d`` over its K/V tokens ``[kv_start, kv_end)``. The
+kernel runs one program per (work item, KV head); an *item* is one chunk of one row. Chunks
+have one length for the whole step (``chunk_len``, a multiple of the kernel's tile), so a row
+of L tokens gets about ``L / chunk_len`` items: programs are balanced by tokens, not sized by
+the longest row. Chunk boundaries sit at multiples of ``chunk_len`` in absolute token
+positions, so every chunk but a row's first starts on a tile boundary, also when
+``kv_start > 0`` (sliding windows).
+
+``chunk_len`` is the shorter of two lengths, never below ``min_chunk_tokens``:
+
+- parallelism (FlashInfer-style): when the rows alone give fewer than ``programs_per_sm``
+  (item x KV head) programs per SM, the shortest chunk whose items stay within that many
+  programs, so HBM has enough requests in flight;
+- balance: ``balance`` x the batch's mean row length, so with rows of very different
+  lengths the long ones split and no program reads much more than a typical row. Rows of
+  one length never split for it.
+
+In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row x 1024
+tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. A fixed grid
+(``max_items``) too small for that chunk makes it grow until the items fit.
+
+The defaults come from a model, not yet from GPU timings: HBM shared by the resident
+programs, each capped at what its own pipeline keeps in flight (~20 GB/s on the H200, which
+is why flash-attn needs 354 us for a 64-row LogNormal batch whose longest row alone streams
+for about that long). bench_attention.py --decode-sweep times a finer and a coarser policy.
+
+For CUDA graphs the kernel's grid is fixed per batch bucket: :func:`max_decode_items` and
+:func:`max_decode_partials` depend only on the bucket's row count (never on lengths) and bound
+every schedule :func:`schedule_decode` makes for that many rows or fewer. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ITEM_FIELDS",
+    "PAD_ITEM",
+    "PAD_ROW",
+    "ROW_FIELDS",
+    "DecodePolicy",
+    "DecodeSchedule",
+    "max_decode_items",
+    "max_decode_partials",
+    "schedule_decode",
+]
+
+#: int32 fields of one item: (d, kv_start, kv_end, partial_slot, table_row, q_token,
+#: num_chunks, first_partial). The row's fields ride along so a program reads everything it
+#: needs in one 32-byte load before its first block-table read (one memory latency, not two).
+#: partial_slot is -1 when the row has one chunk (the program writes the output itself).
+ITEM_FIELDS = 8
+#: int32 fields of one row: (table_row, q_token, num_chunks, first_partial).
+ROW_FIELDS = 4
+#: Filler of the item array past ``num_items``: d = -1 makes the program exit at once.
+PAD_ITEM = (-1, 0, 0, -1, -1, -1, 0, -1)
+#: Filler of the row array past ``num_rows``: num_chunks = 0, nothing to combine.
+PAD_ROW = (-1, -1, 0, -1)
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """How :func:`schedule_decode` picks the chunk length.
+
+    programs_per_sm:  (item x KV head) programs wanted per SM when the rows alone give
+                      fewer: a memory-bound launch needs about this many in flight.
+    balance:          longest chunk, in units of the batch's mean row length (> 0): long
+                      rows split into pieces no longer than this, so programs read similar
+                      amounts. An R-row batch then has at most ``R * (1 + 1 / balance)``
+                      items (rows starting at 0).
+    min_chunk_tokens: shortest chunk: below it, per-program start-up and the combine step
+                      cost more than the parallelism gains.
+    small_batch_chunk_tokens: shortest chunk in a batch that cannot give every SM one
+                      program at ``min_chunk_tokens`` (1 row x 1024 tokens on 8 KV heads).
+    """
+
+    programs_per_sm: int = 2
+    balance: float = 1.5
+    min_chunk_tokens: int = 256
+    small_batch_chunk_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.programs_per_sm < 1:
+            raise ValueError(f"DecodePolicy.programs_per_sm: {self.programs_per_sm} must be >= 1")
+        if not self.balance > 0:
+            raise ValueError(f"DecodePolicy.balance: {self.balance} must be > 0")
+        if self.small_batch_chunk_tokens < 1 or self.min_chunk_tokens < self.small_batch_chunk_tokens:
+            raise ValueError(
+                f"DecodePolicy: need 1 <= small_batch_chunk_tokens ({self.small_batch_chunk_tokens}) "
+                f"<= min_chunk_tokens ({self.min_chunk_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """One step's partition of its decode rows into items (see the module docstring).
+
+    chunk_len:    tokens per chunk, a multiple of ``block_n`` (the tile it was made for).
+    num_rows:     rows scheduled (R); num_items: items used (<= grid_items).
+    grid_items:   programs per KV head to launch: ``max_items`` when one was given (a fixed
+                  CUDA-graph grid), else ``num_items``.
+    grid_rows:    rows the combine step covers: ``max_rows`` when given, else R.
+    num_partials: partial-output slots used (rows with more than one chunk only).
+    items:        int32, ``grid_items * ITEM_FIELDS`` values (see ITEM_FIELDS), heaviest
+                  item first, padded with PAD_ITEM.
+    rows:         int32, ``grid_rows * ROW_FIELDS`` values (see ROW_FIELDS), padded with PAD_ROW.
+    fixed_grid:   made with ``max_items``: launches must not depend on this step's counts.
+    max_table_row, max_q_token: largest block-table row and query token named (-1 if none),
+                  so a launcher checks them against its tensors in O(1).
+    """
+
+    chunk_len: int
+    block_n: int
+    num_rows: int
+    num_items: int
+    grid_items: int
+    grid_rows: int
+    num_partials: int
+    items: array = field(repr=False)
+    rows: array = field(repr=False)
+    fixed_grid: bool
+    max_table_row: int
+    max_q_token: int
+
+    @property
+    def needs_combine(self) -> bool:
+        """Whether a launch must run the combine step: some row has several chunks now, or
+        (fixed grid) may have in a later step replayed on the same grid."""
+        if self.fixed_grid:
+            return self.grid_items > self.grid_rows
+        return self.num_partials > 0
+
+    def item(self, i: int) -> tuple[int, ...]:
+        """The ITEM_FIELDS values of item ``i`` (host-side, for tests and debugging)."""
+        return tuple(self.items[i * ITEM_FIELDS : (i + 1) * ITEM_FIELDS])
+
+    def row(self, d: int) -> tuple[int, ...]:
+        """The ROW_FIELDS values of row ``d``."""
+        return tuple(self.rows[d * ROW_FIELDS : (d + 1) * ROW_FIELDS])
+
+
+def _target_items(num_kv_heads: int, num_sms: int, policy: DecodePolicy) -> int:
+    return math.ceil(policy.programs_per_sm * num_sms / num_kv_heads)
+
+
+def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: DecodePolicy | None = None) -> int:
+    """Items any schedule of at most ``num_rows`` rows uses (with these heads, SMs, policy):
+    the fixed grid (programs per KV head) of a CUDA graph captured for that bucket."""
+    policy = policy or DecodePolicy()
+    _check_positive(num_kv_heads=num_kv_heads, num_sms=num_sms)
+    if num_rows < 0:
+        raise ValueError(f"num_rows: {num_rows} must be >= 0")
+    balanced = num_rows + math.ceil(num_rows / policy.balance)
+    return max(balanced, _target_items(num_kv_heads, num_sms, policy)) if num_rows else 0
+
+
+def max_decode_partials(num_rows: int, num_kv_heads: int, num_sms: int, policy: DecodePolicy | None = None) -> int:
+    """Partial-output slots any schedule of at most ``num_rows`` rows uses.
+
+    With I <= M items over R rows, s of them split: partials = I - (R - s) and each split row
+    has >= 2 chunks, so partials <= min(M, 2 * (M - R)); the maximum over R = 1..num_rows.
+    """
+    policy = policy or DecodePolicy()
+    best = 0
+    # The bound falls with R once M(R) = R; a few candidates suffice, but the loop is cheap
+    # and obviously right.
+    for r in range(1, num_rows + 1):
+        m = max_decode_items(r, num_kv_heads, num_sms, policy)
+        best = max(best, min(m, 2 * (m - r)))
+    return best
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if v < 1:
+            raise ValueError(f"{name}: {v} must be >= 1")
+
+
+def _count_items(ranges: Sequence[tuple[int, int]], chunk_len: int) -> int:
+    return sum((e - 1) // chunk_len - s // chunk_len + 1 for s, e in ranges)
+
+
+def _smallest_fitting(ranges: Sequence[tuple[int, int]], budget: int, granule: int, lo: int) -> int:
+    """A multiple of ``granule`` >= ``lo`` whose item count is <= budget (budget >= R: a
+    chunk as long as the furthest kv_end gives every row one item): the smallest one when
+    every row starts at 0 (counts then fall as chunks grow); with windows the bisection
+    still only ever returns a fitting length.
+
+    The search starts from bounds the counts imply: a row of n tokens needs >= n / c chunks,
+    so c >= T / budget; a row starting at 0 needs <= n / c + 1, so when every row starts at
+    0, c = T / (budget - R) always fits. Few count passes then: this runs every step.
+    """
+    total = sum(e - s for s, e in ranges)
+    lo_k = max(1, -(-lo // granule), total // (budget * granule))
+    hi_k = max(lo_k, -(-max(e for _, e in ranges) // granule))
+    if budget > len(ranges) and all(s == 0 for s, _ in ranges):
+        hi_k = max(lo_k, min(hi_k, -(-total // ((budget - len(ranges)) * granule))))
+    if _count_items(ranges, lo_k * granule) <= budget:
+        return lo_k * granule
+    while hi_k - lo_k > 1:  # invariant: count(lo) > budget >= count(hi)
+        mid = (lo_k + hi_k) // 2
+        if _count_items(ranges, mid * granule) <= budget:
+            hi_k = mid
+        else:
+            lo_k = mid
+    return hi_k * granule
+
+
+def _largest_with_at_least(ranges: Sequence[tuple[int, int]], want: int, granule: int, lo: int, hi: int) -> int:
+    """Largest multiple of ``granule`` in [lo, hi] giving >= ``want`` items, else ``lo``."""
+    lo_k, hi_k = max(1, -(-lo // granule)), max(1, hi // granule)
+    if hi_k < lo_k or _count_items(ranges, lo_k * granule) < want:
+        return lo_k * granule
+    while hi_k > lo_k:  # invariant: count(lo) >= want
+        mid = (lo_k + hi_k + 1) // 2
+        if _count_items(ranges, mid * granule) >= want:
+            lo_k = mid
+        else:
+            hi_k = mid - 1
+    return lo_k * granule
+
+
+def _choose_chunk_len(
+    ranges: Sequence[tuple[int, int]], budget: int, num_kv_heads: int, num_sms: int, block_n: int, policy: DecodePolicy
+) -> int:
+    total = sum(e - s for s, e in ranges)
+    chunk = -(-math.ceil(policy.balance * total / len(ranges)) // block_n) * block_n
+    target = _target_items(num_kv_heads, num_sms, policy)
+    if len(ranges) < target:
+        chunk = min(chunk, _smallest_fitting(ranges, target, block_n, block_n))
+    floor = -(-policy.min_chunk_tokens // block_n) * block_n
+    one_per_sm = math.ceil(num_sms / num_kv_heads)
+    if _count_items(ranges, floor) < one_per_sm:
+        # Too small a batch to give every SM a program at the usual floor: shorter chunks,
+        # as long as possible while still reaching one program per SM.
+        floor = _largest_with_at_least(ranges, one_per_sm, block_n, policy.small_batch_chunk_tokens, floor)
+    chunk = max(chunk, floor)
+    if _count_items(ranges, chunk) <= budget:
+        return chunk
+    # Only windowed rows get here: with unaligned starts a longer chunk can even give more
+    # items (a row may straddle one more boundary), so search up from here for one that fits.
+    return _smallest_fitting(ranges, budget, block_n, chunk)
+
+
+def _check_ranges(kv_ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    ranges = []
+    for d, (s, e) in enumerate(kv_ranges):
+        s, e = int(s), int(e)
+        if not 0 <= s < e:
+            raise ValueError(
+                f"kv_ranges[{d}]: ({s}, {e}) must satisfy 0 <= kv_start < kv_end (a decode row "
+                f"attends at least its own new token)"
+            )
+        ranges.append((s, e))
+    return ranges
+
+
+def _per_row(name: str, values: Sequence[int] | None, num_rows: int) -> list[int]:
+    if values is None:
+        return list(range(num_rows))
+    if len(values) != num_rows:
+        raise ValueError(f"{name}: {len(values)} entries for {num_rows} rows; give one per kv_range")
+    out = [int(v) for v in values]
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name}: entries must be >= 0, got {min(out)}")
+    return out
+
+
+def schedule_decode(
+    kv_ranges: Sequence[tuple[int, int]],
+    *,
+    num_kv_heads: int,
+    num_sms: int,
+    block_n: int,
+    max_items: int | None = None,
+    max_rows: int | None = None,
+    policy: DecodePolicy | None = None,
+    chunk_len: int | None = None,
+    table_rows: Sequence[int] | None = None,
+    q_tokens: Sequence[int] | None = None,
+) -> DecodeSchedule:
+    """Partition decode rows into items of one chunk length.
+
+    kv_ranges:  per decode row d, ``(kv_start, kv_end)``: the K/V token positions it attends
+                (``0 <= kv_start < kv_end``; kv_start > 0 for sliding windows).
+    num_kv_heads, num_sms: programs are (item x KV head); the GPU has num_sms SMs.
+    block_n:    the kernel's tile (tokens); chunk_len is a multiple of it.
+    max_items:  fixed grid for a CUDA graph (>= len(kv_ranges); see max_decode_items): the
+                chunk grows until the items fit, and the item array is padded to it.
+    max_rows:   rows the combine step covers on a fixed grid (>= len(kv_ranges)); default
+                len(kv_ranges). Pass the bucket's row count when capturing a graph.
+    policy:     see DecodePolicy. chunk_len: force this chunk length (rounded up to a
+                multiple of block_n, grown if the items would not fit); tests and sweeps.
+    table_rows, q_tokens: per row, the block-table row it reads and the query/output token
+                it owns (default: row d uses table row d and token d).
+
+    Items are ordered heaviest first (more tokens first; ties by row, then position), so the
+    longest programs start first and the launch's tail is short. Rows with one chunk get
+    partial_slot -1; a row with k > 1 chunks owns slots first_partial .. first_partial + k - 1.
+    Raises ValueError naming the argument for an empty or negative range, a max_items below
+    the row count, or inconsistent per-row lists.
+    """
+    policy = policy or DecodePolicy()
+    _check_positive(num_kv_heads=num_kv_heads, num_sms=num_sms, block_n=block_n)
+    ranges = _check_ranges(kv_ranges)
+    num_rows = len(ranges)
+    tables, tokens = _per_row("table_rows", table_rows, num_rows), _per_row("q_tokens", q_tokens, num_rows)
+    if max_items is not None and max_items < num_rows:
+        raise ValueError(
+            f"max_items: {max_items} is below the {num_rows} rows (each row needs >= 1 item); "
+            f"use max_decode_items({num_rows}, ...)"
+        )
+    if max_rows is not None and max_rows < num_rows:
+        raise ValueError(f"max_rows: {max_rows} is below the {num_rows} rows scheduled")
+    if chunk_len is not None and chunk_len < 1:
+        raise ValueError(f"chunk_len: {chunk_len} must be >= 1 (or None to choose)")
+    budget = max_decode_items(num_rows, num_kv_heads, num_sms, policy)
+    if max_items is not None:
+        budget = min(budget, max_items)
+    if not ranges:
+        chunk = block_n
+    elif chunk_len is not None:
+        chunk = _smallest_fitting(ranges, budget, block_n, chunk_len)
+    else:
+        chunk = _choose_chunk_len(ranges, budget, num_kv_heads, num_sms, block_n, policy)
+    return _build(ranges, tables, tokens, chunk, block_n, max_items, max_rows)
+
+
+def _build(
+    ranges: list[tuple[int, int]],
+    tables: list[int],
+    tokens: list[int],
+    chunk: int,
+    block_n: int,
+    max_items: int | None,
+    max_rows: int | None,
+) -> DecodeSchedule:
+    num_rows = len(ranges)
+    grid_rows = num_rows if max_rows is None else max_rows
+    row_fields: list[int] = []
+    pieces: list[tuple[int, int, int, int]] = []  # (-tokens, d, start, end): sorts heaviest first
+    next_slot = 0
+    for d, (s, e) in enumerate(ranges):
+        first_j, last_j = s // chunk, (e - 1) // chunk
+        n = last_j - first_j + 1
+        if n == 1:
+            row_fields += (tables[d], tokens[d], 1, -1)
+            pieces.append((s - e, d, s, e))
+            continue
+        row_fields += (tables[d], tokens[d], n, next_slot)
+        next_slot += n
+        for j in range(first_j, last_j + 1):
+            a, b = max(s, j * chunk), min(e, (j + 1) * chunk)
+            pieces.append((a - b, d, a, b))
+    pieces.sort()
+    num_items = len(pieces)
+    grid_items = num_items if max_items is None else max_items
+    assert num_items <= grid_items, f"scheduler made {num_items} items for a grid of {grid_items}"
+    item_fields: list[int] = []
+    for _, d, a, b in pieces:
+        table_row, q_token, n, first_partial = row_fields[d * ROW_FIELDS : (d + 1) * ROW_FIELDS]
+        slot = first_partial + a // chunk - ranges[d][0] // chunk if n > 1 else -1
+        item_fields += (d, a, b, slot, table_row, q_token, n, first_partial)
+    items = array("i", item_fields)
+    items.extend(PAD_ITEM * (grid_items - num_items))
+    rows = array("i", row_fields)
+    rows.extend(PAD_ROW * (grid_rows - num_rows))
+    return DecodeSchedule(
+        chunk_len=chunk,
+        block_n=block_n,
+        num_rows=num_rows,
+        num_items=num_items,
+        grid_items=grid_items,
+        grid_rows=grid_rows,
+        num_partials=next_slot,
+        items=items,
+        rows=rows,
+        fixed_grid=max_items is not None,
+        max_table_row=max(tables, default=-1),
+        max_q_token=max(tokens, default=-1),
+    )

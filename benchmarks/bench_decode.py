@@ -1,0 +1,424 @@
+"""Decode part of bench_attention.py: our token-balanced Triton decode vs flash-attn 2.
+
+Shape: bf16, 32 query heads, 8 KV heads, head_dim 128; one new token per row, the whole row
+cached. Batches: uniform lengths, and LogNormal lengths (fixed seed) whose rows differ by
+10x or more, where a kernel sized by its longest row idles most of the GPU.
+
+Every timed call reads its K/V from HBM, not L2: a shape gets ``layers`` independent caches
+(>= HBM_BYTES_PER_GRAPH of K/V together, at least 2), one shared block table with shuffled
+block ids, and each timing runs one call per layer in turn (L2 is also flushed before each
+timing by ``do_bench``); ``ms`` = time of that sequence / layers. Two ways: ``ms`` replays the
+sequence captured in one CUDA graph (the GPU's time, as a serving engine runs decode),
+``eager_ms`` calls the backend from Python (its checks and launches included).
+
+Before timing, every variant's output for layer 0 is compared with a float32 reference
+(``rel_err`` = max |out - ref| / max |ref|). A variant that raises is recorded with its error
+and the run goes on (except after a CUDA error that kills the context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+UNIFORM = [(1, 1024), (1, 32768), (8, 512), (32, 512), (64, 4096), (128, 2048), (256, 1024), (16, 16384)]
+#: (rows, median, sigma, cap): LogNormal lengths, drawn with a fixed seed.
+LOGNORMAL = [(64, 2048, 0.8, 16384), (64, 512, 0.8, 16384)]
+QUICK_UNIFORM = [(1, 1024), (32, 512), (64, 4096)]
+BLOCK_SIZES = (32, 256)
+#: K/V bytes one timed sequence reads (over all layers): far above the H200's 60 MB L2.
+HBM_BYTES_PER_GRAPH = 400 << 20
+REL_ERR_LIMIT = 2e-2
+SEED = 0
+DEVICE = "cuda"
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    label: str
+    lens: tuple[int, ...]
+
+    @property
+    def kv_bytes(self) -> int:
+        """K/V bytes one call reads: 2 tensors x tokens x kv_heads x head_dim x 2 bytes."""
+        return 2 * sum(self.lens) * KV_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
+
+
+def decode_shapes(quick: bool) -> list[DecodeShape]:
+    shapes = [DecodeShape(f"{b}x{n}", (n,) * b) for b, n in (QUICK_UNIFORM if quick else UNIFORM)]
+    for rows, median, sigma, cap in LOGNORMAL[:1] if quick else LOGNORMAL:
+        rng = random.Random(SEED)
+        lens = tuple(max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(rows))
+        shapes.append(DecodeShape(f"lognormal{rows}(med={median},s={sigma},cap={cap})", lens))
+    return shapes
+
+
+@dataclass
+class DecodeRow:
+    shape: str
+    backend: str
+    variant: str
+    block_size: int
+    batch: int
+    tokens: int
+    max_len: int
+    layers: int = 0
+    ms: float | None = None
+    eager_ms: float | None = None
+    tbps: float | None = None
+    pct_copy: float | None = None
+    vs_flash_attn: float | None = None
+    rel_err: float | None = None
+    chunk_len: int | None = None
+    items: int | None = None
+    partials: int | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra" and v is not None}
+        out.update(self.extra)
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return self.ms is not None and self.error is None and (self.rel_err or 0.0) <= REL_ERR_LIMIT
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A Triton decode configuration to time: launch parameters and chunking policy."""
+
+    name: str
+    config: Any = None  # DecodeConfig | None (None: the per-shape default)
+    policy: Any = None  # DecodePolicy | None
+
+    def backend(self) -> Any:
+        from attention.triton_backend import TritonBackend
+
+        return TritonBackend(decode_config=self.config, decode_policy=self.policy)
+
+
+def variants(sweep: bool) -> list[Variant]:
+    """The default, and with ``sweep``: the default with the fused combine, DECODE_SWEEP's
+    other launch configurations (a shorter and a longer tile), a finer and a coarser
+    chunking policy (six in all with the bench's head_dim 128 bf16)."""
+    from attention.triton_kernels import DECODE_SWEEP, DecodePolicy, default_decode_config
+
+    default = Variant("default")
+    if not sweep:
+        return [default]
+    base = default_decode_config(HEAD_DIM, DTYPE)
+    fused = dataclasses.replace(base, fused_combine=True)
+    out = [default, Variant("default + fused_combine", config=fused)]
+    for c in DECODE_SWEEP:
+        if c not in (base, fused):
+            out.append(Variant(_describe(c), config=c))
+    out.append(Variant("policy programs_per_sm=4 balance=1.0", policy=DecodePolicy(programs_per_sm=4, balance=1.0)))
+    out.append(Variant("policy programs_per_sm=1 balance=2.5", policy=DecodePolicy(programs_per_sm=1, balance=2.5)))
+    return out
+
+
+def _describe(config: Any) -> str:
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "combine_num_warps")
+
+
+# ---- problem -------------------------------------------------------------------------------
+
+
+@dataclass
+class Layers:
+    """``layers`` caches of one shape: q [batch, HEADS, HEAD_DIM]; k, v [layers, num_blocks,
+    block_size, KV_HEADS, HEAD_DIM]; one metadata (block ids shuffled) for all layers."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    meta: Any
+
+    @property
+    def count(self) -> int:
+        return int(self.k.shape[0])
+
+
+def build_layers(shape: DecodeShape, block_size: int) -> Layers:
+    from attention import AttentionMetadata
+
+    gen = torch.Generator(device=DEVICE).manual_seed(SEED)
+    per_row = [-(-n // block_size) for n in shape.lens]
+    num_blocks = sum(per_row)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SEED)).to(torch.int32)
+    tables = torch.full((len(per_row), max(per_row)), -1, dtype=torch.int32)
+    offset = 0
+    for r, nb in enumerate(per_row):
+        tables[r, :nb] = perm[offset : offset + nb]
+        offset += nb
+    count = max(2, math.ceil(HBM_BYTES_PER_GRAPH / shape.kv_bytes))
+    cache_shape = (count, num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k = torch.empty(cache_shape, dtype=DTYPE, device=DEVICE).normal_(generator=gen)
+    v = torch.empty(cache_shape, dtype=DTYPE, device=DEVICE).normal_(generator=gen)
+    q = torch.randn((len(per_row), HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
+    last = [n - 1 for n in shape.lens]
+    slots = [int(tables[r, p // block_size]) * block_size + p % block_size for r, p in enumerate(last)]
+    b = len(per_row)
+    meta = AttentionMetadata(
+        block_tables=tables.to(DEVICE),
+        seq_lens=torch.tensor(shape.lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_size=block_size,
+        seq_lens_host=shape.lens,
+        query_lens_host=(1,) * b,
+    )
+    return Layers(q, k, v, meta)
+
+
+def reference(layers: Layers) -> torch.Tensor:
+    """float32 [batch, HEADS, HEAD_DIM]: layer 0's attention, row by row from the cache."""
+    q, k0, v0, meta = layers.q, layers.k[0], layers.v[0], layers.meta
+    bs, group = meta.block_size, HEADS // KV_HEADS
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    for r, n in enumerate(meta.seq_lens_host):
+        blocks = meta.block_tables[r, : -(-n // bs)].long()
+        k = k0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:n].float()
+        v = v0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:n].float()
+        s = torch.einsum("kgd,lkd->kgl", q[r].float().view(KV_HEADS, group, HEAD_DIM), k) / math.sqrt(HEAD_DIM)
+        out[r] = torch.einsum("kgl,lkd->kgd", torch.softmax(s, dim=-1), v).reshape(HEADS, HEAD_DIM)
+    return out
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    def __init__(self, warmup_ms: int, rep_ms: int):
+        import triton.testing
+
+        self._do_bench = triton.testing.do_bench
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        fn()
+        _sync()
+        return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+
+    def graph_ms(self, fn: Callable[[], object]) -> float:
+        """Median replay time of ``fn`` captured once in a CUDA graph."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compiles and fills per-step caches outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        try:
+            return self.ms(graph.replay)
+        finally:
+            del graph
+
+
+def _measure(timer: Timer, row: DecodeRow, layers: Layers, backend: Any, ref: torch.Tensor, copy_tbps: float) -> None:
+    """Check layer 0 against ``ref``, then time one call per layer (graph and eager).
+    Errors are recorded on the row; a CUDA error that kills the context is re-raised."""
+    try:
+        plan = backend.plan(layers.meta)  # once per step, outside the timing
+        out = torch.empty_like(layers.q)
+
+        def call(i: int) -> torch.Tensor:
+            return backend.attend(layers.q, layers.k[i], layers.v[i], plan, out=out)
+
+        result = call(0).float()
+        _sync()
+        row.rel_err = float((result - ref).abs().max() / ref.abs().max())
+        if not math.isfinite(row.rel_err):
+            row.rel_err = float("inf")
+        _describe_schedule(row, backend, plan)
+
+        def every_layer() -> None:
+            for i in range(layers.count):
+                call(i)
+
+        row.layers = layers.count
+        row.eager_ms = timer.ms(every_layer) / layers.count
+        row.ms = timer.graph_ms(every_layer) / layers.count
+        row.tbps = row.extra["kv_bytes"] / (row.ms * 1e-3) / 1e12
+        row.pct_copy = 100 * row.tbps / copy_tbps
+    except Exception as err:
+        row.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        print(f"  ! {row.shape} {row.backend} bs={row.block_size} {row.variant}: {row.error}", flush=True)
+        if "illegal memory access" in str(err) or "unspecified launch failure" in str(err):
+            raise
+
+
+def _describe_schedule(row: DecodeRow, backend: Any, plan: Any) -> None:
+    """Chunk length, items and partial slots of a triton plan's decode schedule."""
+    from attention.triton_backend import TritonBackend, TritonStepPlan
+    from attention.triton_kernels import default_decode_config
+
+    if isinstance(backend, TritonBackend) and isinstance(plan, TritonStepPlan):
+        config = backend.decode_config or default_decode_config(HEAD_DIM, DTYPE)
+        schedule = plan.decode_schedule(KV_HEADS, config.block_n)  # the one attend used
+        row.chunk_len, row.items, row.partials = schedule.chunk_len, schedule.num_items, schedule.num_partials
+
+
+def _flash_attn(notes: list[str]) -> Any | None:
+    from attention.registry import get_backend
+
+    try:
+        return get_backend("flash_attn")
+    except (ImportError, KeyError, ModuleNotFoundError) as err:
+        notes.append(f"flash_attn decode rows skipped: {err}")
+        return None
+
+
+def run_decode(
+    shapes: list[DecodeShape],
+    *,
+    sweep: bool,
+    timer: Timer,
+    copy_tbps: float,
+    notes: list[str],
+    budget_s: float,
+) -> list[DecodeRow]:
+    """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
+    flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
+    (noted); the default and flash-attn rows always run."""
+    flash = _flash_attn(notes)
+    chosen = variants(sweep)
+    deadline = time.monotonic() + budget_s
+    skipped = 0
+    rows: list[DecodeRow] = []
+    for shape in shapes:
+        shape_rows: list[DecodeRow] = []
+        for block_size in BLOCK_SIZES:
+            print(f"decode {shape.label} block {block_size}", flush=True)
+            try:
+                layers = build_layers(shape, block_size)
+                ref = reference(layers)
+            except Exception as err:
+                notes.append(f"{shape.label} bs={block_size}: setup failed: {type(err).__name__}: {err}"[:300])
+                traceback.print_exc()
+                continue
+            todo: list[tuple[str, Variant | None]] = [("triton", v) for v in chosen]
+            if block_size == 256 and flash is not None:
+                todo.insert(0, ("flash_attn", None))
+            for backend_name, variant in todo:
+                if variant is not None and variant.name != "default" and time.monotonic() > deadline:
+                    skipped += 1
+                    continue
+                row = DecodeRow(
+                    shape.label,
+                    backend_name,
+                    "flash_attn" if variant is None else variant.name,
+                    block_size,
+                    len(shape.lens),
+                    sum(shape.lens),
+                    max(shape.lens),
+                    extra={"kv_bytes": shape.kv_bytes},
+                )
+                backend = flash if variant is None else variant.backend()
+                _measure(timer, row, layers, backend, ref, copy_tbps)
+                _print_row(row)
+                shape_rows.append(row)
+            del layers, ref
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        fa_ms = next((r.ms for r in shape_rows if r.backend == "flash_attn" and r.ms), None)
+        for r in shape_rows:
+            if fa_ms and r.ms:
+                r.vs_flash_attn = fa_ms / r.ms
+        rows += shape_rows
+    if skipped:
+        notes.append(f"decode sweep: {skipped} variant runs skipped after the {budget_s:.0f} s budget")
+    return rows
+
+
+# ---- reporting -----------------------------------------------------------------------------
+
+
+def _fmt(x: float | int | None, spec: str) -> str:
+    width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+def _print_row(r: DecodeRow) -> None:
+    print(
+        f"  {r.backend:10s} bs={r.block_size:<4d} ms={_fmt(r.ms, '.4f')} eager={_fmt(r.eager_ms, '.4f')} "
+        f"TB/s={_fmt(r.tbps, '.2f')} rel_err={_fmt(r.rel_err, '.1e')} chunk={r.chunk_len} items={r.items} "
+        f"layers={r.layers}  {r.variant}{'  ERROR ' + r.error if r.error else ''}",
+        flush=True,
+    )
+
+
+def print_decode_table(rows: list[DecodeRow]) -> None:
+    head = (
+        f"{'shape':34s} {'backend':10s} {'bs':>4s} {'ms':>8s} {'eager':>8s} {'TB/s':>5s} {'%copy':>5s} "
+        f"{'vs_fa':>5s} {'rel_err':>7s} {'chunk':>6s} {'items':>5s}  variant"
+    )
+    print("\n" + head)
+    print("-" * len(head))
+    for r in rows:
+        flag = "  CHECK" if r.rel_err is not None and r.rel_err > REL_ERR_LIMIT else ""
+        print(
+            f"{r.shape:34s} {r.backend:10s} {r.block_size:4d} {_fmt(r.ms, '8.4f')} {_fmt(r.eager_ms, '8.4f')} "
+            f"{_fmt(r.tbps, '5.2f')} {_fmt(r.pct_copy, '5.1f')} {_fmt(r.vs_flash_attn, '5.2f')} "
+            f"{_fmt(r.rel_err, '7.1e')} {_fmt(r.chunk_len, '6d')} {_fmt(r.items, '5d')}  {r.variant}"
+            f"{flag}{'  ERROR ' + r.error if r.error else ''}"
+        )
+
+
+def best_per_shape(rows: list[DecodeRow]) -> list[dict[str, Any]]:
+    """Per (shape, block size): the default's and the fastest correct variant's figures."""
+    out = []
+    keys = dict.fromkeys((r.shape, r.block_size) for r in rows if r.backend == "triton")
+    for shape, bs in keys:
+        mine = [r for r in rows if r.backend == "triton" and (r.shape, r.block_size) == (shape, bs) and r.ok]
+        default = next((r for r in mine if r.variant == "default"), None)
+        best = min(mine, key=lambda r: r.ms or math.inf, default=None)
+        out.append(
+            {
+                "shape": shape,
+                "block_size": bs,
+                "default_ms": default.ms if default else None,
+                "default_vs_fa": default.vs_flash_attn if default else None,
+                "best_ms": best.ms if best else None,
+                "best_vs_fa": best.vs_flash_attn if best else None,
+                "best_pct_copy": best.pct_copy if best else None,
+                "best_variant": best.variant if best else None,
+            }
+        )
+    return out
+
+
+def print_best(best: list[dict[str, Any]], copy_tbps: float) -> None:
+    head = (
+        f"{'shape':34s} {'bs':>4s} {'default ms':>10s} {'vs_fa':>5s} {'best ms':>9s} {'vs_fa':>5s} {'%copy':>5s}"
+        "  best variant"
+    )
+    print("\ndecode, best per shape" + "\n" + head + "\n" + "-" * len(head))
+    for b in best:
+        print(
+            f"{b['shape']:34s} {b['block_size']:4d} {_fmt(b['default_ms'], '10.4f')} "
+            f"{_fmt(b['default_vs_fa'], '5.2f')} "
+            f"{_fmt(b['best_ms'], '9.4f')} {_fmt(b['best_vs_fa'], '5.2f')} {_fmt(b['best_pct_copy'], '5.1f')}  "
+            f"{b['best_variant'] or '-'}"
+        )
+    print(
+        f"(ms: CUDA-graph replay per call, K/V from HBM; vs_fa = flash-attn 2 ms at block 256 / this ms, "
+        f"> 1 is faster; %copy: K/V read bandwidth / device copy bandwidth {copy_tbps:.2f} TB/s)"
+    )

@@ -1,0 +1,367 @@
+"""The token-balanced decode kernel (attention.triton_kernels.decode) against a float64
+reference, launched directly with its schedule, device metadata and workspace.
+
+Without a GPU this runs in Triton's CPU interpreter (tests/conftest.py), so shapes stay small.
+Caches come from tests/paged_case.py (shuffled block ids, NaN in every slot no token was
+written to) and sit between two NaN blocks, so a read of an unused slot, of a padded table
+entry or just outside the cache turns the output NaN. Both combine modes run every case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from attention.triton_kernels import (
+    DecodeConfig,
+    DecodeSchedule,
+    DecodeWorkspace,
+    allocate_decode_workspace,
+    decode_metadata,
+    max_decode_items,
+    paged_decode,
+    schedule_decode,
+)
+from tests.paged_case import PagedCase, make_case, reference_output
+
+# Element-wise, against float64 on the same rounded inputs; outputs are O(1). As in
+# tests/test_triton_interpret.py: fp32 differs by summation order (~1e-6); fp16 rounds P to
+# 11 bits before P@V and the output to fp16 (~5e-4 relative each); bf16 the same with 8 bits
+# (~4e-3 each). Split rows add nothing: partials and their merge stay in fp32. fp8 caches are
+# compared with the dequantised values, so they add no error beyond the query's dtype.
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+SMS = 132  # the H200's, as the backend assumes under the interpreter
+COMBINE = pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel", "fused-combine"])
+
+
+def _case(
+    lens: list[int], *, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> PagedCase:
+    """Rows of ``lens`` K/V tokens (the last one new), caches wrapped in NaN blocks."""
+    case = make_case(
+        [(n - 1, 1) for n in lens],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device="cpu",
+        spare_blocks=2,
+    )
+    n, bs, kvh, d = case.k_cache.shape
+    storage = torch.full((2, n + 2, bs, kvh, d), float("nan"), dtype=dtype)
+    storage[0, 1:-1], storage[1, 1:-1] = case.k_cache, case.v_cache
+    return dataclasses.replace(case, k_cache=storage[0, 1:-1], v_cache=storage[1, 1:-1])
+
+
+def _reference(
+    case: PagedCase,
+    ranges: list[tuple[int, int]],
+    table_rows: list[int],
+    q_tokens: list[int],
+    scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """float64 [rows, heads, head_dim]: row d's query token over its kv range (any window)."""
+    k_all = case.k_cache.double().flatten(0, 1)  # [slots, kv_heads, d]
+    v_all = case.v_cache.double().flatten(0, 1)
+    if kv_scales is not None:
+        k_all, v_all = k_all * kv_scales[0].double()[:, None], v_all * kv_scales[1].double()[:, None]
+    bs = case.k_cache.shape[1]
+    heads, kvh = case.query.shape[1], case.k_cache.shape[2]
+    outs = []
+    for (start, end), row, token in zip(ranges, table_rows, q_tokens, strict=True):
+        pos = torch.arange(start, end)
+        slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        k = k_all[slots].repeat_interleave(heads // kvh, dim=1)  # [n, heads, d]
+        v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
+        outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+@dataclasses.dataclass
+class Launch:
+    schedule: DecodeSchedule
+    rows: torch.Tensor
+    items: torch.Tensor
+    workspace: DecodeWorkspace
+
+
+def _prepare(case: PagedCase, block_n: int, **schedule_args: object) -> Launch:
+    heads, head_dim = case.query.shape[1:]
+    kvh = case.k_cache.shape[2]
+    args: dict[str, object] = {"kv_ranges": [(0, n) for n in case.meta.seq_lens_host], "num_sms": SMS}
+    args.update(schedule_args)
+    schedule = schedule_decode(num_kv_heads=kvh, block_n=block_n, **args)  # type: ignore[arg-type]
+    rows, items = decode_metadata(schedule, "cpu")
+    ws = allocate_decode_workspace(
+        max_rows=schedule.grid_rows,
+        max_partials=schedule.num_partials,
+        num_heads=heads,
+        num_kv_heads=kvh,
+        head_dim=head_dim,
+        device="cpu",
+    )
+    return Launch(schedule, rows, items, ws)
+
+
+def _run(case: PagedCase, launch: Launch, config: DecodeConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.zeros_like(case.query) if out is None else out
+    scale = 1.0 / math.sqrt(case.query.shape[2])
+    return paged_decode(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.meta.block_tables,
+        launch.rows,
+        launch.items,
+        launch.schedule,
+        launch.workspace,
+        softmax_scale=scale,
+        out=out,
+        config=config,
+    )
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in the output: a read outside the written slots"
+    torch.testing.assert_close(out.double(), ref.double(), **TOLERANCE[dtype])
+
+
+CASES = [
+    # dtype, block_size, heads, kv_heads, head_dim, row lengths, block_n, forced chunk_len
+    pytest.param(torch.float32, 32, 2, 2, 64, [1, 31, 32, 33, 97], 16, 32, id="fp32-gqa1-d64-odd"),
+    pytest.param(torch.float16, 64, 8, 2, 72, [1, 64, 65, 200], 32, 64, id="fp16-gqa4-d72"),
+    pytest.param(torch.bfloat16, 32, 8, 1, 96, [5, 32, 150], 64, 64, id="bf16-gqa8-d96-tile-spans-blocks"),
+    pytest.param(torch.float16, 32, 7, 1, 64, [40, 97, 200], 32, None, id="fp16-gqa7-policy"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "heads", "kv_heads", "head_dim", "lens", "block_n", "chunk"), CASES)
+@COMBINE
+def test_matches_float64_reference(
+    dtype: torch.dtype,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    lens: list[int],
+    block_n: int,
+    chunk: int | None,
+    fused: bool,
+) -> None:
+    case = _case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    launch = _prepare(case, block_n, chunk_len=chunk)
+    assert launch.schedule.num_partials > 0, "the case should split some row"
+    out = _run(case, launch, DecodeConfig(block_n=block_n, fused_combine=fused))
+    _check(out, reference_output(case), dtype)
+    assert not launch.workspace.counters.any(), "fused counters must be back at 0"
+
+
+@COMBINE
+def test_padded_grid_writes_only_the_named_tokens(fused: bool) -> None:
+    """A fixed grid larger than the step (CUDA-graph bucket of 6 rows on a 16-SM GPU), rows
+    reading table rows and query tokens out of order: tokens no row names keep their bits."""
+    case = _case([70, 9, 33, 40, 5, 64], heads=4, kv_heads=2, head_dim=32, block_size=32, dtype=torch.float16)
+    table_rows, q_tokens = [2, 0, 5], [4, 1, 5]
+    ranges = [(0, case.meta.seq_lens_host[r]) for r in table_rows]
+    launch = _prepare(
+        case,
+        16,
+        kv_ranges=ranges,
+        table_rows=table_rows,
+        q_tokens=q_tokens,
+        chunk_len=16,
+        num_sms=16,
+        max_items=max_decode_items(6, 2, 16),
+        max_rows=6,
+    )
+    assert launch.schedule.grid_items > launch.schedule.num_items
+    out = torch.full_like(case.query, 7.0)
+    _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused), out)
+    untouched = [0, 2, 3]
+    assert torch.equal(out[untouched], torch.full_like(out[untouched], 7.0))
+    scale = 1.0 / math.sqrt(32)
+    _check(out[q_tokens], _reference(case, ranges, table_rows, q_tokens, scale), torch.float16)
+
+
+@COMBINE
+def test_sliding_window_reads_only_the_window(fused: bool) -> None:
+    """kv_start > 0, mid-block and off the tile grid: tokens before the window are NaN and
+    their table entries PAD, so any read of them shows."""
+    case = _case([150, 97, 64, 40], heads=4, kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+    starts = [37, 64, 63, 0]
+    bs, kvh, d = case.k_cache.shape[1:]
+    for row, start in enumerate(starts):
+        pos = torch.arange(start)
+        slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        case.k_cache.view(-1, kvh, d)[slots] = float("nan")
+        case.v_cache.view(-1, kvh, d)[slots] = float("nan")
+        case.meta.block_tables[row, : start // bs] = -1  # blocks wholly before the window: freed
+    ranges = [(s, n) for s, n in zip(starts, case.meta.seq_lens_host, strict=True)]
+    launch = _prepare(case, 16, kv_ranges=ranges, chunk_len=32)
+    out = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused))
+    ref = _reference(case, ranges, [0, 1, 2, 3], [0, 1, 2, 3], 1.0 / math.sqrt(32))
+    _check(out, ref, torch.float32)
+
+
+def test_fused_combine_counters_reset_across_launches() -> None:
+    """Replays on one workspace (as a CUDA graph does) give the same output, and a later
+    step with another chunking reuses the counters correctly."""
+    case = _case([90, 17, 50], heads=2, kv_heads=1, head_dim=32, block_size=32, dtype=torch.float32)
+    config = DecodeConfig(block_n=16, fused_combine=True)
+    launch = _prepare(case, 16, chunk_len=16)
+    first = _run(case, launch, config)
+    for _ in range(2):
+        assert not launch.workspace.counters.any()
+        assert torch.equal(_run(case, launch, config), first)
+    other = _prepare(case, 16, chunk_len=32)
+    other = dataclasses.replace(other, workspace=launch.workspace)
+    _check(_run(case, other, config), reference_output(case), torch.float32)
+    _check(first, reference_output(case), torch.float32)
+
+
+def _canaried(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(storage, view): ``view`` of ``shape`` sits inside ``storage`` with one filled slab
+    on each side along dim 0."""
+    storage = torch.full((shape[0] + 2, *shape[1:]), fill, dtype=dtype)
+    return storage, storage[1:-1]
+
+
+# Row 3's NaN output (see below) makes the interpreter's max-reduction warn.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@COMBINE
+def test_garbage_metadata_stays_inside_every_tensor(fused: bool) -> None:
+    """Out-of-range block ids, table rows, query tokens, kv ends, partial slots, chunk
+    counts and row indices: no crash, no NaN from outside the cache (the NaN blocks around
+    it), and the slabs around the output and the workspace keep their bits."""
+    case = _case([100, 90, 80, 70, 60], heads=4, kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
+    num_blocks = case.k_cache.shape[0]
+    case.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)  # NaN border, huge
+    launch = _prepare(case, 16, chunk_len=32)
+    s = launch.schedule
+    out_store, out = _canaried(tuple(case.query.shape), torch.float32, 3.0)
+    po_store, part_o = _canaried(tuple(launch.workspace.part_o.shape), torch.float32, 5.0)
+    pl_store, part_lse = _canaried(tuple(launch.workspace.part_lse.shape), torch.float32, 5.0)
+    ct_store, counters = _canaried(tuple(launch.workspace.counters.shape), torch.int32, 0)
+    ct_store[0], ct_store[-1] = 9, 9
+    ws = DecodeWorkspace(part_o=part_o, part_lse=part_lse, counters=counters)
+    items, rows = launch.items.clone(), launch.rows.clone()
+    by_row = {int(items[i, 0]): i for i in range(s.num_items)}  # one item of each row
+    items[by_row[0], 4] = 10**6  # table row out of range
+    items[by_row[2], 5] = 10**6  # query token out of range
+    items[by_row[3], 2] = 10**9  # kv_end past the table's width: clamped to it, but the
+    # row's last block holds never-written (NaN) slots the kernel is now told to read
+    split = [i for i in range(s.num_items) if items[i, 3] >= 0]
+    items[split[0], 3] = 10**6  # partial slot out of range
+    items[split[1], 6:8] = torch.tensor([10**6, -10])  # chunk count and first slot garbage
+    items[split[2], 0] = 10**6  # decode row past the counters
+    rows[0, 1:4] = torch.tensor([-1, 10**6, -10])
+    rows[1, 2:4] = torch.tensor([10**6, s.num_partials - 1])
+    bad = dataclasses.replace(launch, items=items, rows=rows, workspace=ws)
+    before = [t.clone() for t in (out_store, po_store, pl_store, ct_store)]
+    _run(case, bad, DecodeConfig(block_n=16, fused_combine=fused), out)
+    assert not out[[0, 1, 2, 4]].isnan().any()
+    for store, old in zip((out_store, po_store, pl_store, ct_store), before, strict=True):
+        assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"
+
+
+def test_fp8_cache_with_per_head_scales() -> None:
+    """float8_e4m3fn K/V with fp32 per-KV-head scales, fp16 query (runs in the interpreter)."""
+    case = _case([45, 130, 7], heads=8, kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32)
+    k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.k_cache, case.v_cache))
+    fp8 = dataclasses.replace(case, k_cache=k8, v_cache=v8, query=case.query.half())
+    k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25])
+    launch = _prepare(fp8, 32, chunk_len=64)
+    out = torch.zeros_like(fp8.query)
+    paged_decode(
+        fp8.query,
+        k8,
+        v8,
+        case.meta.block_tables,
+        launch.rows,
+        launch.items,
+        launch.schedule,
+        launch.workspace,
+        softmax_scale=0.125,
+        out=out,
+        config=DecodeConfig(block_n=32),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    ranges = [(0, n) for n in case.meta.seq_lens_host]
+    deq = dataclasses.replace(fp8, k_cache=k8.float(), v_cache=v8.float())
+    ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 0.125, (k_scale, v_scale))
+    _check(out, ref, torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("block_n", "chunk_len 32 is not a multiple of config.block_n 64"),
+        ("workspace", "partial slots, the schedule uses"),
+        ("items", "items: 1 entries, the schedule's grid needs"),
+        ("q_token", "names query token 2, query has 2"),
+        ("fp8_no_scale", "an fp8 cache needs fp32"),
+        ("scale_not_fp8", "scales apply only to fp8 caches"),
+    ],
+)
+def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> None:
+    case = _case([50, 20, 3], heads=4, kv_heads=2, head_dim=16, block_size=32, dtype=torch.float16)
+    launch = _prepare(case, 16, chunk_len=32)
+    config, k_cache, v_cache, query = DecodeConfig(block_n=16), case.k_cache, case.v_cache, case.query
+    scales: dict[str, torch.Tensor] = {}
+    if change == "block_n":
+        config = DecodeConfig(block_n=64)
+    elif change == "workspace":
+        launch.workspace = allocate_decode_workspace(
+            max_rows=3, max_partials=1, num_heads=4, num_kv_heads=2, head_dim=16, device="cpu"
+        )
+    elif change == "items":
+        launch.items = launch.items[:1]
+    elif change == "q_token":
+        query = query[:2]
+    elif change == "fp8_no_scale":
+        k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    else:
+        scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2)}
+    with pytest.raises(ValueError, match=message):
+        paged_decode(
+            query,
+            k_cache,
+            v_cache,
+            case.meta.block_tables,
+            launch.rows,
+            launch.items,
+            launch.schedule,
+            launch.workspace,
+            softmax_scale=0.25,
+            out=torch.zeros_like(query),
+            config=config,
+            **scales,
+        )
+
+
+def test_backend_checks_the_launch_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a step passes tensors of one shape: the launcher's host checks run for
+    the first layer only, and the output stays right for the others."""
+    from attention.triton_backend import TritonBackend
+    from attention.triton_kernels import decode as decode_module
+
+    calls = []
+    real = decode_module.check_decode_launch
+    monkeypatch.setattr(decode_module, "check_decode_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = _case([40, 3], heads=4, kv_heads=2, head_dim=16, block_size=32, dtype=torch.float32)
+    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
+    plan = backend.plan(case.meta)
+    for _ in range(2):
+        _check(backend.attend(case.query, case.k_cache, case.v_cache, plan), reference_output(case), torch.float32)
+    assert len(calls) == 1

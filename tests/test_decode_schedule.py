@@ -1,0 +1,215 @@
+"""The decode scheduler (pure Python): coverage, chunk lengths, fixed grids, its decisions on
+the benchmark's shapes, and its argument errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention.triton_kernels.decode_schedule import (
+    PAD_ITEM,
+    PAD_ROW,
+    DecodePolicy,
+    DecodeSchedule,
+    max_decode_items,
+    max_decode_partials,
+    schedule_decode,
+)
+
+H200_SMS = 132
+
+
+def _lognormal(n: int, median: int, sigma: float, cap: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
+
+
+def _check_invariants(s: DecodeSchedule, ranges: list[tuple[int, int]], policy: DecodePolicy) -> None:
+    """Every token of every row in exactly one item; items heaviest first; partial slots
+    unique, contiguous per split row, and absent for one-chunk rows; padding in place."""
+    assert s.chunk_len % s.block_n == 0
+    assert s.num_items <= s.grid_items and s.num_rows == len(ranges) <= s.grid_rows
+    covered: dict[int, list[tuple[int, int]]] = {d: [] for d in range(len(ranges))}
+    slots: list[int] = []
+    sizes = []
+    for i in range(s.num_items):
+        d, a, b, slot, table_row, q_token, n, first = s.item(i)
+        assert s.row(d) == (table_row, q_token, n, first)
+        assert a < b and b - a <= s.chunk_len
+        assert a // s.chunk_len == (b - 1) // s.chunk_len, "an item crosses a chunk boundary"
+        covered[d].append((a, b))
+        sizes.append(b - a)
+        if n == 1:
+            assert slot == -1 and first == -1
+        else:
+            assert first <= slot < first + n
+            slots.append(slot)
+    assert sizes == sorted(sizes, reverse=True), "items are not heaviest first"
+    for d, (start, end) in enumerate(ranges):
+        pieces = sorted(covered[d])
+        assert pieces[0][0] == start and pieces[-1][1] == end
+        assert all(p[1] == q[0] for p, q in itertools.pairwise(pieces)), f"row {d}: gap or overlap"
+        assert s.row(d)[2] == len(pieces)
+    assert sorted(slots) == list(range(s.num_partials)), "partial slots are not unique and dense"
+    for i in range(s.num_items, s.grid_items):
+        assert s.item(i) == PAD_ITEM
+    for d in range(s.num_rows, s.grid_rows):
+        assert s.row(d) == PAD_ROW
+
+
+lengths = st.lists(
+    st.one_of(st.integers(1, 40), st.integers(1, 5000), st.integers(100_000, 3_000_000)), min_size=0, max_size=40
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lens=lengths,
+    starts=st.lists(st.integers(0, 3000), min_size=40, max_size=40),
+    kv_heads=st.sampled_from([1, 2, 8, 16]),
+    sms=st.sampled_from([1, 16, 132]),
+    block_n=st.sampled_from([16, 32, 64, 128]),
+    policy=st.sampled_from([DecodePolicy(), DecodePolicy(4, 1.0, 128, 32), DecodePolicy(1, 0.3, 512, 512)]),
+    windowed=st.booleans(),
+)
+def test_schedule_invariants_and_fixed_grid_bounds(
+    lens: list[int],
+    starts: list[int],
+    kv_heads: int,
+    sms: int,
+    block_n: int,
+    policy: DecodePolicy,
+    windowed: bool,
+) -> None:
+    ranges = [(starts[i] if windowed else 0, (starts[i] if windowed else 0) + n) for i, n in enumerate(lens)]
+    free = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, policy=policy)
+    _check_invariants(free, ranges, policy)
+    # Fixed grid of a bucket with more rows than this step: the same items, padded.
+    bucket = len(ranges) + 3
+    cap_items = max_decode_items(bucket, kv_heads, sms, policy)
+    fixed = schedule_decode(
+        ranges,
+        num_kv_heads=kv_heads,
+        num_sms=sms,
+        block_n=block_n,
+        policy=policy,
+        max_items=cap_items,
+        max_rows=bucket,
+    )
+    _check_invariants(fixed, ranges, policy)
+    assert fixed.grid_items == cap_items and fixed.grid_rows == bucket
+    assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
+    assert free.num_items <= max_decode_items(len(ranges), kv_heads, sms, policy)
+    # A tight grid (one item per row) never splits; the chunk grows until the items fit.
+    tight = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, max_items=len(ranges))
+    _check_invariants(tight, ranges, policy)
+    assert tight.num_items == len(ranges) and tight.num_partials == 0
+    if ranges and not windowed:
+        # Chunks respect the floor, or the small-batch floor when the batch cannot give every
+        # SM a program at the usual one.
+        small = -(-policy.small_batch_chunk_tokens // block_n) * block_n
+        assert free.chunk_len >= small
+        floor = -(-policy.min_chunk_tokens // block_n) * block_n
+        if sum(-(-e // floor) for _, e in ranges) >= math.ceil(sms / kv_heads):
+            assert free.chunk_len >= floor
+
+
+def test_max_decode_partials_is_a_bound_over_smaller_batches() -> None:
+    """Brute force: for every batch of up to B rows, no schedule on B's grid uses more."""
+    rng = random.Random(1)
+    for bucket in (1, 2, 5, 40):
+        limit = max_decode_partials(bucket, 8, H200_SMS)
+        cap = max_decode_items(bucket, 8, H200_SMS)
+        for _ in range(30):
+            rows = rng.randint(1, bucket)
+            lens = [rng.choice([1, 100, 5000, 200_000]) for _ in range(rows)]
+            s = schedule_decode([(0, n) for n in lens], num_kv_heads=8, num_sms=H200_SMS, block_n=64, max_items=cap)
+            assert s.num_partials <= limit
+
+
+def test_fixed_grid_sizes_depend_only_on_rows() -> None:
+    assert max_decode_items(1, 8, H200_SMS) == 33  # 2 programs per SM / 8 KV heads
+    assert max_decode_items(64, 8, H200_SMS) == 107  # 64 rows + 64 / balance 1.5
+    assert max_decode_items(0, 8, H200_SMS) == 0
+    assert max_decode_partials(1, 8, H200_SMS) == 33 and max_decode_partials(0, 8, H200_SMS) == 0
+
+
+@pytest.mark.parametrize(
+    ("lens", "chunk_len", "items"),
+    [
+        ([4096] * 64, None, 64),  # 512 programs fill the GPU: whole rows, one launch
+        ([1024] * 256, None, 256),
+        ([1000 + i for i in range(256)], None, 256),  # near-uniform rows do not split either
+        ([512] * 32, None, 32),  # 256 programs: whole rows
+        ([16384] * 16, 8192, 32),  # 128 programs would be too few: two chunks per row
+        ([32768], 1024, 32),  # one long row: 32 chunks x 8 KV heads = 256 programs
+        ([1024], 64, 16),  # latency-bound: below the 256-token floor to reach ~1 program/SM
+        ([512] * 8, 192, 24),
+    ],
+)
+def test_h200_decisions_on_the_benchmark_shapes(lens: list[int], chunk_len: int | None, items: int) -> None:
+    """chunk_len None: every row stays whole (one item each, no combine launch)."""
+    s = schedule_decode([(0, n) for n in lens], num_kv_heads=8, num_sms=H200_SMS, block_n=64)
+    assert s.num_items == items and s.needs_combine == (items > len(lens))
+    if chunk_len is None:
+        assert s.chunk_len >= max(lens) and s.num_partials == 0
+    else:
+        assert s.chunk_len == chunk_len
+
+
+def test_lognormal_batch_splits_only_its_long_rows() -> None:
+    """Rows of very different lengths: the long ones are cut so no program reads much more
+    than the typical row, the short ones stay whole (no combine work for them)."""
+    lens = _lognormal(64, 2048, 0.8, 16384)
+    s = schedule_decode([(0, n) for n in lens], num_kv_heads=8, num_sms=H200_SMS, block_n=64)
+    assert len(lens) < s.num_items <= max_decode_items(64, 8, H200_SMS)
+    assert s.chunk_len < max(lens) // 2 and s.chunk_len >= sorted(lens)[len(lens) // 2]
+    split_rows = [d for d in range(64) if s.row(d)[2] > 1]
+    assert split_rows and all(lens[d] > s.chunk_len for d in split_rows)
+    assert s.item(0)[2] - s.item(0)[1] == s.chunk_len  # a full chunk of a long row goes first
+
+
+def test_window_chunks_sit_on_absolute_boundaries() -> None:
+    s = schedule_decode([(100, 700), (5, 6)], num_kv_heads=1, num_sms=8, block_n=64, chunk_len=256)
+    assert s.chunk_len == 256
+    pieces = sorted(s.item(i)[:3] for i in range(s.num_items))
+    assert pieces == [(0, 100, 256), (0, 256, 512), (0, 512, 700), (1, 5, 6)]
+    assert s.row(0)[2:] == (3, 0) and s.row(1)[2:] == (1, -1)
+
+
+def test_per_row_table_rows_and_tokens() -> None:
+    s = schedule_decode([(0, 10), (0, 20)], num_kv_heads=2, num_sms=4, block_n=16, table_rows=[7, 3], q_tokens=[40, 2])
+    assert s.row(0)[:2] == (7, 40) and s.row(1)[:2] == (3, 2)
+    assert (s.max_table_row, s.max_q_token) == (7, 40)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_ranges": [(0, 5), (3, 3)]}, r"kv_ranges\[1\]: \(3, 3\) must satisfy"),
+        ({"kv_ranges": [(-1, 5)]}, r"kv_ranges\[0\]"),
+        ({"max_items": 1}, "max_items: 1 is below the 2 rows"),
+        ({"max_rows": 1}, "max_rows: 1 is below the 2 rows"),
+        ({"table_rows": [0]}, "table_rows: 1 entries for 2 rows"),
+        ({"q_tokens": [0, -2]}, "q_tokens: entries must be >= 0"),
+        ({"block_n": 0}, "block_n: 0 must be >= 1"),
+        ({"chunk_len": 0}, "chunk_len: 0 must be >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"kv_ranges": [(0, 5), (0, 9)], "num_kv_heads": 2, "num_sms": 4, "block_n": 16}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        schedule_decode(**args)  # type: ignore[arg-type]
+
+
+def test_policy_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        DecodePolicy(programs_per_sm=0)
+    with pytest.raises(ValueError, match="small_batch_chunk_tokens"):
+        DecodePolicy(min_chunk_tokens=32, small_batch_chunk_tokens=64)
