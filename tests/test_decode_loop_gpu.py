@@ -42,7 +42,7 @@ def _run(backend_name: str, preempt: str) -> tuple[list[Request], dict[int, list
         requests,
         manager=manager,
         cache=cache,
-        backend=get_backend(backend_name),
+        backend=get_backend(backend_name, config.attention_spec()),
         preemption=make_preemption(preempt, manager, cache, config.cache.swap_space),
         token_budget=512,
         record_logits=True,
