@@ -72,17 +72,20 @@ class ModelRunner:
         self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
         self.graphs = DecodeGraphs(self.builder, self._forward) if use_graphs else None
 
-    def warmup(self) -> WarmupReport:
+    def warmup(self, *, eager: bool | None = None) -> WarmupReport:
         """Compile every kernel variant the capacity can reach and capture the decode graphs,
-        so nothing compiles while serving. The manager must have no sequences with the
+        so nothing compiles while serving. ``eager``: run the eager warm-up steps (default:
+        on CUDA only, where kernels compile). The manager must have no sequences with the
         warm-up's ids (it leaves none behind)."""
         start = time.perf_counter()
         variants = self.backend.warmup(self.manager.block_size, self.builder.capacity, self.cache.device)
-        eager = self._warm_eager() if self.cache.device.type == "cuda" else 0
+        if eager is None:
+            eager = self.cache.device.type == "cuda"
+        eager_steps = self._warm_eager() if eager else 0
         graphs = self.graphs.capture(self.manager) if self.graphs is not None else 0
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
-        return WarmupReport(variants, graphs, time.perf_counter() - start, eager)
+        return WarmupReport(variants, graphs, time.perf_counter() - start, eager_steps)
 
     def warmup_steps(self) -> list[list[tuple[int, int]]]:
         """The eager warm-up steps: per step, (seq_len, num_new) of each row, within the

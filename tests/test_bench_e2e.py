@@ -41,6 +41,7 @@ def test_tiny_cpu_run_serves_both_engines_and_writes_json(tmp_path: Path, capsys
     workload = results["workload"]
     assert ours["generated_tokens"] == workload["requests"] * workload["new_tokens"]
     assert ours["preemptions"] == 0 and ours["decode_steps"] > 0
+    assert ours["warmup"]["eager_steps"] >= 8, "the eager warm-up steps run on CPU too"
     assert ours["roofline_median_ms"] > 0 and ours["ttft_median_s"] > 0
     assert results["model"]["shared_with_transformers"]
     if "transformers" in errors:  # e.g. an older transformers needing psutil on CPU: recorded, not raised
