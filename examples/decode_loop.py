@@ -3,11 +3,13 @@
     python -m examples.decode_loop                          # tiny model on CPU, a few seconds
     python -m examples.decode_loop --workload shared-prefix # prefix caching on a shared prompt
     python -m examples.decode_loop --device cuda --backend auto --config configs/llama3-8b.yaml
+    python -m examples.decode_loop --checkpoint path/to/Qwen2.5-0.5B   # real weights (safetensors)
 
 A workload of requests with different prompt lengths arrives over time; the scheduler
 (:mod:`examples.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
-runs the model (:mod:`examples.llama`, random weights from ``--seed``) once over every
-scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
+runs the model (:mod:`examples.llama`, random weights from ``--seed``, or a Llama / Qwen2 /
+Mistral checkpoint with ``--checkpoint``: then the config's ``model`` section is the
+checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
 every layer writes K/V and attends -> sample -> ``mark_computed``.
 """
 
@@ -27,19 +29,11 @@ import torch
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
 from attention.dtypes import torch_dtype
+from examples.engine import engine_for
 from examples.llama import Llama, random_llama, shape_for_cache
 from examples.runner import ModelRunner, WarmupReport
 from examples.scheduler import Preemption, Request, Scheduler, make_preemption
-from kvcache import (
-    BlockManager,
-    KVCacheError,
-    KVCacheTensors,
-    allocate_kv_cache,
-    backend_for,
-    load_config,
-    manager_for,
-    resolve_device,
-)
+from kvcache import BlockManager, KVCacheConfig, KVCacheError, KVCacheTensors, load_config, resolve_device
 
 __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
 
@@ -262,34 +256,56 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly")
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="Llama/Qwen2/Mistral checkpoint (config.json + safetensors) instead of random weights",
+    )
     p.add_argument("--quiet", action="store_true", help="print the summary only")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the example; returns the exit status (1: bad config or setting)."""
+    """Run the example; returns the exit status (1: bad config, setting or checkpoint)."""
     args = _parser().parse_args(argv)
     say = (lambda *_: None) if args.quiet else print
     try:
         config = load_config(args.config)
         device = resolve_device(args.device or config.cache.device)
-        m, block_size = config.model, config.cache.block_size
         dtype_name = config.attention_spec().dtype
-        choice = backend_for(config, device.type, args.backend)
-        reason = f"{args.backend} (--backend)" if args.backend and args.backend != "auto" else choice.reason
-        cache = allocate_kv_cache(config, num_blocks=args.num_blocks, device=device)
+        model: Llama | None = None
+        if args.checkpoint:
+            from examples.checkpoints import load_checkpoint
+
+            model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device)
+            shape = model.shape
+            # The cache holds this model's K/V: its model section is the checkpoint's.
+            config = KVCacheConfig.model_validate(
+                {**config.model_dump(), "model": shape.model_section().model_dump()}, strict=False
+            )
+        else:
+            shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
         # The shared-prefix workload exists to show prefix caching: turn it on for it.
         turned_on = args.workload == "shared-prefix" and not config.cache.enable_prefix_caching
-        manager = manager_for(config, cache, prefix_caching=True if turned_on else None)
+        engine = engine_for(
+            config,
+            shape,
+            device=device,
+            num_blocks=args.num_blocks,
+            backend=args.backend,
+            prefix_caching=True if turned_on else None,
+        )
+        reason = f"{args.backend} (--backend)" if args.backend and args.backend != "auto" else engine.reason
+        cache, manager = engine.cache, engine.manager
         prefix_caching = manager.prefix_cache is not None
         preemption = make_preemption(args.preempt, manager, cache, config.cache.swap_space)
-        use_graphs = device.type == "cuda" and not args.eager and choice.backend.info.cuda_graphs
-    except (KVCacheError, ValueError, ImportError) as err:
+        use_graphs = engine.graphs_allowed and not args.eager
+    except (KVCacheError, ValueError, ImportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    shape = shape_for_cache(m, vocab_size=VOCAB_SIZE)
-    shape.check_cache(m)
-    model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device)
+    m, block_size = config.model, config.cache.block_size
+    if model is None:
+        model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device)
     requests = make_workload(
         args.workload,
         args.requests,
@@ -328,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests,
         manager=manager,
         cache=cache,
-        backend=choice.backend,
+        backend=engine.backend,
         preemption=preemption,
         token_budget=args.token_budget,
         use_graphs=use_graphs,

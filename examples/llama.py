@@ -7,8 +7,11 @@ the whole paged history with ``backend.attend``, reusing the one :class:`StepPla
 made for the step.
 
 The math follows transformers' ``LlamaForCausalLM`` (rotary with the rotate-half convention,
-RMSNorm in float32, softmax scale ``head_dim ** -0.5``), so its weights load unchanged
-(:func:`load_transformers_weights`) and both produce the same tokens.
+RMSNorm in float32, softmax scale ``head_dim ** -0.5``), so its weights load unchanged and
+both produce the same tokens. The few ways Qwen2 and Mistral differ are fields of
+:class:`LlamaShape`: biases on the q/k/v projections, tied embeddings, a sliding window (which
+only the attention backend sees, through :meth:`LlamaShape.attention_spec`). Reading
+checkpoints and their configs lives in :mod:`examples.checkpoints`.
 
 Shapes: ``T`` is the step's number of new tokens (all rows together), ``B`` its number of
 rows, ``H``/``KVH`` query/KV heads, ``D`` the head dim.
@@ -16,32 +19,54 @@ rows, ``H``/``KVH`` query/KV heads, ``D`` the head dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import AttentionBackend, LayerCache, StepPlan
+from attention import AttentionBackend, AttentionSpec, LayerCache, StepPlan
 from kvcache import KVCacheTensors
 from kvcache.config import ModelSection
 
 __all__ = [
     "Llama",
     "LlamaShape",
-    "load_transformers_weights",
+    "RopeScaling",
+    "empty_llama",
+    "init_random_",
     "random_llama",
     "shape_for_cache",
-    "shape_from_transformers",
 ]
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for long context (transformers' ``rope_parameters``).
+
+    kind ``linear``: every frequency divided by ``factor``. kind ``llama3`` (Llama 3.1+):
+    low frequencies divided by ``factor``, high ones kept, the band between interpolated,
+    with the band edges at ``original_max_position_embeddings / {low,high}_freq_factor``.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
 class LlamaShape:
-    """Every size the model needs. The attention part must match the cache config's
-    ``model`` section; vocab and MLP sizes are the model's own business."""
+    """Every size and switch the model needs. The attention part must match the cache
+    config's ``model`` section; vocab and MLP sizes are the model's own business.
+
+    qkv_bias / o_bias / mlp_bias: biases on those projections (Qwen2: q/k/v only).
+    tie_word_embeddings: lm_head is the embedding matrix (one tensor).
+    sliding_window, window_layers: as in :class:`attention.AttentionSpec` (Mistral: every
+    layer windowed; Qwen2: per layer). Only the attention backend reads them.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -52,6 +77,13 @@ class LlamaShape:
     head_dim: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
 
     def check_cache(self, model: ModelSection) -> None:
         """Raise ValueError naming the field when the cache was sized for another model."""
@@ -62,6 +94,31 @@ class LlamaShape:
                     f"model.{name}: the cache config says {theirs} but the model has {ours}; "
                     f"use a cache config whose model section matches the weights"
                 )
+
+    def model_section(self) -> ModelSection:
+        """The cache config's ``model`` section for this model."""
+        return ModelSection(
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+    def attention_spec(self, dtype: str, kv_cache_dtype: str | None = None) -> AttentionSpec:
+        """The attention shape a backend serves for this model, window included.
+
+        ``KVCacheConfig.attention_spec()`` cannot carry the window (the config's ``model``
+        section has no field for it), so build the backend from this spec instead.
+        """
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != dtype else None,
+            sliding_window=self.sliding_window,
+            window_layers=self.window_layers,
+        )
 
 
 def shape_for_cache(
@@ -87,37 +144,6 @@ def shape_for_cache(
     )
 
 
-def shape_from_transformers(config: Any) -> LlamaShape:
-    """The shape of a transformers ``LlamaConfig`` (read by attribute; transformers is not
-    imported). Raises ValueError for features this small model leaves out."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    refused = {
-        "rope_parameters.rope_type": (rope_type, "default"),
-        "hidden_act": (getattr(config, "hidden_act", "silu"), "silu"),
-        "attention_bias": (getattr(config, "attention_bias", False), False),
-        "mlp_bias": (getattr(config, "mlp_bias", False), False),
-    }
-    for name, (got, want) in refused.items():
-        if got != want:
-            raise ValueError(
-                f"{name}: {got!r} is not supported by examples.llama; it needs {want!r}"
-            )
-    heads = config.num_attention_heads
-    return LlamaShape(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=config.num_key_value_heads or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        # transformers 5 keeps theta in rope_parameters; 4.x had a rope_theta attribute.
-        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-        norm_eps=config.rms_norm_eps,
-    )
-
-
 # ---- the model ---------------------------------------------------------------------------
 
 
@@ -136,16 +162,36 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device
+) -> torch.Tensor:
+    """float32 [head_dim / 2]: frequency ``i`` is ``theta ** (-2i / head_dim)``, then scaled.
+
+    Computed with device ops only (no host copy), so it can run inside a CUDA graph capture.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths past the low-frequency edge are stretched by `factor`, those
+    # under the high-frequency edge kept, the band between interpolated smoothly.
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < old_len / scaling.high_freq_factor) * ~(wavelen > old_len / scaling.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for ``positions`` (int [T]): each float32 [T, 1, head_dim].
 
-    Frequency ``i`` is ``theta ** (-2i / head_dim)``; the table repeats the half-width angles
-    twice, which pairs channel ``j`` with ``j + head_dim/2`` (the rotate-half convention).
+    The table repeats the half-width angles twice, which pairs channel ``j`` with
+    ``j + head_dim/2`` (the rotate-half convention).
     """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
     angles = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
     table = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
     return table.cos(), table.sin()
@@ -168,10 +214,11 @@ class Attention(nn.Module):
             shape.num_kv_heads,
             shape.head_dim,
         )
-        self.wq = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=False)
-        self.wk = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.wv = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.wo = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+        hidden, q_dim, kv_dim = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.wq = nn.Linear(hidden, q_dim, bias=shape.qkv_bias)
+        self.wk = nn.Linear(hidden, kv_dim, bias=shape.qkv_bias)
+        self.wv = nn.Linear(hidden, kv_dim, bias=shape.qkv_bias)
+        self.wo = nn.Linear(q_dim, hidden, bias=shape.o_bias)
 
     def forward(
         self,
@@ -198,9 +245,9 @@ class MLP(nn.Module):
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
-        self.w_gate = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.w_up = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.w_gate = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.w_up = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.w_down = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -241,6 +288,14 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings, make lm_head's weight the embedding's (one Parameter). Moving
+        a model between device types (``to_empty`` from meta) makes new Parameters, which
+        unties them: call this after."""
+        if self.shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     def forward(
         self,
@@ -258,14 +313,50 @@ class Llama(nn.Module):
         ``metadata.sampling_rows_host[j]``'s next-token logits are row j (then padding rows).
         """
         meta = plan.metadata
-        cos, sin = rotary_cos_sin(meta.positions, self.shape.head_dim, self.shape.rope_theta)
+        s = self.shape
+        inv_freq = rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, meta.positions.device)
+        cos, sin = rotary_cos_sin(meta.positions, inv_freq)
         h = self.embed(token_ids)  # [T, hidden]
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.layer(index), backend, plan)
         return self.lm_head(self.norm(h[meta.logits_indices]))
 
 
-# ---- weights -----------------------------------------------------------------------------
+# ---- random weights ----------------------------------------------------------------------
+
+
+def empty_llama(shape: LlamaShape, *, dtype: torch.dtype, device: torch.device | str) -> Llama:
+    """A model with uninitialised weights allocated once, directly in ``dtype`` on ``device``
+    (no float32 copy first: an 8B model takes 16 GB in bf16, not 32 + 16)."""
+    with torch.device("meta"):
+        model = Llama(shape)  # no memory, no RNG use
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    return model.eval()
+
+
+def init_random_(model: nn.Module, *, seed: int) -> None:
+    """Fill every parameter in place from a seeded generator on the parameters' device
+    (the global RNG is left alone; an 8B model never passes through host memory).
+
+    Norm weights 1, biases 0, embeddings N(0, 1), every matrix N(0, fan_in ** -0.5): then
+    activations keep unit scale, attention scores are O(1), attention is far from uniform,
+    and a wrong position or a wrong cache slot changes the output (tiny weights would hide
+    such bugs). Works on transformers' models as well (by parameter name and shape).
+    """
+    gen: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if gen is None:
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 1:  # norm weights (ours: *_norm.weight; transformers: *layernorm.weight)
+                param.fill_(1.0)
+            elif "embed" in name:
+                param.normal_(0.0, 1.0, generator=gen)
+            else:
+                param.normal_(0.0, param.shape[1] ** -0.5, generator=gen)
 
 
 def random_llama(
@@ -275,76 +366,10 @@ def random_llama(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Llama:
-    """A model with seeded random weights (the global RNG is left alone).
-
-    Projections are drawn with std ``fan_in ** -0.5`` so activations keep unit scale: then
-    attention scores are O(1), attention is far from uniform, and a wrong position or a
-    wrong cache slot changes the output (tiny weights would hide such bugs).
-    """
-    with torch.device("meta"):
-        model = Llama(shape)  # no memory, no RNG use; filled below
-    model = model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "embed.weight":
-                param.normal_(0.0, 1.0, generator=gen)
-            else:
-                param.normal_(0.0, param.shape[1] ** -0.5, generator=gen)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-# Our parameter names -> transformers' names, inside ``model.layers.{i}.``.
-_RENAMES = (
-    ("attn_norm", "input_layernorm"),
-    ("mlp_norm", "post_attention_layernorm"),
-    ("attn.wq", "self_attn.q_proj"),
-    ("attn.wk", "self_attn.k_proj"),
-    ("attn.wv", "self_attn.v_proj"),
-    ("attn.wo", "self_attn.o_proj"),
-    ("mlp.w_gate", "mlp.gate_proj"),
-    ("mlp.w_up", "mlp.up_proj"),
-    ("mlp.w_down", "mlp.down_proj"),
-)
-
-
-def _transformers_name(name: str) -> str:
-    """Our parameter name -> the key of a transformers ``LlamaForCausalLM`` state dict."""
-    if name == "lm_head.weight":
-        return name
-    if name == "embed.weight":
-        return "model.embed_tokens.weight"
-    for ours, theirs in _RENAMES:
-        name = name.replace(f".{ours}.", f".{theirs}.")
-    return "model." + name  # layers.{i}.* and norm.weight
-
-
-def load_transformers_weights(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy a transformers ``LlamaForCausalLM`` state dict into ``model`` (cast to its dtype).
-
-    A missing ``lm_head.weight`` (tied embeddings) takes the embedding matrix. Raises
-    ValueError listing missing keys, unused keys and shape mismatches; copies nothing then.
-    """
-    params = dict(model.named_parameters())
-    wanted = {_transformers_name(name): name for name in params}
-    source = dict(state_dict)
-    if "lm_head.weight" not in source and "model.embed_tokens.weight" in source:
-        source["lm_head.weight"] = source["model.embed_tokens.weight"]
-    problems = [f"missing {key}" for key in wanted if key not in source]
-    problems += [
-        f"unused {key}"
-        for key in source
-        if key not in wanted and not key.endswith("rotary_emb.inv_freq")
-    ]
-    problems += [
-        f"{key}: expected shape {list(params[ours].shape)}, got {list(source[key].shape)}"
-        for key, ours in wanted.items()
-        if key in source and source[key].shape != params[ours].shape
-    ]
-    if problems:
-        raise ValueError("state_dict does not fit the model: " + "; ".join(problems))
-    with torch.no_grad():
-        for key, ours in wanted.items():
-            params[ours].copy_(source[key])
+    """A model with seeded random weights (see :func:`init_random_`), drawn on the CPU in
+    float32 and then moved, so the same seed gives the same weights on every device."""
+    model = empty_llama(shape, dtype=torch.float32, device="cpu")
+    init_random_(model, seed=seed)
+    model = model.to(device=device, dtype=dtype)
+    model.tie_weights()
+    return model.eval()

@@ -18,8 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attention import get_backend  # noqa: E402
+from examples.checkpoints import load_state_dict, shape_from_config  # noqa: E402
 from examples.decode_loop import VOCAB_SIZE, RunReport, main, make_workload, run_requests  # noqa: E402
-from examples.llama import Llama, load_transformers_weights, shape_from_transformers  # noqa: E402
+from examples.llama import Llama  # noqa: E402
 from examples.scheduler import Request, make_preemption  # noqa: E402
 from kvcache import BlockManager, KVCacheConfig, allocate_kv_cache, parse_config  # noqa: E402
 
@@ -76,8 +77,8 @@ def hf_model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def our_model(hf_model: torch.nn.Module) -> Llama:
-    model = Llama(shape_from_transformers(hf_model.config)).to(torch.float32).eval()
-    load_transformers_weights(model, hf_model.state_dict())
+    model = Llama(shape_from_config(hf_model.config)).to(torch.float32).eval()
+    load_state_dict(model, hf_model.state_dict())
     return model
 
 

@@ -1,0 +1,380 @@
+"""Real weights for :mod:`examples.llama`: Hugging Face Llama, Qwen2 and Mistral checkpoints.
+
+    model = load_checkpoint("path/to/Qwen2.5-0.5B", device="cuda", dtype=torch.bfloat16)
+    model = from_transformers(hf_model)            # shares the tensors of a loaded transformers model
+    spec = shape_from_config(config).attention_spec("bfloat16")   # the sliding window included
+
+A checkpoint directory holds ``config.json`` and safetensors weights: one
+``model.safetensors``, or shards listed in ``model.safetensors.index.json``. Shards are read
+lazily (``safetensors.safe_open`` maps the file; one tensor at a time is read, cast and copied
+into a parameter already allocated on the target device in the target dtype), so an 8B
+checkpoint needs its 16 GB once, on the device, and one tensor's worth of host memory.
+
+Every name and shape is checked against the model before anything is allocated; a mismatch
+raises ValueError listing each missing key, unused key and wrong shape.
+
+Imports are lazy: safetensors only for :func:`load_checkpoint` (``pip install
+'paged-kvcache[hf]'``), transformers never (:func:`from_transformers` reads the model it is
+given).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention import AttentionSpec
+from attention.dtypes import torch_dtype
+from examples.llama import Llama, LlamaShape, RopeScaling, empty_llama
+from kvcache.config import ModelSection
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "attention_spec_for",
+    "checkpoint_files",
+    "from_transformers",
+    "load_checkpoint",
+    "load_state_dict",
+    "model_section_for",
+    "read_config",
+    "shape_from_config",
+    "transformers_names",
+]
+
+#: ``config.json``'s ``model_type`` values this loader reads.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+#: transformers' defaults for keys a config.json may leave out (its config classes' defaults).
+_MISTRAL_DEFAULT_WINDOW = 4096
+_QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
+
+_MISSING = object()
+
+
+# ---- config.json / transformers config -> LlamaShape -------------------------------------
+
+
+def _reader(config: Mapping[str, Any] | Any) -> Any:
+    """``get(key, default)`` over a config.json dict or a transformers config object."""
+    if isinstance(config, Mapping):
+        return lambda key, default=None: config.get(key, default)
+    return lambda key, default=None: getattr(config, key, default)
+
+
+def _refuse(field: str, got: object, why: str) -> ValueError:
+    return ValueError(f"{field}: {got!r} is not supported by examples.llama; {why}")
+
+
+def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
+    """The :class:`LlamaShape` of a checkpoint config: a ``config.json`` dict or a
+    transformers ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` (read by key or
+    attribute; transformers is not imported).
+
+    Per model type, as transformers builds the model:
+      llama:   ``attention_bias`` puts biases on q/k/v/o, ``mlp_bias`` on the MLP; no window.
+      qwen2:   q/k/v always have biases, o_proj none; the window applies only with
+               ``use_sliding_window``, to the layers ``layer_types`` marks
+               ``sliding_attention`` (else to layers ``>= max_window_layers``).
+      mistral: no biases; ``sliding_window`` (transformers' default 4096 when the key is
+               absent, none when null) applies to every layer.
+    Rotary: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x
+    files), of type default, linear or llama3. Raises ValueError naming the field for
+    anything else the model does not implement.
+    """
+    get = _reader(config)
+    model_type = get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", get("hidden_act"), "it needs 'silu'")
+    heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    layers = int(get("num_hidden_layers"))
+    if model_type == "llama":
+        qkv_bias = o_bias = bool(get("attention_bias", False))
+        mlp_bias = bool(get("mlp_bias", False))
+    else:
+        qkv_bias, o_bias, mlp_bias = model_type == "qwen2", False, False
+    window, window_layers = _window(model_type, get, layers)
+    return LlamaShape(
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or hidden // heads),
+        norm_eps=float(get("rms_norm_eps", 1e-6)),
+        **_rope(get),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        sliding_window=window,
+        window_layers=window_layers,
+    )
+
+
+def _rope(get: Any) -> dict[str, Any]:
+    params = get("rope_parameters") or get("rope_scaling") or {}
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise _refuse("rope_parameters", "per layer type", "it needs one set for every layer")
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta") or get("rope_theta") or 10000.0)
+    partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise _refuse("partial_rotary_factor", partial, "it rotates every channel (1.0)")
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    if kind == "linear":
+        return {"rope_theta": theta, "rope_scaling": RopeScaling("linear", float(params["factor"]))}
+    if kind == "llama3":
+        scaling = RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params.get("original_max_position_embeddings") or get("max_position_embeddings")),
+        )
+        return {"rope_theta": theta, "rope_scaling": scaling}
+    raise _refuse("rope_parameters.rope_type", kind, "it needs default, linear or llama3")
+
+
+def _window(model_type: str, get: Any, layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, window_layers) in :class:`attention.AttentionSpec`'s terms."""
+    if model_type == "llama":
+        return None, None
+    if model_type == "mistral":
+        window = get("sliding_window", _MISSING)
+        return (_MISTRAL_DEFAULT_WINDOW if window is _MISSING else window), None
+    if not get("use_sliding_window", False) or get("sliding_window") is None:
+        return None, None
+    window = int(get("sliding_window"))
+    types = get("layer_types")
+    if types is None:
+        first = int(get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS))
+        pattern = tuple(i >= first for i in range(layers))
+    else:
+        if len(types) != layers:
+            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers {layers}; give one per layer")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise _refuse("layer_types", unknown[0], "it knows full_attention and sliding_attention")
+        pattern = tuple(t == "sliding_attention" for t in types)
+    if not any(pattern):
+        return None, None
+    return window, None if all(pattern) else pattern
+
+
+def model_section_for(config: Mapping[str, Any] | Any) -> ModelSection:
+    """The cache config's ``model`` section for a checkpoint config."""
+    return shape_from_config(config).model_section()
+
+
+def attention_spec_for(
+    config: Mapping[str, Any] | Any, dtype: str = "bfloat16", kv_cache_dtype: str | None = None
+) -> AttentionSpec:
+    """The attention shape (heads, head_dim, window, per-layer window pattern) a backend
+    serves for a checkpoint config, computing in ``dtype``."""
+    return shape_from_config(config).attention_spec(dtype, kv_cache_dtype)
+
+
+# ---- parameter names ---------------------------------------------------------------------
+
+# Our parameter names -> transformers' names, inside ``model.layers.{i}.``.
+_RENAMES = (
+    ("attn_norm", "input_layernorm"),
+    ("mlp_norm", "post_attention_layernorm"),
+    ("attn.wq", "self_attn.q_proj"),
+    ("attn.wk", "self_attn.k_proj"),
+    ("attn.wv", "self_attn.v_proj"),
+    ("attn.wo", "self_attn.o_proj"),
+    ("mlp.w_gate", "mlp.gate_proj"),
+    ("mlp.w_up", "mlp.up_proj"),
+    ("mlp.w_down", "mlp.down_proj"),
+)
+
+
+def _transformers_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    for ours, theirs in _RENAMES:
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return "model." + name  # layers.{i}.* and norm.weight
+
+
+def transformers_names(model: Llama) -> dict[str, str]:
+    """transformers' state-dict key -> our parameter name, for every parameter of ``model``
+    (a tied lm_head is the embedding, listed once)."""
+    return {_transformers_name(name): name for name, _ in model.named_parameters()}
+
+
+def _ignored(key: str, shape: LlamaShape) -> bool:
+    """Keys a checkpoint may carry that the model has no parameter for."""
+    return key.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and key == "lm_head.weight")
+
+
+def _problems(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    params = dict(model.named_parameters())
+    wanted = transformers_names(model)
+    found = [f"missing {key}" for key in wanted if key not in shapes]
+    found += [f"unused {key}" for key in shapes if key not in wanted and not _ignored(key, model.shape)]
+    found += [
+        f"{key}: expected shape {list(params[ours].shape)}, got {list(shapes[key])}"
+        for key, ours in wanted.items()
+        if key in shapes and tuple(shapes[key]) != tuple(params[ours].shape)
+    ]
+    return found
+
+
+def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
+    """Put a transformers ``*ForCausalLM`` state dict into ``model``.
+
+    share=False: copy into the existing parameters (cast to their dtype and device).
+    share=True:  make the state dict's tensors the parameters (no copy: both models then use
+                 the same memory; dtype and device are the tensors').
+    Raises ValueError listing missing keys, unused keys and shape mismatches; changes
+    nothing then.
+    """
+    problems = _problems(model, {k: tuple(v.shape) for k, v in state_dict.items()})
+    if problems:
+        raise ValueError("state_dict does not fit the model: " + "; ".join(problems))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, ours in transformers_names(model).items():
+            if share:
+                module_name, _, attr = ours.rpartition(".")
+                shared = nn.Parameter(state_dict[key].detach(), requires_grad=False)
+                setattr(model.get_submodule(module_name), attr, shared)
+            else:
+                params[ours].copy_(state_dict[key])
+    if share:
+        model.tie_weights()
+
+
+def from_transformers(
+    model: nn.Module,
+    *,
+    share: bool = True,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Llama:
+    """Our model with the weights of a transformers ``LlamaForCausalLM`` /
+    ``Qwen2ForCausalLM`` / ``MistralForCausalLM``.
+
+    share=True (default): the same tensors, no copy (``dtype``/``device`` must be None).
+    share=False: a copy in ``dtype`` on ``device`` (default: the source's).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    shape = shape_from_config(config)
+    state = model.state_dict()
+    if share:
+        if dtype is not None or device is not None:
+            raise ValueError("dtype/device: a shared model keeps the source's tensors; pass share=False to convert")
+        with torch.device("meta"):
+            ours = Llama(shape)
+        load_state_dict(ours, state, share=True)
+        return ours.eval()
+    first = next(iter(state.values()))
+    ours = empty_llama(shape, dtype=dtype or first.dtype, device=device or first.device)
+    load_state_dict(ours, state)
+    return ours
+
+
+# ---- checkpoint directories --------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory. Raises FileNotFoundError naming the file."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json; a checkpoint directory holds config.json and *.safetensors")
+    with open(file) as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards ``model.safetensors.index.json``
+    lists (in order), else ``model.safetensors``, else every ``*.safetensors``."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [root / name for name in dict.fromkeys(weight_map.values())]
+    single = root / "model.safetensors"
+    files = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{root}: no *.safetensors weights (only safetensors checkpoints are read; convert "
+            f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _safe_open() -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError as err:
+        raise ImportError(
+            "loading a checkpoint needs the safetensors package; run: pip install 'paged-kvcache[hf]'"
+        ) from err
+    return safe_open
+
+
+def _tensors(files: list[Path], keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, CPU tensor) for ``keys``, one shard open at a time, one tensor read at a time."""
+    safe_open = _safe_open()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if key in keys:
+                    yield key, f.get_tensor(key)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> Llama:
+    """Our model with the weights of a checkpoint directory, on ``device`` in ``dtype``
+    (default: the checkpoint's ``dtype`` / ``torch_dtype``, else float32).
+
+    Checks every name and shape from the shard headers first (ValueError listing the
+    problems, before any allocation), then allocates the model once on the device and
+    fills it shard by shard. Raises ImportError naming the pip extra without safetensors.
+    """
+    config = read_config(path)
+    shape = shape_from_config(config)
+    files = checkpoint_files(path)
+    safe_open = _safe_open()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    if dtype is None:
+        name = config.get("dtype") or config.get("torch_dtype") or "float32"
+        dtype = torch_dtype(name)
+    with torch.device("meta"):
+        probe = Llama(shape)  # names and shapes only
+    problems = _problems(probe, shapes)
+    if problems:
+        raise ValueError(f"{path}: the checkpoint does not fit the model: " + "; ".join(problems))
+    model = empty_llama(shape, dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    wanted = transformers_names(model)
+    with torch.no_grad():
+        for key, tensor in _tensors(files, set(wanted)):
+            params[wanted[key]].copy_(tensor)
+    return model
