@@ -1,0 +1,313 @@
+"""Read a config file and its YAML without letting a hostile file turn against the host.
+
+A config is a few hundred bytes, two levels deep, with no need for YAML's aliases, so
+everything beyond that is refused before it can cost time or memory:
+
+- only regular files, checked with ``stat`` before opening (a FIFO would block, ``/dev/zero``
+  never ends), opened non-blocking and checked again on the open descriptor, and read up to
+  :data:`MAX_FILE_BYTES` + 1 bytes;
+- no aliases (``*name``): a few hundred bytes of nested aliases expand to billions of nodes
+  in whatever walks the data;
+- nesting at most :data:`MAX_DEPTH` levels (a deeper document would exhaust Python's stack in
+  the recursive composer);
+- numbers of at most :data:`MAX_NUMBER_CHARS` characters (no 60,000-digit integers);
+- mapping keys that are names (scalars), each given once per mapping.
+
+The checks run on the parser's event stream, which is built without recursion, before any
+node tree or Python value exists. Failures raise :class:`InputRefused` with a message and the
+line; duplicate keys are returned as problems, so they are reported with the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from yaml.constructor import ConstructorError
+
+from attention.errors import ConfigProblem, quote
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_FILE_BYTES",
+    "MAX_NUMBER_CHARS",
+    "InputRefused",
+    "YamlDocument",
+    "parse_yaml",
+    "path_part",
+    "printable",
+    "read_config_text",
+]
+
+#: Largest config file accepted (the shipped ones are under 1 KiB).
+MAX_FILE_BYTES = 64 * 1024
+#: Deepest nesting of mappings and lists accepted (a config is 3 levels deep at most).
+MAX_DEPTH = 16
+#: Longest number accepted, in characters.
+MAX_NUMBER_CHARS = 40
+#: Longest excerpt of a YAML library message quoted in ours.
+_MAX_DETAIL = 160
+
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x faster
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+
+
+class InputRefused(Exception):
+    """The file or its YAML is refused before validation. ``line`` is 1-based (None: unknown)."""
+
+    def __init__(self, message: str, line: int | None = None):
+        self.message = message
+        self.line = line
+        super().__init__(message)
+
+
+@dataclass
+class YamlDocument:
+    """A parsed document: the Python value, the line of every key path, and the problems that
+    do not stop validation (duplicate keys)."""
+
+    data: object
+    lines: dict[str, int] = field(default_factory=dict)
+    problems: list[ConfigProblem] = field(default_factory=list)
+
+
+def path_part(key: object) -> str:
+    """One part of a dotted field path: a plain name or index as it is, anything else quoted
+    and cut short (a key can be any scalar, of any length)."""
+    if isinstance(key, str) and _NAME.fullmatch(key):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool) and -(10**12) < key < 10**12:
+        return str(key)
+    return quote(key)
+
+
+def printable(text: str) -> str:
+    """``text`` as it can be printed: with odd characters (a newline, an undecodable byte of a
+    file name) it is shown escaped, as ``ascii`` writes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeError:
+        return ascii(text)
+    return text if text.isprintable() else ascii(text)
+
+
+def _short(text: object) -> str:
+    """A library message on one line, cut to a readable length."""
+    one_line = " ".join(str(text).split())
+    return one_line if len(one_line) <= _MAX_DETAIL else one_line[: _MAX_DETAIL - 3] + "..."
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of the config file at ``path``. Raises InputRefused naming why it cannot be used."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputRefused("no such file; check the path") from None
+    except ValueError as err:  # e.g. an embedded NUL byte
+        raise InputRefused(f"is not a usable path ({_short(err)}); check the path") from None
+    except OSError as err:
+        raise InputRefused(_unreadable(err)) from None
+    _require_regular(info)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        raise InputRefused(_unreadable(err)) from None
+    try:
+        _require_regular(os.fstat(fd))  # the path may have been swapped since stat
+        raw = _read_at_most(fd, MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise InputRefused(f"cannot be read: {_short(err.strerror or err)}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise InputRefused(_too_big(len(raw), "grew past"))
+    return _decode(raw)
+
+
+def _unreadable(err: OSError) -> str:
+    return f"cannot be read: {_short(err.strerror or err)}; check the path and its permissions"
+
+
+def _require_regular(info: os.stat_result) -> None:
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
+        raise InputRefused("is a directory; give a .yaml file")
+    if not stat.S_ISREG(mode):
+        kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+        kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+        raise InputRefused(f"is {kind}, not a regular file; give a .yaml file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise InputRefused(_too_big(info.st_size, "is"))
+
+
+def _too_big(size: int, verb: str) -> str:
+    return (f"{verb} {size:,} bytes; a config is at most {MAX_FILE_BYTES // 1024} KiB "
+            f"(the shipped ones are under 1 KiB); check the path")
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise InputRefused(
+            f"is not UTF-8 text (byte 0x{raw[err.start]:02x} at line {line}); save it as UTF-8", line
+        ) from None
+
+
+# --- YAML --------------------------------------------------------------------------------------
+
+
+class _Loader(_BaseLoader):
+    """The safe loader (libyaml's when present) whose value construction raises only YAMLError."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except Exception as err:  # a timestamp out of range, ...: a value, not a bug
+            raise ConstructorError(None, None, f"this value cannot be read: {_short(err)}", node.start_mark) from None
+
+
+def _bounded_number(loader: Any, node: yaml.ScalarNode, kind: str) -> Any:
+    if len(node.value) > MAX_NUMBER_CHARS:
+        raise ConstructorError(
+            None, None,
+            f"a number of {len(node.value):,} characters is refused; numbers in a config have at most "
+            f"{MAX_NUMBER_CHARS}",
+            node.start_mark,
+        )
+    return getattr(yaml.SafeLoader, f"construct_yaml_{kind}")(loader, node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _bounded_number(loader, node, "int"))
+_Loader.add_constructor("tag:yaml.org,2002:float", lambda loader, node: _bounded_number(loader, node, "float"))
+
+
+def parse_yaml(text: str) -> YamlDocument:
+    """Parse one YAML document. Raises InputRefused for what cannot be parsed safely."""
+    if len(text) > MAX_FILE_BYTES:
+        raise InputRefused(_too_big(len(text.encode("utf-8", "surrogatepass")), "is"))
+    try:
+        _check_events(text)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return YamlDocument(None)
+            document = YamlDocument(None)
+            _walk(loader, node, "", document)
+            document.data = loader.construct_document(node)
+            return document
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as err:
+        raise _syntax_refusal(err, text) from None
+    except UnicodeError as err:  # a lone surrogate libyaml cannot encode
+        raise InputRefused(f"is not valid text ({_short(err)}); save it as UTF-8") from None
+
+
+def _check_events(text: str) -> None:
+    """Refuse aliases and deep nesting, reading the event stream (no recursion, no values)."""
+    loader = _Loader(text)
+    depth = 0
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            if isinstance(event, yaml.AliasEvent):
+                raise InputRefused(
+                    f"the YAML alias *{path_part(event.anchor)} is refused: a config needs no aliases "
+                    f"(&anchor / *alias); write the value out",
+                    _line_of(event.start_mark),
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise InputRefused(
+                        f"nests deeper than {MAX_DEPTH} levels; a config is sections of keys and values "
+                        f"(3 levels at most)",
+                        _line_of(event.start_mark),
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def _line_of(mark: Any) -> int | None:
+    """The 1-based line of a YAML mark (None when the parser gave none)."""
+    return None if mark is None else int(mark.line) + 1
+
+
+def _walk(loader: Any, node: yaml.Node, prefix: str, document: YamlDocument) -> None:
+    """Record the line of every key path and refuse keys that are not names; duplicate keys
+    become problems. Recursion is bounded by MAX_DEPTH (checked on the events first)."""
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            path = f"{prefix}.{index}" if prefix else str(index)
+            document.lines[path] = item.start_mark.line + 1
+            _walk(loader, item, path, document)
+    elif isinstance(node, yaml.MappingNode):
+        seen: dict[object, int] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            key = _key(loader, key_node)
+            path = f"{prefix}.{path_part(key)}" if prefix else path_part(key)
+            if key in seen:
+                where = f"lines {seen[key]} and {line}" if seen[key] != line else f"both on line {line}"
+                document.problems.append(ConfigProblem(path, f"is given twice ({where}); keep one of them"))
+            seen[key] = line
+            document.lines[path] = line  # the last one wins, in the data as here
+            _walk(loader, value_node, path, document)
+
+
+def _key(loader: Any, node: yaml.Node) -> object:
+    line = node.start_mark.line + 1
+    if node.tag == _MERGE_TAG:
+        raise InputRefused("the merge key << is refused: a config needs no merges; write the keys out", line)
+    if not isinstance(node, yaml.ScalarNode):
+        raise InputRefused("a key must be a name, not a list or a mapping; write `name: value`", line)
+    key = loader.construct_object(node)
+    try:
+        hash(key)
+    except TypeError:
+        raise InputRefused("a key must be a name; write `name: value`", line) from None
+    return key
+
+
+def _syntax_refusal(err: yaml.YAMLError, text: str) -> InputRefused:
+    if isinstance(err, yaml.reader.ReaderError):
+        char = f" (#x{err.character:04x})" if isinstance(err.character, int) else ""
+        line = text[: max(0, err.position)].count("\n") + 1 if isinstance(err.position, int) else None
+        return InputRefused(f"holds a character YAML does not allow{char}: {_short(err.reason)}; remove it", line)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    detail = _short(", ".join(str(p) for p in parts if p) or err)
+    what, fix = ("has a value that is refused", "fix the value there") if isinstance(err, ConstructorError) else (
+        "is not valid YAML", "fix the syntax there")
+    if mark is None:
+        return InputRefused(f"{what}: {detail}; {fix}")
+    return InputRefused(f"{what} (column {mark.column + 1}): {detail}; {fix}", mark.line + 1)
