@@ -95,12 +95,16 @@ def _list_configs(args: argparse.Namespace) -> int:
 
 
 def _summary(path: os.PathLike[str]) -> str:
-    """The first comment line of a bundled config (it says what the config is for)."""
+    """The first sentence of a bundled config's leading comment (it says what the config is for)."""
+    words: list[str] = []
     with open(path, encoding="utf-8") as file:
         for line in file:
-            if line.startswith("#"):
-                return line.lstrip("#").strip()
-    return ""
+            if not line.startswith("#"):
+                break
+            words += line.lstrip("#").split()
+    text = " ".join(words)
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
 
 
 def _memory(text: str) -> int:

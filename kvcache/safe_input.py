@@ -52,7 +52,6 @@ MAX_NUMBER_CHARS = 40
 #: Longest excerpt of a YAML library message quoted in ours.
 _MAX_DETAIL = 160
 
-_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x faster
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 
@@ -180,12 +179,12 @@ def _decode(raw: bytes) -> str:
 # --- YAML --------------------------------------------------------------------------------------
 
 
-class _Loader(_BaseLoader):
-    """The safe loader (libyaml's when present) whose value construction raises only YAMLError."""
+class _SafeConstruction:
+    """Value construction that raises only YAMLError (a mixin for the safe loaders)."""
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
-            return super().construct_object(node, deep)
+            return super().construct_object(node, deep)  # type: ignore[misc]
         except yaml.YAMLError:
             raise
         except Exception as err:  # a timestamp out of range, ...: a value, not a bug
@@ -203,8 +202,24 @@ def _bounded_number(loader: Any, node: yaml.ScalarNode, kind: str) -> Any:
     return getattr(yaml.SafeLoader, f"construct_yaml_{kind}")(loader, node)
 
 
-_Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _bounded_number(loader, node, "int"))
-_Loader.add_constructor("tag:yaml.org,2002:float", lambda loader, node: _bounded_number(loader, node, "float"))
+class _PyLoader(_SafeConstruction, yaml.SafeLoader):
+    """The pure-Python safe loader, with bounded numbers."""
+
+
+_LOADERS: list[Any] = [_PyLoader]
+if hasattr(yaml, "CSafeLoader"):
+
+    class _CLoader(_SafeConstruction, yaml.CSafeLoader):
+        """libyaml's safe loader (about 10x faster), with bounded numbers."""
+
+    _LOADERS.insert(0, _CLoader)
+
+for _cls in _LOADERS:
+    _cls.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _bounded_number(loader, node, "int"))
+    _cls.add_constructor("tag:yaml.org,2002:float", lambda loader, node: _bounded_number(loader, node, "float"))
+
+#: The loader in use: libyaml's when present. Both are tested.
+_Loader: Any = _LOADERS[0]
 
 
 def parse_yaml(text: str) -> YamlDocument:
