@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -97,7 +96,7 @@ def _attribute_docs() -> dict[str, dict[str, str]]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             docs[node.name] = {
-                field.target.id: inspect.cleandoc(doc.value.value)
+                field.target.id: " ".join(doc.value.value.split())
                 for field, doc in zip(node.body, node.body[1:], strict=False)
                 if isinstance(field, ast.AnnAssign)
                 and isinstance(field.target, ast.Name)
@@ -337,6 +336,4 @@ class KVCacheConfig(BaseModel):
 def config_json_schema() -> dict[str, Any]:
     """The JSON schema of a config file (draft 2020-12), for editors: every bound, pattern and
     enumeration the validator checks field by field, and each field's docstring."""
-    schema = KVCacheConfig.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    return schema
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **KVCacheConfig.model_json_schema()}

@@ -67,7 +67,7 @@ def bundled_configs() -> dict[str, Path]:
     folder = bundled_config_dir()
     if folder is None:
         return {}
-    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"), key=lambda p: p.stem)}
 
 
 def _is_bare_name(path: object) -> bool:

@@ -20,11 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import ConfigError, load_config, parse_config
+from kvcache import ConfigError, load_config, parse_config, safe_input
 from kvcache.cli import main
 from kvcache.config import KVCacheConfig
 from kvcache.config_rules import MAX_BLOCKS
-from kvcache import safe_input
 from kvcache.safe_input import MAX_DEPTH, MAX_FILE_BYTES
 from kvcache.sizes import MAX_BYTES
 
@@ -412,9 +411,9 @@ def test_fuzz_files_through_the_cli(tmp_path: Path, contents: list[bytes]) -> No
     good.write_text(GOOD)
     code = main(["validate", *paths, str(good)])
     assert code in (0, 1)
-    for path in paths:
+    for name in paths:
         try:
-            load_config(path)
+            load_config(name)
         except ConfigError as err:
             _check_message(err)
 
