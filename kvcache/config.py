@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from attention.capabilities import BACKEND_NAMES, MultipleOf
 from attention.dtypes import DTYPES
 from attention.errors import ConfigProblem, InvalidArgumentError, quote
+from attention.spec import AttentionSpec
 from kvcache.config_rules import (
     BLOCK_SIZE_RULE,
     COMPUTE_DTYPES,
@@ -331,6 +332,20 @@ class KVCacheConfig(BaseModel):
     def bytes_per_token(self) -> int:
         """K/V bytes one token takes across all layers."""
         return self.bytes_per_block // self.cache.block_size
+
+    def attention_spec(self) -> AttentionSpec:
+        """The attention shape the backend serves, from the ``model`` and ``cache`` sections."""
+        m = self.model
+        compute = self.compute_dtype
+        return AttentionSpec(
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=compute,
+            kv_cache_dtype=self.cache.dtype if self.cache.dtype != compute else None,
+            sliding_window=m.sliding_window,
+            window_layers=m.window_pattern,
+        )
 
 
 def config_json_schema() -> dict[str, Any]:

@@ -277,6 +277,16 @@ def test_sliding_window_fields() -> None:
         "head_dim: 16", "head_dim: 16\n  window_pattern: [true, false]"))
     assert config.model.sliding_window == 4096 and config.model.window_pattern == (True, False)
     assert hash(config)  # frozen all the way down: the pattern is a tuple
+    spec = config.attention_spec()
+    assert (spec.sliding_window, spec.window_layers, spec.window_of(1)) == (4096, (True, False), None)
+
+
+def test_attention_spec_carries_compute_and_cache_dtypes() -> None:
+    spec = parse_config(_with("model", "dtype", "bfloat16")).attention_spec()
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 16)
+    assert (spec.dtype, spec.kv_cache_dtype, spec.cache_dtype) == ("bfloat16", "float32", "float32")
+    spec = parse_config(GOOD).attention_spec()
+    assert (spec.dtype, spec.kv_cache_dtype) == ("float32", None)
 
 
 @pytest.mark.parametrize(
