@@ -82,7 +82,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _list_configs(args: argparse.Namespace) -> int:
-    from kvcache.loading import bundled_configs
+    from kvcache.bundled import bundled_configs
 
     configs = bundled_configs()
     if not configs:

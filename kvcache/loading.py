@@ -8,7 +8,7 @@ here again on the raw values). Whatever a file holds, :func:`load_config` and
 :func:`parse_config` raise :class:`ConfigError` and nothing else.
 
 A bare name such as ``"tiny-cpu"`` (no path separator, no ``.yaml``) names a config shipped
-with the package (:func:`bundled_configs`); anything else is a path.
+with the package (:mod:`kvcache.bundled`); anything else is a path.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import difflib
 import os
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from attention.dtypes import DTYPES
 from attention.errors import ArgumentTypeError, ConfigError, ConfigProblem, quote
+from kvcache.bundled import bundled_config_dir, bundled_configs, is_bare_name
 from kvcache.config import ConfigProblems, KVCacheConfig
 from kvcache.config_rules import cross_field_problems
 from kvcache.safe_input import InputRefused, parse_yaml, path_part, printable, read_config_text
@@ -42,44 +42,12 @@ _TYPE_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or fa
                "tuple": "a list such as [true, false]", "list": "a list"}
 
 
-# --- bundled configs ---------------------------------------------------------------------------
-
-
-def bundled_config_dir() -> Path | None:
-    """The folder of the configs shipped with the package, or None when there is none.
-
-    In an installed wheel they are ``kvcache/configs/`` (pyproject maps the repository's
-    ``configs/`` there); in a source checkout or an editable install they are the
-    repository's ``configs/`` itself, next to ``pyproject.toml``.
-    """
-    here = Path(__file__).resolve().parent
-    installed = here / "configs"
-    if installed.is_dir():
-        return installed
-    checkout = here.parent / "configs"
-    if checkout.is_dir() and (here.parent / "pyproject.toml").is_file():
-        return checkout
-    return None
-
-
-def bundled_configs() -> dict[str, Path]:
-    """Name -> file of each config shipped with the package (``tiny-cpu``, ``llama3-8b``, ...)."""
-    folder = bundled_config_dir()
-    if folder is None:
-        return {}
-    return {path.stem: path for path in sorted(folder.glob("*.yaml"), key=lambda p: p.stem)}
-
-
-def _is_bare_name(path: object) -> bool:
-    if not isinstance(path, str) or path in ("", ".", ".."):
-        return False
-    separators = {"/", os.sep, os.altsep or "/"}
-    return not any(sep in path for sep in separators) and not path.lower().endswith((".yaml", ".yml"))
+# --- locating a config -------------------------------------------------------------------------
 
 
 def _locate(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], str]:
     """The file to read for ``path`` and the name to print for it."""
-    if _is_bare_name(path):
+    if is_bare_name(path):
         name = str(path)
         bundled = bundled_configs()
         if name in bundled:
