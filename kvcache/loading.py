@@ -13,7 +13,6 @@ with the package (:mod:`kvcache.bundled`); anything else is a path.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterable
@@ -111,12 +110,14 @@ def _parse(text: str, source: str) -> KVCacheConfig:
                                "`cache:` and `attention:` sections at the top level")],
         )
     problems = list(document.problems)
+    config = None
     try:
         config = KVCacheConfig.model_validate(data)
     except ValidationError as err:
-        problems += _field_problems(err)
-        problems += cross_field_problems(_raw_values(data))
-    if problems:
+        per_field, cross_field = _problems_from(err)
+        # The model validator ran only if every field passed; else run its rules on the raw values.
+        problems += per_field + (cross_field or cross_field_problems(_raw_values(data)))
+    if problems or config is None:
         raise _error(source, problems, document.lines)
     return config
 
@@ -148,16 +149,18 @@ def _error(source: str, problems: list[ConfigProblem], lines: dict[str, int]) ->
 # --- pydantic errors -> problems ---------------------------------------------------------------
 
 
-def _field_problems(err: ValidationError) -> list[ConfigProblem]:
-    """One problem per field error; cross-field rules' errors are left out (they are run on the
-    raw values instead, together with the rest)."""
-    found = []
+def _problems_from(err: ValidationError) -> tuple[list[ConfigProblem], list[ConfigProblem]]:
+    """The per-field problems of ``err``, and the cross-field ones its model validator raised."""
+    per_field: list[ConfigProblem] = []
+    cross_field: list[ConfigProblem] = []
     for e in err.errors(include_url=False):
-        if isinstance(e.get("ctx", {}).get("error"), ConfigProblems):
+        cause = e.get("ctx", {}).get("error")
+        if isinstance(cause, ConfigProblems):
+            cross_field += cause.problems
             continue
         loc = list(e["loc"])
-        found.append(ConfigProblem(".".join(path_part(part) for part in loc), _message(e, loc)))
-    return found
+        per_field.append(ConfigProblem(".".join(path_part(part) for part in loc), _message(e, loc)))
+    return per_field, cross_field
 
 
 def _raw_values(data: dict[Any, Any]) -> dict[str, object]:
@@ -206,6 +209,8 @@ def _message(e: Any, loc: list[Any]) -> str:
 
 
 def _unknown_key(loc: list[Any]) -> str:
+    import difflib  # only on this error path: it is slow to import
+
     fields = _fields_at(loc[:-1])
     key = loc[-1]
     close = difflib.get_close_matches(key, fields, n=1) if isinstance(key, str) and len(key) <= 64 else []
@@ -214,6 +219,8 @@ def _unknown_key(loc: list[Any]) -> str:
 
 
 def _not_one_of(value: object, allowed: str) -> str:
+    import difflib
+
     choices = re.findall(r"'([^']*)'", allowed)
     guess = None
     if isinstance(value, str) and len(value) <= 64:

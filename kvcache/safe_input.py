@@ -128,7 +128,7 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
     finally:
         os.close(fd)
     if len(raw) > MAX_FILE_BYTES:
-        raise InputRefused(_too_big(len(raw), "grew past"))
+        raise InputRefused(f"grew past {MAX_FILE_BYTES // 1024} KiB while it was read; a config is at most that")
     return _decode(raw)
 
 
@@ -143,14 +143,14 @@ def _require_regular(info: os.stat_result) -> None:
     if not stat.S_ISREG(mode):
         kinds = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
-        kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-        raise InputRefused(f"is {kind}, not a regular file; give a .yaml file")
+        kind = next((f"{name}, not" for test, name in kinds if test(mode)), "not")
+        raise InputRefused(f"is {kind} a regular file; give a .yaml file")
     if info.st_size > MAX_FILE_BYTES:
-        raise InputRefused(_too_big(info.st_size, "is"))
+        raise InputRefused(_too_big(info.st_size))
 
 
-def _too_big(size: int, verb: str) -> str:
-    return (f"{verb} {size:,} bytes; a config is at most {MAX_FILE_BYTES // 1024} KiB "
+def _too_big(size: int) -> str:
+    return (f"is {size:,} bytes; a config is at most {MAX_FILE_BYTES // 1024} KiB "
             f"(the shipped ones are under 1 KiB); check the path")
 
 
@@ -225,7 +225,7 @@ _Loader: Any = _LOADERS[0]
 def parse_yaml(text: str) -> YamlDocument:
     """Parse one YAML document. Raises InputRefused for what cannot be parsed safely."""
     if len(text) > MAX_FILE_BYTES:
-        raise InputRefused(_too_big(len(text.encode("utf-8", "surrogatepass")), "is"))
+        raise InputRefused(_too_big(len(text.encode("utf-8", "surrogatepass"))))
     try:
         _check_events(text)
         loader = _Loader(text)
