@@ -224,8 +224,9 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
 
 
 def _said_already(parameter: str, value: object, info: BackendInfo) -> bool:
-    """Whether the field's own rule already refuses ``value`` for the same reason: a backend
-    whose limit is the project-wide one adds nothing to that field's own message."""
+    """Whether the field's own message already gives the backend's fix: the value breaks the
+    project-wide rule, and every value that rule suggests instead suits the backend too
+    (head_dim 30 on triton: "use 24 or 32" says it all; block_size 48 on flash_attn: it does not)."""
     rules: dict[str, tuple[MultipleOf, MultipleOf]] = {
         "block_size": (BLOCK_SIZE_RULE, info.block_sizes),
         "head_dim": (HEAD_DIM_RULE, info.head_dims),
@@ -233,4 +234,4 @@ def _said_already(parameter: str, value: object, info: BackendInfo) -> bool:
     if parameter not in rules or not isinstance(value, int):
         return False
     project, backend = rules[parameter]
-    return not project.allows(value) and project == backend
+    return not project.allows(value) and all(backend.allows(v) for v in project.nearest(value))

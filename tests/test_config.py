@@ -210,9 +210,14 @@ def test_cross_field_problems_do_not_wait_for_field_problems() -> None:
         assert words in message, message
 
 
-def test_a_backend_with_the_project_rule_adds_no_second_message() -> None:
-    lines = _errors(_with("cache", "block_size", "48")).splitlines()  # backend: reference
+def test_a_backend_refusal_that_adds_nothing_is_left_out() -> None:
+    lines = _errors(_with("cache", "block_size", "48")).splitlines()  # backend: reference, the project rule
     assert len(lines) == 1 and "use 32 or 64" in lines[0]
+    triton = _with("attention", "backend", "triton").replace("device: cpu", "device: cuda")
+    lines = _errors(triton.replace("head_dim: 16", "head_dim: 30")).splitlines()  # triton takes 24 and 32
+    assert len(lines) == 1 and "use 24 or 32" in lines[0]
+    lines = _errors(triton.replace("head_dim: 16", "head_dim: 520")).splitlines()  # triton takes no 512
+    assert len(lines) == 2 and "use 512 or less" in lines[0] and "backend triton supports head_dim" in lines[1]
 
 
 def test_unknown_backend_and_bad_values_together() -> None:
