@@ -9,7 +9,7 @@ everything beyond that is refused before it can cost time or memory:
 - no aliases (``*name``): a few hundred bytes of nested aliases expand to billions of nodes
   in whatever walks the data;
 - nesting at most :data:`MAX_DEPTH` levels (a deeper document would exhaust Python's stack in
-  the recursive composer);
+  the recursive composer), and at most :data:`MAX_NODES` values;
 - numbers of at most :data:`MAX_NUMBER_CHARS` characters (no 60,000-digit integers);
 - mapping keys that are names (scalars), each given once per mapping.
 
@@ -34,6 +34,7 @@ from attention.errors import ConfigProblem, quote
 __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
+    "MAX_NODES",
     "MAX_NUMBER_CHARS",
     "InputRefused",
     "YamlDocument",
@@ -47,6 +48,9 @@ __all__ = [
 MAX_FILE_BYTES = 64 * 1024
 #: Deepest nesting of mappings and lists accepted (a config is 3 levels deep at most).
 MAX_DEPTH = 16
+#: Most values (scalars, lists, mappings) in one document: a config has a few dozen, or a few
+#: thousand with a window_pattern for every layer. Bounds the work per file whatever it holds.
+MAX_NODES = 10_000
 #: Longest number accepted, in characters.
 MAX_NUMBER_CHARS = 40
 #: Longest excerpt of a YAML library message quoted in ours.
@@ -246,12 +250,22 @@ def parse_yaml(text: str) -> YamlDocument:
 
 
 def _check_events(text: str) -> None:
-    """Refuse aliases and deep nesting, reading the event stream (no recursion, no values)."""
+    """Refuse aliases, deep nesting and too many values, reading the event stream (no recursion,
+    no values built)."""
     loader = _Loader(text)
     depth = 0
+    nodes = 0
     try:
         while loader.check_event():
             event = loader.get_event()
+            if isinstance(event, yaml.NodeEvent):
+                nodes += 1
+                if nodes > MAX_NODES:
+                    raise InputRefused(
+                        f"holds more than {MAX_NODES:,} values; a config has a few dozen (a few thousand "
+                        f"with a window_pattern for every layer)",
+                        _line_of(event.start_mark),
+                    )
             if isinstance(event, yaml.AliasEvent):
                 raise InputRefused(
                     f"the YAML alias *{path_part(event.anchor)} is refused: a config needs no aliases "

@@ -128,6 +128,21 @@ def test_nesting_up_to_the_cap_is_parsed() -> None:
     assert "extra: unknown key" in message
 
 
+def test_too_many_values_are_refused() -> None:
+    _refused("model: [" + ",".join(["1"] * 20_000) + "]\n", "holds more than 10,000 values")
+    _refused(GOOD + "".join(f"k{i}: {i}\n" for i in range(6000)), "holds more than 10,000 values")
+
+
+def test_the_largest_real_config_is_fast() -> None:
+    pattern = ", ".join(["true", "false"] * 2048)
+    text = GOOD.replace("num_layers: 2", "num_layers: 4096").replace(
+        "head_dim: 16", f"head_dim: 16, sliding_window: 4096, window_pattern: [{pattern}]")
+    start = time.perf_counter()
+    config = parse_config(text)
+    assert time.perf_counter() - start < FAST
+    assert config.model.window_pattern is not None and len(config.model.window_pattern) == 4096
+
+
 def test_huge_size_string_is_a_clean_error() -> None:
     message = _refused(GOOD.replace("num_blocks: 8", "memory_budget: " + "9" * 400 + "GiB"),
                        "cache.memory_budget", "is not a size", "40GiB")
