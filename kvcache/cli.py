@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 def _validate(args: argparse.Namespace) -> int:
     from kvcache.loading import ConfigError, load_config
-    from kvcache.safe_input import printable as _shown
+    from kvcache.safe_input import printable
     from kvcache.sizes import format_bytes
 
     failed = 0
@@ -34,7 +34,7 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
             print(err.format(), file=sys.stderr)
             continue
-        print(f"{_shown(name)}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
+        print(f"{printable(name)}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
               f"{format_bytes(config.bytes_per_block)} per block)")
     total = len(args.files)
     if failed:
@@ -47,7 +47,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from kvcache.loading import ConfigError, load_config
     from kvcache.planning import plan_capacity
-    from kvcache.safe_input import printable as _shown
+    from kvcache.safe_input import printable
 
     try:
         config = load_config(args.file)
@@ -57,10 +57,10 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_capacity(config, args.memory, args.max_seq_len)
     except ValueError as err:
-        print(f"{_shown(args.file)}: {err}", file=sys.stderr)
+        print(f"{printable(args.file)}: {err}", file=sys.stderr)
         return 1
     m = config.model
-    print(f"{_shown(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
+    print(f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
           f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}")
     rows = plan.lines()
     width = max(len(k) for k, _ in rows)
@@ -68,7 +68,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  {key:<{width}}  {value}")
     problems = plan.problems()
     for problem in problems:
-        print(f"{_shown(args.file)}: {problem}", file=sys.stderr)
+        print(f"{printable(args.file)}: {problem}", file=sys.stderr)
     return 1 if problems else 0
 
 
