@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from attention.capabilities import BACKEND_NAMES, MultipleOf
 from attention.dtypes import DTYPES
 from attention.errors import ConfigProblem, InvalidArgumentError, quote
-from attention.spec import AttentionSpec
 from kvcache.config_rules import (
     BLOCK_SIZE_RULE,
     COMPUTE_DTYPES,
@@ -54,6 +53,8 @@ __all__ = [
 # The allowed names come from the one dtype table and the one backend table.
 _BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 if TYPE_CHECKING:
+    from attention.spec import AttentionSpec
+
     DtypeName = str
     ComputeDtypeName = str
     BackendName = str
@@ -335,6 +336,8 @@ class KVCacheConfig(BaseModel):
 
     def attention_spec(self) -> AttentionSpec:
         """The attention shape the backend serves, from the ``model`` and ``cache`` sections."""
+        from attention.spec import AttentionSpec  # only when a backend is built: the CLI never needs it
+
         m = self.model
         compute = self.compute_dtype
         return AttentionSpec(
