@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 def _validate(args: argparse.Namespace) -> int:
     from kvcache.loading import ConfigError, load_config
-    from kvcache.safe_input import printable
+    from kvcache.safe_read import printable
     from kvcache.sizes import format_bytes
 
     failed = 0
@@ -47,7 +47,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from kvcache.loading import ConfigError, load_config
     from kvcache.planning import plan_capacity
-    from kvcache.safe_input import printable
+    from kvcache.safe_read import printable
 
     try:
         config = load_config(args.file)

@@ -25,7 +25,8 @@ from attention.errors import ArgumentTypeError, ConfigError, ConfigProblem, quot
 from kvcache.bundled import bundled_config_dir, bundled_configs, is_bare_name
 from kvcache.config import ConfigProblems, KVCacheConfig
 from kvcache.config_rules import cross_field_problems
-from kvcache.safe_input import InputRefused, parse_yaml, path_part, printable, read_config_text
+from kvcache.safe_read import InputRefused, one_line, printable, read_config_text
+from kvcache.safe_yaml import parse_yaml, path_part
 
 __all__ = ["ConfigError", "bundled_config_dir", "bundled_configs", "load_config", "parse_config"]
 
@@ -90,7 +91,7 @@ def parse_config(text: str, source: str = "<string>") -> KVCacheConfig:
     except Exception as err:  # the last resort: a bug of ours must not become a traceback
         raise ConfigError(
             source,
-            [ConfigProblem("", f"could not be checked ({type(err).__name__}: {_detail(err)}); this is a bug "
+            [ConfigProblem("", f"could not be checked ({type(err).__name__}: {one_line(err)}); this is a bug "
                                f"in kvcache: please report it with the file")],
         ) from err
 
@@ -125,15 +126,6 @@ def _parse(text: str, source: str) -> KVCacheConfig:
 def _line(refused: InputRefused) -> dict[str, int] | None:
     """A file-level problem's line, in the form ConfigError reads (the path "" is the file)."""
     return None if refused.line is None else {"": refused.line}
-
-
-def _detail(err: BaseException) -> str:
-    """An exception's message on one line, cut short."""
-    try:
-        text = " ".join(str(err).split())
-    except Exception:  # a message that cannot be made must not hide the error
-        text = ""
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _error(source: str, problems: list[ConfigProblem], lines: dict[str, int]) -> ConfigError:

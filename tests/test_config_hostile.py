@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import ConfigError, load_config, parse_config, safe_input
+from kvcache import ConfigError, load_config, parse_config, safe_yaml
 from kvcache.cli import main
 from kvcache.config import KVCacheConfig
 from kvcache.config_rules import MAX_BLOCKS
-from kvcache.safe_input import MAX_DEPTH, MAX_FILE_BYTES
+from kvcache.safe_yaml import MAX_DEPTH, MAX_FILE_BYTES
 from kvcache.sizes import MAX_BYTES
 
 GOOD = """\
@@ -251,7 +251,7 @@ def test_odd_values_get_clean_messages(text: str, words: list[str]) -> None:
 def test_the_pure_python_yaml_loader_is_as_safe(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     """Without libyaml (its C extension is optional), the same inputs end the same way (about 10x
     slower: the limit is looser)."""
-    monkeypatch.setattr(safe_input, "_Loader", safe_input._PyLoader)
+    monkeypatch.setattr(safe_yaml, "_Loader", safe_yaml._PyLoader)
     _refused(text, limit=5 * FAST)
     assert parse_config(GOOD).cache.num_blocks == 8
 
