@@ -23,17 +23,19 @@ _UNITS: dict[str, int] = {
     "mb": 1000**2,
     "gb": 1000**3,
     "tb": 1000**4,
+    "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
 }
-_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, in any case"
+_UNIT_NAMES = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB, in any case"
 
 #: A size: 1 to 16 ASCII digits, an optional fraction of up to 9 digits, optional spaces, a
 #: unit in any case. Written with explicit character classes (no inline flags), so it means
 #: the same in Python's ``re`` and in a JSON-schema (ECMA-262) validator.
-SIZE_PATTERN = r"^([0-9]{1,16})(\.([0-9]{1,9}))? *(([kKmMgGtT][iI]?)?[bB])$"
+SIZE_PATTERN = r"^([0-9]{1,16})(\.([0-9]{1,9}))? *(([kKmMgGtTpP][iI]?)?[bB])$"
 _SIZE = re.compile(SIZE_PATTERN, re.ASCII)
 
 

@@ -190,7 +190,8 @@ def test_device_strings_that_pass(device: str) -> None:
         ("num_blocks", "1" + "0" * 30, ["cache.num_blocks", "at most 2147483647"]),
         ("num_blocks", str(MAX_BLOCKS + 1), ["cache.num_blocks", "at most 2147483647"]),
         ("swap_space", "1" + "0" * 30, ["cache.swap_space", "more than 1.00 PiB"]),
-        ("swap_space", "2PiB", ["cache.swap_space", "not a size"]),
+        ("swap_space", "2PiB", ["cache.swap_space", "more than 1.00 PiB"]),
+        ("swap_space", "4EiB", ["cache.swap_space", "not a size"]),
         ("swap_space", "1025TiB", ["cache.swap_space", "more than 1.00 PiB"]),
         ("memory_budget", "1025TiB", ["cache.memory_budget", "more than 1.00 PiB"]),
         ("memory_budget", "1e400", ["cache.memory_budget", "not a size"]),
@@ -208,8 +209,9 @@ def test_sizes_and_counts_have_machine_bounds(field: str, value: str, words: lis
 
 
 def test_largest_sizes_that_pass() -> None:
-    text = GOOD.replace("device: cpu", "device: cpu, swap_space: 1024TiB")
-    assert parse_config(text).cache.swap_space == MAX_BYTES
+    for size in ("1024TiB", "1pib", "1125899906842624B"):
+        text = GOOD.replace("device: cpu", f"device: cpu, swap_space: {size}")
+        assert parse_config(text).cache.swap_space == MAX_BYTES
     text = GOOD.replace("num_blocks: 8", f"num_blocks: {MAX_BLOCKS}")
     assert parse_config(text).cache.num_blocks == MAX_BLOCKS
 
