@@ -1,90 +1,157 @@
-"""The ``kvcache`` command: ``validate``, ``plan`` and ``schema``.
+"""The ``kvcache`` command: ``validate``, ``plan``, ``schema`` and ``list-configs``.
 
-Exit status: 0 on success, 1 when a config is invalid or a plan cannot be made, 2 for bad
-command-line usage. Problems are printed one per line, never as a traceback.
+Exit status: 0 on success, 1 when a config is invalid or a plan holds nothing, 2 for bad
+command-line usage. Problems are printed one per line, never as a traceback. A config is a
+file path or the name of a bundled config (``kvcache validate tiny-cpu``).
+
+Startup is kept short: no torch is imported, and pydantic and YAML only by the commands that
+read a config.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from collections.abc import Sequence
 
-from kvcache.config import KVCacheConfig
-from kvcache.loading import ConfigError, load_config
-from kvcache.planning import plan_capacity
-from kvcache.sizes import format_bytes, parse_bytes
+from kvcache.config_rules import MAX_TOKENS
+from kvcache.sizes import parse_bytes
 
 __all__ = ["main"]
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from kvcache.loading import ConfigError, load_config
+    from kvcache.safe_read import printable
+    from kvcache.sizes import format_bytes
+
     failed = 0
-    for path in args.files:
+    for name in args.files:
         try:
-            config = load_config(path)
+            config = load_config(name)
         except ConfigError as err:
             failed += 1
             print(err.format(), file=sys.stderr)
             continue
-        print(f"{path}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
+        print(f"{printable(name)}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
               f"{format_bytes(config.bytes_per_block)} per block)")
+    total = len(args.files)
     if failed:
-        print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
+        print(f"{failed} of {total} file(s) invalid", file=sys.stderr)
+    elif total > 1:
+        print(f"all {total} files ok")
     return 1 if failed else 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kvcache.loading import ConfigError, load_config
+    from kvcache.planning import plan_capacity
+    from kvcache.safe_read import printable
+
     try:
         config = load_config(args.file)
     except ConfigError as err:
         print(err.format(), file=sys.stderr)
         return 1
     try:
-        free = parse_bytes(args.memory) if args.memory is not None else None
-        plan = plan_capacity(config, free, args.max_seq_len)
+        plan = plan_capacity(config, args.memory, args.max_seq_len)
     except ValueError as err:
-        print(f"{args.file}: {err}", file=sys.stderr)
+        print(f"{printable(args.file)}: {err}", file=sys.stderr)
         return 1
     m = config.model
-    print(f"{args.file}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
+    print(f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
           f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}")
     rows = plan.lines()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    if not plan.fits:
-        print(f"  warning: {format_bytes(plan.cache_bytes)} exceeds the {format_bytes(plan.free_bytes or 0)} "
-              f"assumed free; lower cache.num_blocks", file=sys.stderr)
-        return 1
-    return 0
+    problems = plan.problems()
+    for problem in problems:
+        print(f"{printable(args.file)}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _schema(args: argparse.Namespace) -> int:
-    print(json.dumps(KVCacheConfig.model_json_schema(), indent=2))
+    import json
+
+    from kvcache.config import config_json_schema
+
+    print(json.dumps(config_json_schema(), indent=2))
     return 0
 
 
+def _list_configs(args: argparse.Namespace) -> int:
+    from kvcache.bundled import bundled_configs
+
+    configs = bundled_configs()
+    if not configs:
+        print("no bundled configs found (is the package installed completely?)", file=sys.stderr)
+        return 1
+    width = max(len(name) for name in configs)
+    for name, path in configs.items():
+        print(f"{name:<{width}}  {_summary(path)}")
+    return 0
+
+
+def _summary(path: os.PathLike[str]) -> str:
+    """The first sentence of a bundled config's leading comment (it says what the config is for)."""
+    words: list[str] = []
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            if not line.startswith("#"):
+                break
+            words += line.lstrip("#").split()
+    text = " ".join(words)
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _seq_len(text: str) -> int:
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and 1 <= int(text) <= MAX_TOKENS):
+        raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number of tokens in [1, {MAX_TOKENS}]")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcache", description="Paged KV-cache configs: validate and plan.")
+    parser = argparse.ArgumentParser(
+        prog="kvcache", description="Paged KV-cache configs: validate and plan. CONFIG is a YAML file "
+        "or the name of a bundled config (see list-configs)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    validate = sub.add_parser("validate", help="check config files; print every problem")
-    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate = sub.add_parser("validate", help="check configs; print every problem, then a summary")
+    validate.add_argument("files", nargs="+", metavar="CONFIG")
     validate.set_defaults(run=_validate)
     plan = sub.add_parser("plan", help="print blocks, tokens and sequences a config holds")
-    plan.add_argument("file", metavar="FILE")
-    plan.add_argument("--memory", help="device memory free for the cache, e.g. 80GiB")
-    plan.add_argument("--max-seq-len", type=int, help="also print how many sequences of N tokens fit")
+    plan.add_argument("file", metavar="CONFIG")
+    plan.add_argument("--memory", type=_memory, help="device memory free for the cache, e.g. 80GiB")
+    plan.add_argument("--max-seq-len", type=_seq_len, help="also print how many sequences of N tokens fit")
     plan.set_defaults(run=_plan)
     schema = sub.add_parser("schema", help="print the config's JSON schema (for editors)")
     schema.set_defaults(run=_schema)
+    listing = sub.add_parser("list-configs", help="list the bundled configs, usable by name")
+    listing.set_defaults(run=_list_configs)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; return its exit status (argparse exits 2 itself on bad usage)."""
     args = _parser().parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `kvcache schema | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return code
 
 

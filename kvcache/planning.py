@@ -1,13 +1,16 @@
 """Capacity planning: how many blocks, tokens and sequences a config gives, before allocating.
 
-Answers the question users otherwise learn from an OOM: what does this budget hold?
+Answers the question users otherwise learn from an OOM: what does this budget hold? A plan
+that holds nothing says so (:meth:`CapacityPlan.problems`), never a quiet 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attention.errors import InvalidArgumentError
 from kvcache.config import KVCacheConfig
+from kvcache.config_rules import MAX_TOKENS
 from kvcache.sizes import format_bytes
 
 __all__ = ["CapacityPlan", "plan_capacity"]
@@ -16,7 +19,8 @@ __all__ = ["CapacityPlan", "plan_capacity"]
 @dataclass(frozen=True)
 class CapacityPlan:
     """Capacity figures for one config. ``free_bytes`` is the device memory assumed free
-    (None when the config gives num_blocks and no memory was given)."""
+    (None when the config gives num_blocks and no memory was given); ``budget`` says where
+    the block count comes from."""
 
     bytes_per_block: int
     bytes_per_token: int
@@ -24,6 +28,7 @@ class CapacityPlan:
     block_size: int
     free_bytes: int | None
     max_seq_len: int | None
+    budget: str = ""
 
     @property
     def token_capacity(self) -> int:
@@ -45,7 +50,32 @@ class CapacityPlan:
 
     @property
     def fits(self) -> bool:
+        """Whether the cache fits in the memory assumed free."""
         return self.free_bytes is None or self.cache_bytes <= self.free_bytes
+
+    def problems(self) -> list[str]:
+        """Why this plan cannot serve, each with a fix; empty when it can: no block fits the
+        budget, the cache does not fit in free memory, or no sequence of max_seq_len fits."""
+        found = []
+        per_block = format_bytes(self.bytes_per_block)
+        if self.num_blocks == 0:
+            found.append(
+                f"no block fits: {self.budget or 'the budget'} holds no block of {per_block}; give more memory "
+                f"(--memory, cache.memory_budget) or make blocks smaller (block_size, dtype)"
+            )
+        elif not self.fits:
+            found.append(
+                f"the cache does not fit: {self.num_blocks:,} blocks x {per_block} = {format_bytes(self.cache_bytes)} "
+                f"exceeds the {format_bytes(self.free_bytes or 0)} assumed free; lower cache.num_blocks "
+                f"to at most {(self.free_bytes or 0) // self.bytes_per_block:,}"
+            )
+        if self.num_blocks > 0 and self.sequences_that_fit == 0:
+            found.append(
+                f"no sequence of {self.max_seq_len:,} tokens fits: it needs {self.blocks_per_sequence:,} blocks and "
+                f"the cache holds {self.num_blocks:,} ({self.token_capacity:,} tokens); give more memory or "
+                f"lower --max-seq-len to at most {self.token_capacity:,}"
+            )
+        return found
 
     def lines(self) -> list[tuple[str, str]]:
         rows = [
@@ -60,7 +90,7 @@ class CapacityPlan:
             rows.insert(0, ("device memory assumed free", format_bytes(self.free_bytes)))
         if self.max_seq_len is not None:
             rows.append((f"sequences of {self.max_seq_len:,} tokens",
-                         f"{self.sequences_that_fit:,} at once ({self.blocks_per_sequence} blocks each)"))
+                         f"{self.sequences_that_fit:,} at once ({self.blocks_per_sequence:,} blocks each)"))
         return rows
 
 
@@ -68,32 +98,44 @@ def plan_capacity(config: KVCacheConfig, free_bytes: int | None, max_seq_len: in
     """Plan ``config`` for ``free_bytes`` of free device memory.
 
     With ``num_blocks`` in the config, ``free_bytes`` only decides whether it fits. With a
-    fractional ``memory_budget`` it is required (raises ValueError naming --memory).
+    fractional ``memory_budget`` it is required. Raises InvalidArgumentError (a ValueError)
+    naming ``--memory`` or ``--max-seq-len``. A plan that holds nothing is returned, with
+    :meth:`CapacityPlan.problems` saying why.
     """
-    cache = config.cache
-    if cache.num_blocks is not None:
-        blocks = cache.num_blocks
-    else:
-        assert cache.memory_budget is not None, "the config validator requires one of them"
-        if cache.memory_budget.num_bytes is not None:
-            budget = cache.memory_budget.num_bytes
-            if free_bytes is not None:
-                budget = min(budget, free_bytes)
-        elif free_bytes is None:
-            raise ValueError(
-                f"--memory: cache.memory_budget is {cache.memory_budget}, so planning needs the "
-                f"device's free memory; pass e.g. --memory 80GiB"
-            )
-        else:
-            budget = cache.memory_budget.bytes_given(free_bytes)
-        blocks = budget // config.bytes_per_block
-    if max_seq_len is not None and max_seq_len < 1:
-        raise ValueError(f"--max-seq-len: {max_seq_len} must be at least 1")
+    if free_bytes is not None and (isinstance(free_bytes, bool) or not isinstance(free_bytes, int) or free_bytes < 0):
+        raise InvalidArgumentError(f"--memory: {free_bytes!r} is not a byte count; give e.g. 80GiB")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or not 1 <= max_seq_len <= MAX_TOKENS):
+        raise InvalidArgumentError(f"--max-seq-len: {max_seq_len!r} must be a whole number in [1, {MAX_TOKENS}]")
+    blocks, budget = _blocks(config, free_bytes)
     return CapacityPlan(
         bytes_per_block=config.bytes_per_block,
         bytes_per_token=config.bytes_per_token,
         num_blocks=blocks,
-        block_size=cache.block_size,
+        block_size=config.cache.block_size,
         free_bytes=free_bytes,
         max_seq_len=max_seq_len,
+        budget=budget,
     )
+
+
+def _blocks(config: KVCacheConfig, free_bytes: int | None) -> tuple[int, str]:
+    """The pool's block count, and a phrase naming the budget it comes from."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks, f"cache.num_blocks {cache.num_blocks:,}"
+    budget = cache.memory_budget
+    if budget is None:
+        raise InvalidArgumentError("config: cache has neither num_blocks nor memory_budget; validate it first")
+    if budget.num_bytes is not None:
+        usable = budget.num_bytes if free_bytes is None else min(budget.num_bytes, free_bytes)
+        phrase = f"the budget {budget}" + ("" if free_bytes is None else f" (of {format_bytes(free_bytes)} free)")
+    elif free_bytes is None:
+        raise InvalidArgumentError(
+            f"--memory: cache.memory_budget is {budget}, so planning needs the "
+            f"device's free memory; pass e.g. --memory 80GiB"
+        )
+    else:
+        usable = budget.bytes_given(free_bytes)
+        phrase = f"the budget {budget} ({format_bytes(usable)} of {format_bytes(free_bytes)})"
+    return usable // config.bytes_per_block, phrase

@@ -66,3 +66,76 @@ def test_console_script_exits_non_zero_without_a_traceback(tmp_path: Path) -> No
     )
     assert result.returncode == 1
     assert "no such file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_validate_bundled_names_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "tiny-cpu", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-cpu: ok" in out and "llama3-8b: ok" in out and "all 2 files ok" in out
+
+
+def test_validate_goes_on_after_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {num_layers: 2\n")
+    assert main(["validate", str(broken), "no-such-config", "tiny-cpu", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "tiny-cpu: ok" in captured.out
+    assert "not valid YAML" in captured.err and "neither a file nor a bundled config" in captured.err
+    assert "is a directory" in captured.err and "3 of 4 file(s) invalid" in captured.err
+
+
+def test_list_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list-configs"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == sorted(Path(p).stem for p in CONFIGS)
+    assert "A tiny model shape that runs on a CPU in seconds" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["plan", "llama3-8b", "--memory", "0B"], ["no block fits", "holds no block of 4.00 MiB", "--memory"]),
+        (["plan", "llama3-8b", "--memory", "4MiB"], ["no block fits", "0.9 of free device memory"]),
+        (["plan", "qwen2.5-7b", "--memory", "1MiB"], ["no block fits", "the budget 40.00 GiB (of 1.00 MiB free)"]),
+        (["plan", "tiny-cpu", "--max-seq-len", "769"],
+         ["no sequence of 769 tokens fits", "needs 25 blocks", "holds 24", "at most 768"]),
+        (["plan", "tiny-cpu", "--memory", "64KiB"], ["the cache does not fit", "at most 4"]),
+    ],
+)
+def test_plan_that_holds_nothing_exits_1_with_the_reason(argv: list[str], words: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+def test_plan_that_just_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tiny-cpu", "--max-seq-len", "768"]) == 0
+    assert "1 at once (24 blocks each)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["plan", "tiny-cpu", "--memory", "lots"], ["plan", "tiny-cpu", "--max-seq-len", "0"],
+                                  ["plan", "tiny-cpu", "--max-seq-len", "9" * 5000], ["validate"], ["frobnicate"]])
+def test_bad_usage_exits_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_commands_import_no_torch() -> None:
+    """validate, plan, schema and list-configs stay fast: no torch, no kernel library."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvcache.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    for argv in (['validate', 'tiny-cpu', 'llama3-8b-flash-attn'],\n"
+        "                 ['plan', 'llama3-8b', '--memory', '80GiB'], ['schema'], ['list-configs']):\n"
+        "        assert main(argv) == 0, argv\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'flash_attn', 'numpy'))\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
