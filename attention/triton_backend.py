@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from attention.base import AttentionBackend, StepPlan
+from attention.checks import cdiv
 from attention.errors import MetadataError, UnsupportedSettingError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, PlanStaging, StepCapacity
+from attention.synthetic import scratch_layer, synthetic_metadata
 from attention.triton_kernels import (
     DecodeConfig,
     DecodePolicy,
@@ -304,6 +306,43 @@ class TritonBackend(AttentionBackend):
         if target is not result:
             result.copy_(target)
         return result
+
+    # ---- warm-up -----------------------------------------------------------------------
+
+    def warmup(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
+        """Compile every kernel variant steps within ``capacity`` can reach -- the cache write,
+        the decode kernel with and without the split combine, the prefill kernel at each tile
+        height -- for every window kind of the spec, by running each once on a scratch
+        cache. Returns how many variants that is."""
+        longest = capacity.max_blocks_per_seq * block_size
+        decode_lengths = sorted({min(64, longest), longest})  # one chunk; several chunks
+        heights = sorted({min(q, capacity.max_tokens, longest) for q in (9, 17, 33, 129)} - {1})
+        steps = [[(n, 1)] for n in decode_lengths] + [[(q, q)] for q in heights]
+        blocks = max(sum(cdiv(n, block_size) for n, _ in rows) for rows in steps)
+        variants: set[tuple[object, ...]] = set()
+        for window in self.windows:
+            index = 0
+            if self.spec.window_layers is not None:
+                index = self.spec.window_layers.index(window is not None)
+            layer = scratch_layer(self.spec, blocks, block_size, device, self.cache_dtype, index)
+            for rows in steps:
+                meta = synthetic_metadata(rows, block_size, device, capacity.max_blocks_per_seq)
+                plan = self.plan(meta)
+                assert isinstance(plan, TritonStepPlan), "this backend's plan"
+                t, kvh, heads, d = meta.num_tokens, self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
+                kv = torch.zeros(t, kvh, d, dtype=self.compute_dtype, device=device)
+                self.write_kv(kv, kv, layer, plan)
+                self.attend(torch.zeros(t, heads, d, dtype=self.compute_dtype, device=device), layer, plan)
+                variants.add(("write", self.spec.quantized_cache))
+                for launch in plan.decode:
+                    variants.add(("decode", window))
+                    if launch.schedule.needs_combine and not self.decode_config.fused_combine:
+                        variants.add(("combine",))
+                if plan.prefill is not None:
+                    variants.add(("prefill", window, plan.prefill.config))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(variants)
 
     def _device_type_for_checks(self, device_type: str) -> str:
         """CPU tensors count as "cuda" only under the interpreter; otherwise they are refused

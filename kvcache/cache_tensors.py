@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention.dtypes import torch_dtype
+from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
 from kvcache.config import KVCacheConfig
@@ -141,6 +141,20 @@ class KVCacheTensors:
     def bytes_per_block(self) -> int:
         return self.nbytes // self.num_blocks
 
+    def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Set an fp8 cache's per-KV-head dequantization scales of ``layer`` (fp32
+        [num_kv_heads] each, positive and finite), e.g. from a calibration run. Applies to K/V
+        written from now on; set them before the first write. Raises InvalidArgumentError."""
+        if self.scales is None:
+            raise InvalidArgumentError("set_scales: this cache is not fp8; it has no scales")
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(scale, torch.Tensor) or scale.shape != self.scales.shape[2:]:
+                raise InvalidArgumentError(f"{name}: expected a tensor of shape {list(self.scales.shape[2:])}")
+            if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+                raise InvalidArgumentError(f"{name}: every scale must be positive and finite")
+        self.scales[layer, 0].copy_(k_scale)
+        self.scales[layer, 1].copy_(v_scale)
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. the pairs
         ``BlockManager.fork`` returns). Raises InvalidArgumentError, copying nothing, for an
@@ -196,7 +210,10 @@ def allocate_kv_cache(
         raise _too_big(blocks, per_block, free_device_memory(dev), dev) from None
     if fill is not None:
         storage.fill_(fill)
-    return KVCacheTensors(storage)
+    scales = None
+    if dtype_info(config.cache.dtype).cache_only:
+        scales = torch.full((m.num_layers, 2, m.num_kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
+    return KVCacheTensors(storage, scales)
 
 
 def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:

@@ -227,6 +227,10 @@ class CacheSection(BaseModel):
     swap_space: Annotated[int, _SWAP_SCHEMA] = 0
     """Pinned host memory for swapped-out blocks: a size such as 4GiB, or a byte count, at most
     1 PiB (0: no swap)."""
+    kv_scale: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
+    """For an fp8 cache (dtype float8_e4m3): the dequantization scale every layer and KV head
+    starts with (a stored value times the scale is the real K/V; float8_e4m3 holds up to 448
+    times it). Per-layer, per-head scales can be set later with KVCacheTensors.set_scales."""
 
     @field_validator("block_size")
     @classmethod
