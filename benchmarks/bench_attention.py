@@ -57,9 +57,12 @@ from bench_decode import (
     Timer,
     best_per_shape,
     decode_shapes,
+    fp8_speedups,
     print_best,
     print_decode_table,
+    print_fp8,
     run_decode,
+    run_window,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -156,9 +159,12 @@ class Problem:
             seq_lens=torch.full((b,), seq, dtype=torch.int32, device=DEVICE),
             query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * q_len,
             slot_mapping=slots.flatten(),
+            positions=pos.repeat(b),
+            logits_indices=(torch.arange(b, device=DEVICE) + 1) * q_len - 1,
             block_size=block_size,
             seq_lens_host=(seq,) * b,
             query_lens_host=(q_len,) * b,
+            sampling_rows_host=tuple(range(b)),
         )
         return caches[0], caches[1], meta
 
@@ -256,21 +262,30 @@ def _measure(bench: Bench, row: Row, p: Problem, fn: Callable[[], torch.Tensor],
 
 
 def _attend_fn(backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tensor, Any]) -> Callable[[], torch.Tensor]:
+    from attention import LayerCache
+
     k_cache, v_cache, meta = caches
+    layer = LayerCache(k_cache, v_cache)
     plan = backend.plan(meta)  # once per step, outside the timing
     out = torch.empty_like(p.q)
 
     def run() -> torch.Tensor:
-        return backend.attend(p.q, k_cache, v_cache, plan, out=out)
+        return backend.attend(p.q, layer, plan, out=out)
 
     return run
+
+
+def _spec() -> Any:
+    from attention import AttentionSpec
+
+    return AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype="bfloat16")
 
 
 def _flash_attn_backend(notes: list[str]) -> Any | None:
     from attention.registry import get_backend
 
     try:
-        return get_backend("flash_attn")
+        return get_backend("flash_attn", _spec())
     except (ImportError, KeyError, ModuleNotFoundError) as err:
         notes.append(f"flash_attn rows skipped: {err}")
         return None
@@ -291,7 +306,7 @@ def run_main(bench: Bench, prefill: list[tuple[int, int]], notes: list[str]) -> 
             shape_rows = [_measure(bench, Row(op, "sdpa", batch, seq_len, None), p, sdpa, ref)]
             for block_size in (32, 256):
                 caches = p.paged(block_size)
-                triton_backend = TritonBackend()
+                triton_backend = TritonBackend(_spec())
                 row = Row(op, "triton", batch, seq_len, block_size)
                 fn = _attend_fn(triton_backend, p, caches)
                 shape_rows.append(_measure(bench, row, p, fn, ref))
@@ -324,8 +339,8 @@ def run_sweep(bench: Bench, prefill: list[tuple[int, int]]) -> list[Row]:
             for block_size in (32, 256):
                 caches = p.paged(block_size)
                 default_p = default_prefill_config(HEAD_DIM, DTYPE)
-                variants: list[tuple[str, Any]] = [(f"default {_describe(default_p)}", TritonBackend())]
-                variants += [(_describe(c), TritonBackend(prefill_config=c)) for c in PREFILL_SWEEP]
+                variants: list[tuple[str, Any]] = [(f"default {_describe(default_p)}", TritonBackend(_spec()))]
+                variants += [(_describe(c), TritonBackend(_spec(), prefill_config=c)) for c in PREFILL_SWEEP]
                 found: list[Row] = []
                 for name, backend in variants:
                     row = Row(op, "triton", batch, seq_len, block_size, variant=name)
@@ -446,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-budget-s", type=float, default=270.0, help="stop decode sweep variants after this")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel parameters (prefill and decode)")
     parser.add_argument("--sweep-only", action="store_true", help="the sweeps, without the prefill main rows")
+    parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=100)
@@ -465,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     sweep: list[Row] = []
     decode: list[Any] = []
+    window: list[Any] = []
     started = time.monotonic()
     out = args.out or RESULTS / f"attention-{datetime.date.today().isoformat()}.json"
     try:
@@ -480,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=args.decode_budget_s,
         )
         notes.append(f"decode part took {time.monotonic() - started:.0f} s")
+        if args.window:
+            window = run_window(timer, copy_tbps, notes)
         if not (args.sweep_only or args.decode_only):
             rows = run_main(bench, prefill, notes)
         if (args.sweep or args.sweep_only) and not args.decode_only:
@@ -494,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         if decode:
             result["decode"] = [r.as_json() for r in decode]
             result["decode_best"] = best_per_shape(decode)
+            result["decode_fp8"] = fp8_speedups(decode)
+        if window:
+            result["decode_window"] = [r.as_json() for r in window]
         if sweep:
             result["sweep"] = [r.as_json() for r in sweep]
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -501,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         print("note: " + note)
     if rows:
         print_table(rows, copy_tbps)
+    if window:
+        print_decode_table(window)
     if decode:
         print_decode_table(decode)
+        print_fp8(fp8_speedups(decode))
         print_best(best_per_shape(decode), copy_tbps)
     print(f"wrote {out} ({time.monotonic() - started:.0f} s)")
     return 1 if any("aborted" in n for n in notes) else 0

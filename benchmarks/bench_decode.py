@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+FP8 = torch.float8_e4m3fn
 UNIFORM = [(1, 1024), (1, 32768), (8, 512), (32, 512), (64, 4096), (128, 2048), (256, 1024), (16, 16384)]
 #: (rows, median, sigma, cap): LogNormal lengths, drawn with a fixed seed.
 LOGNORMAL = [(64, 2048, 0.8, 16384), (64, 512, 0.8, 16384)]
@@ -101,11 +102,29 @@ class Variant:
     name: str
     config: Any = None  # DecodeConfig | None (None: the per-shape default)
     policy: Any = None  # DecodePolicy | None
+    fp8: bool = False  # an fp8 (float8_e4m3) cache instead of bf16
+    window: int | None = None
 
     def backend(self) -> Any:
         from attention.triton_backend import TritonBackend
 
-        return TritonBackend(decode_config=self.config, decode_policy=self.policy)
+        return TritonBackend(
+            spec(fp8=self.fp8, window=self.window), decode_config=self.config, decode_policy=self.policy
+        )
+
+
+def spec(*, fp8: bool = False, window: int | None = None) -> Any:
+    """The benchmark's attention shape (bf16 compute; fp8 or bf16 cache)."""
+    from attention import AttentionSpec
+
+    return AttentionSpec(
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        dtype="bfloat16",
+        kv_cache_dtype="float8_e4m3" if fp8 else None,
+        sliding_window=window,
+    )
 
 
 def variants(sweep: bool) -> list[Variant]:
@@ -128,6 +147,10 @@ def variants(sweep: bool) -> list[Variant]:
     return out
 
 
+#: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales).
+FP8_VARIANT = Variant("fp8 cache", fp8=True)
+
+
 def _describe(config: Any) -> str:
     return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "combine_num_warps")
 
@@ -144,10 +167,24 @@ class Layers:
     k: torch.Tensor
     v: torch.Tensor
     meta: Any
+    _fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def count(self) -> int:
         return int(self.k.shape[0])
+
+    def layer_caches(self, fp8: bool = False) -> list[Any]:
+        """One LayerCache per layer (an fp8 copy of K/V with unit scales when ``fp8``; made
+        once, lazily, so bf16 runs never pay for it)."""
+        from attention import LayerCache
+
+        if not fp8:
+            return [LayerCache(self.k[i], self.v[i], index=i) for i in range(self.count)]
+        if self._fp8 is None:
+            ones = torch.ones(KV_HEADS, dtype=torch.float32, device=DEVICE)
+            self._fp8 = (self.k.to(FP8), self.v.to(FP8), ones)
+        k8, v8, scale = self._fp8
+        return [LayerCache(k8[i], v8[i], index=i, k_scale=scale, v_scale=scale) for i in range(self.count)]
 
 
 def build_layers(shape: DecodeShape, block_size: int) -> Layers:
@@ -175,22 +212,29 @@ def build_layers(shape: DecodeShape, block_size: int) -> Layers:
         seq_lens=torch.tensor(shape.lens, dtype=torch.int32, device=DEVICE),
         query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=DEVICE),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(last, dtype=torch.int64, device=DEVICE),
+        logits_indices=torch.arange(b, dtype=torch.int64, device=DEVICE),
         block_size=block_size,
         seq_lens_host=shape.lens,
         query_lens_host=(1,) * b,
+        sampling_rows_host=tuple(range(b)),
     )
     return Layers(q, k, v, meta)
 
 
-def reference(layers: Layers) -> torch.Tensor:
-    """float32 [batch, HEADS, HEAD_DIM]: layer 0's attention, row by row from the cache."""
+def reference(layers: Layers, fp8: bool = False, window: int | None = None) -> torch.Tensor:
+    """float32 [batch, HEADS, HEAD_DIM]: layer 0's attention, row by row from the cache (the
+    fp8-rounded cache when ``fp8``; the last ``window`` tokens when given)."""
     q, k0, v0, meta = layers.q, layers.k[0], layers.v[0], layers.meta
+    if fp8:
+        k0, v0 = k0.to(FP8).to(DTYPE), v0.to(FP8).to(DTYPE)
     bs, group = meta.block_size, HEADS // KV_HEADS
     out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
     for r, n in enumerate(meta.seq_lens_host):
         blocks = meta.block_tables[r, : -(-n // bs)].long()
-        k = k0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:n].float()
-        v = v0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:n].float()
+        lo = 0 if window is None else max(0, n - window)
+        k = k0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[lo:n].float()
+        v = v0[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[lo:n].float()
         s = torch.einsum("kgd,lkd->kgl", q[r].float().view(KV_HEADS, group, HEAD_DIM), k) / math.sqrt(HEAD_DIM)
         out[r] = torch.einsum("kgl,lkd->kgd", torch.softmax(s, dim=-1), v).reshape(HEADS, HEAD_DIM)
     return out
@@ -232,22 +276,31 @@ class Timer:
             del graph
 
 
-def _measure(timer: Timer, row: DecodeRow, layers: Layers, backend: Any, ref: torch.Tensor, copy_tbps: float) -> None:
+def _measure(
+    timer: Timer,
+    row: DecodeRow,
+    layers: Layers,
+    backend: Any,
+    ref: torch.Tensor,
+    copy_tbps: float,
+    fp8: bool = False,
+) -> None:
     """Check layer 0 against ``ref``, then time one call per layer (graph and eager).
     Errors are recorded on the row; a CUDA error that kills the context is re-raised."""
     try:
         plan = backend.plan(layers.meta)  # once per step, outside the timing
         out = torch.empty_like(layers.q)
+        caches = layers.layer_caches(fp8)
 
         def call(i: int) -> torch.Tensor:
-            return backend.attend(layers.q, layers.k[i], layers.v[i], plan, out=out)
+            return backend.attend(layers.q, caches[i], plan, out=out)
 
         result = call(0).float()
         _sync()
         row.rel_err = float((result - ref).abs().max() / ref.abs().max())
         if not math.isfinite(row.rel_err):
             row.rel_err = float("inf")
-        _describe_schedule(row, backend, plan)
+        _describe_schedule(row, plan)
 
         def every_layer() -> None:
             for i in range(layers.count):
@@ -265,22 +318,20 @@ def _measure(timer: Timer, row: DecodeRow, layers: Layers, backend: Any, ref: to
             raise
 
 
-def _describe_schedule(row: DecodeRow, backend: Any, plan: Any) -> None:
+def _describe_schedule(row: DecodeRow, plan: Any) -> None:
     """Chunk length, items and partial slots of a triton plan's decode schedule."""
-    from attention.triton_backend import TritonBackend, TritonStepPlan
-    from attention.triton_kernels import default_decode_config
+    from attention.triton_backend import TritonStepPlan
 
-    if isinstance(backend, TritonBackend) and isinstance(plan, TritonStepPlan):
-        config = backend.decode_config or default_decode_config(HEAD_DIM, DTYPE)
-        schedule = plan.decode_schedule(KV_HEADS, config.block_n)  # the one attend used
+    if isinstance(plan, TritonStepPlan) and plan.decode:
+        schedule = plan.decode[0].schedule
         row.chunk_len, row.items, row.partials = schedule.chunk_len, schedule.num_items, schedule.num_partials
 
 
-def _flash_attn(notes: list[str]) -> Any | None:
+def _flash_attn(notes: list[str], window: int | None = None) -> Any | None:
     from attention.registry import get_backend
 
     try:
-        return get_backend("flash_attn")
+        return get_backend("flash_attn", spec(window=window))
     except (ImportError, KeyError, ModuleNotFoundError) as err:
         notes.append(f"flash_attn decode rows skipped: {err}")
         return None
@@ -299,7 +350,7 @@ def run_decode(
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
     flash = _flash_attn(notes)
-    chosen = variants(sweep)
+    chosen = [*variants(sweep), FP8_VARIANT]
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []
@@ -310,6 +361,7 @@ def run_decode(
             try:
                 layers = build_layers(shape, block_size)
                 ref = reference(layers)
+                ref8 = reference(layers, fp8=True)
             except Exception as err:
                 notes.append(f"{shape.label} bs={block_size}: setup failed: {type(err).__name__}: {err}"[:300])
                 traceback.print_exc()
@@ -318,7 +370,11 @@ def run_decode(
             if block_size == 256 and flash is not None:
                 todo.insert(0, ("flash_attn", None))
             for backend_name, variant in todo:
-                if variant is not None and variant.name != "default" and time.monotonic() > deadline:
+                if (
+                    variant is not None
+                    and variant.name not in ("default", FP8_VARIANT.name)
+                    and time.monotonic() > deadline
+                ):
                     skipped += 1
                     continue
                 row = DecodeRow(
@@ -332,10 +388,13 @@ def run_decode(
                     extra={"kv_bytes": shape.kv_bytes},
                 )
                 backend = flash if variant is None else variant.backend()
-                _measure(timer, row, layers, backend, ref, copy_tbps)
+                fp8 = variant is not None and variant.fp8
+                if fp8:
+                    row.extra["kv_bytes"] = shape.kv_bytes // 2
+                _measure(timer, row, layers, backend, ref8 if fp8 else ref, copy_tbps, fp8=fp8)
                 _print_row(row)
                 shape_rows.append(row)
-            del layers, ref
+            del layers, ref, ref8
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
         fa_ms = next((r.ms for r in shape_rows if r.backend == "flash_attn" and r.ms), None)
@@ -387,7 +446,14 @@ def best_per_shape(rows: list[DecodeRow]) -> list[dict[str, Any]]:
     out = []
     keys = dict.fromkeys((r.shape, r.block_size) for r in rows if r.backend == "triton")
     for shape, bs in keys:
-        mine = [r for r in rows if r.backend == "triton" and (r.shape, r.block_size) == (shape, bs) and r.ok]
+        mine = [
+            r
+            for r in rows
+            if r.backend == "triton"
+            and (r.shape, r.block_size) == (shape, bs)
+            and r.ok
+            and r.variant != FP8_VARIANT.name
+        ]
         default = next((r for r in mine if r.variant == "default"), None)
         best = min(mine, key=lambda r: r.ms or math.inf, default=None)
         out.append(
@@ -422,3 +488,72 @@ def print_best(best: list[dict[str, Any]], copy_tbps: float) -> None:
         f"(ms: CUDA-graph replay per call, K/V from HBM; vs_fa = flash-attn 2 ms at block 256 / this ms, "
         f"> 1 is faster; %copy: K/V read bandwidth / device copy bandwidth {copy_tbps:.2f} TB/s)"
     )
+
+
+def fp8_speedups(rows: list[DecodeRow]) -> list[dict[str, Any]]:
+    """Per (shape, block size): our default bf16 time over our fp8-cache time (> 1: fp8 faster)."""
+    out = []
+    for r in rows:
+        if r.variant != FP8_VARIANT.name or not r.ok:
+            continue
+        base = next(
+            (b for b in rows if b.variant == "default" and (b.shape, b.block_size) == (r.shape, r.block_size) and b.ok),
+            None,
+        )
+        if base is not None and base.ms and r.ms:
+            out.append(
+                {
+                    "shape": r.shape,
+                    "block_size": r.block_size,
+                    "bf16_ms": base.ms,
+                    "fp8_ms": r.ms,
+                    "speedup": base.ms / r.ms,
+                    "rel_err": r.rel_err,
+                }
+            )
+    return out
+
+
+def print_fp8(speedups: list[dict[str, Any]]) -> None:
+    print("\ndecode, fp8 cache vs bf16 cache (ours, same block size)")
+    for s in speedups:
+        print(
+            f"  {s['shape']:34s} bs={s['block_size']:<4d} bf16 {s['bf16_ms']:.4f} ms  fp8 {s['fp8_ms']:.4f} ms  "
+            f"x{s['speedup']:.2f}  rel_err {s['rel_err']:.1e}"
+        )
+
+
+#: Sliding-window decode: 16 rows, window 4096, contexts growing past it (block 256).
+WINDOW, WINDOW_ROWS, WINDOW_LENGTHS = 4096, 16, (2048, 4096, 8192, 16384, 32768)
+
+
+def run_window(timer: Timer, copy_tbps: float, notes: list[str]) -> list[DecodeRow]:
+    """Decode time as the context grows past a sliding window: ours (windowed spec) and
+    flash-attn (window_size), block 256. Flat times past the window are the point."""
+    rows: list[DecodeRow] = []
+    flash = _flash_attn(notes, window=WINDOW)
+    ours = Variant("window", window=WINDOW)
+    for n in WINDOW_LENGTHS:
+        shape = DecodeShape(f"{WINDOW_ROWS}x{n} window {WINDOW}", (n,) * WINDOW_ROWS)
+        print(f"decode {shape.label} block 256", flush=True)
+        try:
+            layers = build_layers(shape, 256)
+            ref = reference(layers, window=WINDOW)
+        except Exception as err:
+            notes.append(f"{shape.label}: setup failed: {type(err).__name__}: {err}"[:300])
+            continue
+        read = DecodeShape(shape.label, (min(n, WINDOW),) * WINDOW_ROWS).kv_bytes
+        for name, backend in (("flash_attn", flash), ("triton", ours.backend())):
+            if backend is None:
+                continue
+            row = DecodeRow(shape.label, name, "window", 256, WINDOW_ROWS, n * WINDOW_ROWS, n, extra={"kv_bytes": read})
+            _measure(timer, row, layers, backend, ref, copy_tbps)
+            _print_row(row)
+            rows.append(row)
+        fa = next((r.ms for r in rows[-2:] if r.backend == "flash_attn" and r.ms), None)
+        for r in rows[-2:]:
+            if fa and r.ms:
+                r.vs_flash_attn = fa / r.ms
+        del layers, ref
+        torch.cuda.empty_cache()
+    return rows
