@@ -23,7 +23,7 @@ import torch
 from attention import AttentionBackend, StepCapacity, StepPlan
 from examples.llama import Llama
 from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
-from kvcache.graphs import DecodeGraphs
+from kvcache.graphs import DecodeGraphs, default_buckets
 
 __all__ = ["ModelRunner", "WarmupReport"]
 
@@ -53,6 +53,9 @@ class ModelRunner:
     """The model, its cache and backend, and the step's persistent buffers.
 
     use_graphs: capture decode steps in CUDA graphs (CUDA and a backend that allows it only).
+    Without graphs, decode steps are still padded to the same batch buckets when the backend
+    can be captured, so ``use_graphs`` changes how a step is launched, never what it computes
+    (greedy tokens are identical with and without graphs).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class ModelRunner:
         self.backend = backend
         self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
         self.graphs = DecodeGraphs(self.builder, self._forward) if use_graphs else None
+        self.buckets = default_buckets(capacity.max_rows) if backend.info.cuda_graphs else None
 
     def warmup(self, *, eager: bool | None = None) -> WarmupReport:
         """Compile every kernel variant the capacity can reach and capture the decode graphs,
@@ -140,10 +144,14 @@ class ModelRunner:
         """Run one step. Returns the plan and float logits [len(plan.metadata.sampling_rows_host),
         vocab]: row ``sampling_rows_host[j]``'s next-token logits are row j."""
         graphs = self.graphs
-        if graphs is not None and len(rows) <= graphs.max_rows and all(r.num_new == 1 for r in rows):
+        decode = all(r.num_new == 1 for r in rows)
+        if graphs is not None and len(rows) <= graphs.max_rows and decode:
             plan, logits = graphs.run(self.manager, rows, token_ids)
             return plan, logits
-        plan = self.builder.plan(self.manager, rows, token_ids=token_ids)
+        bucket = None
+        if decode and self.buckets is not None:
+            bucket = next((b for b in self.buckets if b >= len(rows)), None)
+        plan = self.builder.plan(self.manager, rows, pad_to=bucket, token_ids=token_ids)
         with torch.no_grad():
             logits = self._forward(self.builder.token_ids(plan.metadata.num_tokens), plan)
         return plan, logits[: len(plan.metadata.sampling_rows_host)]
