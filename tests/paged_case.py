@@ -7,17 +7,23 @@ reads an unwritten slot, a padding entry, or past either end of the cache produc
 never passes a comparison). The K/V of every cached token is written by the reference backend,
 so a backend under test sees exactly what a serving engine would have written; the step's
 new K/V is left for the backend under test to write.
+
+``BACKENDS_UNDER_TEST`` lists every backend available here (from the backend table), for the
+suites parametrized over backends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import pytest
 import torch
 
-from attention import AttentionMetadata, AttentionSpec, LayerCache, ReferenceBackend
+from attention import BACKENDS, AttentionMetadata, AttentionSpec, LayerCache, ReferenceBackend, get_backend
+from attention.base import AttentionBackend
 from attention.dtypes import dtype_name
 from attention.quantize import dequantize
 from kvcache import BlockManager, MetadataBuilder, ScheduledRow
@@ -34,6 +40,7 @@ class PagedCase:
     meta: AttentionMetadata
     all_key: torch.Tensor  # [context + new tokens of every row, kv_heads, d], row-major
     all_value: torch.Tensor
+    builder: MetadataBuilder | None = field(default=None, repr=False)  # built ``meta``
 
 
 def make_spec(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, **kw: object) -> AttentionSpec:
@@ -63,9 +70,11 @@ def make_case(
     pad_to: int | None = None,
     layer_index: int = 0,
     cache_dtype: torch.dtype | None = None,
+    device_check: bool | None = None,
 ) -> PagedCase:
     """``rows``: (context, new) per row. The layer holds the context tokens' K/V; the step's
-    metadata covers the new tokens (padded to ``pad_to`` rows when given)."""
+    metadata covers the new tokens (padded to ``pad_to`` rows when given), built by
+    ``MetadataBuilder(device, device_check=device_check)`` (kept in ``case.builder``)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, spec.dtype)
     store_dtype = cache_dtype or getattr(torch, spec.cache_dtype.replace("float8_e4m3", "float8_e4m3fn"))
@@ -98,9 +107,8 @@ def make_case(
         ctx_plan = writer.plan(MetadataBuilder(device).build(manager, context_rows))
         ctx_index = torch.cat([torch.arange(starts[i], starts[i] + c) for i, (c, _) in enumerate(rows) if c > 0])
         writer.write_kv(all_key[ctx_index.to(device)], all_value[ctx_index.to(device)], layer, ctx_plan)
-    meta = MetadataBuilder(device).build(
-        manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], pad_to=pad_to
-    )
+    builder = MetadataBuilder(device, device_check=device_check)
+    meta = builder.build(manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], pad_to=pad_to)
     new_index = torch.cat([torch.arange(starts[i] + c, starts[i] + c + n) for i, (c, n) in enumerate(rows)])
     pad = meta.num_tokens - meta.num_real_tokens
     new_key = torch.cat(
@@ -110,7 +118,7 @@ def make_case(
         [all_value[new_index.to(device)], torch.randn(pad, kvh, d, generator=gen).to(dtype=dtype, device=device)]
     )
     query = torch.randn(meta.num_tokens, spec.num_heads, d, generator=gen).to(dtype=dtype, device=device)
-    return PagedCase(spec, query, new_key, new_value, layer, storage, meta, all_key, all_value)
+    return PagedCase(spec, query, new_key, new_value, layer, storage, meta, all_key, all_value, builder)
 
 
 def reference_output(case: PagedCase, *, cache_after_write: LayerCache | None = None) -> torch.Tensor:
@@ -140,3 +148,41 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere makes it NaN (never passes)."""
     out64, ref64 = out.double(), ref.double()
     return float((out64 - ref64).norm() / ref64.norm())
+
+
+# ---- the backends under test --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnderTest:
+    """A backend on a device, with the block size its tests use (the smallest it takes)."""
+
+    name: str
+    device: str
+    block_size: int
+
+    def make(self, spec: AttentionSpec) -> AttentionBackend:
+        return get_backend(self.name, spec)
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return str(dtype).removeprefix("torch.") in BACKENDS[self.name].dtypes
+
+
+def _under_test() -> list[UnderTest]:
+    """Every backend of the table whose library is installed, on each device it runs on here:
+    the reference on CPU (and CUDA), triton in Triton's CPU interpreter without a GPU
+    (tests/conftest.py) and compiled on a GPU, flash_attn on a GPU."""
+    cuda = torch.cuda.is_available()
+    found = [UnderTest("reference", "cpu", BACKENDS["reference"].block_sizes.factor)]
+    for name, info in BACKENDS.items():
+        if info.library is not None and importlib.util.find_spec(info.library) is None:
+            continue
+        block = info.block_sizes.factor
+        if cuda and "cuda" in info.devices:
+            found.append(UnderTest(name, "cuda", block))
+        elif name == "triton" and not cuda:
+            found.append(UnderTest(name, "cpu", block))  # the CPU interpreter (conftest.py)
+    return found
+
+
+BACKENDS_UNDER_TEST = [pytest.param(b, id=f"{b.name}-{b.device}") for b in _under_test()]

@@ -1,28 +1,39 @@
 """The contract every attention backend keeps, checked against the float64 reference.
 
-One suite, parametrized over every backend available here (``BACKENDS_UNDER_TEST``): the
-reference on CPU (and CUDA), triton in Triton's CPU interpreter without a GPU and compiled on
-a GPU, flash_attn on a GPU. A new backend is tested by adding its name to the backend table.
+One suite, parametrized over every backend available here (``BACKENDS_UNDER_TEST``,
+tests/paged_case.py): the reference on CPU (and CUDA), triton in Triton's CPU interpreter
+without a GPU and compiled on a GPU, flash_attn on a GPU. A new backend is tested by adding its
+name to the backend table. What is specific to one backend (its tuning knobs, its launch
+parameters, the library's own limits) lives in that backend's file; hostile metadata is
+tests/test_backend_metadata_fuzz.py.
 
 Every case goes through a real BlockManager with a scrambled free queue (shuffled,
 non-contiguous block ids) and a NaN-poisoned cache with a NaN block on each side (a read of an
 unwritten slot, a padding entry or past the cache shows as NaN, which never passes), and the
 backend writes the step's new K/V with its own ``write_kv`` before attending.
+
+Small shapes run everywhere (the interpreter is slow); GPU-sized shapes (head_dim 256, GQA 8,
+rows of thousands of tokens, block 512, caches past 2**31 elements) run on CUDA devices only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from attention import BACKENDS, AttentionSpec, get_backend
-from attention.base import AttentionBackend
-from attention.errors import InvalidArgumentError, KVCacheError, MetadataError
-from tests.paged_case import PagedCase, make_case, make_spec, reference_output
+from attention.errors import InvalidArgumentError, KVCacheError, MetadataError, UnsupportedSettingError
+from tests.paged_case import (
+    BACKENDS_UNDER_TEST,
+    PagedCase,
+    UnderTest,
+    make_case,
+    make_spec,
+    reference_output,
+    rel_err,
+)
 
 # Element-wise tolerances against a float64 oracle on the same (rounded) inputs; outputs are
 # O(1). fp32: summation order (~1e-6; on a GPU also tf32x3 products, ~2^-21 each). fp16: P is
@@ -33,39 +44,11 @@ TOLERANCE = {
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
+# Norm-relative error of the GPU-sized cases (rows of thousands of tokens). bf16 keeps 8
+# mantissa bits (P and the output are rounded to it: ~4e-3 relative each); fp16 keeps 11, about
+# 8x tighter. fp32 runs its products as "tf32x3" (~2^-21 each) with approximate exp2: ~1e-6.
+REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
 ODD = [1, 31, 32, 33, 97]
-
-
-@dataclass(frozen=True)
-class UnderTest:
-    """A backend on a device, with the block size its tests use."""
-
-    name: str
-    device: str
-    block_size: int
-
-    def make(self, spec: AttentionSpec) -> AttentionBackend:
-        return get_backend(self.name, spec)
-
-    def supports(self, dtype: torch.dtype) -> bool:
-        return str(dtype).removeprefix("torch.") in BACKENDS[self.name].dtypes
-
-
-def _under_test() -> list[UnderTest]:
-    cuda = torch.cuda.is_available()
-    found = [UnderTest("reference", "cpu", 32)]
-    for name, info in BACKENDS.items():
-        if info.library is not None and importlib.util.find_spec(info.library) is None:
-            continue
-        block = info.block_sizes.factor
-        if cuda and "cuda" in info.devices:
-            found.append(UnderTest(name, "cuda", block))
-        elif name == "triton" and not cuda:
-            found.append(UnderTest(name, "cpu", block))  # the CPU interpreter (conftest.py)
-    return found
-
-
-BACKENDS_UNDER_TEST = [pytest.param(b, id=f"{b.name}-{b.device}") for b in _under_test()]
 
 
 def _run(
@@ -98,18 +81,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+def _block_sizes(under: UnderTest, multiples: tuple[int, ...]) -> list[int]:
+    """Multiples of the backend's smallest block size that its table accepts."""
+    rule = BACKENDS[under.name].block_sizes
+    return [m * under.block_size for m in multiples if rule.allows(m * under.block_size)]
+
+
 # ---- write_kv ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_write_kv_writes_exactly_the_new_slots(under: UnderTest, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("multiple", [1, 2], ids=["block-x1", "block-x2"])
+def test_write_kv_writes_exactly_the_new_slots(under: UnderTest, dtype: torch.dtype, multiple: int) -> None:
     if not under.supports(dtype):
         pytest.skip(f"{under.name} does not compute in {dtype}")
     spec = make_spec(6, 3, 40, dtype)  # head_dim 40 pads to 64 lanes in the kernels
-    case = make_case(
-        [(3, 5), (0, 1), (under.block_size - 1, 2)], spec, block_size=under.block_size, device=under.device, pad_to=5
-    )
+    bs = multiple * under.block_size
+    case = make_case([(3, 5), (0, 1), (bs - 1, 2)], spec, block_size=bs, device=under.device, pad_to=5)
     backend = under.make(spec)
     plan = backend.plan(case.meta)
     before = case.storage.clone()
@@ -166,14 +155,34 @@ def test_mixed_batch(under: UnderTest) -> None:
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
-def test_padding_rows_read_and_write_nothing(under: UnderTest) -> None:
-    """A CUDA-graph bucket: rows past the real ones have seq_len 0 and slot -1; the real rows
-    are exact and no cache slot outside the real new tokens changes."""
+@pytest.mark.parametrize("multiple", [2, 3, 8], ids=lambda m: f"block-x{m}")
+def test_larger_block_sizes(under: UnderTest, multiple: int) -> None:
+    """Blocks of several tiles (and, at x3, not a power of two): rows ending just before, at
+    and after block edges, plus one extend row."""
+    sizes = _block_sizes(under, (multiple,))
+    if not sizes:
+        pytest.skip(f"{under.name} takes no block size {multiple * under.block_size}")
+    bs = sizes[0]
+    dtype = torch.float16
+    spec = make_spec(4, 2, 32, dtype)
+    rows = [(0, 1), (bs - 2, 1), (bs - 1, 1), (bs, 1), (2 * bs + 40, 1), (bs - 5, 17)]
+    out, ref, _ = _run(under, rows, spec, seed=multiple, block_size=bs)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize(
+    "rows", [[(5, 1), (40, 1)], [(20, 13), (40, 1)]], ids=["decode-graph-bucket", "prefill-padded"]
+)
+def test_padding_rows_read_and_write_nothing(under: UnderTest, rows: list[tuple[int, int]]) -> None:
+    """A padded step (a CUDA-graph bucket for decode): rows past the real ones have seq_len 0
+    and slot -1; the real rows are exact and no cache slot outside the real new tokens
+    changes."""
     dtype = torch.float16
     spec = make_spec(4, 2, 64, dtype)
-    case = make_case([(5, 1), (40, 1)], spec, block_size=under.block_size, device=under.device, pad_to=4)
+    case = make_case(rows, spec, block_size=under.block_size, device=under.device, pad_to=5)
     backend = under.make(spec)
-    graph = BACKENDS[under.name].cuda_graphs
+    graph = BACKENDS[under.name].cuda_graphs and case.meta.is_pure_decode
     plan = backend.plan(case.meta, graph=graph)
     before = case.storage.clone()
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
@@ -184,7 +193,7 @@ def test_padding_rows_read_and_write_nothing(under: UnderTest) -> None:
     expect = torch.zeros_like(changed[:, 1:-1]).flatten(1)
     expect[:, real] = True
     assert torch.equal(changed[:, 1:-1].flatten(1), expect), "a padding row wrote K/V"
-    _check(out[:2], reference_output(case), dtype)
+    _check(out[: case.meta.num_real_tokens], reference_output(case), dtype)
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
@@ -196,19 +205,32 @@ def test_sliding_window(under: UnderTest) -> None:
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
-def test_out_argument_and_strided_query(under: UnderTest) -> None:
+@pytest.mark.parametrize("rows", [[(30, 1), (64, 1)], [(10, 1), (0, 7)]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("layout", ["fused-query", "strided-query-and-out"])
+def test_out_argument_scale_and_strided_tensors(under: UnderTest, rows: list[tuple[int, int]], layout: str) -> None:
+    """``out=`` is written and returned; queries and outputs need not be contiguous (a view of
+    a fused QKV projection: token stride 3 * heads * d; or a stride-2 last dim)."""
     dtype = torch.float16
     spec = make_spec(4, 2, 64, dtype, softmax_scale=0.3)
-    case = make_case([(10, 1), (0, 7)], spec, block_size=under.block_size, device=under.device)
+    case = make_case(rows, spec, block_size=under.block_size, device=under.device)
     backend = under.make(spec)
     plan = backend.plan(case.meta)
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
-    wide = torch.randn(case.query.shape[0], spec.num_heads, 2 * spec.head_dim).to(case.query)
-    wide[..., ::2] = case.query  # a strided view with the same values
-    out = torch.full_like(case.query, float("nan"))
-    result = backend.attend(wide[..., ::2], case.layer, plan, out=out)
+    t, h, d = case.query.shape
+    if layout == "fused-query":
+        fused = torch.randn(t, 3, h, d).to(case.query)
+        fused[:, 1] = case.query
+        query, out = fused[:, 1], torch.full_like(case.query, float("nan"))
+    else:
+        wide = torch.randn(t, h, 2 * d).to(case.query)
+        wide[..., ::2] = case.query  # a strided view with the same values
+        query, out = wide[..., ::2], torch.full((t, h, 2 * d), float("nan")).to(case.query)[..., ::2]
+    result = backend.attend(query, case.layer, plan, out=out)
     assert result is out
     _check(out, reference_output(case), dtype)
+
+
+# ---- refusals ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
@@ -216,9 +238,13 @@ def test_out_argument_and_strided_query(under: UnderTest) -> None:
     ("change", "message"),
     [
         ("query_heads", "query: expected shape"),
+        ("query_tokens", "query: expected shape"),
         ("query_dtype", "query: expected dtype"),
         ("key_shape", "key: expected shape"),
         ("cache_heads", "layer.key: expected shape"),
+        ("cache_dtype", "layer.key: expected dtype"),
+        ("cache_block_48", "block_size 48 is refused"),
+        ("cache_not_contiguous", "expected contiguous"),
         ("foreign_plan", "plan: made by"),
     ],
 )
@@ -232,12 +258,23 @@ def test_bad_arguments_raise_before_any_kernel(under: UnderTest, change: str, me
     query, key, layer = case.query, case.new_key, case.layer
     if change == "query_heads":
         query = query[:, :3]
+    elif change == "query_tokens":
+        query = query[:0]
     elif change == "query_dtype":
         query = query.float()
     elif change == "key_shape":
         key = key[:-1]
     elif change == "cache_heads":
         layer = dataclasses.replace(layer, key=layer.key[:, :, :1], value=layer.value[:, :, :1])
+    elif change == "cache_dtype":
+        layer = dataclasses.replace(layer, key=layer.key.double(), value=layer.value.double())
+    elif change == "cache_block_48":
+        blocks = torch.zeros(4, 48, 2, 64, dtype=dtype, device=under.device)
+        layer = dataclasses.replace(layer, key=blocks, value=blocks.clone())
+    elif change == "cache_not_contiguous":
+        layer = dataclasses.replace(
+            layer, key=layer.key.transpose(2, 3).contiguous().transpose(2, 3), value=layer.value
+        )
     elif change == "foreign_plan":
         plan = get_backend("reference", make_spec(8, 2, 64, dtype)).plan(case.meta)
     with pytest.raises(KVCacheError, match=message):
@@ -246,6 +283,20 @@ def test_bad_arguments_raise_before_any_kernel(under: UnderTest, change: str, me
         else:
             backend.write_kv(key, case.new_value, layer, plan)
     assert torch.equal(_bits(case.storage), _bits(before)), "a refused call wrote to the cache"
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+def test_declared_limits_are_refused_at_construction(under: UnderTest) -> None:
+    """Just past the head_dim and outside the dtypes the backend table declares: refused when
+    the backend is built for the spec, naming the field."""
+    info = BACKENDS[under.name]
+    with pytest.raises(UnsupportedSettingError, match=rf"spec\.head_dim: {info.head_dims.maximum + 8} is refused"):
+        get_backend(under.name, make_spec(4, 2, info.head_dims.maximum + 8, torch.float16))
+    get_backend(under.name, make_spec(4, 2, info.head_dims.maximum, torch.float16))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if not under.supports(dtype):
+            with pytest.raises(UnsupportedSettingError, match=r"spec\.dtype"):
+                get_backend(under.name, make_spec(4, 2, 64, dtype))
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
@@ -271,3 +322,110 @@ def test_fp8_cache(under: UnderTest, dtype: torch.dtype) -> None:
     out, ref, case = _run(under, [(40, 1), (0, 17), (33, 5), (97, 1)], spec, seed=4)
     assert case.layer.key.dtype == torch.float8_e4m3fn
     _check(out, ref, dtype)
+
+
+# ---- GPU-sized cases (CUDA only) -----------------------------------------------------------
+
+_CUDA = [p for p in BACKENDS_UNDER_TEST if p.values[0].device == "cuda"]
+CUDA_BACKENDS = _CUDA or [pytest.param(None, id="no-cuda", marks=pytest.mark.skip(reason="needs a CUDA device"))]
+gpu = pytest.mark.gpu
+
+DECODE = [(c, 1) for c in (0, 1, 31, 255, 256, 257, 1000, 2047, 3001, 4095, 8191)]
+MIXED = [(0, 1), (0, 31), (0, 97), (255, 1), (256, 1), (257, 1), (600, 33), (1000, 1), (0, 513), (31, 300)]
+LONG_PROMPTS = [(0, 2048), (0, 1000), (1500, 700)]
+GPU_ROWS = [
+    pytest.param(DECODE, id="decode"),
+    pytest.param(MIXED, id="mixed"),
+    pytest.param(LONG_PROMPTS, id="long-prompts"),
+]
+
+# (dtype, GQA group, head_dim, block): every combination at the backend's smallest block size;
+# at a large one (256 for reference and triton, 512 for flash_attn), a subset that still covers
+# every value of each axis.
+GPU_SHAPES = [
+    pytest.param(dtype, group, head_dim, "smallest", id=f"{str(dtype)[6:]}-g{group}-d{head_dim}-smallest-block")
+    for dtype in (torch.bfloat16, torch.float16)
+    for group in (1, 4, 8)
+    for head_dim in (64, 128, 256)
+] + [
+    pytest.param(dtype, group, head_dim, "large", id=f"{str(dtype)[6:]}-g{group}-d{head_dim}-large-block")
+    for dtype, group, head_dim in (
+        (torch.bfloat16, 1, 128),
+        (torch.bfloat16, 4, 128),
+        (torch.bfloat16, 8, 128),
+        (torch.float16, 4, 64),
+        (torch.bfloat16, 4, 256),
+        (torch.float16, 8, 256),
+    )
+]
+
+
+def _gpu_run(under: UnderTest, rows: list[tuple[int, int]], spec: AttentionSpec, block_size: int, seed: int) -> None:
+    out, ref, _ = _run(under, rows, spec, block_size=block_size, seed=seed)
+    dtype = getattr(torch, spec.dtype)
+    assert rel_err(out, ref) < REL_TOLERANCE[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("under", CUDA_BACKENDS)
+@pytest.mark.parametrize(("dtype", "group", "head_dim", "block"), GPU_SHAPES)
+@pytest.mark.parametrize("rows", GPU_ROWS)
+def test_gpu_shapes(
+    under: UnderTest, dtype: torch.dtype, group: int, head_dim: int, block: str, rows: list[tuple[int, int]]
+) -> None:
+    block_size = under.block_size if block == "smallest" else max(256, 2 * under.block_size)
+    spec = make_spec(2 * group, 2, head_dim, dtype)
+    _gpu_run(under, rows, spec, block_size, seed=group * 1000 + head_dim)
+
+
+@gpu
+@pytest.mark.parametrize("under", CUDA_BACKENDS)
+@pytest.mark.parametrize("rows", GPU_ROWS[:2])
+def test_gpu_float32(under: UnderTest, rows: list[tuple[int, int]]) -> None:
+    """fp32 caches use exact fp32 dot products (not tf32)."""
+    if not under.supports(torch.float32):
+        pytest.skip(f"{under.name} does not compute in float32")
+    _gpu_run(under, rows, make_spec(8, 2, 128, torch.float32), under.block_size, seed=0)
+
+
+@gpu
+@pytest.mark.parametrize("under", CUDA_BACKENDS)
+@pytest.mark.parametrize("head_dim", [40, 96, 200])
+@pytest.mark.parametrize("rows", GPU_ROWS[:2])
+def test_gpu_padded_head_dims(under: UnderTest, head_dim: int, rows: list[tuple[int, int]]) -> None:
+    """head_dims that are not powers of two (the kernels pad them to 64, 128, 256 lanes)."""
+    block_size = max(64, under.block_size)
+    _gpu_run(under, rows, make_spec(8, 2, head_dim, torch.bfloat16), block_size, seed=head_dim)
+
+
+@gpu
+@pytest.mark.parametrize("under", CUDA_BACKENDS)
+def test_cache_past_int32_offsets(under: UnderTest) -> None:
+    """A layer cache of more than 2**31 elements, with the rows' blocks at its far end, so
+    every address the kernels form (cache writes and reads) overflows int32."""
+    block_size, kvh, d = 256, 8, 128
+    spec = make_spec(4 * kvh, kvh, d, torch.bfloat16)
+    small = make_case([(700, 1), (300, 1)], spec, block_size=block_size, device=under.device)
+    num_blocks = (2**31) // (block_size * kvh * d) + 8
+    used = small.layer.num_blocks
+    shift = num_blocks - used  # block b of the small case lives at b + shift
+    big = torch.empty((2, num_blocks, block_size, kvh, d), dtype=torch.bfloat16, device=under.device)
+    assert big[0].numel() > 2**31
+    big[:, shift:] = small.storage[:, 1:-1]
+    layer = dataclasses.replace(small.layer, key=big[0], value=big[1])
+    meta = small.meta
+    meta = dataclasses.replace(
+        meta,
+        block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + shift, meta.block_tables),
+        slot_mapping=torch.where(meta.slot_mapping >= 0, meta.slot_mapping + shift * block_size, meta.slot_mapping),
+    )
+    expect = reference_output(small)
+    backend = under.make(spec)
+    plan = backend.plan(meta)
+    backend.write_kv(small.new_key, small.new_value, layer, plan)
+    out = backend.attend(small.query, layer, plan)
+    assert rel_err(out, expect) < REL_TOLERANCE[torch.bfloat16]
+    written = big.view(2, -1, kvh, d)[:, meta.slot_mapping]
+    assert torch.equal(written[0], small.new_key) and torch.equal(written[1], small.new_value)
+    del big, layer
+    torch.cuda.empty_cache()

@@ -1,10 +1,12 @@
 """The token-balanced decode kernel (attention.triton_kernels.decode) against a float64
 reference, launched directly with its schedule, device metadata and workspace.
 
-Without a GPU this runs in Triton's CPU interpreter (tests/conftest.py), so shapes stay small.
-Caches come from tests/paged_case.py (shuffled block ids, NaN in every slot no token was
-written to) and sit between two NaN blocks, so a read of an unused slot, of a padded table
-entry or just outside the cache turns the output NaN. Both combine modes run every case.
+Without a GPU this runs in Triton's CPU interpreter (tests/conftest.py), so shapes stay small;
+the CUDA-graph replay runs on a GPU only. Caches come from tests/paged_case.py (shuffled block
+ids, NaN in every slot no token was written to) and sit between two NaN blocks, so a read of
+an unused slot, of a padded table entry or just outside the cache turns the output NaN. Both
+combine modes run every case. What the triton backend decides around this kernel (its plan,
+its chunk lengths) is tests/test_triton_backend.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import pytest
 import torch
 
+from attention import ReferenceBackend
 from attention.triton_kernels import (
     DecodeConfig,
     DecodeSchedule,
@@ -22,13 +25,14 @@ from attention.triton_kernels import (
     allocate_decode_workspace,
     decode_metadata,
     max_decode_items,
+    max_decode_partials,
     paged_decode,
     schedule_decode,
 )
-from tests.paged_case import PagedCase, make_case, reference_output
+from tests.paged_case import PagedCase, make_case, make_spec, reference_output, rel_err
 
 # Element-wise, against float64 on the same rounded inputs; outputs are O(1). As in
-# tests/test_triton_interpret.py: fp32 differs by summation order (~1e-6); fp16 rounds P to
+# tests/test_backend_contract.py: fp32 differs by summation order (~1e-6); fp16 rounds P to
 # 11 bits before P@V and the output to fp16 (~5e-4 relative each); bf16 the same with 8 bits
 # (~4e-3 each). Split rows add nothing: partials and their merge stay in fp32. fp8 caches are
 # compared with the dequantised values, so they add no error beyond the query's dtype.
@@ -42,23 +46,22 @@ COMBINE = pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel",
 
 
 def _case(
-    lens: list[int], *, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    lens: list[int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
 ) -> PagedCase:
-    """Rows of ``lens`` K/V tokens (the last one new), caches wrapped in NaN blocks."""
-    case = make_case(
-        [(n - 1, 1) for n in lens],
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-        device="cpu",
-        spare_blocks=2,
-    )
-    n, bs, kvh, d = case.k_cache.shape
-    storage = torch.full((2, n + 2, bs, kvh, d), float("nan"), dtype=dtype)
-    storage[0, 1:-1], storage[1, 1:-1] = case.k_cache, case.v_cache
-    return dataclasses.replace(case, k_cache=storage[0, 1:-1], v_cache=storage[1, 1:-1])
+    """Rows of ``lens`` K/V tokens (the last one new, written by the reference), caches
+    wrapped in NaN blocks."""
+    spec = make_spec(heads, kv_heads, head_dim, dtype)
+    case = make_case([(n - 1, 1) for n in lens], spec, block_size=block_size, device=device, spare_blocks=2)
+    writer = ReferenceBackend(spec)
+    writer.write_kv(case.new_key, case.new_value, case.layer, writer.plan(case.meta))
+    return case
 
 
 def _reference(
@@ -70,15 +73,15 @@ def _reference(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """float64 [rows, heads, head_dim]: row d's query token over its kv range (any window)."""
-    k_all = case.k_cache.double().flatten(0, 1)  # [slots, kv_heads, d]
-    v_all = case.v_cache.double().flatten(0, 1)
+    k_all = case.layer.key.double().flatten(0, 1)  # [slots, kv_heads, d]
+    v_all = case.layer.value.double().flatten(0, 1)
     if kv_scales is not None:
         k_all, v_all = k_all * kv_scales[0].double()[:, None], v_all * kv_scales[1].double()[:, None]
-    bs = case.k_cache.shape[1]
-    heads, kvh = case.query.shape[1], case.k_cache.shape[2]
+    bs = case.layer.block_size
+    heads, kvh = case.query.shape[1], case.layer.key.shape[2]
     outs = []
     for (start, end), row, token in zip(ranges, table_rows, q_tokens, strict=True):
-        pos = torch.arange(start, end)
+        pos = torch.arange(start, end, device=case.query.device)
         slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
         k = k_all[slots].repeat_interleave(heads // kvh, dim=1)  # [n, heads, d]
         v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
@@ -97,7 +100,7 @@ class Launch:
 
 def _prepare(case: PagedCase, block_n: int, **schedule_args: object) -> Launch:
     heads, head_dim = case.query.shape[1:]
-    kvh = case.k_cache.shape[2]
+    kvh = case.layer.key.shape[2]
     args: dict[str, object] = {"kv_ranges": [(0, n) for n in case.meta.seq_lens_host], "num_sms": SMS}
     args.update(schedule_args)
     schedule = schedule_decode(num_kv_heads=kvh, block_n=block_n, **args)  # type: ignore[arg-type]
@@ -118,8 +121,8 @@ def _run(case: PagedCase, launch: Launch, config: DecodeConfig, out: torch.Tenso
     scale = 1.0 / math.sqrt(case.query.shape[2])
     return paged_decode(
         case.query,
-        case.k_cache,
-        case.v_cache,
+        case.layer.key,
+        case.layer.value,
         case.meta.block_tables,
         launch.rows,
         launch.items,
@@ -199,12 +202,12 @@ def test_sliding_window_reads_only_the_window(fused: bool) -> None:
     their table entries PAD, so any read of them shows."""
     case = _case([150, 97, 64, 40], heads=4, kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
     starts = [37, 64, 63, 0]
-    bs, kvh, d = case.k_cache.shape[1:]
+    bs, kvh, d = case.layer.key.shape[1:]
     for row, start in enumerate(starts):
         pos = torch.arange(start)
         slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
-        case.k_cache.view(-1, kvh, d)[slots] = float("nan")
-        case.v_cache.view(-1, kvh, d)[slots] = float("nan")
+        case.layer.key.view(-1, kvh, d)[slots] = float("nan")
+        case.layer.value.view(-1, kvh, d)[slots] = float("nan")
         case.meta.block_tables[row, : start // bs] = -1  # blocks wholly before the window: freed
     ranges = [(s, n) for s, n in zip(starts, case.meta.seq_lens_host, strict=True)]
     launch = _prepare(case, 16, kv_ranges=ranges, chunk_len=32)
@@ -244,7 +247,7 @@ def test_garbage_metadata_stays_inside_every_tensor(fused: bool) -> None:
     counts and row indices: no crash, no NaN from outside the cache (the NaN blocks around
     it), and the slabs around the output and the workspace keep their bits."""
     case = _case([100, 90, 80, 70, 60], heads=4, kv_heads=2, head_dim=32, block_size=32, dtype=torch.float32)
-    num_blocks = case.k_cache.shape[0]
+    num_blocks = case.layer.num_blocks
     case.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)  # NaN border, huge
     launch = _prepare(case, 16, chunk_len=32)
     s = launch.schedule
@@ -277,8 +280,8 @@ def test_garbage_metadata_stays_inside_every_tensor(fused: bool) -> None:
 def test_fp8_cache_with_per_head_scales() -> None:
     """float8_e4m3fn K/V with fp32 per-KV-head scales, fp16 query (runs in the interpreter)."""
     case = _case([45, 130, 7], heads=8, kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32)
-    k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.k_cache, case.v_cache))
-    fp8 = dataclasses.replace(case, k_cache=k8, v_cache=v8, query=case.query.half())
+    k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.layer.key, case.layer.value))
+    fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=case.query.half())
     k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25])
     launch = _prepare(fp8, 32, chunk_len=64)
     out = torch.zeros_like(fp8.query)
@@ -298,7 +301,7 @@ def test_fp8_cache_with_per_head_scales() -> None:
         v_scale=v_scale,
     )
     ranges = [(0, n) for n in case.meta.seq_lens_host]
-    deq = dataclasses.replace(fp8, k_cache=k8.float(), v_cache=v8.float())
+    deq = dataclasses.replace(fp8, layer=dataclasses.replace(case.layer, key=k8.float(), value=v8.float()))
     ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 0.125, (k_scale, v_scale))
     _check(out, ref, torch.float16)
 
@@ -317,7 +320,7 @@ def test_fp8_cache_with_per_head_scales() -> None:
 def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> None:
     case = _case([50, 20, 3], heads=4, kv_heads=2, head_dim=16, block_size=32, dtype=torch.float16)
     launch = _prepare(case, 16, chunk_len=32)
-    config, k_cache, v_cache, query = DecodeConfig(block_n=16), case.k_cache, case.v_cache, case.query
+    config, k_cache, v_cache, query = DecodeConfig(block_n=16), case.layer.key, case.layer.value, case.query
     scales: dict[str, torch.Tensor] = {}
     if change == "block_n":
         config = DecodeConfig(block_n=64)
@@ -350,18 +353,64 @@ def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> N
         )
 
 
-def test_backend_checks_the_launch_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer of a step passes tensors of one shape: the launcher's host checks run for
-    the first layer only, and the output stays right for the others."""
-    from attention.triton_backend import TritonBackend
-    from attention.triton_kernels import decode as decode_module
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@COMBINE
+def test_decode_graph_replays_later_steps_on_a_fixed_grid(fused: bool) -> None:
+    """Capture one decode launch for a bucket of 8 rows, then replay it for steps with other
+    rows, lengths and chunkings: only the persistent metadata buffers change (a graph's
+    launches keep their grid and arguments). Fused counters are back at 0 after each."""
+    lens = [4096, 31, 701, 2048, 2, 9001, 257, 5001]
+    case = _case(lens, heads=8, kv_heads=2, head_dim=128, block_size=32, dtype=torch.bfloat16, device="cuda")
+    kvh, heads, d = 2, 8, 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bucket, config = 8, DecodeConfig(block_n=64, fused_combine=fused)
+    cap_items = max_decode_items(bucket, kvh, sms)
+    rows_buf = torch.zeros((bucket, 4), dtype=torch.int32, device="cuda")
+    items_buf = torch.zeros((cap_items, 8), dtype=torch.int32, device="cuda")
+    workspace = allocate_decode_workspace(
+        max_rows=bucket,
+        max_partials=max_decode_partials(bucket, kvh, sms),
+        num_heads=heads,
+        num_kv_heads=kvh,
+        head_dim=d,
+        device="cuda",
+    )
+    scale = d**-0.5
 
-    calls = []
-    real = decode_module.check_decode_launch
-    monkeypatch.setattr(decode_module, "check_decode_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
-    case = _case([40, 3], heads=4, kv_heads=2, head_dim=16, block_size=32, dtype=torch.float32)
-    backend = TritonBackend(decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
-    plan = backend.plan(case.meta)
-    for _ in range(2):
-        _check(backend.attend(case.query, case.k_cache, case.v_cache, plan), reference_output(case), torch.float32)
-    assert len(calls) == 1
+    def schedule(table_rows: list[int]) -> DecodeSchedule:
+        return schedule_decode(
+            [(0, lens[r]) for r in table_rows],
+            num_kv_heads=kvh,
+            num_sms=sms,
+            block_n=config.block_n,
+            max_items=cap_items,
+            max_rows=bucket,
+            table_rows=table_rows,
+            q_tokens=list(range(len(table_rows))),
+        )
+
+    out = torch.zeros_like(case.query)
+    first = schedule([0, 1, 2])
+    decode_metadata(first, "cuda", rows_out=rows_buf, items_out=items_buf)
+
+    def launch() -> None:
+        paged_decode(case.query, case.layer.key, case.layer.value, case.meta.block_tables, rows_buf, items_buf,
+                     first, workspace, softmax_scale=scale, out=out, config=config)  # fmt: skip
+
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for table_rows in ([0, 1, 2], [7, 6, 5, 4, 3, 2, 1, 0], [5], [3, 5, 7, 0, 1]):
+        step = schedule(table_rows)
+        decode_metadata(step, "cuda", rows_out=rows_buf, items_out=items_buf)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(table_rows)
+        expect = _reference(case, [(0, lens[r]) for r in table_rows], table_rows, list(range(n)), scale)
+        assert rel_err(out[:n], expect) < 2e-2, f"step {table_rows}"  # bf16: as the contract's GPU cases
+        assert not out[n:].any(), "a token no row names was written"
+        assert not workspace.counters.any()

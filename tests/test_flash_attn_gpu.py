@@ -1,6 +1,9 @@
-"""flash_attn backend against the reference, and its declared limits against the library.
+"""What is specific to the flash_attn backend: its declared limits (the backend table) against
+flash-attn itself, and the compute capability it needs.
 
-Runs on a CUDA GPU with flash-attn 2 installed (e.g. the H200 test machine); skipped otherwise.
+The config half runs everywhere; the library half needs a CUDA GPU with flash-attn 2 installed
+(e.g. the H200 test machine) and is skipped otherwise. flash_attn against the reference is
+tests/test_backend_contract.py, like every backend.
 """
 
 from __future__ import annotations
@@ -10,67 +13,42 @@ import importlib.util
 import pytest
 import torch
 
-from attention import get_backend
+from attention import BACKENDS
 from kvcache import ConfigError, parse_config
-from tests.paged_case import make_case, reference_output, rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn 2 installed"),
-]
-
-# bf16 keeps 8 bits of mantissa: a softmax-weighted sum over many tokens lands around 4e-3
-# relative to a float64 oracle; fp16 (11 bits) about 8x tighter.
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-MIXED = [(0, 1), (0, 31), (0, 97), (255, 1), (256, 1), (257, 1), (600, 33), (1000, 1), (0, 513), (31, 300)]
-DECODE = [(c, 1) for c in (0, 1, 31, 255, 256, 257, 1000, 2047, 3001)]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("rows", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_matches_reference(dtype: torch.dtype, group: int, head_dim: int, rows: list[tuple[int, int]]) -> None:
-    kv_heads = 2
-    case = make_case(rows, heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim, block_size=256,
-                     dtype=dtype, device="cuda", seed=group * 1000 + head_dim)
-    backend = get_backend("flash_attn")
-    out = backend.attend(case.query, case.k_cache, case.v_cache, backend.plan(case.meta))
-    assert rel_err(out, reference_output(case)) < TOLERANCE[dtype]
-
-
-def test_block_512_and_write_kv() -> None:
-    case = make_case(MIXED, heads=8, kv_heads=2, head_dim=128, block_size=512, dtype=torch.bfloat16, device="cuda")
-    backend = get_backend("flash_attn")
-    k_before = case.k_cache.clone()
-    # Rewrite the new tokens' K/V through the backend: the cache must not change at all.
-    backend.write_kv(case.new_key, case.new_value, case.k_cache, case.v_cache, case.meta.slot_mapping)
-    assert torch.equal(k_before.nan_to_num(7.0), case.k_cache.nan_to_num(7.0))
-    out = backend.attend(case.query, case.k_cache, case.v_cache, backend.plan(case.meta))
-    assert rel_err(out, reference_output(case)) < TOLERANCE[torch.bfloat16]
-
-
-def test_write_kv_skips_padding_and_touches_nothing_else() -> None:
-    backend = get_backend("flash_attn")
-    k = torch.full((3, 256, 2, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
-    v = k.clone()
-    slots = torch.tensor([5, -1, 700, 256], device="cuda")
-    key = torch.randn(4, 2, 64, dtype=torch.bfloat16, device="cuda")
-    value = torch.randn(4, 2, 64, dtype=torch.bfloat16, device="cuda")
-    backend.write_kv(key, value, k, v, slots)
-    flat = k.view(-1, 2, 64)
-    assert torch.equal(flat[[5, 700, 256]], key[[0, 2, 3]])
-    assert torch.equal(v.view(-1, 2, 64)[[5, 700, 256]], value[[0, 2, 3]])
-    assert int((~torch.isnan(flat)).any(-1).any(-1).sum()) == 3
-
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_flash_attn = pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn 2 installed"
+)
 
 CONFIG = """
 model: {{num_layers: 1, num_heads: 8, num_kv_heads: 2, head_dim: {head_dim}}}
 cache: {{block_size: {block_size}, dtype: {dtype}, num_blocks: 4, device: cuda}}
 attention: {{backend: flash_attn}}
 """
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Just inside and just outside each declared limit, and the config field that names it.
+LIMITS = [
+    pytest.param(
+        {"block_size": 256, "head_dim": 128, "dtype": "bfloat16"},
+        {"block_size": 224, "head_dim": 128, "dtype": "bfloat16"},
+        "cache.block_size",
+        id="block_size",
+    ),
+    pytest.param(
+        {"block_size": 256, "head_dim": 256, "dtype": "float16"},
+        {"block_size": 256, "head_dim": 264, "dtype": "float16"},
+        "model.head_dim",
+        id="head_dim",
+    ),
+    pytest.param(
+        {"block_size": 256, "head_dim": 64, "dtype": "float16"},
+        {"block_size": 256, "head_dim": 64, "dtype": "float32"},
+        "cache.dtype",
+        id="dtype",
+    ),
+]
 
 
 def _library_call(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -85,30 +63,37 @@ def _library_call(block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize(
-    ("inside", "outside", "field"),
-    [
-        ({"block_size": 256, "head_dim": 128, "dtype": "bfloat16"},
-         {"block_size": 224, "head_dim": 128, "dtype": "bfloat16"}, "cache.block_size"),
-        ({"block_size": 256, "head_dim": 256, "dtype": "float16"},
-         {"block_size": 256, "head_dim": 264, "dtype": "float16"}, "model.head_dim"),
-        ({"block_size": 256, "head_dim": 64, "dtype": "float16"},
-         {"block_size": 256, "head_dim": 64, "dtype": "float32"}, "cache.dtype"),
-    ],
-    ids=["block_size", "head_dim", "dtype"],
-)
-def test_declared_limits_match_the_library(inside: dict[str, object], outside: dict[str, object], field: str) -> None:
-    """Just inside a limit: our config accepts and flash-attn runs. Just outside: our config
-    refuses, naming the field, and flash-attn itself refuses too (so the limit is real)."""
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+@pytest.mark.parametrize(("inside", "outside", "field"), LIMITS)
+def test_config_takes_the_declared_limits(inside: dict[str, object], outside: dict[str, object], field: str) -> None:
+    """Just inside a limit our config accepts; just outside it refuses, naming the field."""
     parse_config(CONFIG.format(**inside))
-    _library_call(int(inside["block_size"]), int(inside["head_dim"]), dtypes[str(inside["dtype"])])  # type: ignore[call-overload]
     with pytest.raises(ConfigError, match=field):
         parse_config(CONFIG.format(**outside))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_flash_attn
+@pytest.mark.parametrize(("inside", "outside", "field"), LIMITS)
+def test_declared_limits_match_the_library(inside: dict[str, object], outside: dict[str, object], field: str) -> None:
+    """Just inside a limit flash-attn runs; just outside it refuses too (so the limit is
+    real, not ours alone)."""
+    _library_call(int(inside["block_size"]), int(inside["head_dim"]), DTYPES[str(inside["dtype"])])  # type: ignore[call-overload]
     with pytest.raises(RuntimeError):
-        _library_call(int(outside["block_size"]), int(outside["head_dim"]), dtypes[str(outside["dtype"])])  # type: ignore[call-overload]
+        _library_call(int(outside["block_size"]), int(outside["head_dim"]), DTYPES[str(outside["dtype"])])  # type: ignore[call-overload]
 
 
-def test_compute_capability_is_at_least_the_declared_minimum() -> None:
-    """The H200 is 9.0; the declared minimum (8.0, Ampere) cannot be probed from below here."""
-    assert torch.cuda.get_device_capability() >= (8, 0)
+@pytest.mark.gpu
+@needs_cuda
+@needs_flash_attn
+def test_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU here meets the declared minimum (the H200 is 9.0); an older one is refused
+    with the backends to use instead."""
+    from attention.flash_attn_backend import _check_compute_capability
+
+    minimum = BACKENDS["flash_attn"].min_compute_capability
+    assert minimum == (8, 0)
+    assert torch.cuda.get_device_capability() >= minimum
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(RuntimeError, match=r"compute capability >= 8\.0, .* has 7\.5; use attention\.backend triton"):
+        _check_compute_capability.__wrapped__(torch.device("cuda"), minimum)

@@ -1,0 +1,382 @@
+"""What is specific to the triton backend: its tuning knobs (decode chunk lengths, decode and
+prefill tile configurations, the benchmark sweeps), its plan (decode rows and schedules, the
+prefill tile index, tile shrink, CUDA-graph grids), and its CPU refusals.
+
+What every backend must do is tests/test_backend_contract.py. Without a GPU the kernels run
+in Triton's CPU interpreter (tests/conftest.py), so shapes stay small; the sweeps and the
+GPU-sized chunkings run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attention import ReferenceBackend
+from attention.errors import KVCacheError, UnsupportedSettingError
+from attention.spec import AttentionSpec
+from attention.triton_backend import TritonBackend, TritonStepPlan
+from attention.triton_kernels import (
+    DECODE_SWEEP,
+    PREFILL_SWEEP,
+    DecodeConfig,
+    PrefillConfig,
+    default_prefill_config,
+    prefill_tile_index,
+)
+from tests.paged_case import PagedCase, make_case, make_spec, reference_output, rel_err
+
+# Element-wise tolerances against a float64 oracle on the same (rounded) inputs, as in
+# tests/test_backend_contract.py: fp32 differs by summation order (~1e-6); fp16 rounds P to 11
+# bits before P@V and the output to fp16 (~5e-4 relative each); bf16 the same with 8 bits.
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+# Norm-relative error of the GPU-sized cases (as in the contract suite).
+REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
+ODD = [1, 31, 32, 33, 97]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _attend(backend: TritonBackend, case: PagedCase) -> tuple[torch.Tensor, TritonStepPlan]:
+    """The step's K/V written by the reference (the cache-write kernel is the contract suite's;
+    under the interpreter it costs one program per token), then the backend's attend;
+    returns (real tokens' output, plan)."""
+    plan = backend.plan(case.meta)
+    assert isinstance(plan, TritonStepPlan)
+    writer = ReferenceBackend(case.spec)
+    writer.write_kv(case.new_key, case.new_value, case.layer, writer.plan(case.meta))
+    out = backend.attend(case.query, case.layer, plan)
+    return out[: case.meta.num_real_tokens], plan
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in the output: a kernel read an unwritten slot"
+    torch.testing.assert_close(out.double(), ref.double(), **TOLERANCE[dtype])
+
+
+def _case(rows: list[tuple[int, int]], spec: AttentionSpec, block_size: int, device: str, seed: int = 0) -> PagedCase:
+    return make_case(rows, spec, block_size=block_size, device=device, seed=seed)
+
+
+# ---- decode: chunk lengths and tiles ---------------------------------------------------
+
+DECODE_CASES = [
+    # dtype, block_size, heads, kv_heads (GQA = heads / kv_heads), head_dim, context lengths
+    pytest.param(torch.float32, 32, 4, 4, 64, ODD, id="fp32-bs32-gqa1-d64"),
+    pytest.param(torch.float16, 64, 8, 2, 128, [0, 33, 97, 200], id="fp16-bs64-gqa4-d128"),
+    pytest.param(torch.bfloat16, 256, 8, 1, 64, [30, 300, 96], id="bf16-bs256-gqa8-d64"),
+    pytest.param(torch.bfloat16, 32, 16, 2, 256, [0, 31, 65], id="bf16-bs32-gqa8-d256"),
+    pytest.param(torch.float16, 32, 6, 3, 40, [2, 32, 96], id="fp16-bs32-gqa2-d40"),
+    pytest.param(torch.float32, 96, 4, 2, 96, [95, 96, 191], id="fp32-bs96-gqa2-d96"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "heads", "kv_heads", "head_dim", "contexts"), DECODE_CASES)
+@pytest.mark.parametrize("chunk_len", [None, 10**6, 32], ids=["policy", "whole-rows", "one-tile-chunks"])
+def test_decode_chunk_lengths(
+    dtype: torch.dtype,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    contexts: list[int],
+    chunk_len: int | None,
+    triton_device: str,
+) -> None:
+    # 32 is rounded up to the tile (block_n), so long rows split into one-tile chunks.
+    spec = make_spec(heads, kv_heads, head_dim, dtype)
+    case = _case([(c, 1) for c in contexts], spec, block_size, triton_device)
+    out, plan = _attend(TritonBackend(spec, decode_chunk_len=chunk_len), case)
+    assert plan.use_decode
+    _check(out, reference_output(case), dtype)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_decode_tile_sizes(block_n: int, block_size: int, triton_device: str) -> None:
+    """Tiles inside one block (one table read) and tiles spanning blocks (per-token reads)."""
+    spec = make_spec(4, 2, 32, torch.float32)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=block_n), decode_chunk_len=64)
+    case = _case([(c, 1) for c in (0, 63, 64, 150)], spec, block_size, triton_device)
+    out, _ = _attend(backend, case)
+    _check(out, reference_output(case), torch.float32)
+
+
+def test_decode_chunks_of_one_tile(triton_device: str) -> None:
+    """Many chunks per long row, one for short rows (the combine step skips those)."""
+    spec = make_spec(2, 1, 16, torch.float16)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
+    case = _case([(0, 1), (17, 1), (250, 1)], spec, 32, triton_device)
+    out, plan = _attend(backend, case)
+    assert plan.decode[0].schedule.needs_combine
+    _check(out, reference_output(case), torch.float16)
+
+
+def test_mixed_batch_with_forced_chunks(triton_device: str) -> None:
+    """Decode rows of a mixed batch run chunked (their table rows and query tokens named in
+    the items), prefill rows beside."""
+    spec = make_spec(4, 2, 32, torch.bfloat16)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), decode_chunk_len=32)
+    case = _case([(60, 1), (20, 30), (0, 1), (95, 1), (5, 17)], spec, 32, triton_device)
+    out, plan = _attend(backend, case)
+    assert plan.decode_rows == (0, 2, 3) and plan.prefill_rows == (1, 4)
+    _check(out, reference_output(case), torch.bfloat16)
+
+
+# ---- prefill: tiles ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (16, 64), (64, 16), (32, 32)])
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_prefill_tile_sizes(block_m: int, block_n: int, block_size: int, triton_device: str) -> None:
+    """Many query tiles per row, key tiles smaller and larger than a block, diagonal tiles
+    that start mid-tile (cached prefix not a multiple of the tile)."""
+    spec = make_spec(4, 2, 16, torch.float32)
+    backend = TritonBackend(spec, prefill_config=PrefillConfig(block_m=block_m, block_n=block_n))
+    case = _case([(0, 97), (45, 40), (100, 1), (7, 33)], spec, block_size, triton_device)
+    out, plan = _attend(backend, case)
+    assert plan.prefill is not None and plan.prefill.config.block_m == block_m
+    _check(out, reference_output(case), torch.float32)
+
+
+def test_prefill_tile_index_covers_every_tile_heaviest_first() -> None:
+    seq_lens, query_lens = (100, 1, 300, 64), (100, 1, 40, 64)
+    tiles = prefill_tile_index(seq_lens, query_lens, 32)
+    expect = {(r, t) for r, q in enumerate(query_lens) for t in range(-(-q // 32))}
+    assert sorted(tiles) == sorted(expect) and len(tiles) == len(expect)
+    work = [seq_lens[r] - query_lens[r] + min((t + 1) * 32, query_lens[r]) for r, t in tiles]
+    assert work == sorted(work, reverse=True)
+
+
+def test_prefill_tile_shrinks_to_short_rows() -> None:
+    assert default_prefill_config(128, torch.bfloat16).block_m == 128
+    short = default_prefill_config(128, torch.bfloat16, max_query_len=5)
+    assert (short.block_m, short.num_warps) == (16, 4)
+    assert default_prefill_config(128, torch.bfloat16, max_query_len=100).block_m == 128
+    assert default_prefill_config(128, torch.bfloat16, max_query_len=64).block_m == 64
+
+
+# ---- the plan ----------------------------------------------------------------------------
+
+
+def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
+    """One-token rows go to the decode kernel, at their query tokens; the rest to prefill, in
+    a tile index of the step's tile height, heaviest first."""
+    spec = make_spec(2, 1, 16, torch.float32)
+    case = _case([(10, 5), (3, 1), (0, 2), (7, 1)], spec, 32, triton_device)
+    plan = TritonBackend(spec).plan(case.meta)
+    assert isinstance(plan, TritonStepPlan) and not plan.use_decode
+    assert plan.decode_rows == (1, 3) and plan.prefill_rows == (0, 2)
+    (launch,) = plan.decode
+    # Decode row d reads table row decode_rows[d] and owns its query token.
+    assert [launch.schedule.row(d)[:2] for d in range(2)] == [(1, 5), (3, 8)]
+    assert plan.prefill is not None
+    config = plan.prefill.config
+    assert config == default_prefill_config(16, torch.float32, 5) and config.block_m == 16
+    expect = prefill_tile_index((15, 4, 2, 8), (5, 1, 2, 1), config.block_m, rows=(0, 2))
+    assert plan.prefill.tile_index.tolist() == [list(p) for p in expect] == [[0, 0], [2, 0]]
+    pure = TritonBackend(spec).plan(_case([(5, 1)], spec, 32, triton_device).meta)
+    assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.prefill is None
+    assert pure.decode[0].schedule.row(0)[:2] == (0, 0)
+
+
+def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:
+    """Two decode steps padded to one CUDA-graph bucket, with other rows and very different
+    lengths (so other chunkings): every launch parameter a graph captures -- grid sizes, the
+    staged arrays' shapes, the workspace -- is the same; the outputs are right. (Planned for
+    an 8-SM GPU, so the interpreter's grids stay small.)"""
+    spec = make_spec(4, 2, 32, torch.float16, sliding_window=40, window_layers=(False, True))
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=8)
+    steps = [[(3, 1), (90, 1), (40, 1)], [(300, 1), (0, 1), (31, 1), (32, 1), (150, 1), (5, 1), (64, 1)]]
+    plans = []
+    for i, rows in enumerate(steps):
+        case = make_case(rows, spec, block_size=32, device=triton_device, pad_to=8, seed=i)
+        plan = backend.plan(case.meta, graph=True)
+        assert isinstance(plan, TritonStepPlan) and [d.window for d in plan.decode] == [None, 40]
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+        out = backend.attend(case.query, case.layer, plan)  # layer 0: full attention
+        _check(out[: len(rows)], reference_output(case), torch.float16)
+        plans.append(plan)
+    first, second = plans
+    assert first.decode[0].schedule.chunk_len != second.decode[0].schedule.chunk_len, "the steps should differ"
+    for a, b in zip(first.decode, second.decode, strict=True):
+        assert (a.schedule.grid_items, a.schedule.grid_rows) == (b.schedule.grid_items, b.schedule.grid_rows)
+        assert a.items.shape == b.items.shape and a.rows.shape == b.rows.shape
+    assert first.workspace is not None and second.workspace is not None
+    for name in ("part_o", "part_lse", "counters"):
+        assert getattr(first.workspace, name).shape == getattr(second.workspace, name).shape, name
+
+
+def test_layers_reuse_the_plan_without_launch_checks(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
+    """The plan made the decode schedule from the metadata and the spec, so per-layer calls
+    skip the launcher's host checks (no per-layer Python cost) and every layer is right."""
+    from attention.triton_kernels import decode as decode_module
+
+    calls = []
+    real = decode_module.check_decode_launch
+    monkeypatch.setattr(decode_module, "check_decode_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = make_spec(4, 2, 16, torch.float32)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), decode_chunk_len=16)
+    case = _case([(39, 1), (2, 1)], spec, 32, triton_device)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    for _ in range(2):
+        _check(backend.attend(case.query, case.layer, plan), reference_output(case), torch.float32)
+    assert not calls
+
+
+def test_cache_write_skips_slots_outside_the_cache(triton_device: str) -> None:
+    """The kernel stays inside the cache whatever the device metadata says (the reference
+    refuses such a slot instead: tests/test_reference_backend.py)."""
+    spec = make_spec(2, 1, 16, torch.float32)
+    case = _case([(3, 2)], spec, 32, triton_device)
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    num_slots = case.layer.num_slots
+    case.meta.slot_mapping.copy_(torch.tensor([num_slots, -5]))  # one past the last slot; below 0
+    before = case.storage.clone()
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    assert torch.equal(case.storage.view(torch.int32), before.view(torch.int32))
+
+
+# ---- refusals ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every kernel launch fail, to prove the checks fire first."""
+
+    def launched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a kernel was launched before the arguments were rejected")
+
+    for name in ("paged_decode", "paged_prefill", "write_kv_cache"):
+        monkeypatch.setattr(f"attention.triton_backend.{name}", launched)
+
+
+@pytest.mark.usefixtures("no_kernels")
+@pytest.mark.parametrize("change", ["query_dtype", "query_heads", "cache_block_48", "cache_not_contiguous"])
+def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> None:
+    spec = make_spec(4, 2, 16, torch.float16)
+    case = _case([(5, 1), (3, 4)], spec, 32, triton_device)
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    query, layer = case.query, case.layer
+    if change == "query_dtype":
+        query = query.float()
+    elif change == "query_heads":
+        query = query[:, :2]
+    elif change == "cache_block_48":
+        blocks = torch.zeros(4, 48, 2, 16, dtype=torch.float16, device=triton_device)
+        layer = dataclasses.replace(layer, key=blocks, value=blocks.clone())
+    else:
+        layer = dataclasses.replace(layer, key=layer.key.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(KVCacheError):
+        backend.attend(query, layer, plan)
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    spec = make_spec(4, 2, 16, torch.float16)
+    backend = TritonBackend(spec)
+    with pytest.raises(UnsupportedSettingError, match=r"needs CUDA tensors; set TRITON_INTERPRET=1"):
+        backend._device_type_for_checks("cpu")
+    case = _case([(5, 1)], spec, 32, "cpu")
+    with pytest.raises(UnsupportedSettingError, match="needs CUDA tensors"):
+        backend.write_kv(case.new_key, case.new_value, case.layer, backend.plan(case.meta))
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_interpreter_requested_after_import_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("attention.triton_backend.kernels_interpreted", lambda: False)
+    with pytest.raises(UnsupportedSettingError, match=r"before importing attention\.triton_backend"):
+        TritonBackend(make_spec(4, 2, 16, torch.float16))._device_type_for_checks("cpu")
+
+
+# ---- GPU: chunkings at GPU sizes, the benchmark sweeps -----------------------------------
+
+GPU_DECODE = [(c, 1) for c in (0, 1, 31, 255, 256, 257, 1000, 2047, 4095, 8191)]
+GPU_MIXED = [(0, 1), (0, 31), (0, 97), (255, 1), (256, 1), (257, 1), (600, 33), (1000, 1), (0, 513), (31, 300)]
+# (dtype, GQA group, head_dim): each combination is a separate compiled kernel, so the grid
+# covers every value of each axis without the full product (compile time dominates).
+GPU_SHAPES = [
+    pytest.param(torch.bfloat16, 1, 128, id="bf16-g1-d128"),
+    pytest.param(torch.bfloat16, 4, 128, id="bf16-g4-d128"),
+    pytest.param(torch.bfloat16, 8, 128, id="bf16-g8-d128"),
+    pytest.param(torch.float16, 4, 64, id="fp16-g4-d64"),
+    pytest.param(torch.bfloat16, 4, 256, id="bf16-g4-d256"),
+    pytest.param(torch.float16, 8, 256, id="fp16-g8-d256"),
+]
+
+
+def _gpu_check(backend: TritonBackend, case: PagedCase) -> None:
+    out, _ = _attend(backend, case)
+    dtype = getattr(torch, case.spec.dtype)
+    assert rel_err(out, reference_output(case)) < REL_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "group", "head_dim"), GPU_SHAPES)
+@pytest.mark.parametrize("block_size", [32, 256])
+@pytest.mark.parametrize("chunk_len", [None, 10**6, 256, 64])
+def test_gpu_decode_chunk_lengths(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, chunk_len: int | None
+) -> None:
+    spec = make_spec(2 * group, 2, head_dim, dtype)
+    case = _case(GPU_DECODE, spec, block_size, "cuda", seed=group * 1000 + head_dim)
+    _gpu_check(TritonBackend(spec, decode_chunk_len=chunk_len), case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("chunk_len", [10**6, 256, 64])
+def test_gpu_mixed_batch_decode_rows_split(chunk_len: int) -> None:
+    """The one-token rows of a mixed step run chunked, naming their table rows and tokens."""
+    spec = make_spec(8, 2, 128, torch.bfloat16)
+    case = _case(GPU_MIXED, spec, 32, "cuda")
+    backend = TritonBackend(spec, decode_chunk_len=chunk_len)
+    plan = backend.plan(case.meta)
+    assert isinstance(plan, TritonStepPlan) and plan.decode_rows and plan.prefill_rows
+    _gpu_check(backend, case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", DECODE_SWEEP, ids=str)
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_every_decode_sweep_config(config: DecodeConfig, block_size: int) -> None:
+    """Each configuration the benchmark sweep may pick compiles and is correct (bf16, GQA 4,
+    d 128, the benchmark's shape)."""
+    spec = make_spec(8, 2, 128, torch.bfloat16)
+    case = _case(GPU_DECODE, spec, block_size, "cuda")
+    _gpu_check(TritonBackend(spec, decode_config=config, decode_chunk_len=256), case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", PREFILL_SWEEP, ids=str)
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_every_prefill_sweep_config(config: PrefillConfig, block_size: int) -> None:
+    spec = make_spec(8, 2, 128, torch.bfloat16)
+    case = _case(GPU_MIXED, spec, block_size, "cuda")
+    _gpu_check(TritonBackend(spec, prefill_config=config), case)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_plan_on_gpu_splits_a_long_row_to_fill_the_sms() -> None:
+    spec = make_spec(8, 2, 128, torch.bfloat16)
+    case = _case([(4000, 1)], spec, 32, "cuda")
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    assert isinstance(plan, TritonStepPlan) and plan.use_decode
+    assert backend._sms(case.meta.device) == torch.cuda.get_device_properties(0).multi_processor_count
+    assert plan.decode[0].schedule.num_items > 1  # one row, two KV heads: split to fill the GPU
