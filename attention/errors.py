@@ -25,6 +25,7 @@ __all__ = [
     "KVCacheError",
     "MetadataError",
     "OutOfBlocksError",
+    "RankDivergenceError",
     "SequenceExistsError",
     "UnknownSequenceError",
     "UnsupportedSettingError",
@@ -100,6 +101,24 @@ class SequenceExistsError(KVCacheError, ValueError):
 
 class IntegrityError(KVCacheError, AssertionError):
     """``check_integrity`` found the bookkeeping inconsistent; the message lists each count."""
+
+
+class RankDivergenceError(KVCacheError, RuntimeError):
+    """Tensor-parallel ranks made different block-manager decisions (their step digests
+    differ). Raised on every rank at the same step, before any rank runs the step's model, so
+    no collective is left waiting. ``digests[r]`` is rank r's digest."""
+
+    def __init__(self, digests: list[int], what: str = "block-manager decisions", step: int | None = None):
+        self.step = step
+        self.digests = list(digests)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        shown = ", ".join(f"rank {r}: {d & (2**64 - 1):016x}" for r, d in enumerate(digests[:8]))
+        where = "" if step is None else f"step {step}: "
+        super().__init__(
+            f"{where}the tensor-parallel ranks disagree on the {what} (ranks {differ} differ from rank 0; "
+            f"{shown}{', ...' if len(digests) > 8 else ''}); every rank must run the same scheduler on the same "
+            f"requests, config and seed, and sample from the same logits"
+        )
 
 
 class CacheAllocationError(KVCacheError, MemoryError):

@@ -13,6 +13,11 @@ checkpoint needs its 16 GB once, on the device, and one tensor's worth of host m
 Every name and shape is checked against the model before anything is allocated; a mismatch
 raises ValueError listing each missing key, unused key and wrong shape.
 
+Tensor parallelism (``tp=TensorParallel(size, rank)``): checkpoints hold the full tensors;
+each rank keeps its share (:func:`examples.llama.shard_range`), and :func:`load_checkpoint`
+reads only that share from the file (a safetensors slice), so a rank never holds a whole
+sharded tensor in host memory.
+
 Imports are lazy: safetensors only for :func:`load_checkpoint` (``pip install
 'paged-kvcache[hf]'``), transformers never (:func:`from_transformers` reads the model it is
 given).
@@ -30,8 +35,9 @@ from torch import nn
 
 from attention import AttentionSpec
 from attention.dtypes import torch_dtype
-from examples.llama import Llama, LlamaShape, RopeScaling, empty_llama
+from examples.llama import Llama, LlamaShape, RopeScaling, empty_llama, shard_parameter, shard_range
 from kvcache.config import ModelSection
+from kvcache.parallel import TensorParallel
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -221,6 +227,11 @@ def _ignored(key: str, shape: LlamaShape) -> bool:
 
 
 def _problems(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Problems of a full (unsharded) state dict's ``shapes`` for ``model`` (which may be a
+    rank's share: it is compared with the full model's shapes)."""
+    if model.tp.is_sharded:
+        with torch.device("meta"):
+            model = Llama(model.shape)  # the full shapes, no memory
     params = dict(model.named_parameters())
     wanted = transformers_names(model)
     found = [f"missing {key}" for key in wanted if key not in shapes]
@@ -234,11 +245,13 @@ def _problems(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
 
 
 def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
-    """Put a transformers ``*ForCausalLM`` state dict into ``model``.
+    """Put a transformers ``*ForCausalLM`` state dict (full tensors) into ``model`` (a
+    tensor-parallel model takes its rank's share of each).
 
     share=False: copy into the existing parameters (cast to their dtype and device).
     share=True:  make the state dict's tensors the parameters (no copy: both models then use
-                 the same memory; dtype and device are the tensors').
+                 the same memory; dtype and device are the tensors'). A rank's share of a
+                 row-parallel weight (columns) is not contiguous and is copied.
     Raises ValueError listing missing keys, unused keys and shape mismatches; changes
     nothing then.
     """
@@ -248,12 +261,13 @@ def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, sha
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, ours in transformers_names(model).items():
+            tensor = shard_parameter(ours, state_dict[key], model.shape, model.tp)
             if share:
                 module_name, _, attr = ours.rpartition(".")
-                shared = nn.Parameter(state_dict[key].detach(), requires_grad=False)
+                shared = nn.Parameter(tensor.detach().contiguous(), requires_grad=False)
                 setattr(model.get_submodule(module_name), attr, shared)
             else:
-                params[ours].copy_(state_dict[key])
+                params[ours].copy_(tensor)
     if share:
         model.tie_weights()
 
@@ -264,9 +278,10 @@ def from_transformers(
     share: bool = True,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    tp: TensorParallel | None = None,
 ) -> Llama:
     """Our model with the weights of a transformers ``LlamaForCausalLM`` /
-    ``Qwen2ForCausalLM`` / ``MistralForCausalLM``.
+    ``Qwen2ForCausalLM`` / ``MistralForCausalLM``; with ``tp``, that rank's share.
 
     share=True (default): the same tensors, no copy (``dtype``/``device`` must be None).
     share=False: a copy in ``dtype`` on ``device`` (default: the source's).
@@ -280,11 +295,11 @@ def from_transformers(
         if dtype is not None or device is not None:
             raise ValueError("dtype/device: a shared model keeps the source's tensors; pass share=False to convert")
         with torch.device("meta"):
-            ours = Llama(shape)
+            ours = Llama(shape, tp)
         load_state_dict(ours, state, share=True)
         return ours.eval()
     first = next(iter(state.values()))
-    ours = empty_llama(shape, dtype=dtype or first.dtype, device=device or first.device)
+    ours = empty_llama(shape, dtype=dtype or first.dtype, device=device or first.device, tp=tp)
     load_state_dict(ours, state)
     return ours
 
@@ -331,14 +346,24 @@ def _safe_open() -> Any:
     return safe_open
 
 
-def _tensors(files: list[Path], keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, CPU tensor) for ``keys``, one shard open at a time, one tensor read at a time."""
+def _tensors(
+    files: list[Path], ranges: Mapping[str, tuple[int, int, int] | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, CPU tensor) for the keys of ``ranges``, one shard open at a time, one tensor read
+    at a time; a key with a ``(dim, start, length)`` range is read only there."""
     safe_open = _safe_open()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                if key in keys:
+                if key not in ranges:
+                    continue
+                where = ranges[key]
+                if where is None:
                     yield key, f.get_tensor(key)
+                else:
+                    dim, start, length = where
+                    index = (slice(None),) * dim + (slice(start, start + length),)
+                    yield key, f.get_slice(key)[index]
 
 
 def load_checkpoint(
@@ -346,9 +371,11 @@ def load_checkpoint(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
 ) -> Llama:
     """Our model with the weights of a checkpoint directory, on ``device`` in ``dtype``
-    (default: the checkpoint's ``dtype`` / ``torch_dtype``, else float32).
+    (default: the checkpoint's ``dtype`` / ``torch_dtype``, else float32); with ``tp``, that
+    rank's share (read from the file alone).
 
     Checks every name and shape from the shard headers first (ValueError listing the
     problems, before any allocation), then allocates the model once on the device and
@@ -371,10 +398,11 @@ def load_checkpoint(
     problems = _problems(probe, shapes)
     if problems:
         raise ValueError(f"{path}: the checkpoint does not fit the model: " + "; ".join(problems))
-    model = empty_llama(shape, dtype=dtype, device=device)
+    model = empty_llama(shape, dtype=dtype, device=device, tp=tp)
     params = dict(model.named_parameters())
     wanted = transformers_names(model)
+    ranges = {key: shard_range(ours, shape, model.tp) for key, ours in wanted.items()}
     with torch.no_grad():
-        for key, tensor in _tensors(files, set(wanted)):
+        for key, tensor in _tensors(files, ranges):
             params[wanted[key]].copy_(tensor)
     return model

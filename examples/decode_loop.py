@@ -4,6 +4,7 @@
     python -m examples.decode_loop --workload shared-prefix # prefix caching on a shared prompt
     python -m examples.decode_loop --device cuda --backend auto --config configs/llama3-8b.yaml
     python -m examples.decode_loop --checkpoint path/to/Qwen2.5-0.5B   # real weights (safetensors)
+    torchrun --nproc-per-node 2 -m examples.decode_loop --tp 2          # tensor parallel, 2 CPU processes (gloo)
 
 A workload of requests with different prompt lengths arrives over time; the scheduler
 (:mod:`examples.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
@@ -11,11 +12,17 @@ runs the model (:mod:`examples.llama`, random weights from ``--seed``, or a Llam
 Mistral checkpoint with ``--checkpoint``: then the config's ``model`` section is the
 checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
 every layer writes K/V and attends -> sample -> ``mark_computed``.
+
+With ``--tp N`` under torchrun each process is one tensor-parallel rank: it holds its share of
+the weights and of the KV heads (:mod:`kvcache.parallel`), runs the same scheduler and block
+manager on the same seeded requests as every other rank, and checks each step that all ranks
+decided the same (:mod:`kvcache.agreement`). Only rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -29,11 +36,15 @@ import torch
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
 from attention.dtypes import torch_dtype
+from attention.errors import RankDivergenceError
+from examples.distributed import ParallelRun, start_parallel, stop_parallel
 from examples.engine import engine_for
 from examples.llama import Llama, random_llama, shape_for_cache
 from examples.runner import ModelRunner, WarmupReport
 from examples.scheduler import Preemption, Request, Scheduler, make_preemption
 from kvcache import BlockManager, KVCacheConfig, KVCacheError, KVCacheTensors, load_config, resolve_device
+from kvcache.agreement import RankAgreement
+from kvcache.collective import Collective
 
 __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
 
@@ -64,6 +75,12 @@ class RunReport:
     prefix_hit_tokens: int | None = None
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     warmup: WarmupReport | None = None
+    #: ``margins[req_id][j]``: top-1 minus top-2 logit of its j-th generated token (only when
+    #: asked to record them): how close greedy decoding came to picking another token.
+    margins: dict[int, list[float]] = field(default_factory=dict)
+    #: Tensor-parallel ranks, and the agreement checks they passed (digest exchanges).
+    tp_size: int = 1
+    agreement_checks: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,13 +111,28 @@ def run_requests(
     max_running: int = 16,
     use_graphs: bool = False,
     record_logits: bool = False,
+    record_margins: bool = False,
     on_step: ProgressHook | None = None,
     on_warmup: Callable[[WarmupReport], None] | None = None,
+    collective: Collective | None = None,
 ) -> RunReport:
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
     ``request.output``). The model, cache and metadata all live on ``cache.device``.
     ``use_graphs``: replay decode steps from CUDA graphs (captured, with every kernel
-    compiled, before the first request runs)."""
+    compiled, before the first request runs).
+
+    ``collective``: the tensor-parallel group this rank belongs to (the model already
+    connected to it). Every rank calls this with the same requests; before each step's
+    forward pass the ranks compare a digest of what their managers decided, and at the end
+    the outputs, raising RankDivergenceError on every rank at the first difference."""
+    agreement = RankAgreement(collective) if collective is not None and collective.size > 1 else None
+    if agreement is not None:
+        agreement.check(
+            "start-up values (block count, block size, requests)",
+            manager.num_blocks,
+            manager.block_size,
+            [(r.req_id, r.prompt, r.max_new_tokens, r.arrival_step) for r in requests],
+        )
     scheduler = Scheduler(manager, requests, preemption, token_budget=token_budget, max_running=max_running)
     longest = max((r.peak_tokens for r in requests), default=1)
     capacity = StepCapacity(
@@ -113,11 +145,14 @@ def run_requests(
     if on_warmup is not None:
         on_warmup(report)
     logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
+    margins_of: dict[int, list[float]] = {r.req_id: [] for r in requests}
     computed = generated = forward_steps = 0
     step = 0  # the clock request arrivals are given in
     start = time.perf_counter()
     while not scheduler.done:
         batch = scheduler.schedule(step)
+        if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
+            agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
         if batch is None:  # nothing has arrived yet: jump to the next arrival
             arrival = scheduler.next_arrival()
             if arrival is None or arrival <= step:
@@ -130,6 +165,11 @@ def run_requests(
         if record_logits:
             for j, i in enumerate(rows):
                 logits_of[batch.requests[i].req_id].append(logits[j].float().cpu())
+        if record_margins:
+            top2 = logits.float().topk(2, dim=-1).values.cpu() if logits.shape[-1] > 1 else None
+            for j, i in enumerate(rows):
+                margin = float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf")
+                margins_of[batch.requests[i].req_id].append(margin)
         computed += len(batch.token_ids)
         generated += len(rows)
         scheduler.finish_step(batch, next_tokens)
@@ -138,6 +178,8 @@ def run_requests(
             on_step(step, scheduler, time.perf_counter() - start, generated)
         step += 1
     wall = time.perf_counter() - start
+    if agreement is not None:  # a rank that stopped early meets the others' step check here
+        agreement.check("outputs", forward_steps, [r.output for r in requests])
     manager.check_integrity()
     cache_stats = manager.prefix_cache
     return RunReport(
@@ -154,6 +196,9 @@ def run_requests(
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
         logits=logits_of if record_logits else {},
         warmup=report,
+        margins=margins_of if record_margins else {},
+        tp_size=1 if collective is None else collective.size,
+        agreement_checks=0 if agreement is None else agreement.checks,
     )
 
 
@@ -204,6 +249,11 @@ def format_summary(report: RunReport) -> list[str]:
         + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
     ]
+    if report.tp_size > 1:
+        lines.append(
+            f"tensor parallel: {report.tp_size} ranks; {report.agreement_checks} agreement checks passed "
+            f"(identical block-manager decisions and outputs on every rank)"
+        )
     if report.prefix_query_tokens is not None and report.prefix_hit_tokens is not None:
         rate = report.prefix_hit_tokens / max(report.prefix_query_tokens, 1)
         lines.append(
@@ -262,22 +312,47 @@ def _parser() -> argparse.ArgumentParser:
         help="Llama/Qwen2/Mistral checkpoint (config.json + safetensors) instead of random weights",
     )
     p.add_argument("--quiet", action="store_true", help="print the summary only")
+    p.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel ranks: run under torchrun --nproc-per-node N with --tp N (default 1)",
+    )
+    p.add_argument(
+        "--tokens-out",
+        metavar="FILE",
+        help="write every request's generated tokens (and each token's top-2 logit margin) as JSON (rank 0)",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the example; returns the exit status (1: bad config, setting or checkpoint)."""
     args = _parser().parse_args(argv)
-    say = (lambda *_: None) if args.quiet else print
     try:
         config = load_config(args.config)
-        device = resolve_device(args.device or config.cache.device)
+        run = start_parallel(args.tp, resolve_device(args.device or config.cache.device))
+    except (KVCacheError, ValueError, ImportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
+        return _run(args, config, run)
+    finally:
+        stop_parallel(run)
+
+
+def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> int:
+    tp, device = run.tp, run.device
+    lead = tp.rank == 0
+    say = print if lead and not args.quiet else (lambda *_: None)
+    where = f"rank {tp.rank}: " if tp.is_sharded else ""
+    try:
         dtype_name = config.attention_spec().dtype
         model: Llama | None = None
         if args.checkpoint:
             from examples.checkpoints import load_checkpoint
 
-            model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device)
+            model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device, tp=tp)
             shape = model.shape
             # The cache holds this model's K/V: its model section is the checkpoint's.
             config = KVCacheConfig.model_validate(
@@ -294,18 +369,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_blocks=args.num_blocks,
             backend=args.backend,
             prefix_caching=True if turned_on else None,
+            tp=tp,
+            collective=run.collective,
         )
         reason = f"{args.backend} (--backend)" if args.backend and args.backend != "auto" else engine.reason
         cache, manager = engine.cache, engine.manager
         prefix_caching = manager.prefix_cache is not None
         preemption = make_preemption(args.preempt, manager, cache, config.cache.swap_space)
         use_graphs = engine.graphs_allowed and not args.eager
+        if model is None:
+            model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device, tp=tp)
+        model.connect(run.collective)
     except (KVCacheError, ValueError, ImportError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{where}error: {err}", file=sys.stderr)
         return 1
     m, block_size = config.model, config.cache.block_size
-    if model is None:
-        model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device)
     requests = make_workload(
         args.workload,
         args.requests,
@@ -319,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads "
         f"({m.num_kv_heads} KV), head_dim {m.head_dim}, {dtype_name} on {device}"
     )
+    if tp.is_sharded:
+        spec = engine.spec
+        say(
+            f"tensor parallel: {tp.size} ranks over {run.backend}; per rank {spec.num_heads} query heads, "
+            f"{spec.num_kv_heads} KV head(s), {cache.bytes_per_block:,} bytes per block"
+        )
     say(f"backend: {reason}")
     say(
         f"cache: {cache.num_blocks} blocks x {block_size} tokens; prefix caching "
@@ -339,22 +423,43 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{generated / max(elapsed, 1e-9):7.1f} tok/s | preempted {s.num_preemptions}"
             )
 
-    report = run_requests(
-        model,
-        requests,
-        manager=manager,
-        cache=cache,
-        backend=engine.backend,
-        preemption=preemption,
-        token_budget=args.token_budget,
-        use_graphs=use_graphs,
-        on_step=progress,
-        on_warmup=lambda report: say(report.line()),
-    )
+    try:
+        report = run_requests(
+            model,
+            requests,
+            manager=manager,
+            cache=cache,
+            backend=engine.backend,
+            preemption=preemption,
+            token_budget=args.token_budget,
+            use_graphs=use_graphs,
+            record_margins=args.tokens_out is not None,
+            on_step=progress,
+            on_warmup=lambda report: say(report.line()),
+            collective=run.collective,
+        )
+    except RankDivergenceError as err:  # raised on every rank at the same step: all exit cleanly
+        print(f"{where}error: {err}", file=sys.stderr)
+        return 1
+    if not lead:
+        return 0
+    if args.tokens_out:
+        _write_tokens(args.tokens_out, report)
     print("summary")
     for line in format_summary(report):
         print(f"  {line}")
     return 0
+
+
+def _write_tokens(path: str, report: RunReport) -> None:
+    """``{"tp": N, "tokens": {req_id: [...]}, "margins": {req_id: [...]}}`` (req ids as strings)."""
+    data = {
+        "tp": report.tp_size,
+        "tokens": {str(r.req_id): r.output for r in report.requests},
+        "margins": {str(k): v for k, v in report.margins.items()},
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 if __name__ == "__main__":

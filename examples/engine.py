@@ -8,24 +8,35 @@
 The backend is built from :meth:`LlamaShape.attention_spec`, not from
 ``KVCacheConfig.attention_spec()``: the config's ``model`` section has no field for a window,
 so a spec built from it would silently attend to every token of a Mistral or Qwen2 model.
+
+Tensor parallelism: ``engine_for(..., tp=TensorParallel(size, rank), collective=...)`` builds
+rank ``rank``'s engine: a backend for its heads, a cache of its KV heads, and the same block
+manager as every other rank (same block count, same settings). When the block count comes
+from a fractional memory budget it depends on each device's free memory, so the ranks take
+the minimum (one all-gather) before allocating: every rank's manager must hand out the same
+block ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from attention import AttentionBackend, AttentionSpec, choose_backend
 from examples.llama import LlamaShape
 from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, resolve_device
+from kvcache.cache_tensors import free_device_memory, num_blocks_for
+from kvcache.collective import Collective, SingleProcess
+from kvcache.parallel import TensorParallel
 
 __all__ = ["Engine", "cache_config_for", "engine_for"]
 
 
 @dataclass
 class Engine:
-    """What :func:`engine_for` built. ``reason``: why this backend (``auto`` explained)."""
+    """What :func:`engine_for` built. ``reason``: why this backend (``auto`` explained).
+    ``spec``: the attention shape this rank serves (its heads, under tensor parallelism)."""
 
     config: KVCacheConfig
     spec: AttentionSpec
@@ -33,6 +44,7 @@ class Engine:
     reason: str
     cache: KVCacheTensors
     manager: BlockManager
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
     @property
     def device(self) -> torch.device:
@@ -86,6 +98,8 @@ def engine_for(
     backend: str | AttentionBackend | None = None,
     prefix_caching: bool | None = None,
     fill: float | None = None,
+    tp: TensorParallel | None = None,
+    collective: Collective | None = None,
 ) -> Engine:
     """Build the spec, backend, cache and manager for ``shape`` under ``config``.
 
@@ -93,13 +107,20 @@ def engine_for(
     may also be a backend already built for ``shape.attention_spec(...)`` (tests run the
     triton backend on CPU under its interpreter that way).
     fill: initialise every cache element (tests poison with NaN).
-    Raises ValueError when the config's ``model`` section differs from ``shape``, and the
-    kvcache errors (UnsupportedSettingError, BackendUnavailableError, CacheAllocationError)
-    with their fixes.
+    tp, collective: build this rank's engine of a tensor-parallel group (``collective`` is
+    needed only to agree on a block count computed from a memory budget).
+    Raises ValueError when the config's ``model`` section differs from ``shape`` or the model
+    does not split over ``tp.size`` ranks, and the kvcache errors (UnsupportedSettingError,
+    BackendUnavailableError, CacheAllocationError) with their fixes.
     """
     shape.check_cache(config.model)
+    tp = tp or TensorParallel()
+    shape.check_tp(tp)
+    collective = collective or SingleProcess()
+    if (collective.rank, collective.size) != (tp.rank, tp.size) and collective.size > 1:
+        raise ValueError(f"collective: rank {collective.rank} of {collective.size}, but tp is {tp}")
     dev = resolve_device(str(device) if device is not None else config.cache.device)
-    spec = shape.attention_spec(config.cache.dtype)
+    spec = shape.attention_spec(config.cache.dtype, tp=tp)
     if isinstance(backend, AttentionBackend):
         if backend.spec != spec:
             raise ValueError(f"backend: built for {backend.spec}, but the model needs {spec}")
@@ -109,7 +130,15 @@ def engine_for(
             backend or config.attention.backend, spec, device_type=dev.type, block_size=config.cache.block_size
         )
         chosen, reason = choice.backend, choice.reason
-    cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill)
+    if num_blocks is None and config.cache.num_blocks is None and tp.is_sharded:
+        if collective.size != tp.size:
+            raise ValueError(
+                f"collective: a memory budget with {tp.size} ranks needs the group's collective to agree on "
+                f"one block count; pass collective= (or num_blocks=)"
+            )
+        # Free memory differs between devices: every rank takes the smallest count.
+        num_blocks = collective.min_int(num_blocks_for(config, free_device_memory(dev), tp))
+    cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp)
     # Blocks behind the window are released only when every layer is windowed, and not for
     # the reference backend: it reads each row's table from its first block and refuses the
     # released (PAD) entries.
@@ -120,4 +149,4 @@ def engine_for(
         enable_prefix_caching=config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching,
         sliding_window=release,
     )
-    return Engine(config, spec, chosen, reason, cache, manager)
+    return Engine(config, spec, chosen, reason, cache, manager, tp)

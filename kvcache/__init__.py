@@ -39,6 +39,9 @@ if TYPE_CHECKING:
         OutOfBlocksError as OutOfBlocksError,
     )
     from attention.errors import (
+        RankDivergenceError as RankDivergenceError,
+    )
+    from attention.errors import (
         SequenceExistsError as SequenceExistsError,
     )
     from attention.errors import (
@@ -49,6 +52,12 @@ if TYPE_CHECKING:
     )
     from attention.staging import (
         StepCapacity as StepCapacity,
+    )
+    from kvcache.agreement import (
+        RankAgreement as RankAgreement,
+    )
+    from kvcache.agreement import (
+        StepDigest as StepDigest,
     )
     from kvcache.allocator import (
         BlockAllocator as BlockAllocator,
@@ -67,6 +76,15 @@ if TYPE_CHECKING:
     )
     from kvcache.cache_tensors import (
         resolve_device as resolve_device,
+    )
+    from kvcache.collective import (
+        Collective as Collective,
+    )
+    from kvcache.collective import (
+        SingleProcess as SingleProcess,
+    )
+    from kvcache.collective import (
+        TorchDistributed as TorchDistributed,
     )
     from kvcache.config import (
         KVCacheConfig as KVCacheConfig,
@@ -88,6 +106,12 @@ if TYPE_CHECKING:
     )
     from kvcache.metrics import (
         collect_stats as collect_stats,
+    )
+    from kvcache.parallel import (
+        TensorParallel as TensorParallel,
+    )
+    from kvcache.parallel import (
+        rank_spec as rank_spec,
     )
     from kvcache.planning import (
         CapacityPlan as CapacityPlan,
@@ -121,6 +145,7 @@ _ERRORS = (
     "KVCacheError",
     "MetadataError",
     "OutOfBlocksError",
+    "RankDivergenceError",
     "SequenceExistsError",
     "UnknownSequenceError",
     "UnsupportedSettingError",
@@ -130,12 +155,17 @@ _ERRORS = (
 _HOME = {
     **{name: "attention.errors" for name in _ERRORS},
     "StepCapacity": "attention.staging",
+    "RankAgreement": "kvcache.agreement",
+    "StepDigest": "kvcache.agreement",
     "BlockAllocator": "kvcache.allocator",
     "MetadataBuilder": "kvcache.builder",
     "build_metadata": "kvcache.builder",
     "KVCacheTensors": "kvcache.cache_tensors",
     "allocate_kv_cache": "kvcache.cache_tensors",
     "resolve_device": "kvcache.cache_tensors",
+    "Collective": "kvcache.collective",
+    "SingleProcess": "kvcache.collective",
+    "TorchDistributed": "kvcache.collective",
     "KVCacheConfig": "kvcache.config",
     "load_config": "kvcache.loading",
     "parse_config": "kvcache.loading",
@@ -143,6 +173,8 @@ _HOME = {
     "CacheStats": "kvcache.metrics",
     "PrometheusExporter": "kvcache.metrics",
     "collect_stats": "kvcache.metrics",
+    "TensorParallel": "kvcache.parallel",
+    "rank_spec": "kvcache.parallel",
     "CapacityPlan": "kvcache.planning",
     "plan_capacity": "kvcache.planning",
     "preempt": "kvcache.preemption",

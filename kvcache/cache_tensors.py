@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from attention.errors import CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
 from kvcache.config import KVCacheConfig
 from kvcache.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from kvcache.parallel import TensorParallel
 
 __all__ = [
     "KVCacheTensors",
@@ -65,12 +69,19 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def num_blocks_for(config: KVCacheConfig, free_bytes: int) -> int:
-    """Blocks the config asks for: ``num_blocks``, or its budget over ``bytes_per_block``."""
+def num_blocks_for(config: KVCacheConfig, free_bytes: int, tp: TensorParallel | None = None) -> int:
+    """Blocks the config asks for: ``num_blocks``, or its budget over the bytes per block of
+    one rank's cache (``tp``: a tensor-parallel rank; the budget is per rank, like vLLM's
+    ``gpu_memory_utilization``).
+
+    With a fractional budget the answer depends on this device's free memory, which differs
+    between ranks: a tensor-parallel engine must agree on one count (the minimum over ranks)
+    before allocating, because every rank's block manager must hand out the same block ids.
+    """
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
     assert config.cache.memory_budget is not None, "the config validator requires one of them"
-    return config.cache.memory_budget.bytes_given(free_bytes) // config.bytes_per_block
+    return config.cache.memory_budget.bytes_given(free_bytes) // config.bytes_per_block_per_rank(tp)
 
 
 @dataclass
@@ -180,10 +191,14 @@ def allocate_kv_cache(
     num_blocks: int | None = None,
     device: torch.device | str | None = None,
     fill: float | None = None,
+    tp: TensorParallel | None = None,
 ) -> KVCacheTensors:
     """Allocate the cache tensors ``config`` describes.
 
-    ``num_blocks`` and ``device`` override the config. ``fill`` initialises every element
+    ``num_blocks`` and ``device`` override the config. ``tp``: allocate tensor-parallel rank
+    ``tp.rank``'s share, ``[num_layers, 2, num_blocks, block_size, kv_heads_per_rank,
+    head_dim]`` (:mod:`kvcache.parallel`; its block count is ``num_blocks`` as given, which
+    must be the same on every rank). ``fill`` initialises every element
     (tests poison the cache with NaN to prove nothing reads a slot that was never written);
     by default the memory is left uninitialised, as in vLLM.
     Raises CacheAllocationError when the device is missing or cannot hold the cache; the
@@ -191,8 +206,9 @@ def allocate_kv_cache(
     """
     dev = resolve_device(config.cache.device) if device is None else torch.device(device)
     free = free_device_memory(dev)
-    blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free)
-    per_block = config.bytes_per_block
+    blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free, tp)
+    per_block = config.bytes_per_block_per_rank(tp)
+    kv_heads = config.kv_heads_per_rank(tp)
     fits = free // per_block
     if blocks < 1:
         raise CacheAllocationError(
@@ -202,7 +218,7 @@ def allocate_kv_cache(
     if blocks > fits:
         raise _too_big(blocks, per_block, free, dev)
     m = config.model
-    shape = (m.num_layers, 2, blocks, config.cache.block_size, m.num_kv_heads, m.head_dim)
+    shape = (m.num_layers, 2, blocks, config.cache.block_size, kv_heads, m.head_dim)
     dtype = torch_dtype(config.cache.dtype)
     try:
         storage = torch.empty(shape, dtype=dtype, device=dev)
@@ -212,7 +228,7 @@ def allocate_kv_cache(
         storage.fill_(fill)
     scales = None
     if dtype_info(config.cache.dtype).cache_only:
-        scales = torch.full((m.num_layers, 2, m.num_kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
+        scales = torch.full((m.num_layers, 2, kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
     return KVCacheTensors(storage, scales)
 
 

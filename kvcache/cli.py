@@ -55,7 +55,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(err.format(), file=sys.stderr)
         return 1
     try:
-        plan = plan_capacity(config, args.memory, args.max_seq_len)
+        plan = plan_capacity(config, args.memory, args.max_seq_len, args.tp)
     except ValueError as err:
         print(f"{printable(args.file)}: {err}", file=sys.stderr)
         return 1
@@ -120,6 +120,14 @@ def _seq_len(text: str) -> int:
     return int(text)
 
 
+def _tp_size(text: str) -> int:
+    from kvcache.parallel import MAX_TP_SIZE
+
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= MAX_TP_SIZE):
+        raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number of ranks in [1, {MAX_TP_SIZE}]")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcache", description="Paged KV-cache configs: validate and plan. CONFIG is a YAML file "
@@ -133,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("file", metavar="CONFIG")
     plan.add_argument("--memory", type=_memory, help="device memory free for the cache, e.g. 80GiB")
     plan.add_argument("--max-seq-len", type=_seq_len, help="also print how many sequences of N tokens fit")
+    plan.add_argument("--tp", type=_tp_size, default=1, metavar="N",
+                      help="tensor-parallel ranks: print per-rank memory and capacity (default 1)")
     plan.set_defaults(run=_plan)
     schema = sub.add_parser("schema", help="print the config's JSON schema (for editors)")
     schema.set_defaults(run=_schema)

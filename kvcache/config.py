@@ -54,6 +54,7 @@ __all__ = [
 _BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 if TYPE_CHECKING:
     from attention.spec import AttentionSpec
+    from kvcache.parallel import TensorParallel
 
     DtypeName = str
     ComputeDtypeName = str
@@ -338,13 +339,34 @@ class KVCacheConfig(BaseModel):
         """K/V bytes one token takes across all layers."""
         return self.bytes_per_block // self.cache.block_size
 
-    def attention_spec(self) -> AttentionSpec:
-        """The attention shape the backend serves, from the ``model`` and ``cache`` sections."""
+    def kv_heads_per_rank(self, tp: TensorParallel | None = None) -> int:
+        """KV heads each tensor-parallel rank's cache holds (all of them without ``tp``).
+        Raises InvalidArgumentError when the heads do not split over ``tp.size`` ranks."""
+        m = self.model
+        if tp is None:
+            return m.num_kv_heads
+        tp.check_heads(m.num_heads, m.num_kv_heads)
+        return tp.kv_heads_per_rank(m.num_kv_heads)
+
+    def bytes_per_block_per_rank(self, tp: TensorParallel | None = None) -> int:
+        """:attr:`bytes_per_block` of one tensor-parallel rank's cache: its KV heads only
+        (the same on every rank; more than ``bytes_per_block / tp.size`` when KV heads are
+        replicated)."""
+        m = self.model
+        return 2 * m.num_layers * self.cache.block_size * self.kv_heads_per_rank(tp) * m.head_dim * self.cache.itemsize
+
+    def bytes_per_token_per_rank(self, tp: TensorParallel | None = None) -> int:
+        """K/V bytes one token takes in one rank's cache, across all layers."""
+        return self.bytes_per_block_per_rank(tp) // self.cache.block_size
+
+    def attention_spec(self, tp: TensorParallel | None = None) -> AttentionSpec:
+        """The attention shape the backend serves, from the ``model`` and ``cache`` sections;
+        with ``tp``, the shape of that rank's heads (:func:`kvcache.parallel.rank_spec`)."""
         from attention.spec import AttentionSpec  # only when a backend is built: the CLI never needs it
 
         m = self.model
         compute = self.compute_dtype
-        return AttentionSpec(
+        spec = AttentionSpec(
             num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim,
@@ -353,6 +375,11 @@ class KVCacheConfig(BaseModel):
             sliding_window=m.sliding_window,
             window_layers=m.window_pattern,
         )
+        if tp is None:
+            return spec
+        from kvcache.parallel import rank_spec
+
+        return rank_spec(spec, tp)
 
 
 def config_json_schema() -> dict[str, Any]:

@@ -2,15 +2,22 @@
 
 Answers the question users otherwise learn from an OOM: what does this budget hold? A plan
 that holds nothing says so (:meth:`CapacityPlan.problems`), never a quiet 0.
+
+With tensor parallelism (``tp_size`` ranks) every figure is per rank, except the total cache
+size: each rank holds every block id, each block holding that rank's KV heads, so the token
+capacity is the same on every rank and for the whole group, while a rank's bytes per block
+shrink with its share of the heads (and stop shrinking once KV heads are replicated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attention.checks import require_int
 from attention.errors import InvalidArgumentError
 from kvcache.config import KVCacheConfig
 from kvcache.config_rules import MAX_TOKENS
+from kvcache.parallel import MAX_TP_SIZE, TensorParallel, head_problems
 from kvcache.sizes import format_bytes
 
 __all__ = ["CapacityPlan", "plan_capacity"]
@@ -20,7 +27,9 @@ __all__ = ["CapacityPlan", "plan_capacity"]
 class CapacityPlan:
     """Capacity figures for one config. ``free_bytes`` is the device memory assumed free
     (None when the config gives num_blocks and no memory was given); ``budget`` says where
-    the block count comes from."""
+    the block count comes from. With ``tp_size`` > 1, bytes, blocks and free memory are one
+    rank's (``query_heads``/``kv_heads``: per rank; ``kv_replicas``: ranks holding each KV
+    head)."""
 
     bytes_per_block: int
     bytes_per_token: int
@@ -29,6 +38,10 @@ class CapacityPlan:
     free_bytes: int | None
     max_seq_len: int | None
     budget: str = ""
+    tp_size: int = 1
+    query_heads: int = 0
+    kv_heads: int = 0
+    kv_replicas: int = 1
 
     @property
     def token_capacity(self) -> int:
@@ -36,7 +49,13 @@ class CapacityPlan:
 
     @property
     def cache_bytes(self) -> int:
+        """One rank's cache (the whole cache without tensor parallelism)."""
         return self.num_blocks * self.bytes_per_block
+
+    @property
+    def total_cache_bytes(self) -> int:
+        """The cache of every rank together."""
+        return self.tp_size * self.cache_bytes
 
     @property
     def blocks_per_sequence(self) -> int | None:
@@ -78,48 +97,75 @@ class CapacityPlan:
         return found
 
     def lines(self) -> list[tuple[str, str]]:
+        sharded = self.tp_size > 1
+        each = " per rank" if sharded else ""
+        blocks_note = " per rank (the same block ids on every rank)" if sharded else ""
+        tokens_note = " (each rank holds its heads of every token)" if sharded else ""
+        total = f" per rank, {format_bytes(self.total_cache_bytes)} in all {self.tp_size} ranks" if sharded else ""
         rows = [
-            ("bytes per block", f"{self.bytes_per_block:,} ({format_bytes(self.bytes_per_block)})"),
-            ("bytes per token", f"{self.bytes_per_token:,} ({format_bytes(self.bytes_per_token)})"),
+            ("bytes per block", f"{self.bytes_per_block:,} ({format_bytes(self.bytes_per_block)}){each}"),
+            ("bytes per token", f"{self.bytes_per_token:,} ({format_bytes(self.bytes_per_token)}){each}"),
             ("block size", f"{self.block_size} tokens"),
-            ("blocks", f"{self.num_blocks:,}"),
-            ("token capacity", f"{self.token_capacity:,} tokens"),
-            ("cache size", format_bytes(self.cache_bytes)),
+            ("blocks", f"{self.num_blocks:,}{blocks_note}"),
+            ("token capacity", f"{self.token_capacity:,} tokens{tokens_note}"),
+            ("cache size", format_bytes(self.cache_bytes) + total),
         ]
         if self.free_bytes is not None:
-            rows.insert(0, ("device memory assumed free", format_bytes(self.free_bytes)))
+            rows.insert(0, ("device memory assumed free", format_bytes(self.free_bytes) + each))
+        if sharded:
+            replicated = f" (each KV head on {self.kv_replicas} ranks)" if self.kv_replicas > 1 else ""
+            rows.insert(0, ("tensor parallel", f"{self.tp_size} ranks: {_heads(self.query_heads, 'query')} and "
+                                               f"{_heads(self.kv_heads, 'KV')} per rank{replicated}"))
         if self.max_seq_len is not None:
             rows.append((f"sequences of {self.max_seq_len:,} tokens",
                          f"{self.sequences_that_fit:,} at once ({self.blocks_per_sequence:,} blocks each)"))
         return rows
 
 
-def plan_capacity(config: KVCacheConfig, free_bytes: int | None, max_seq_len: int | None = None) -> CapacityPlan:
-    """Plan ``config`` for ``free_bytes`` of free device memory.
+def _heads(n: int, kind: str) -> str:
+    return f"{n} {kind} head{'s' if n != 1 else ''}"
+
+
+def plan_capacity(
+    config: KVCacheConfig, free_bytes: int | None, max_seq_len: int | None = None, tp_size: int = 1
+) -> CapacityPlan:
+    """Plan ``config`` for ``free_bytes`` of free device memory (per device).
 
     With ``num_blocks`` in the config, ``free_bytes`` only decides whether it fits. With a
-    fractional ``memory_budget`` it is required. Raises InvalidArgumentError (a ValueError)
-    naming ``--memory`` or ``--max-seq-len``. A plan that holds nothing is returned, with
-    :meth:`CapacityPlan.problems` saying why.
+    fractional ``memory_budget`` it is required. ``tp_size``: plan one rank of that many
+    tensor-parallel ranks (the budget and free memory are per rank). Raises
+    InvalidArgumentError (a ValueError) naming ``--memory``, ``--max-seq-len`` or ``--tp``
+    (a size that does not split the heads, with the sizes that do). A plan that holds nothing
+    is returned, with :meth:`CapacityPlan.problems` saying why.
     """
+    tp_size = require_int("--tp", tp_size, minimum=1, maximum=MAX_TP_SIZE)
+    m = config.model
+    split = head_problems(m.num_heads, m.num_kv_heads, tp_size)
+    if split:
+        raise InvalidArgumentError(f"--tp {tp_size}: " + "; ".join(split))
+    tp = TensorParallel(tp_size)
     if free_bytes is not None and (isinstance(free_bytes, bool) or not isinstance(free_bytes, int) or free_bytes < 0):
         raise InvalidArgumentError(f"--memory: {free_bytes!r} is not a byte count; give e.g. 80GiB")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
                                     or not 1 <= max_seq_len <= MAX_TOKENS):
         raise InvalidArgumentError(f"--max-seq-len: {max_seq_len!r} must be a whole number in [1, {MAX_TOKENS}]")
-    blocks, budget = _blocks(config, free_bytes)
+    blocks, budget = _blocks(config, free_bytes, tp)
     return CapacityPlan(
-        bytes_per_block=config.bytes_per_block,
-        bytes_per_token=config.bytes_per_token,
+        bytes_per_block=config.bytes_per_block_per_rank(tp),
+        bytes_per_token=config.bytes_per_token_per_rank(tp),
         num_blocks=blocks,
         block_size=config.cache.block_size,
         free_bytes=free_bytes,
         max_seq_len=max_seq_len,
         budget=budget,
+        tp_size=tp_size,
+        query_heads=m.num_heads // tp_size,
+        kv_heads=tp.kv_heads_per_rank(m.num_kv_heads),
+        kv_replicas=tp.kv_replicas(m.num_kv_heads),
     )
 
 
-def _blocks(config: KVCacheConfig, free_bytes: int | None) -> tuple[int, str]:
+def _blocks(config: KVCacheConfig, free_bytes: int | None, tp: TensorParallel) -> tuple[int, str]:
     """The pool's block count, and a phrase naming the budget it comes from."""
     cache = config.cache
     if cache.num_blocks is not None:
@@ -138,4 +184,4 @@ def _blocks(config: KVCacheConfig, free_bytes: int | None) -> tuple[int, str]:
     else:
         usable = budget.bytes_given(free_bytes)
         phrase = f"the budget {budget} ({format_bytes(usable)} of {format_bytes(free_bytes)})"
-    return usable // config.bytes_per_block, phrase
+    return usable // config.bytes_per_block_per_rank(tp), phrase

@@ -10,6 +10,7 @@ from kvcache.manager import BlockManager
 
 if TYPE_CHECKING:
     from kvcache.cache_tensors import KVCacheTensors
+    from kvcache.parallel import TensorParallel
 
 __all__ = ["backend_for", "manager_for"]
 
@@ -17,7 +18,10 @@ __all__ = ["backend_for", "manager_for"]
 def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching: bool | None = None) -> BlockManager:
     """A block manager over ``cache``'s blocks, with the config's block size, prefix caching
     (``prefix_caching`` overrides ``cache.enable_prefix_caching``), and sliding-window block
-    release when every layer is windowed."""
+    release when every layer is windowed.
+
+    Under tensor parallelism every rank builds the same manager (same block count, same
+    settings): block ids are shared by all ranks, each rank's blocks hold its own KV heads."""
     spec = config.attention_spec()
     release_window = spec.sliding_window if not spec.has_full_layers else None
     return BlockManager(
@@ -28,13 +32,16 @@ def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching:
     )
 
 
-def backend_for(config: KVCacheConfig, device_type: str, name: str | None = None) -> BackendChoice:
+def backend_for(
+    config: KVCacheConfig, device_type: str, name: str | None = None, *, tp: TensorParallel | None = None
+) -> BackendChoice:
     """The config's ``attention.backend`` (or ``name``) for ``device_type`` ("cpu"/"cuda"),
-    with ``auto`` resolved and the reason for the choice. Raises UnsupportedSettingError or
-    BackendUnavailableError with the fix."""
+    with ``auto`` resolved and the reason for the choice; with ``tp``, built for that rank's
+    heads. Raises UnsupportedSettingError or BackendUnavailableError with the fix, and
+    InvalidArgumentError when the heads do not split over ``tp.size`` ranks."""
     return choose_backend(
         name or config.attention.backend,
-        config.attention_spec(),
+        config.attention_spec(tp),
         device_type=device_type,
         block_size=config.cache.block_size,
     )
