@@ -34,8 +34,8 @@ try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except ImportError as err:  # pragma: no cover - the registry checks first and names the extra
     raise ImportError(
-        "the flash_attn backend needs flash-attn 2: pip install 'paged-kvcache[flash-attn]' "
-        "(builds from source; needs a CUDA toolkit matching torch)"
+        "the flash_attn backend needs flash-attn 2: in the project checkout, pip install "
+        "--no-build-isolation -e '.[flash-attn]' (builds from source; needs a CUDA toolkit matching torch)"
     ) from err
 
 __all__ = ["FlashAttnBackend", "FlashAttnPlan"]
@@ -91,9 +91,10 @@ class FlashAttnBackend(AttentionBackend):
                 window_size=window_size,
             ).squeeze(1)
         else:
-            real = meta.num_real_tokens
+            # The whole query (padding included): query_start_loc never points past it, even
+            # after the device check repaired corrupt starts.
             result = flash_attn_varlen_func(
-                query[:real],
+                query,
                 layer.key,
                 layer.value,
                 cu_seqlens_q=meta.query_start_loc[: meta.batch + 1],

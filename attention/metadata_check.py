@@ -9,7 +9,8 @@ would make a kernel (ours, or a library's such as flash-attn) touch memory it mu
 - block tables: every entry a row reads (positions below ``seq_len``, or within the sliding
   window when every layer is windowed) is a block in ``[0, num_blocks)``;
 - slots: each new token's slot is ``-1`` or exactly the slot of its position through the
-  row's block table (so a write can only land in the row's own block); padding rows have -1;
+  row's block table (so a write can only land in the row's own block); padding rows, tokens
+  after the last row, and every token of a step whose query starts needed repair get -1;
 - positions: each new token's position is ``seq_len - query_len + j``.
 
 A violation is recorded in a 4-int flag (code, row, index, value: the first one found) and
@@ -108,12 +109,20 @@ def _check_in_torch(meta: AttentionMetadata, num_blocks: int, window: int | None
     rows = seq_lens.shape[0]
     t = slots.shape[0]
     running = 0
+    repaired = False
     for r in range(rows + 1):  # starts: non-decreasing from 0, within the step's tokens
         fixed = 0 if r == 0 else max(running, min(max(int(qsl[r]), 0), t))
         if fixed != int(qsl[r]):
             note(2, r, r, int(qsl[r]))
             qsl[r] = fixed
+            repaired = True
         running = fixed
+    # Tokens after the last row belong to no row; after a repair of the starts no token's row
+    # is known: those write nothing.
+    for tok in range(0 if repaired else running, t):
+        if int(slots[tok]) != -1:
+            note(5, rows, tok, int(slots[tok]))
+            slots[tok] = -1
     for i in range(rows):
         s = int(seq_lens[i])
         if not 0 <= s <= width * bs:
@@ -141,4 +150,6 @@ def _check_in_torch(meta: AttentionMetadata, num_blocks: int, window: int | None
             if s > 0 and int(positions[tok]) != pos:
                 note(6, i, tok, int(positions[tok]))
     if found and int(flag[0]) == 0:
-        flag.copy_(torch.tensor(found[0], dtype=torch.int32))
+        # Values past int32 are reported clamped (the flag is int32, like the kernel's).
+        limit = 2**31 - 1
+        flag.copy_(torch.tensor([max(-limit, min(limit, v)) for v in found[0]], dtype=torch.int32))

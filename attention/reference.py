@@ -42,22 +42,36 @@ class ReferenceBackend(AttentionBackend):
         meta = plan.metadata
         n, bs, kvh, d = layer.key.shape
         tables = meta.block_tables
-        _check_tables(tables, meta.seq_lens_host, bs, n)
         window = self.spec.window_of(layer.index)
+        firsts = [
+            _first_column(s, q, bs, window) for s, q in zip(meta.seq_lens_host, meta.query_lens_host, strict=True)
+        ]
+        _check_tables(tables, meta.seq_lens_host, firsts, bs, n)
         k_cache = dequantize(layer.key, layer.k_scale, self.math_dtype)
         v_cache = dequantize(layer.value, layer.v_scale, self.math_dtype)
         result = torch.empty_like(query) if out is None else out
         start = 0
         for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
-            blocks = tables[row, : cdiv(seq_len, bs)].long()
-            k = k_cache[blocks].reshape(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
-            v = v_cache[blocks].reshape(-1, kvh, d)[:seq_len]
+            # Only the blocks the row's queries can see: with a sliding window, the ones
+            # before the window may have been released (PAD_BLOCK).
+            first = firsts[row]
+            blocks = tables[row, first : cdiv(seq_len, bs)].long()
+            skip = first * bs
+            k = k_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]  # [seq_len - skip, kvh, d]
+            v = v_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]
             q = query[start : start + q_len]  # [q_len, heads, d]
             result[start : start + q_len] = _causal_attention(
-                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window
+                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip
             ).to(query.dtype)
             start += q_len
         return result
+
+
+def _first_column(seq_len: int, query_len: int, block_size: int, window: int | None) -> int:
+    """The first block-table column a row's queries read (0 without a window)."""
+    if window is None:
+        return 0
+    return max(0, seq_len - query_len - window + 1) // block_size
 
 
 def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_mapping: torch.Tensor) -> None:
@@ -88,15 +102,17 @@ def _causal_attention(
     scale: float,
     dtype: torch.dtype,
     window: int | None,
+    skip: int = 0,
 ) -> torch.Tensor:
-    """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len, kv_heads, d]. A query
-    at position p sees keys at positions p - window < k <= p (every k <= p without window)."""
-    q_len, seq_len = q.shape[0], k.shape[0]
+    """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len - skip, kv_heads, d],
+    the keys from position ``skip`` on. A query at position p sees keys at positions
+    p - window < k <= p (every k <= p without window)."""
+    q_len, seq_len = q.shape[0], k.shape[0] + skip
     k = k.to(dtype).repeat_interleave(group, dim=1)
     v = v.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-    k_pos = torch.arange(seq_len, device=q.device)
+    k_pos = torch.arange(skip, seq_len, device=q.device)
     hidden = k_pos[None, :] > q_pos[:, None]
     if window is not None:
         hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
@@ -104,13 +120,17 @@ def _causal_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def _check_tables(tables: torch.Tensor, seq_lens: tuple[int, ...], block_size: int, num_blocks: int) -> None:
-    """Every block-table entry a row needs must be a real block (one device sync, oracle only)."""
+def _check_tables(
+    tables: torch.Tensor, seq_lens: tuple[int, ...], firsts: list[int], block_size: int, num_blocks: int
+) -> None:
+    """Every block-table entry a row reads (columns ``firsts[i]`` up to its length) must be a
+    real block (one device sync, oracle only)."""
     if not seq_lens:
         return
     needed = torch.tensor([cdiv(s, block_size) for s in seq_lens], device=tables.device)
+    first = torch.tensor(firsts, device=tables.device)
     cols = torch.arange(tables.shape[1], device=tables.device)
-    used = cols[None, :] < needed[:, None]
+    used = (cols[None, :] < needed[:, None]) & (cols[None, :] >= first[:, None])
     rows = tables[: len(seq_lens)]
     bad = used & ((rows < 0) | (rows >= num_blocks))
     if bool(bad.any()):

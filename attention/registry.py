@@ -47,7 +47,7 @@ def get_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
     if not library_installed(info):
         raise BackendUnavailableError(
             f"attention backend {name!r} needs the {info.library} package, which is not "
-            f"installed; run: pip install 'paged-kvcache[{info.pip_extra}]'"
+            f"installed; run: pip install -e '.[{info.pip_extra}]' in the project checkout"
         )
     cls = getattr(importlib.import_module(info.module), info.class_name)
     backend: AttentionBackend = cls(spec)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvcache import BlockManager, MetadataBuilder, ScheduledRow
+from kvcache import BlockManager, MetadataBuilder, ScheduledRow, collect_stats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -103,7 +103,7 @@ def bench_shared_prefix(num_requests: int, system_len: int, block_size: int) -> 
         manager.mark_computed(i, len(prompt))
         manager.free(i)
     elapsed_us = (time.perf_counter() - start) * 1e6
-    stats = manager.stats()
+    stats = collect_stats(manager)
     manager.check_integrity()
     return {
         "requests": num_requests,

@@ -19,7 +19,7 @@ reads only that share from the file (a safetensors slice), so a rank never holds
 sharded tensor in host memory.
 
 Imports are lazy: safetensors only for :func:`load_checkpoint` (``pip install
-'paged-kvcache[hf]'``), transformers never (:func:`from_transformers` reads the model it is
+-e '.[hf]'`` in the checkout), transformers never (:func:`from_transformers` reads the model it is
 given).
 """
 
@@ -341,7 +341,7 @@ def _safe_open() -> Any:
         from safetensors import safe_open
     except ImportError as err:
         raise ImportError(
-            "loading a checkpoint needs the safetensors package; run: pip install 'paged-kvcache[hf]'"
+            "loading a checkpoint needs the safetensors package; run: pip install -e '.[hf]' in the project checkout"
         ) from err
     return safe_open
 

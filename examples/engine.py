@@ -139,10 +139,8 @@ def engine_for(
         # Free memory differs between devices: every rank takes the smallest count.
         num_blocks = collective.min_int(num_blocks_for(config, free_device_memory(dev), tp))
     cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp)
-    # Blocks behind the window are released only when every layer is windowed, and not for
-    # the reference backend: it reads each row's table from its first block and refuses the
-    # released (PAD) entries.
-    release = spec.sliding_window if not spec.has_full_layers and chosen.name != "reference" else None
+    # Blocks behind the window are released only when every layer is windowed.
+    release = spec.sliding_window if not spec.has_full_layers else None
     manager = BlockManager(
         cache.num_blocks,
         config.cache.block_size,

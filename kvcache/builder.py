@@ -20,6 +20,7 @@ import ctypes
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -391,7 +392,7 @@ class _BufferStaging(PlanStaging):
         return buf[:numel]
 
 
-def _raise_bad_row(i: int, row: object, manager: BlockManager) -> None:
+def _raise_bad_row(i: int, row: object, manager: BlockManager) -> NoReturn:
     if not isinstance(row, ScheduledRow):
         raise InvalidArgumentError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
     seq_id: Hashable = row.seq_id

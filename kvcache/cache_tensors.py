@@ -204,7 +204,7 @@ def allocate_kv_cache(
     Raises CacheAllocationError when the device is missing or cannot hold the cache; the
     message gives the largest num_blocks that fits.
     """
-    dev = resolve_device(config.cache.device) if device is None else torch.device(device)
+    dev = resolve_device(config.cache.device if device is None else str(device))
     free = free_device_memory(dev)
     blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free, tp)
     per_block = config.bytes_per_block_per_rank(tp)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ class DecodeGraphs:
         self.builder = builder
         self.forward = forward
         self._graphs: dict[int, _Captured] = {}
-        self._pool: object = None
+        self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
 
     @property
     def max_rows(self) -> int:

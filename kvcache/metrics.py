@@ -83,7 +83,7 @@ def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) ->
 
 class PrometheusExporter:
     """Publishes :class:`CacheStats` through ``prometheus_client`` (``pip install
-    'paged-kvcache[metrics]'``). Call :meth:`update` once per step; counters advance by the
+    -e '.[metrics]'`` in the checkout). Call :meth:`update` once per step; counters advance by the
     difference since the last update."""
 
     def __init__(self, namespace: str = "kvcache", registry: Any = None):
@@ -91,7 +91,7 @@ class PrometheusExporter:
             import prometheus_client as prom
         except ImportError as err:
             raise ImportError(
-                "PrometheusExporter needs prometheus_client: pip install 'paged-kvcache[metrics]'"
+                "PrometheusExporter needs prometheus_client: pip install -e '.[metrics]' in the project checkout"
             ) from err
         kw: dict[str, Any] = {"namespace": namespace}
         if registry is not None:

@@ -26,6 +26,7 @@ class BlockKey:
     Immutable; hashed once at construction."""
 
     __slots__ = ("_hash", "extra", "parent", "tokens")
+    _hash: int
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable):
         self.parent = parent

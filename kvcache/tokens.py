@@ -75,7 +75,8 @@ def token_count(token_ids: object, name: str = "token_ids") -> int:
         return int(shape[0])
     if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
         raise ArgumentTypeError(
-            f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), got {type(token_ids).__name__}"
+            f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), "
+            f"got {type(token_ids).__name__}"
         )
     return len(token_ids)
 

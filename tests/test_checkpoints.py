@@ -192,7 +192,12 @@ def test_loaded_checkpoint_generates_transformers_tokens(saved: tuple[Variant, A
     # 7 blocks of 32 tokens; the requests' peaks add up to 18 blocks: preemption happens.
     requests, report = _serve(model, prompts, num_blocks=7)
     assert report.finished == len(prompts)
-    assert report.preemptions >= 1, "the pool is meant to be too small for every request at once"
+    shape = model.shape
+    releases = shape.sliding_window is not None and (shape.window_layers is None or all(shape.window_layers))
+    # With every layer windowed, blocks behind the window go back to the pool, so the pool
+    # may never run out; the tokens below are the check then (over released blocks).
+    if not releases:
+        assert report.preemptions >= 1, "the pool is meant to be too small for every request at once"
     worst = 0.0
     for prompt, req in zip(prompts, requests, strict=True):
         tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
@@ -331,7 +336,7 @@ def test_missing_files_and_library_are_explained(tmp_path: Path, monkeypatch: py
         load_checkpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'paged-kvcache\[hf\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[hf\]'"):
         load_checkpoint(tmp_path)
 
 

@@ -177,27 +177,6 @@ def _messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     check.run(bad, manager.num_blocks)
     yield _raised(check.raise_if_violated)
 
-    windowed = parse_config(
-        "model: {num_layers: 2, num_heads: 4, num_kv_heads: 2, head_dim: 16, sliding_window: 40}\n"
-        "cache: {block_size: 32, dtype: float32, num_blocks: 16, device: cpu}\n"
-    )
-    w_cache = allocate_kv_cache(windowed)
-    w_manager = manager_for(windowed, w_cache)
-    w_backend = backend_for(windowed, "cpu").backend
-    w_manager.allocate("s", 101)
-    w_manager.commit([ScheduledRow("s", 100, start=0)])
-    plan = w_backend.plan(MetadataBuilder("cpu").build(w_manager, [ScheduledRow("s", 1)]))
-    query = torch.zeros(1, 4, 16)
-    try:
-        w_backend.attend(query, w_cache.layer(0), plan)
-    except kvcache.MetadataError as err:
-        yield str(err)
-    else:
-        pytest.fail(
-            "the reference backend now reads sequences whose blocks were released behind a sliding window: "
-            "remove the known issue from docs/embedding.md (Sliding windows) and docs/troubleshooting.md"
-        )
-
     manager.allocator.incref(manager.sequence("a").blocks[0])
     yield _raised(manager.check_integrity)
     manager.allocator.release([manager.sequence("a").blocks[0]])

@@ -113,7 +113,7 @@ def test_registry_names_the_install() -> None:
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        with pytest.raises(BackendUnavailableError, match=r"pip install 'paged-kvcache\[flash-attn\]'"):
+        with pytest.raises(BackendUnavailableError, match=r"pip install -e '\.\[flash-attn\]'"):
             get_backend("flash_attn", make_spec(4, 2, 16, torch.float16))
 
 

@@ -28,11 +28,13 @@ def _max(a, b):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _repair_starts(qsl_ptr, flag_ptr, num_rows, num_tokens, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _repair_starts(qsl_ptr, slots_ptr, flag_ptr, num_rows, num_tokens, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]
     """Make query_start_loc non-decreasing from 0 and within [0, num_tokens] (a running
-    maximum of the clamped values), so no kernel indexes query rows outside the step."""
+    maximum of the clamped values), so no kernel indexes query rows outside the step; then
+    set slot -1 for tokens no row holds (every token, when the starts needed repair)."""
     offs = tl.arange(0, CHUNK)
     running = 0
+    repaired = 0
     for r0 in range(0, num_rows + 1, CHUNK):
         idx = r0 + offs
         m = idx < num_rows + 1
@@ -44,7 +46,20 @@ def _repair_starts(qsl_ptr, flag_ptr, num_rows, num_tokens, CHUNK: tl.constexpr)
             first = tl.min(tl.where(bad, idx, num_rows + 1), 0)
             _note(flag_ptr, 2, first, first, tl.load(qsl_ptr + first))
             tl.store(qsl_ptr + idx, fixed, mask=bad)
+        repaired = tl.maximum(repaired, tl.max(bad.to(tl.int32), 0))
         running = tl.max(tl.where(m, fixed, 0), 0)
+    # Tokens after the last row belong to no row; once the starts needed repair, no token's
+    # row is known: all of them write nothing.
+    first_tok = tl.where(repaired > 0, 0, running)
+    for t0 in range(first_tok, num_tokens, CHUNK):
+        tok = t0 + offs
+        in_t = tok < num_tokens
+        slot = tl.load(slots_ptr + tok, mask=in_t, other=-1)
+        stray = in_t & (slot != -1)
+        if tl.sum(stray.to(tl.int32), 0) > 0:
+            first_bad = tl.min(tl.where(stray, tok, num_tokens), 0)
+            _note(flag_ptr, 5, num_rows, first_bad, tl.load(slots_ptr + first_bad).to(tl.int32))
+            tl.store(slots_ptr + tok, tl.full([CHUNK], -1, tl.int64), mask=stray)
 
 
 # Every argument but the constexprs changes from step to step; one compiled kernel serves all.
@@ -68,7 +83,7 @@ def _check_kernel(  # type: ignore[no-untyped-def]
 ):
     i = tl.program_id(0)
     if i == 0:
-        _repair_starts(qsl_ptr, flag_ptr, num_rows, num_tokens, CHUNK)
+        _repair_starts(qsl_ptr, slots_ptr, flag_ptr, num_rows, num_tokens, CHUNK)
     s = tl.load(seq_lens_ptr + i)
     bad_len = (s < 0) | (s > WIDTH * BLOCK_SIZE)
     if bad_len:

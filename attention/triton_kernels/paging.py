@@ -84,7 +84,8 @@ def load_tile_pages(  # type: ignore[no-untyped-def]
     single-buffers a load whose address comes from a load in the same iteration).
     """
     if BLOCK_SIZE % BLOCK_N == 0:
-        pages = tl.load(table_row_ptr + tl.minimum(n0, limit - 1) // BLOCK_SIZE).to(tl.int64)
+        # Clamped at column 0 too: a corrupt (empty or negative) limit must not read before the row.
+        pages = tl.load(table_row_ptr + tl.maximum(tl.minimum(n0, limit - 1), 0) // BLOCK_SIZE).to(tl.int64)
     else:
         n = n0 + offs_n
         pages = tl.load(table_row_ptr + n // BLOCK_SIZE, mask=n < limit, other=0).to(tl.int64)

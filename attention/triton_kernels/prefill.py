@@ -209,9 +209,10 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     row = tl.load(entry)
     tile = tl.load(entry + 1)
     q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    # Clamped so that no metadata can index past the block table.
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + row), table_width * BLOCK_SIZE)
+    # Clamped so that no metadata can index outside the block table or overflow int32: a
+    # length in [0, table_width * block_size], a query length in [0, seq_len].
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + row), 0), table_width * BLOCK_SIZE)
+    q_len = tl.minimum(tl.maximum(tl.load(query_start_loc_ptr + row + 1) - q_start, 0), seq_len)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     # Query rows outside the step's tokens are never read or written, whatever the metadata.
