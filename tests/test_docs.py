@@ -130,7 +130,6 @@ def _messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         backend_for,
         load_config,
         manager_for,
-        parse_config,
     )
     from kvcache.graphs import DecodeGraphs
 
