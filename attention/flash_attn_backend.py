@@ -28,7 +28,7 @@ from attention.errors import MetadataError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.reference import scatter_kv
-from attention.staging import PlanStaging
+from attention.staging import BufferRequest, PlanStaging, StepCapacity
 
 try:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -44,9 +44,14 @@ __all__ = ["FlashAttnBackend", "FlashAttnPlan"]
 @dataclass(frozen=True)
 class FlashAttnPlan(StepPlan):
     """cu_seqlens_k: int32 [batch + 1], cumulative K/V lengths (varlen path only; None for a
-    pure decode step, which goes through flash_attn_with_kvcache)."""
+    pure decode step, which goes through flash_attn_with_kvcache).
+    cache_seqlens, block_table: what the decode call reads: the metadata's own tensors, or
+    for a padded batch (a CUDA-graph bucket) copies in which padding rows attend one token
+    of a real block, because flash-attn's paged decode misbehaves on empty rows."""
 
     cu_seqlens_k: torch.Tensor | None
+    cache_seqlens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -54,10 +59,25 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash_attn"
 
+    def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
+        rows = capacity.max_rows
+        return [
+            BufferRequest("fa_seqlens", torch.int32, rows, staged=False),
+            BufferRequest("fa_block_table", torch.int32, rows * capacity.max_blocks_per_seq, staged=False),
+        ]
+
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
         _check_compute_capability(metadata.device, self.info.min_compute_capability)
-        if metadata.is_pure_decode:
-            return FlashAttnPlan(metadata, self.spec, self.name, None)
+        padded = metadata.padded_batch > metadata.batch
+        if metadata.is_pure_decode or (graph and metadata.batch == 0):
+            if not (padded or graph):
+                return FlashAttnPlan(metadata, self.spec, self.name, None, metadata.seq_lens, metadata.block_tables)
+            rows, width = metadata.padded_batch, metadata.table_width
+            seqlens = staging.scratch("fa_seqlens", torch.int32, rows)
+            table = staging.scratch("fa_block_table", torch.int32, rows * width).view(rows, width)
+            torch.clamp(metadata.seq_lens, min=1, out=seqlens)
+            torch.clamp(metadata.block_tables, min=0, out=table)
+            return FlashAttnPlan(metadata, self.spec, self.name, None, seqlens, table)
         if graph:
             raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
         cu_k = F.pad(metadata.seq_lens[: metadata.batch].cumsum(0, dtype=torch.int32), (1, 0))
@@ -84,8 +104,8 @@ class FlashAttnBackend(AttentionBackend):
                 query[:b].unsqueeze(1),
                 layer.key,
                 layer.value,
-                cache_seqlens=meta.seq_lens,
-                block_table=meta.block_tables,
+                cache_seqlens=plan.cache_seqlens,
+                block_table=plan.block_table,
                 softmax_scale=self.spec.scale,
                 causal=True,
                 window_size=window_size,

@@ -29,7 +29,11 @@ from attention.triton_kernels import (
     paged_decode,
     schedule_decode,
 )
+from attention.triton_kernels.paging import kernels_interpreted
 from tests.paged_case import PagedCase, make_case, make_spec, reference_output, rel_err
+
+#: Where the kernels run: the CPU interpreter without a GPU, else the GPU.
+DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 # Element-wise, against float64 on the same rounded inputs; outputs are O(1). As in
 # tests/test_backend_contract.py: fp32 differs by summation order (~1e-6); fp16 rounds P to
@@ -53,7 +57,7 @@ def _case(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype,
-    device: str = "cpu",
+    device: str = DEVICE,
 ) -> PagedCase:
     """Rows of ``lens`` K/V tokens (the last one new, written by the reference), caches
     wrapped in NaN blocks."""
@@ -104,14 +108,14 @@ def _prepare(case: PagedCase, block_n: int, **schedule_args: object) -> Launch:
     args: dict[str, object] = {"kv_ranges": [(0, n) for n in case.meta.seq_lens_host], "num_sms": SMS}
     args.update(schedule_args)
     schedule = schedule_decode(num_kv_heads=kvh, block_n=block_n, **args)  # type: ignore[arg-type]
-    rows, items = decode_metadata(schedule, "cpu")
+    rows, items = decode_metadata(schedule, DEVICE)
     ws = allocate_decode_workspace(
         max_rows=schedule.grid_rows,
         max_partials=schedule.num_partials,
         num_heads=heads,
         num_kv_heads=kvh,
         head_dim=head_dim,
-        device="cpu",
+        device=DEVICE,
     )
     return Launch(schedule, rows, items, ws)
 
@@ -326,7 +330,7 @@ def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> N
         config = DecodeConfig(block_n=64)
     elif change == "workspace":
         launch.workspace = allocate_decode_workspace(
-            max_rows=3, max_partials=1, num_heads=4, num_kv_heads=2, head_dim=16, device="cpu"
+            max_rows=3, max_partials=1, num_heads=4, num_kv_heads=2, head_dim=16, device=DEVICE
         )
     elif change == "items":
         launch.items = launch.items[:1]

@@ -93,9 +93,18 @@ def test_the_kernel_and_its_torch_twin_agree(step: Step, data: st.DataObject) ->
         with pytest.raises(MetadataError):
             _reported(check)
         repaired.append(meta)
+    starts_broken = any("query_start_loc" in p for p in planted)
     for name in DEVICE_FIELDS:
         kernel, twin = (getattr(m, name) for m in repaired)
+        if starts_broken and name != "query_start_loc" and repaired[0].device.type == "cuda":
+            # On a GPU the kernel's programs read the starts while program 0 repairs them, so
+            # a row may see them broken or repaired: the step is garbage either way (every
+            # slot becomes -1, below); only the repaired starts must agree.
+            continue
         assert torch.equal(kernel, twin), f"{name} after {planted}: kernel {kernel.tolist()}, torch {twin.tolist()}"
+    if starts_broken:
+        for meta in repaired:
+            assert bool((meta.slot_mapping == -1).all()), "a step with broken starts must write nothing"
 
 
 @pytest.mark.parametrize("scenario", ["token-in-no-row", "padding-token-moved-into-row-0"])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attention.checks import same_device
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
@@ -172,7 +173,7 @@ def _copy_into(name: str, host: torch.Tensor, dst: torch.Tensor | None, device: 
             f"{name}: expected int32 [>= {host.shape[0]}, {fields}], got {dst.dtype} {tuple(dst.shape)}; "
             f"allocate it for the largest bucket"
         )
-    if dst.device != device:
+    if not same_device(dst.device, device):
         raise ValueError(f"{name}: on {dst.device}, expected {device}")
     dst[: host.shape[0]].copy_(host, non_blocking=True)
     return dst

@@ -95,6 +95,7 @@ def _check_kernel(  # type: ignore[no-untyped-def]
     bad_start = ((i == 0) & (q0 != 0)) | (q0 < 0) | (q1 < q0) | (q1 > num_tokens)
     if bad_start:
         _note(flag_ptr, 2, i, i, q1)
+        tl.store(seq_lens_ptr + i, 0)
     # With bad starts the row's tokens are not examined (q = 0 skips the token loop).
     q = tl.where(bad_start, 0, q1 - q0)
     bad_q = (s > 0) & (q > s)
