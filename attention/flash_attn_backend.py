@@ -17,11 +17,12 @@ itself by tests/test_flash_attn_gpu.py): block_size a multiple of 256, head_dim 
 from __future__ import annotations
 
 import importlib.util
+from array import array
 from dataclasses import dataclass
 from functools import cache
+from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from attention.base import AttentionBackend, StepPlan
 from attention.errors import MetadataError
@@ -45,9 +46,9 @@ __all__ = ["FlashAttnBackend", "FlashAttnPlan"]
 class FlashAttnPlan(StepPlan):
     """cu_seqlens_k: int32 [batch + 1], cumulative K/V lengths (varlen path only; None for a
     pure decode step, which goes through flash_attn_with_kvcache).
-    cache_seqlens, block_table: what the decode call reads: the metadata's own tensors, or
-    for a padded batch (a CUDA-graph bucket) copies in which padding rows attend one token
-    of a real block, because flash-attn's paged decode misbehaves on empty rows."""
+    cache_seqlens: int32 [padded_batch] lengths the decode call reads: the real rows',
+    then 1 for each padding row (flash-attn's paged decode misbehaves on empty rows).
+    block_table: the metadata's block tables (padding rows name block 0 in column 0)."""
 
     cu_seqlens_k: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
@@ -60,27 +61,25 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
-        rows = capacity.max_rows
         return [
-            BufferRequest("fa_seqlens", torch.int32, rows, staged=False),
-            BufferRequest("fa_block_table", torch.int32, rows * capacity.max_blocks_per_seq, staged=False),
+            BufferRequest("fa_cache_seqlens", torch.int32, capacity.max_rows, staged=True),
+            BufferRequest("fa_cu_seqlens_k", torch.int32, capacity.max_rows + 1, staged=True),
         ]
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
+        """Everything from host values, staged with the metadata (a plan never reads the
+        metadata's device tensors: they are copied after it)."""
         _check_compute_capability(metadata.device, self.info.min_compute_capability)
-        padded = metadata.padded_batch > metadata.batch
+        lens = metadata.seq_lens_host
         if metadata.is_pure_decode or (graph and metadata.batch == 0):
-            if not (padded or graph):
-                return FlashAttnPlan(metadata, self.spec, self.name, None, metadata.seq_lens, metadata.block_tables)
-            rows, width = metadata.padded_batch, metadata.table_width
-            seqlens = staging.scratch("fa_seqlens", torch.int32, rows)
-            table = staging.scratch("fa_block_table", torch.int32, rows * width).view(rows, width)
-            torch.clamp(metadata.seq_lens, min=1, out=seqlens)
-            torch.clamp(metadata.block_tables, min=0, out=table)
-            return FlashAttnPlan(metadata, self.spec, self.name, None, seqlens, table)
+            # Padding rows attend one token (block 0, which the builder puts in their column
+            # 0): flash-attn's paged decode misbehaves on empty rows.
+            pad = metadata.padded_batch - metadata.batch
+            seqlens = staging.stage("fa_cache_seqlens", array("i", [*lens, *([1] * pad)]))
+            return FlashAttnPlan(metadata, self.spec, self.name, None, seqlens, metadata.block_tables)
         if graph:
             raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
-        cu_k = F.pad(metadata.seq_lens[: metadata.batch].cumsum(0, dtype=torch.int32), (1, 0))
+        cu_k = staging.stage("fa_cu_seqlens_k", array("i", [0, *accumulate(lens)]))
         return FlashAttnPlan(metadata, self.spec, self.name, cu_k)
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:

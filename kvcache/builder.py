@@ -247,6 +247,7 @@ class MetadataBuilder:
         self._grow(padded, tokens + padded - n, widest)
         self._wait_for_copy()
         self._write_tables(records)
+        self._write_padding_tables(n, padded)
         if token_ids is not None:
             ids = token_list(token_ids)
             total = tokens + padded - n
@@ -275,6 +276,17 @@ class MetadataBuilder:
             if stale > have:  # the previous sequence of this row was longer: hide its blocks
                 table[i * width + have : i * width + stale] = array("i", [PAD_BLOCK]) * (stale - have)
             shown[i], epochs[i], written[i] = seq, seq.epoch, have
+
+    def _write_padding_tables(self, first: int, end: int) -> None:
+        """Padding rows ``first .. end - 1`` name block 0 in column 0 (a real block: a kernel
+        that reads one token for an empty row, as flash-attn's paged decode must, stays in the
+        cache), and forget what they showed, so a sequence placed there later is rewritten."""
+        width = self._layout.capacity.max_blocks_per_seq
+        table = self._mv[self._layout.tables : self._layout.tables + 4 * end * width].cast("i")
+        for i in range(first, end):
+            table[i * width] = 0
+            self._row_record[i] = None
+            self._row_written[i] = 0
 
     def _write_rows(
         self,

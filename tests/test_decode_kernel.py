@@ -208,7 +208,7 @@ def test_sliding_window_reads_only_the_window(fused: bool) -> None:
     starts = [37, 64, 63, 0]
     bs, kvh, d = case.layer.key.shape[1:]
     for row, start in enumerate(starts):
-        pos = torch.arange(start)
+        pos = torch.arange(start, device=case.layer.key.device)
         slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
         case.layer.key.view(-1, kvh, d)[slots] = float("nan")
         case.layer.value.view(-1, kvh, d)[slots] = float("nan")
@@ -239,7 +239,7 @@ def test_fused_combine_counters_reset_across_launches() -> None:
 def _canaried(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(storage, view): ``view`` of ``shape`` sits inside ``storage`` with one filled slab
     on each side along dim 0."""
-    storage = torch.full((shape[0] + 2, *shape[1:]), fill, dtype=dtype)
+    storage = torch.full((shape[0] + 2, *shape[1:]), fill, dtype=dtype, device=DEVICE)
     return storage, storage[1:-1]
 
 
@@ -286,7 +286,7 @@ def test_fp8_cache_with_per_head_scales() -> None:
     case = _case([45, 130, 7], heads=8, kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32)
     k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.layer.key, case.layer.value))
     fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=case.query.half())
-    k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25])
+    k_scale, v_scale = torch.tensor([0.5, 2.0], device=DEVICE), torch.tensor([1.5, 0.25], device=DEVICE)
     launch = _prepare(fp8, 32, chunk_len=64)
     out = torch.zeros_like(fp8.query)
     paged_decode(
@@ -339,7 +339,7 @@ def test_launcher_rejects_inconsistent_arguments(change: str, message: str) -> N
     elif change == "fp8_no_scale":
         k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
     else:
-        scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2)}
+        scales = {"k_scale": torch.ones(2, device=DEVICE), "v_scale": torch.ones(2, device=DEVICE)}
     with pytest.raises(ValueError, match=message):
         paged_decode(
             query,
