@@ -102,23 +102,34 @@ class BlockAllocator:
         (reused last, in list order); the others are reused first, the last of them first.
         Checks every id and count before changing any: raises InvalidArgumentError on a
         double free or an unknown id, and then nothing has changed."""
-        ref = self._ref
         if self._needs_careful_check(blocks):
             self._check_release(blocks)
-        zero: list[int] = []
-        for block in blocks:
-            count = ref[block] - 1
-            ref[block] = count
-            if not count:
-                zero.append(block)
-        if not cached:
-            self._free.give_back_plain(zero)
-            return
-        plain = [b for b in zero if b not in cached]
+        self.release_owned(blocks, cached)
+
+    def release_owned(self, blocks: Sequence[int], cached: Container[int] | None = None) -> None:
+        """:meth:`release` for ids the caller guarantees are owned blocks, each listed once
+        (a block table's own blocks): no checks, one plain loop (this is most of a free)."""
+        ref = self._ref
+        plain: list[int] = []
+        keep = plain.append
+        if cached:
+            cached_tier = self._free.cached_tier
+            for block in blocks:
+                count = ref[block] - 1
+                ref[block] = count
+                if not count:
+                    if block in cached:
+                        cached_tier[block] = None  # reused last, least recently freed first
+                    else:
+                        keep(block)
+        else:
+            for block in blocks:
+                count = ref[block] - 1
+                ref[block] = count
+                if not count:
+                    keep(block)
         if plain:
             self._free.give_back_plain(plain)
-        if len(plain) != len(zero):
-            self._free.give_back_cached([b for b in zero if b in cached])
 
     def ref_count(self, block: int) -> int:
         self._check_id(block)

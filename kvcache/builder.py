@@ -176,6 +176,7 @@ class MetadataBuilder:
         self._row_epoch = [0] * rows
         self._row_written = [0] * rows
         self._staging = _BufferStaging(self, capacity)
+        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
     def _grow(self, rows: int, tokens: int, width: int) -> None:
         cap = self._layout.capacity
@@ -212,36 +213,48 @@ class MetadataBuilder:
         records: list[SequenceBlocks] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        starts: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        logits: list[int] = []
+        sampling: list[int] = []
         tokens = 0
         widest = 0
+        # One pass per row; the hot path (a decode row) does only list appends and a few
+        # integer ops: this loop is most of a step's host time.
         for i, row in enumerate(rows):
             try:
-                seq = seqs.get(row.seq_id) if isinstance(row, ScheduledRow) else None
-            except TypeError:  # an unhashable id
-                seq = None
-            if seq is None:
+                seq = seqs[row.seq_id]
+                num_new = row.num_new
+                start = row.start
+            except (KeyError, TypeError, AttributeError):  # unknown or unhashable id, not a row
                 _raise_bad_row(i, row, manager)
-            num_new = row.num_new
-            start = seq.num_tokens - num_new if row.start is None else row.start
+            held = seq.num_tokens
+            if start is None:
+                start = held - num_new
             end = start + num_new
-            if (
-                type(num_new) is not int
-                or type(start) is not int
-                or num_new < 1
-                or start < seq.num_released * bs
-                or end > seq.num_tokens
+            if type(num_new) is not int or type(start) is not int or num_new < 1 or end > held or (
+                seq.num_released and start < seq.num_released * bs
             ):
                 raise MetadataError(
                     f"rows[{i}]: tokens [{start!r:.20}, {end!r:.20}) of sequence {row.seq_id!r:.60} are not within "
-                    f"its held tokens [{seq.num_released * bs}, {seq.num_tokens}); append_slots first"
+                    f"its held tokens [{seq.num_released * bs}, {held}); append_slots first"
                 )
             records.append(seq)
             seq_lens.append(end)
             query_lens.append(num_new)
-            starts.append(start)
+            slots += seq.slot_range(start, end, bs)
+            if num_new == 1:
+                positions.append(start)
+            else:
+                positions += range(start, end)
             tokens += num_new
-            widest = max(widest, len(seq.blocks))
+            qsl.append(tokens)
+            if end == held:  # reaches the end of what is known: its logits are needed
+                logits.append(tokens - 1)
+                sampling.append(i)
+            if len(seq.blocks) > widest:
+                widest = len(seq.blocks)
         if token_ids is not None and len(token_ids) != tokens:
             raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
         self._grow(padded, tokens + padded - n, widest)
@@ -254,7 +267,14 @@ class MetadataBuilder:
             self._mv[self._layout.token_ids : self._layout.token_ids + 8 * total].cast("q")[:] = array(
                 "q", ids + [0] * (padded - n)
             )
-        return self._write_rows(records, seq_lens, query_lens, starts, tokens, padded, bs)
+        pad = padded - n  # padding rows: one token each, slot -1, no K/V
+        num_tokens = tokens + pad
+        if pad:
+            slots += [PAD_SLOT] * pad
+            positions += [0] * pad
+            logits += range(tokens, num_tokens)
+            qsl += range(tokens + 1, num_tokens + 1)
+        return self._write_rows(seq_lens, query_lens, slots, positions, qsl, logits, sampling, padded, bs)
 
     def _write_tables(self, records: list[SequenceBlocks]) -> None:
         """Write the blocks each row does not show yet (all of them when the row changed hands)."""
@@ -290,59 +310,63 @@ class MetadataBuilder:
 
     def _write_rows(
         self,
-        records: list[SequenceBlocks],
         seq_lens: list[int],
         query_lens: list[int],
-        starts: list[int],
-        tokens: int,
+        slots: list[int],
+        positions: list[int],
+        qsl: list[int],
+        logits: list[int],
+        sampling: list[int],
         padded: int,
         bs: int,
     ) -> AttentionMetadata:
-        n = len(records)
-        slots: list[int] = []
-        positions: list[int] = []
-        qsl = [0]
-        logits: list[int] = []
-        sampling: list[int] = []
-        total = 0
-        for i, seq in enumerate(records):
-            start, num_new, end = starts[i], query_lens[i], seq_lens[i]
-            slots += seq.slot_range(start, end, bs)
-            positions += range(start, end)
-            total += num_new
-            qsl.append(total)
-            if end == seq.num_tokens:  # reaches the end of what is known: its logits are needed
-                logits.append(total - 1)
-                sampling.append(i)
-        pad = padded - n  # padding rows: one token each, slot -1, no K/V
-        num_tokens = tokens + pad
-        if pad:
-            slots += [PAD_SLOT] * pad
-            positions += [0] * pad
-            logits += range(tokens, num_tokens)
-            qsl += range(tokens + 1, num_tokens + 1)
-            seq_lens = seq_lens + [0] * pad
+        """Copy the step's per-row and per-token values into the host buffer; the metadata's
+        tensors are (cached) views of the device buffer."""
+        n = len(seq_lens)
+        num_tokens = len(slots)
         layout, mv = self._layout, self._mv
-        mv[layout.seq_lens : layout.seq_lens + 4 * padded].cast("i")[:] = array("i", seq_lens)
+        mv[layout.seq_lens : layout.seq_lens + 4 * n].cast("i")[:] = array("i", seq_lens)
+        if padded > n:
+            mv[layout.seq_lens + 4 * n : layout.seq_lens + 4 * padded].cast("i")[:] = array("i", [0]) * (padded - n)
         mv[layout.query_start_loc : layout.query_start_loc + 4 * (padded + 1)].cast("i")[:] = array("i", qsl)
         mv[layout.slots : layout.slots + 8 * num_tokens].cast("q")[:] = array("q", slots)
         mv[layout.positions : layout.positions + 8 * num_tokens].cast("q")[:] = array("q", positions)
         mv[layout.logits : layout.logits + 8 * len(logits)].cast("q")[:] = array("q", logits)
         self._rows_in_use = padded
+        tables, lens, starts, slot_view, pos_view, logit_view = self._views(padded, num_tokens, len(logits))
         return AttentionMetadata(
-            block_tables=self._view(layout.tables, torch.int32, padded * layout.capacity.max_blocks_per_seq).view(
-                padded, layout.capacity.max_blocks_per_seq
-            ),
-            seq_lens=self._view(layout.seq_lens, torch.int32, padded),
-            query_start_loc=self._view(layout.query_start_loc, torch.int32, padded + 1),
-            slot_mapping=self._view(layout.slots, torch.int64, num_tokens),
-            positions=self._view(layout.positions, torch.int64, num_tokens),
-            logits_indices=self._view(layout.logits, torch.int64, len(logits)),
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
+            slot_mapping=slot_view,
+            positions=pos_view,
+            logits_indices=logit_view,
             block_size=bs,
-            seq_lens_host=tuple(seq_lens[:n]),
+            seq_lens_host=tuple(seq_lens),
             query_lens_host=tuple(query_lens),
             sampling_rows_host=tuple(sampling),
         )
+
+    def _views(self, padded: int, num_tokens: int, num_logits: int) -> tuple[torch.Tensor, ...]:
+        """The metadata's device views for these sizes (made once per size: a decode step's
+        sizes repeat)."""
+        key = (padded, num_tokens, num_logits)
+        views = self._view_cache.get(key)
+        if views is None:
+            layout = self._layout
+            width = layout.capacity.max_blocks_per_seq
+            views = (
+                self._view(layout.tables, torch.int32, padded * width).view(padded, width),
+                self._view(layout.seq_lens, torch.int32, padded),
+                self._view(layout.query_start_loc, torch.int32, padded + 1),
+                self._view(layout.slots, torch.int64, num_tokens),
+                self._view(layout.positions, torch.int64, num_tokens),
+                self._view(layout.logits, torch.int64, num_logits),
+            )
+            if len(self._view_cache) > 4096:  # bounded: sizes of prefill steps vary
+                self._view_cache.clear()
+            self._view_cache[key] = views
+        return views
 
     def _view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         itemsize = 4 if dtype == torch.int32 else 8

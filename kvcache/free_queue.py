@@ -39,6 +39,12 @@ class FreeBlockQueue:
         yield from self._cached
 
     @property
+    def cached_tier(self) -> OrderedDict[int, None]:
+        """The cached tier itself, for the allocator's hot loop: set ``tier[block] = None`` to
+        give back a cached block (exactly :meth:`give_back_cached` of one block)."""
+        return self._cached
+
+    @property
     def num_cached(self) -> int:
         """Free blocks that still hold cached K/V."""
         return len(self._cached)

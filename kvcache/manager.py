@@ -15,7 +15,6 @@ released as soon as :meth:`commit` passes them; their table entries become ``PAD
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Literal
 
@@ -140,7 +139,7 @@ class BlockManager(SequenceTable):
         cached = len(hits) * self.block_size
         if self.prefix_cache is not None and tokens is not None:
             self.prefix_cache.record_query(num_tokens, cached)
-        stored = array("q", tokens) if tokens is not None else None  # compact: one buffer, cheap to free
+        stored = tokens[:] if tokens is not None else None  # our copy: the caller may reuse its list
         self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, stored, extra_key, cached, keys)
         return cached
 
@@ -261,8 +260,8 @@ class BlockManager(SequenceTable):
 
     def attach(self, seq_id: Hashable, record: SequenceBlocks) -> list[int]:
         """Bring back a detached sequence in fresh blocks (e.g. a swap-in): returns the new
-        block ids, one per real block of ``record``, in order. Its cached-block keys are
-        dropped (the fresh blocks are not indexed). Raises SequenceExistsError or
+        block ids, one per real block of ``record``, in order. It keeps its blocks' content
+        keys (the fresh blocks are not indexed under them). Raises SequenceExistsError or
         OutOfBlocksError; changes nothing then."""
         self.check_hashable(seq_id)
         parked = seq_id in self._parked
@@ -275,7 +274,9 @@ class BlockManager(SequenceTable):
             if parked:
                 self._parked.add(seq_id)
             raise
-        self._seqs[seq_id] = record.copy_onto([PAD_BLOCK] * (len(record.blocks) - real) + fresh, keep_keys=False)
+        # The keys describe content, which the fresh blocks hold again: keyed positions are
+        # not keyed twice (the fresh blocks are not holders).
+        self._seqs[seq_id] = record.copy_onto([PAD_BLOCK] * (len(record.blocks) - real) + fresh, keep_keys=True)
         return list(fresh)
 
     def drop_swapped(self, seq_id: Hashable) -> None:
@@ -291,15 +292,14 @@ class BlockManager(SequenceTable):
     def release(self, blocks: Iterable[int]) -> None:
         """Drop holds taken with :meth:`hold`. Raises InvalidArgumentError (nothing changed)
         for a block that is not held (as many times as listed)."""
-        self._release_blocks(self.holds.drop(blocks))
+        self._release_blocks(self.holds.drop(blocks), once_each=False)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key; returns how many were dropped (0 without caching).
-        Running sequences re-index their blocks at their next commit."""
+        Blocks in use keep their K/V but are not shared again; running sequences key only
+        the blocks they fill from now on."""
         if self.prefix_cache is None:
             return 0
-        for seq in self._seqs.values():
-            seq.keys.clear()
         return self.prefix_cache.reset()
 
     # ---- checks ------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class BlockManager(SequenceTable):
         if self.prefix_cache is None or not tokens:
             return [], []
         # Match over all tokens but the last: its logits are needed, so it is always computed.
-        return self.prefix_cache.match(tokens[: len(tokens) - 1], extra_key)
+        return self.prefix_cache.match(tokens, extra_key, limit=len(tokens) - 1)
 
     def _free_blocks_needed(self, num_tokens: int, hits: list[int]) -> int:
         """New blocks, plus the hits that must be taken out of the free queue."""
@@ -353,9 +353,13 @@ class BlockManager(SequenceTable):
         seq.num_computed = num_computed
         cache = self.prefix_cache
         if cache is not None and seq.token_ids is not None:
-            full = min(num_computed, len(seq.token_ids)) // self.block_size
+            full = min(num_computed, seq.num_tokens) // self.block_size
             if full > len(seq.keys):
-                cache.index(seq.blocks, seq.keys, seq.token_ids, seq.extra_key, full)
+                cache.index(seq.blocks, seq.keys, seq.token_ids, seq.extra_key, full, seq.token_base)
+                # Keyed blocks' ids are never read again (their keys are): drop them.
+                drop = full * self.block_size - seq.token_base
+                del seq.token_ids[:drop]
+                seq.token_base += drop
         if self.sliding_window is not None:
             behind = max(0, num_computed - self.sliding_window + 1) // self.block_size
             if behind > seq.num_released:
@@ -365,13 +369,16 @@ class BlockManager(SequenceTable):
                 seq.epoch += 1
                 self._release_blocks(gone)
 
-    def _release_blocks(self, blocks: list[int]) -> None:
+    def _release_blocks(self, blocks: list[int], *, once_each: bool = True) -> None:
+        """One owner fewer for each block (``once_each``: a block table's own blocks, each
+        listed once, which skips the allocator's checks)."""
         # Tail first: a later request is likelier to share the head, so the head is evicted last.
         real = blocks[::-1] if PAD_BLOCK not in blocks else [b for b in reversed(blocks) if b != PAD_BLOCK]
         cache = self.prefix_cache
+        release = self.allocator.release_owned if once_each else self.allocator.release
         if cache is None:
-            self.allocator.release(real)
+            release(real)
             return
         if cache.has_duplicates:
             cache.drop_duplicates([b for b in real if self.allocator.ref_count(b) == 1])
-        self.allocator.release(real, cache.holders)
+        release(real, cache.holders)

@@ -71,6 +71,9 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        #: Grows whenever the index changes (a memoised lookup is stale then).
+        self.version = 0
+        self._memo: tuple[int, int, Hashable, list[int], tuple[int, ...], tuple[BlockKey, ...]] | None = None
 
     def __len__(self) -> int:
         """Keys indexed (one holder block each)."""
@@ -78,21 +81,36 @@ class PrefixCache:
 
     # ---- lookups (change nothing) ------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], extra: Hashable) -> tuple[list[int], list[BlockKey]]:
-        """The holder blocks of the longest cached run of full blocks of ``token_ids``, and
-        their keys. Changes nothing (counting is :meth:`record_query`'s job)."""
+    def match(
+        self, token_ids: Sequence[int], extra: Hashable, limit: int | None = None
+    ) -> tuple[list[int], list[BlockKey]]:
+        """The holder blocks of the longest cached run of full blocks of ``token_ids[:limit]``,
+        and their keys. Changes nothing (counting is :meth:`record_query`'s job).
+
+        A scheduler asks twice for the same prompt (``can_allocate``, then ``allocate``): the
+        last answer is kept with the tokens it read and reused while the index is unchanged
+        and those tokens are equal, so the second ask compares lists instead of hashing."""
+        end = len(token_ids) if limit is None else limit
+        memo = self._memo
+        if memo is not None and memo[0] == self.version and memo[1] == end and memo[2] == extra:
+            read = memo[3]
+            if token_ids[: len(read)] == read:
+                return list(memo[4]), list(memo[5])
         blocks: list[int] = []
         keys: list[BlockKey] = []
         parent: BlockKey | None = None
         bs = self.block_size
         holder, key_of = self._holder, self._key_of
-        for start in range(0, len(token_ids) - bs + 1, bs):
+        read_end = end
+        for start in range(0, end - bs + 1, bs):
             block = holder.get(BlockKey(parent, tuple(token_ids[start : start + bs]), extra))
             if block is None:
+                read_end = start + bs
                 break
             parent = key_of[block]  # the stored key: later links compare by identity
             blocks.append(block)
             keys.append(parent)
+        self._memo = (self.version, end, extra, list(token_ids[:read_end]), tuple(blocks), tuple(keys))
         return blocks, keys
 
     def is_cached(self, block: int) -> bool:
@@ -110,22 +128,30 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
 
     def index(
-        self, blocks: Sequence[int], keys: list[BlockKey], token_ids: Sequence[int], extra: Hashable, num_full: int
+        self,
+        blocks: Sequence[int],
+        keys: list[BlockKey],
+        token_ids: Sequence[int],
+        extra: Hashable,
+        num_full: int,
+        base: int = 0,
     ) -> None:
         """Key a sequence's full blocks ``len(keys) .. num_full - 1`` and append their keys to
-        ``keys`` (the sequence's list of its blocks' keys, extended in place).
+        ``keys`` (the sequence's list of its blocks' keys, extended in place); ``token_ids``
+        starts at position ``base`` (ids of blocks keyed before may have been dropped).
 
         A block whose key is already held by another block becomes a duplicate; either way
         the key appended is the stored one, so the chain continues from it.
         """
         bs = self.block_size
         for i in range(len(keys), num_full):
-            key = BlockKey(keys[-1] if keys else None, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
+            key = BlockKey(keys[-1] if keys else None, tuple(token_ids[i * bs - base : (i + 1) * bs - base]), extra)
             block = blocks[i]
             holder = self._holder.get(key)
             if holder is None:
                 self._holder[key] = block
                 self._key_of[block] = key
+                self.version += 1
             else:
                 key = self._key_of[holder]
                 if holder != block:
@@ -156,6 +182,7 @@ class PrefixCache:
         key = self._key_of.pop(block, None)
         if key is None:
             return
+        self.version += 1
         del self._holder[key]
         self.evictions += 1
         dupes = self._duplicates.get(key)
@@ -170,6 +197,7 @@ class PrefixCache:
     def reset(self) -> int:
         """Forget every key (blocks in use keep their K/V). Returns how many were dropped."""
         dropped = len(self._holder)
+        self.version += 1
         self._holder.clear()
         self._key_of.clear()
         self._duplicates.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,8 +27,9 @@ class SequenceBlocks:
     blocks:       block ids covering its reserved tokens; ``PAD_BLOCK`` for leading blocks
                   released behind a sliding window.
     num_tokens:   token slots reserved (its length once all its tokens are computed).
-    token_ids:    its token ids (``array('q')``), kept only when prefix-cached (to key its
-                  full blocks).
+    token_ids:    its token ids from position ``token_base`` on, kept only when prefix-cached
+                  (to key its full blocks); the ids of blocks already keyed are dropped.
+    token_base:   the position of ``token_ids[0]``.
     extra_key:    the caller's prefix-cache salt.
     num_computed: leading tokens whose K/V is written (``commit``).
     keys:         prefix-cache keys of its leading full blocks, as indexed (or hit).
@@ -40,12 +40,13 @@ class SequenceBlocks:
 
     blocks: list[int]
     num_tokens: int
-    token_ids: array | None = None
+    token_ids: list[int] | None = None
     extra_key: Hashable = None
     num_computed: int = 0
     keys: list[BlockKey] = field(default_factory=list)
     num_released: int = 0
     epoch: int = 0
+    token_base: int = 0
 
     def slot_range(self, start: int, end: int, block_size: int) -> list[int]:
         """Slots (``block * block_size + offset``) of token positions ``[start, end)``; the
@@ -65,6 +66,7 @@ class SequenceBlocks:
             num_computed=self.num_computed,
             keys=list(self.keys) if keep_keys else [],
             num_released=self.num_released,
+            token_base=self.token_base,
         )
 
     def problems(self, seq_id: Hashable, block_size: int, allocator: BlockAllocator) -> list[str]:
@@ -81,8 +83,11 @@ class SequenceBlocks:
             found.append(f"sequence {name} holds ids outside the pool: {real[:8]}")
         if len(set(real)) != len(real):
             found.append(f"sequence {name} holds a block twice: {real}")
-        if self.token_ids is not None and len(self.token_ids) != self.num_tokens:
-            found.append(f"sequence {name}: {len(self.token_ids)} token ids for {self.num_tokens} tokens")
+        if self.token_ids is not None and self.token_base + len(self.token_ids) != self.num_tokens:
+            found.append(
+                f"sequence {name}: {len(self.token_ids)} token ids from position {self.token_base} "
+                f"for {self.num_tokens} tokens"
+            )
         if not 0 <= self.num_computed <= self.num_tokens:
             found.append(f"sequence {name}: {self.num_computed} computed of {self.num_tokens} tokens")
         last_partial = self.num_tokens % block_size != 0

@@ -39,10 +39,11 @@ def _from_array_like(token_ids: Any, name: str) -> list[int] | None:
 
 
 def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
-    """``token_ids`` as a new list of Python ints. Raises ArgumentTypeError for a string, a
-    mapping, a non-sequence, or an element that is not an integer; InvalidArgumentError for a
-    tensor that is not 1-D."""
-    values = _from_array_like(token_ids, name)
+    """``token_ids`` as a list of Python ints: a list is checked and returned as it is (not
+    copied: callers that keep it copy it), anything else is converted. Raises
+    ArgumentTypeError for a string, a mapping, a non-sequence, or an element that is not an
+    integer; InvalidArgumentError for a tensor that is not 1-D."""
+    values: list[int] | None = token_ids if type(token_ids) is list else _from_array_like(token_ids, name)
     if values is None:
         if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
             raise ArgumentTypeError(
@@ -52,10 +53,8 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
         values = list(token_ids)
     try:
         array("q", values)  # C-speed check that every element is an integer that fits int64
-        if bool in set(map(type, values)):  # an int is an int; a bool is not
-            raise TypeError
     except (TypeError, OverflowError):
-        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
+        bad = next((v for v in values if not isinstance(v, int)), None)
         raise ArgumentTypeError(
             f"{name}: every token id must be an integer in int64 range; found {type(bad).__name__} {bad!r:.40}"
         ) from None
