@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from attention import AttentionBackend, StepCapacity
+from attention.capabilities import BACKEND_NAMES
 from attention.checks import cdiv
 from attention.dtypes import torch_dtype
 from attention.errors import RankDivergenceError
@@ -286,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="overrides cache.device")
     p.add_argument(
         "--backend",
-        choices=("reference", "triton", "flash_attn", "auto"),
+        choices=("auto", *BACKEND_NAMES),
         help="overrides attention.backend",
     )
     p.add_argument(

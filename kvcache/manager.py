@@ -28,6 +28,7 @@ from attention.errors import (
 from attention.metadata import PAD_BLOCK
 from kvcache.allocator import BlockAllocator
 from kvcache.holds import BlockHolds
+from kvcache.integrity import integrity_problems
 from kvcache.prefix_cache import PrefixCache
 from kvcache.rows import ScheduledRow
 from kvcache.sequence import BlockCopy, SequenceBlocks, SequenceTable
@@ -306,21 +307,7 @@ class BlockManager(SequenceTable):
 
     def check_integrity(self) -> None:
         """Recount every invariant from scratch. Raises IntegrityError listing each mismatch."""
-        found = self.allocator.integrity_problems()
-        if self.prefix_cache is not None:
-            found += self.prefix_cache.integrity_problems()
-        owners = [0] * self.num_blocks
-        for block, count in self.holds.counts.items():
-            owners[block] += count
-        for seq_id, seq in self._seqs.items():
-            found += seq.problems(seq_id, self.block_size, self.allocator)
-            for block in seq.blocks:
-                if 0 <= block < self.num_blocks:
-                    owners[block] += 1
-        for block, count in enumerate(owners):
-            ref = self.allocator.ref_count(block)
-            if ref != count:
-                found.append(f"block {block}: reference count {ref}, but {count} block tables and holds have it")
+        found = integrity_problems(self.allocator, self.prefix_cache, self.holds.counts, self._seqs, self.block_size)
         if found:
             raise IntegrityError(f"{len(found)} integrity problem(s):\n  " + "\n  ".join(found))
 
