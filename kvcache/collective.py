@@ -20,6 +20,15 @@ import torch
 
 __all__ = ["Collective", "SingleProcess", "TorchDistributed"]
 
+#: The last integer gather's work (and so its tensors), referenced until the next gather or
+#: interpreter exit. With torch's tensor/PyObject pairing, whichever thread drops the last
+#: reference to a collective's work must hold the GIL to release its tensors. gloo's worker
+#: thread drops its own reference on its own schedule; if that came last, after this
+#: process's final Python line, it would wait for the GIL during interpreter shutdown and the
+#: process would abort ("terminate called without an active exception", exit status -6,
+#: although every rank had finished). Holding the work here makes the last reference ours.
+_LAST_GATHER: list[Any] = []
+
 
 class Collective(ABC):
     """A group of ``size`` ranks; this process (or thread) is ``rank``.
@@ -84,5 +93,7 @@ class TorchDistributed(Collective):
     def all_gather_int(self, value: int) -> list[int]:
         mine = torch.tensor([value], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
-        self._dist.all_gather(gathered, mine, group=self.cpu_group)
+        work = self._dist.all_gather(gathered, mine, group=self.cpu_group, async_op=True)
+        work.wait()
+        _LAST_GATHER[:] = [work]
         return [int(t.item()) for t in gathered]
