@@ -133,10 +133,10 @@ def test_max_decode_partials_is_a_bound_over_smaller_batches() -> None:
 
 
 def test_fixed_grid_sizes_depend_only_on_rows() -> None:
-    assert max_decode_items(1, 8, H200_SMS) == 33  # 2 programs per SM / 8 KV heads
-    assert max_decode_items(64, 8, H200_SMS) == 107  # 64 rows + 64 / balance 1.5
+    assert max_decode_items(1, 8, H200_SMS) == 50  # 3 programs per SM x 132 SMs / 8 KV heads
+    assert max_decode_items(64, 8, H200_SMS) == 116  # 64 rows + 64 / balance 1.25
     assert max_decode_items(0, 8, H200_SMS) == 0
-    assert max_decode_partials(1, 8, H200_SMS) == 33 and max_decode_partials(0, 8, H200_SMS) == 0
+    assert max_decode_partials(1, 8, H200_SMS) == 50 and max_decode_partials(0, 8, H200_SMS) == 0
 
 
 @pytest.mark.parametrize(
@@ -146,8 +146,8 @@ def test_fixed_grid_sizes_depend_only_on_rows() -> None:
         ([1024] * 256, None, 256),
         ([1000 + i for i in range(256)], None, 256),  # near-uniform rows do not split either
         ([512] * 32, None, 32),  # 256 programs: whole rows
-        ([16384] * 16, 8192, 32),  # 128 programs would be too few: two chunks per row
-        ([32768], 1024, 32),  # one long row: 32 chunks x 8 KV heads = 256 programs
+        ([16384] * 16, 5504, 48),  # 128 programs would be too few: three chunks per row (384)
+        ([32768], 704, 47),  # one long row: 47 chunks x 8 KV heads = 376 programs (~3 per SM)
         ([1024], 64, 16),  # latency-bound: below the 256-token floor to reach ~1 program/SM
         ([512] * 8, 192, 24),
     ],

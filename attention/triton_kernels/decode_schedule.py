@@ -21,10 +21,14 @@ In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row
 tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. A fixed grid
 (``max_items``) too small for that chunk makes it grow until the items fit.
 
-The defaults come from a model, not yet from GPU timings: HBM shared by the resident
-programs, each capped at what its own pipeline keeps in flight (~20 GB/s on the H200, which
-is why flash-attn needs 354 us for a 64-row LogNormal batch whose longest row alone streams
-for about that long). bench_attention.py --decode-sweep times a finer and a coarser policy.
+The defaults started from a model (HBM shared by the resident programs, each capped at what
+its own pipeline keeps in flight: ~20 GB/s on the H200, which is why flash-attn needs 354 us
+for a 64-row LogNormal batch whose longest row alone streams for about that long) and were
+then set by an H200 sweep (benchmarks/results/decode-policy-2026-12-02.json): 3 programs per
+SM and balance 1.25 were at or above the previous 2 / 1.5 on every benchmark shape at blocks
+32 and 256 (16 rows x 16384 tokens: 0.89x -> 1.02x of flash-attn). Balance 1.0 was faster
+still on LogNormal batches but splits near-uniform batches for a few tokens. bench_attention.py
+--decode-sweep times a finer and a coarser policy.
 
 For CUDA graphs the kernel's grid is fixed per batch bucket: :func:`max_decode_items` and
 :func:`max_decode_partials` depend only on the bucket's row count (never on lengths) and bound
@@ -79,8 +83,8 @@ class DecodePolicy:
                       program at ``min_chunk_tokens`` (1 row x 1024 tokens on 8 KV heads).
     """
 
-    programs_per_sm: int = 2
-    balance: float = 1.5
+    programs_per_sm: int = 3
+    balance: float = 1.25
     min_chunk_tokens: int = 256
     small_batch_chunk_tokens: int = 64
 
