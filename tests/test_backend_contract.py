@@ -27,6 +27,9 @@ from attention import BACKENDS, AttentionSpec, get_backend
 from attention.errors import InvalidArgumentError, KVCacheError, MetadataError, UnsupportedSettingError
 from tests.paged_case import (
     BACKENDS_UNDER_TEST,
+    ODD,
+    REL_TOLERANCE,
+    TOLERANCE,
     PagedCase,
     UnderTest,
     make_case,
@@ -34,21 +37,6 @@ from tests.paged_case import (
     reference_output,
     rel_err,
 )
-
-# Element-wise tolerances against a float64 oracle on the same (rounded) inputs; outputs are
-# O(1). fp32: summation order (~1e-6; on a GPU also tf32x3 products, ~2^-21 each). fp16: P is
-# rounded to 11 bits before the P@V product and the output is stored in fp16 (~5e-4 relative
-# each). bf16: the same with 8 bits (~4e-3 each).
-TOLERANCE = {
-    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-}
-# Norm-relative error of the GPU-sized cases (rows of thousands of tokens). bf16 keeps 8
-# mantissa bits (P and the output are rounded to it: ~4e-3 relative each); fp16 keeps 11, about
-# 8x tighter. fp32 runs its products as "tf32x3" (~2^-21 each) with approximate exp2: ~1e-6.
-REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
-ODD = [1, 31, 32, 33, 97]
 
 
 def _run(

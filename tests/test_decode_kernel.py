@@ -30,21 +30,11 @@ from attention.triton_kernels import (
     schedule_decode,
 )
 from attention.triton_kernels.paging import kernels_interpreted
-from tests.paged_case import PagedCase, make_case, make_spec, reference_output, rel_err
+from tests.paged_case import TOLERANCE, PagedCase, make_case, make_spec, reference_output, rel_err
 
 #: Where the kernels run: the CPU interpreter without a GPU, else the GPU.
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
-# Element-wise, against float64 on the same rounded inputs; outputs are O(1). As in
-# tests/test_backend_contract.py: fp32 differs by summation order (~1e-6); fp16 rounds P to
-# 11 bits before P@V and the output to fp16 (~5e-4 relative each); bf16 the same with 8 bits
-# (~4e-3 each). Split rows add nothing: partials and their merge stay in fp32. fp8 caches are
-# compared with the dequantised values, so they add no error beyond the query's dtype.
-TOLERANCE = {
-    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-}
 SMS = 132  # the H200's, as the backend assumes under the interpreter
 COMBINE = pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel", "fused-combine"])
 

@@ -26,19 +26,16 @@ from attention.triton_kernels import (
     default_prefill_config,
     prefill_tile_index,
 )
-from tests.paged_case import PagedCase, make_case, make_spec, reference_output, rel_err
-
-# Element-wise tolerances against a float64 oracle on the same (rounded) inputs, as in
-# tests/test_backend_contract.py: fp32 differs by summation order (~1e-6); fp16 rounds P to 11
-# bits before P@V and the output to fp16 (~5e-4 relative each); bf16 the same with 8 bits.
-TOLERANCE = {
-    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-}
-# Norm-relative error of the GPU-sized cases (as in the contract suite).
-REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
-ODD = [1, 31, 32, 33, 97]
+from tests.paged_case import (
+    ODD,
+    REL_TOLERANCE,
+    TOLERANCE,
+    PagedCase,
+    make_case,
+    make_spec,
+    reference_output,
+    rel_err,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
