@@ -53,8 +53,10 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
         values = list(token_ids)
     try:
         array("q", values)  # C-speed check that every element is an integer that fits int64
+        if bool in set(map(type, values)):  # an int is an int; a bool is not
+            raise TypeError
     except (TypeError, OverflowError):
-        bad = next((v for v in values if not isinstance(v, int)), None)
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
         raise ArgumentTypeError(
             f"{name}: every token id must be an integer in int64 range; found {type(bad).__name__} {bad!r:.40}"
         ) from None

@@ -153,6 +153,8 @@ MISUSES: dict[str, tuple[Callable[[BlockManager, SwapSpace], object], type[KVCac
     "a float token id": (lambda m, s: m.allocate("x", token_ids=[1, 2, 3.0]), ArgumentTypeError),
     "a string token id": (lambda m, s: m.allocate("x", token_ids=[1, "2", 3]), ArgumentTypeError),
     "a None token id": (lambda m, s: m.allocate("x", token_ids=[1, None]), ArgumentTypeError),
+    "a bool token id": (lambda m, s: m.allocate("x", token_ids=[1, True, 3]), ArgumentTypeError),
+    "append a bool token id": (lambda m, s: m.append_slots("share", 1, token_ids=[False]), ArgumentTypeError),
     "a token id past int64": (lambda m, s: m.allocate("x", token_ids=[2**63]), ArgumentTypeError),
     "a float tensor of ids": (lambda m, s: m.allocate("x", token_ids=torch.ones(3)), ArgumentTypeError),
     "a bool tensor of ids": (
