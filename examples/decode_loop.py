@@ -7,16 +7,16 @@
     torchrun --nproc-per-node 2 -m examples.decode_loop --tp 2          # tensor parallel, 2 CPU processes (gloo)
 
 A workload of requests with different prompt lengths arrives over time; the scheduler
-(:mod:`examples.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
-runs the model (:mod:`examples.llama`, random weights from ``--seed``, or a Llama / Qwen2 /
+(:mod:`examples.engine.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
+runs the model (:mod:`examples.model`, random weights from ``--seed``, or a Llama / Qwen2 /
 Mistral checkpoint with ``--checkpoint``: then the config's ``model`` section is the
 checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
 every layer writes K/V and attends -> sample -> ``mark_computed``.
 
 With ``--tp N`` under torchrun each process is one tensor-parallel rank: it holds its share of
-the weights and of the KV heads (:mod:`kvcache.parallel`), runs the same scheduler and block
+the weights and of the KV heads (:mod:`kvcache.parallel.heads`), runs the same scheduler and block
 manager on the same seeded requests as every other rank, and checks each step that all ranks
-decided the same (:mod:`kvcache.agreement`). Only rank 0 prints.
+decided the same (:mod:`kvcache.parallel.agreement`). Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -24,28 +24,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from attention import AttentionBackend, StepCapacity
 from attention.capabilities import BACKEND_NAMES
-from attention.checks import cdiv
 from attention.dtypes import torch_dtype
 from attention.errors import RankDivergenceError
-from examples.distributed import ParallelRun, start_parallel, stop_parallel
-from examples.engine import engine_for
-from examples.llama import Llama, random_llama, shape_for_cache
-from examples.runner import ModelRunner, WarmupReport
-from examples.scheduler import Preemption, Request, Scheduler, make_preemption
-from kvcache import BlockManager, KVCacheConfig, KVCacheError, KVCacheTensors, load_config, resolve_device
-from kvcache.agreement import RankAgreement
-from kvcache.collective import Collective
+from examples.engine.distributed import ParallelRun, start_parallel, stop_parallel
+from examples.engine.loop import RunReport, format_summary, run_requests
+from examples.engine.parts import engine_for
+from examples.engine.scheduler import Scheduler, make_preemption
+from examples.engine.workload import make_workload
+from examples.model.llama import Llama, random_llama
+from examples.model.shape import shape_for_cache
+from kvcache import KVCacheConfig, KVCacheError, load_config, resolve_device
 
 __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
 
@@ -53,215 +48,6 @@ __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
 #: Example-only model sizes: the cache config describes attention only (and forbids extra keys).
 VOCAB_SIZE = 256
-
-
-@dataclass
-class RunReport:
-    """What a run did. ``logits[req_id][j]``: float32 [vocab] logits that produced the
-    request's j-th generated token (only when asked to record them)."""
-
-    requests: list[Request]
-    #: Forward passes run (idle clock steps waiting for an arrival are not counted).
-    steps: int
-    wall_s: float
-    num_blocks: int
-    peak_blocks: int
-    preemptions: int
-    #: Preemptions by mode (``recompute``/``swap``), and blocks swapped out and back in.
-    preemptions_by_mode: dict[str, int]
-    swapped_blocks: tuple[int, int]
-    #: Tokens run through the model: prefill chunks, recomputation and decode tokens.
-    computed_tokens: int
-    prefix_query_tokens: int | None = None
-    prefix_hit_tokens: int | None = None
-    logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    warmup: WarmupReport | None = None
-    #: ``margins[req_id][j]``: top-1 minus top-2 logit of its j-th generated token (only when
-    #: asked to record them): how close greedy decoding came to picking another token.
-    margins: dict[int, list[float]] = field(default_factory=dict)
-    #: Tensor-parallel ranks, and the agreement checks they passed (digest exchanges).
-    tp_size: int = 1
-    agreement_checks: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(r.prompt) for r in self.requests)
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(r.output) for r in self.requests)
-
-    @property
-    def finished(self) -> int:
-        return sum(r.is_finished for r in self.requests)
-
-
-#: Called after each step with (step, scheduler, seconds since start, tokens generated so far).
-ProgressHook = Callable[[int, Scheduler, float, int], None]
-
-
-def run_requests(
-    model: Llama,
-    requests: Sequence[Request],
-    *,
-    manager: BlockManager,
-    cache: KVCacheTensors,
-    backend: AttentionBackend,
-    preemption: Preemption,
-    token_budget: int = 64,
-    max_running: int = 16,
-    use_graphs: bool = False,
-    record_logits: bool = False,
-    record_margins: bool = False,
-    on_step: ProgressHook | None = None,
-    on_warmup: Callable[[WarmupReport], None] | None = None,
-    collective: Collective | None = None,
-) -> RunReport:
-    """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
-    ``request.output``). The model, cache and metadata all live on ``cache.device``.
-    ``use_graphs``: replay decode steps from CUDA graphs (captured, with every kernel
-    compiled, before the first request runs).
-
-    ``collective``: the tensor-parallel group this rank belongs to (the model already
-    connected to it). Every rank calls this with the same requests; before each step's
-    forward pass the ranks compare a digest of what their managers decided, and at the end
-    the outputs, raising RankDivergenceError on every rank at the first difference."""
-    agreement = RankAgreement(collective) if collective is not None and collective.size > 1 else None
-    if agreement is not None:
-        agreement.check(
-            "start-up values (block count, block size, requests)",
-            manager.num_blocks,
-            manager.block_size,
-            [(r.req_id, r.prompt, r.max_new_tokens, r.arrival_step) for r in requests],
-        )
-    scheduler = Scheduler(manager, requests, preemption, token_budget=token_budget, max_running=max_running)
-    longest = max((r.peak_tokens for r in requests), default=1)
-    capacity = StepCapacity(
-        max_rows=max_running,
-        max_tokens=max(token_budget, max_running),
-        max_blocks_per_seq=cdiv(longest, manager.block_size),
-    )
-    runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs)
-    report = runner.warmup()
-    if on_warmup is not None:
-        on_warmup(report)
-    logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
-    margins_of: dict[int, list[float]] = {r.req_id: [] for r in requests}
-    computed = generated = forward_steps = 0
-    step = 0  # the clock request arrivals are given in
-    start = time.perf_counter()
-    while not scheduler.done:
-        batch = scheduler.schedule(step)
-        if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
-            agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
-        if batch is None:  # nothing has arrived yet: jump to the next arrival
-            arrival = scheduler.next_arrival()
-            if arrival is None or arrival <= step:
-                raise RuntimeError("the scheduler is idle but no request is due to arrive")
-            step = arrival
-            continue
-        plan, logits = runner.step(batch.rows, batch.token_ids)  # once per step
-        rows = plan.metadata.sampling_rows_host
-        next_tokens = dict(zip(rows, logits.argmax(dim=-1).tolist(), strict=True))  # the step's one sync
-        if record_logits:
-            for j, i in enumerate(rows):
-                logits_of[batch.requests[i].req_id].append(logits[j].float().cpu())
-        if record_margins:
-            top2 = logits.float().topk(2, dim=-1).values.cpu() if logits.shape[-1] > 1 else None
-            for j, i in enumerate(rows):
-                margin = float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf")
-                margins_of[batch.requests[i].req_id].append(margin)
-        computed += len(batch.token_ids)
-        generated += len(rows)
-        scheduler.finish_step(batch, next_tokens)
-        forward_steps += 1
-        if on_step is not None:
-            on_step(step, scheduler, time.perf_counter() - start, generated)
-        step += 1
-    wall = time.perf_counter() - start
-    if agreement is not None:  # a rank that stopped early meets the others' step check here
-        agreement.check("outputs", forward_steps, [r.output for r in requests])
-    manager.check_integrity()
-    cache_stats = manager.prefix_cache
-    return RunReport(
-        requests=list(requests),
-        steps=forward_steps,
-        wall_s=wall,
-        num_blocks=manager.num_blocks,
-        peak_blocks=scheduler.peak_blocks,
-        preemptions=scheduler.num_preemptions,
-        preemptions_by_mode=dict(manager.preemptions),
-        swapped_blocks=_swapped_blocks(preemption),
-        computed_tokens=computed,
-        prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
-        prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
-        logits=logits_of if record_logits else {},
-        warmup=report,
-        margins=margins_of if record_margins else {},
-        tp_size=1 if collective is None else collective.size,
-        agreement_checks=0 if agreement is None else agreement.checks,
-    )
-
-
-def _swapped_blocks(preemption: Preemption) -> tuple[int, int]:
-    space = getattr(preemption, "space", None)
-    return (space.swapped_out_blocks, space.swapped_in_blocks) if space is not None else (0, 0)
-
-
-def make_workload(
-    kind: str, num_requests: int, *, seed: int, block_size: int, vocab_size: int
-) -> list[Request]:
-    """Seeded requests arriving over time, with prompt lengths and max_new_tokens varying.
-
-    ``default``: the first prompts have the lengths that break paged caches (1, exactly one
-    and two blocks, one past a block boundary), the rest are random up to ~3 blocks.
-    ``shared-prefix``: every prompt is one long common system prompt (3 blocks and a bit)
-    followed by a short user part, the case prefix caching is for.
-    """
-    rng = random.Random(seed)
-    edge = [1, block_size, 5, 2 * block_size, block_size + 1, 3 * block_size + 1, block_size - 1]
-    system = [rng.randrange(vocab_size) for _ in range(3 * block_size + 7)]
-    requests, arrival = [], 0
-    for i in range(num_requests):
-        if kind == "shared-prefix":
-            prompt = system + [
-                rng.randrange(vocab_size) for _ in range(rng.randint(1, block_size + 8))
-            ]
-        else:
-            length = edge[i] if i < len(edge) else rng.randint(2, 3 * block_size + 8)
-            prompt = [rng.randrange(vocab_size) for _ in range(length)]
-        requests.append(Request(i, prompt, max_new_tokens=rng.randint(4, 40), arrival_step=arrival))
-        arrival += rng.choice((0, 0, 1, 2, 3))
-    return requests
-
-
-def format_summary(report: RunReport) -> list[str]:
-    """The summary lines: ``name: value`` each, easy to read and to parse."""
-    tok_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else 0.0
-    lines = [
-        f"requests: {len(report.requests)} ({report.finished} finished, {report.steps} steps)",
-        f"prompt tokens: {report.prompt_tokens}",
-        f"tokens generated: {report.generated_tokens}",
-        f"tokens computed: {report.computed_tokens} (prefill chunks, recomputation and decode)",
-        f"wall time: {report.wall_s:.2f} s",
-        f"tokens/s: {tok_s:.1f} generated",
-        f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
-        f"preemptions: {report.preemptions} ("
-        + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
-        + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
-    ]
-    if report.tp_size > 1:
-        lines.append(
-            f"tensor parallel: {report.tp_size} ranks; {report.agreement_checks} agreement checks passed "
-            f"(identical block-manager decisions and outputs on every rank)"
-        )
-    if report.prefix_query_tokens is not None and report.prefix_hit_tokens is not None:
-        rate = report.prefix_hit_tokens / max(report.prefix_query_tokens, 1)
-        lines.append(
-            f"prefix cache hits: {report.prefix_hit_tokens} / {report.prefix_query_tokens} tokens "
-            f"({rate:.1%}); prefill tokens saved: {report.prefix_hit_tokens}"
-        )
-    return lines
 
 
 def _shown(path: str) -> str:
@@ -278,21 +64,15 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m examples.decode_loop", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--config", default=DEFAULT_CONFIG, help="cache config YAML (default configs/tiny-cpu.yaml)"
-    )
+    p = argparse.ArgumentParser(prog="python -m examples.decode_loop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="cache config YAML (default configs/tiny-cpu.yaml)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="overrides cache.device")
     p.add_argument(
         "--backend",
         choices=("auto", *BACKEND_NAMES),
         help="overrides attention.backend",
     )
-    p.add_argument(
-        "--num-blocks", type=_positive, help="overrides cache.num_blocks / cache.memory_budget"
-    )
+    p.add_argument("--num-blocks", type=_positive, help="overrides cache.num_blocks / cache.memory_budget")
     p.add_argument(
         "--preempt",
         choices=("recompute", "swap"),
@@ -302,9 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=("default", "shared-prefix"), default="default")
     p.add_argument("--requests", type=_positive, default=20, help="number of requests (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
-    p.add_argument(
-        "--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)"
-    )
+    p.add_argument("--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)")
     p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument(
@@ -351,7 +129,7 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         dtype_name = config.attention_spec().dtype
         model: Llama | None = None
         if args.checkpoint:
-            from examples.checkpoints import load_checkpoint
+            from examples.model.checkpoints import load_checkpoint
 
             model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device, tp=tp)
             shape = model.shape

@@ -1,14 +1,30 @@
 """A paged KV-cache manager: YAML config, block allocator, block tables, cache tensors.
 
 The attention kernels that read the cache live in the sibling package :mod:`attention`.
-Names are imported lazily, so ``kvcache validate`` and other config-only uses never import
-torch.
+This module is the public face: import from here. Names are imported lazily, so ``kvcache
+validate`` and other config-only uses never import torch. The subpackages, lowest first:
+
+| module | what it holds |
+| --- | --- |
+| ``parallel`` | tensor parallelism: per-rank KV heads (``heads``), rank agreement, collectives |
+| ``config`` | YAML read safely and validated into a frozen config; capacity planning |
+| ``blocks`` | the block core: allocator, block tables, prefix cache (pure Python) |
+| ``memory`` | the cache tensors on the device, the host swap tier, preemption |
+| ``step`` | per-step metadata and plan in persistent buffers; CUDA graphs |
+
+``cli`` (the ``kvcache`` command), ``setup`` (a manager and a backend from a config) and
+``metrics`` sit on top. Module paths from before the subpackages still import
+(:mod:`kvcache.moved`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from kvcache import moved
+
+moved.install()
 
 if TYPE_CHECKING:
     from attention.errors import (
@@ -53,50 +69,44 @@ if TYPE_CHECKING:
     from attention.staging import (
         StepCapacity as StepCapacity,
     )
-    from kvcache.agreement import (
-        RankAgreement as RankAgreement,
-    )
-    from kvcache.agreement import (
-        StepDigest as StepDigest,
-    )
-    from kvcache.allocator import (
+    from kvcache.blocks.allocator import (
         BlockAllocator as BlockAllocator,
     )
-    from kvcache.builder import (
-        MetadataBuilder as MetadataBuilder,
+    from kvcache.blocks.manager import (
+        BlockManager as BlockManager,
     )
-    from kvcache.builder import (
-        build_metadata as build_metadata,
+    from kvcache.blocks.rows import (
+        ScheduledRow as ScheduledRow,
     )
-    from kvcache.cache_tensors import (
-        KVCacheTensors as KVCacheTensors,
-    )
-    from kvcache.cache_tensors import (
-        allocate_kv_cache as allocate_kv_cache,
-    )
-    from kvcache.cache_tensors import (
-        resolve_device as resolve_device,
-    )
-    from kvcache.collective import (
-        Collective as Collective,
-    )
-    from kvcache.collective import (
-        SingleProcess as SingleProcess,
-    )
-    from kvcache.collective import (
-        TorchDistributed as TorchDistributed,
-    )
-    from kvcache.config import (
-        KVCacheConfig as KVCacheConfig,
-    )
-    from kvcache.loading import (
+    from kvcache.config.loading import (
         load_config as load_config,
     )
-    from kvcache.loading import (
+    from kvcache.config.loading import (
         parse_config as parse_config,
     )
-    from kvcache.manager import (
-        BlockManager as BlockManager,
+    from kvcache.config.planning import (
+        CapacityPlan as CapacityPlan,
+    )
+    from kvcache.config.planning import (
+        plan_capacity as plan_capacity,
+    )
+    from kvcache.config.schema import (
+        KVCacheConfig as KVCacheConfig,
+    )
+    from kvcache.memory.cache_tensors import (
+        KVCacheTensors as KVCacheTensors,
+    )
+    from kvcache.memory.cache_tensors import (
+        allocate_kv_cache as allocate_kv_cache,
+    )
+    from kvcache.memory.cache_tensors import (
+        resolve_device as resolve_device,
+    )
+    from kvcache.memory.preemption import (
+        preempt as preempt,
+    )
+    from kvcache.memory.swap import (
+        SwapSpace as SwapSpace,
     )
     from kvcache.metrics import (
         CacheStats as CacheStats,
@@ -107,23 +117,26 @@ if TYPE_CHECKING:
     from kvcache.metrics import (
         collect_stats as collect_stats,
     )
-    from kvcache.parallel import (
+    from kvcache.parallel.agreement import (
+        RankAgreement as RankAgreement,
+    )
+    from kvcache.parallel.agreement import (
+        StepDigest as StepDigest,
+    )
+    from kvcache.parallel.collective import (
+        Collective as Collective,
+    )
+    from kvcache.parallel.collective import (
+        SingleProcess as SingleProcess,
+    )
+    from kvcache.parallel.collective import (
+        TorchDistributed as TorchDistributed,
+    )
+    from kvcache.parallel.heads import (
         TensorParallel as TensorParallel,
     )
-    from kvcache.parallel import (
+    from kvcache.parallel.heads import (
         rank_spec as rank_spec,
-    )
-    from kvcache.planning import (
-        CapacityPlan as CapacityPlan,
-    )
-    from kvcache.planning import (
-        plan_capacity as plan_capacity,
-    )
-    from kvcache.preemption import (
-        preempt as preempt,
-    )
-    from kvcache.rows import (
-        ScheduledRow as ScheduledRow,
     )
     from kvcache.setup import (
         backend_for as backend_for,
@@ -131,8 +144,11 @@ if TYPE_CHECKING:
     from kvcache.setup import (
         manager_for as manager_for,
     )
-    from kvcache.swap import (
-        SwapSpace as SwapSpace,
+    from kvcache.step.builder import (
+        MetadataBuilder as MetadataBuilder,
+    )
+    from kvcache.step.builder import (
+        build_metadata as build_metadata,
     )
 
 _ERRORS = (
@@ -155,33 +171,33 @@ _ERRORS = (
 _HOME = {
     **{name: "attention.errors" for name in _ERRORS},
     "StepCapacity": "attention.staging",
-    "RankAgreement": "kvcache.agreement",
-    "StepDigest": "kvcache.agreement",
-    "BlockAllocator": "kvcache.allocator",
-    "MetadataBuilder": "kvcache.builder",
-    "build_metadata": "kvcache.builder",
-    "KVCacheTensors": "kvcache.cache_tensors",
-    "allocate_kv_cache": "kvcache.cache_tensors",
-    "resolve_device": "kvcache.cache_tensors",
-    "Collective": "kvcache.collective",
-    "SingleProcess": "kvcache.collective",
-    "TorchDistributed": "kvcache.collective",
-    "KVCacheConfig": "kvcache.config",
-    "load_config": "kvcache.loading",
-    "parse_config": "kvcache.loading",
-    "BlockManager": "kvcache.manager",
+    "RankAgreement": "kvcache.parallel.agreement",
+    "StepDigest": "kvcache.parallel.agreement",
+    "BlockAllocator": "kvcache.blocks.allocator",
+    "MetadataBuilder": "kvcache.step.builder",
+    "build_metadata": "kvcache.step.builder",
+    "KVCacheTensors": "kvcache.memory.cache_tensors",
+    "allocate_kv_cache": "kvcache.memory.cache_tensors",
+    "resolve_device": "kvcache.memory.cache_tensors",
+    "Collective": "kvcache.parallel.collective",
+    "SingleProcess": "kvcache.parallel.collective",
+    "TorchDistributed": "kvcache.parallel.collective",
+    "KVCacheConfig": "kvcache.config.schema",
+    "load_config": "kvcache.config.loading",
+    "parse_config": "kvcache.config.loading",
+    "BlockManager": "kvcache.blocks.manager",
     "CacheStats": "kvcache.metrics",
     "PrometheusExporter": "kvcache.metrics",
     "collect_stats": "kvcache.metrics",
-    "TensorParallel": "kvcache.parallel",
-    "rank_spec": "kvcache.parallel",
-    "CapacityPlan": "kvcache.planning",
-    "plan_capacity": "kvcache.planning",
-    "preempt": "kvcache.preemption",
-    "ScheduledRow": "kvcache.rows",
+    "TensorParallel": "kvcache.parallel.heads",
+    "rank_spec": "kvcache.parallel.heads",
+    "CapacityPlan": "kvcache.config.planning",
+    "plan_capacity": "kvcache.config.planning",
+    "preempt": "kvcache.memory.preemption",
+    "ScheduledRow": "kvcache.blocks.rows",
     "backend_for": "kvcache.setup",
     "manager_for": "kvcache.setup",
-    "SwapSpace": "kvcache.swap",
+    "SwapSpace": "kvcache.memory.swap",
 }
 
 __all__ = sorted(_HOME)

@@ -15,16 +15,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvcache.config_rules import MAX_TOKENS
-from kvcache.sizes import parse_bytes
+from kvcache.config.rules import MAX_TOKENS
+from kvcache.config.sizes import parse_bytes
 
 __all__ = ["main"]
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from kvcache.loading import ConfigError, load_config
-    from kvcache.safe_read import printable
-    from kvcache.sizes import format_bytes
+    from kvcache.config.loading import ConfigError, load_config
+    from kvcache.config.safe_read import printable
+    from kvcache.config.sizes import format_bytes
 
     failed = 0
     for name in args.files:
@@ -34,8 +34,10 @@ def _validate(args: argparse.Namespace) -> int:
             failed += 1
             print(err.format(), file=sys.stderr)
             continue
-        print(f"{printable(name)}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
-              f"{format_bytes(config.bytes_per_block)} per block)")
+        print(
+            f"{printable(name)}: ok ({config.attention.backend} backend, block_size {config.cache.block_size}, "
+            f"{format_bytes(config.bytes_per_block)} per block)"
+        )
     total = len(args.files)
     if failed:
         print(f"{failed} of {total} file(s) invalid", file=sys.stderr)
@@ -45,9 +47,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvcache.loading import ConfigError, load_config
-    from kvcache.planning import plan_capacity
-    from kvcache.safe_read import printable
+    from kvcache.config.loading import ConfigError, load_config
+    from kvcache.config.planning import plan_capacity
+    from kvcache.config.safe_read import printable
 
     try:
         config = load_config(args.file)
@@ -60,8 +62,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{printable(args.file)}: {err}", file=sys.stderr)
         return 1
     m = config.model
-    print(f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
-          f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}")
+    print(
+        f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
+        f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}"
+    )
     rows = plan.lines()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -75,14 +79,14 @@ def _plan(args: argparse.Namespace) -> int:
 def _schema(args: argparse.Namespace) -> int:
     import json
 
-    from kvcache.config import config_json_schema
+    from kvcache.config.schema import config_json_schema
 
     print(json.dumps(config_json_schema(), indent=2))
     return 0
 
 
 def _list_configs(args: argparse.Namespace) -> int:
-    from kvcache.bundled import bundled_configs
+    from kvcache.config.bundled import bundled_configs
 
     configs = bundled_configs()
     if not configs:
@@ -121,7 +125,7 @@ def _seq_len(text: str) -> int:
 
 
 def _tp_size(text: str) -> int:
-    from kvcache.parallel import MAX_TP_SIZE
+    from kvcache.parallel.heads import MAX_TP_SIZE
 
     if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= MAX_TP_SIZE):
         raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number of ranks in [1, {MAX_TP_SIZE}]")
@@ -130,8 +134,9 @@ def _tp_size(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvcache", description="Paged KV-cache configs: validate and plan. CONFIG is a YAML file "
-        "or the name of a bundled config (see list-configs)."
+        prog="kvcache",
+        description="Paged KV-cache configs: validate and plan. CONFIG is a YAML file "
+        "or the name of a bundled config (see list-configs).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate", help="check configs; print every problem, then a summary")
@@ -141,8 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("file", metavar="CONFIG")
     plan.add_argument("--memory", type=_memory, help="device memory free for the cache, e.g. 80GiB")
     plan.add_argument("--max-seq-len", type=_seq_len, help="also print how many sequences of N tokens fit")
-    plan.add_argument("--tp", type=_tp_size, default=1, metavar="N",
-                      help="tensor-parallel ranks: print per-rank memory and capacity (default 1)")
+    plan.add_argument(
+        "--tp",
+        type=_tp_size,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks: print per-rank memory and capacity (default 1)",
+    )
     plan.set_defaults(run=_plan)
     schema = sub.add_parser("schema", help="print the config's JSON schema (for editors)")
     schema.set_defaults(run=_schema)

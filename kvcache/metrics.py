@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvcache.manager import BlockManager
-from kvcache.swap import SwapSpace
+from kvcache.blocks.manager import BlockManager
+from kvcache.memory.swap import SwapSpace
 
 __all__ = ["CacheStats", "PrometheusExporter", "collect_stats"]
 
@@ -108,8 +108,12 @@ class PrometheusExporter:
     def update(self, stats: CacheStats) -> None:
         last = self._last
         self.usage.set(stats.usage)
-        for state, value in (("used", stats.blocks_used), ("free", stats.blocks_free),
-                             ("cached", stats.blocks_cached), ("cached_free", stats.blocks_cached_free)):
+        for state, value in (
+            ("used", stats.blocks_used),
+            ("free", stats.blocks_free),
+            ("cached", stats.blocks_cached),
+            ("cached_free", stats.blocks_cached_free),
+        ):
             self.blocks.labels(state=state).set(value)
 
         def delta(name: str) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attention.registry import BackendChoice, choose_backend
-from kvcache.config import KVCacheConfig
-from kvcache.manager import BlockManager
+from kvcache.blocks.manager import BlockManager
+from kvcache.config.schema import KVCacheConfig
 
 if TYPE_CHECKING:
-    from kvcache.cache_tensors import KVCacheTensors
-    from kvcache.parallel import TensorParallel
+    from kvcache.memory.cache_tensors import KVCacheTensors
+    from kvcache.parallel.heads import TensorParallel
 
 __all__ = ["backend_for", "manager_for"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcache import BlockManager, SwapSpace
-from kvcache.prefix_cache import BlockKey
+from kvcache.blocks.prefix_cache import BlockKey
 
 
 def key_chain(key: BlockKey | None) -> tuple[object, ...]:

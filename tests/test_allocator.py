@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import ArgumentTypeError, BlockAllocator, InvalidArgumentError, OutOfBlocksError
-from kvcache.free_queue import FreeBlockQueue
+from kvcache.blocks.free_queue import FreeBlockQueue
 
 
 def state(a: BlockAllocator) -> tuple[object, ...]:

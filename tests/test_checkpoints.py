@@ -1,5 +1,5 @@
 """Real checkpoints: Llama, Qwen2 and Mistral models saved by transformers, loaded by
-:mod:`examples.checkpoints`, served by the example decode loop, against transformers' own
+:mod:`examples.model.checkpoints`, served by the example decode loop, against transformers' own
 greedy generation with the same weights.
 
 Each model is a tiny random transformers model (3 layers, hidden 64, vocab 384, float32)
@@ -28,17 +28,17 @@ pytest.importorskip("safetensors")
 
 from attention import get_backend  # noqa: E402
 from examples import decode_loop  # noqa: E402
-from examples.checkpoints import (  # noqa: E402
+from examples.engine import cache_config_for, engine_for  # noqa: E402
+from examples.engine.loop import run_requests  # noqa: E402
+from examples.engine.scheduler import Request, make_preemption  # noqa: E402
+from examples.model import (  # noqa: E402
+    Llama,
     attention_spec_for,
     from_transformers,
     load_checkpoint,
     read_config,
     shape_from_config,
 )
-from examples.decode_loop import run_requests  # noqa: E402
-from examples.engine import cache_config_for, engine_for  # noqa: E402
-from examples.llama import Llama  # noqa: E402
-from examples.scheduler import Request, make_preemption  # noqa: E402
 
 VOCAB = 384
 HIDDEN = 64

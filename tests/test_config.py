@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcache import ConfigError, load_config, parse_config
-from kvcache.config import KVCacheConfig
+from kvcache.config.schema import KVCacheConfig
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 
@@ -330,7 +330,7 @@ def test_a_cache_only_dtype_needs_model_dtype(monkeypatch: pytest.MonkeyPatch) -
 
     from attention.capabilities import BACKENDS
     from attention.dtypes import DTYPES, DtypeInfo
-    from kvcache.config_rules import cross_field_problems
+    from kvcache.config.rules import cross_field_problems
 
     fp8 = DtypeInfo("float8_e4m3", "float8_e4m3fn", 1, ("fp8",), cache_only=True)
     monkeypatch.setitem(DTYPES, fp8.name, fp8)
@@ -355,7 +355,7 @@ def test_a_cache_only_dtype_needs_model_dtype(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_bundled_configs_load_by_name() -> None:
-    from kvcache.loading import bundled_configs
+    from kvcache.config.loading import bundled_configs
 
     assert set(bundled_configs()) == {p.stem for p in CONFIGS}
     assert load_config("tiny-cpu") == load_config(CONFIGS[0].parent / "tiny-cpu.yaml")

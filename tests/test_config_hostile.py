@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from kvcache import ConfigError, load_config, parse_config, safe_yaml
 from kvcache.cli import main
-from kvcache.config import KVCacheConfig
-from kvcache.config_rules import MAX_BLOCKS
-from kvcache.safe_yaml import MAX_DEPTH, MAX_FILE_BYTES
-from kvcache.sizes import MAX_BYTES
+from kvcache.config.rules import MAX_BLOCKS
+from kvcache.config.safe_yaml import MAX_DEPTH, MAX_FILE_BYTES
+from kvcache.config.schema import KVCacheConfig
+from kvcache.config.sizes import MAX_BYTES
 
 GOOD = """\
 model: {num_layers: 2, num_heads: 4, num_kv_heads: 2, head_dim: 16}

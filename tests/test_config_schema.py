@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from attention.capabilities import BACKEND_NAMES
 from attention.dtypes import DTYPES
-from kvcache.config import config_json_schema
-from kvcache.config_rules import COMPUTE_DTYPES, DEVICE_PATTERN, MAX_BLOCKS
-from kvcache.sizes import MAX_BYTES, SIZE_PATTERN, parse_bytes
+from kvcache.config.rules import COMPUTE_DTYPES, DEVICE_PATTERN, MAX_BLOCKS
+from kvcache.config.schema import config_json_schema
+from kvcache.config.sizes import MAX_BYTES, SIZE_PATTERN, parse_bytes
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 SCHEMA = config_json_schema()

@@ -18,10 +18,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attention import get_backend  # noqa: E402
-from examples.checkpoints import load_state_dict, shape_from_config  # noqa: E402
-from examples.decode_loop import VOCAB_SIZE, RunReport, main, make_workload, run_requests  # noqa: E402
-from examples.llama import Llama  # noqa: E402
-from examples.scheduler import Request, make_preemption  # noqa: E402
+from examples.decode_loop import VOCAB_SIZE, main  # noqa: E402
+from examples.engine.loop import RunReport, run_requests  # noqa: E402
+from examples.engine.scheduler import Request, make_preemption  # noqa: E402
+from examples.engine.workload import make_workload  # noqa: E402
+from examples.model import (  # noqa: E402
+    Llama,
+    load_state_dict,
+    shape_from_config,
+)
 from kvcache import BlockManager, KVCacheConfig, allocate_kv_cache, parse_config  # noqa: E402
 
 BLOCK_SIZE = 32

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from attention import get_backend
-from examples.decode_loop import VOCAB_SIZE, make_workload, run_requests
-from examples.llama import random_llama, shape_for_cache
-from examples.scheduler import Request, make_preemption
+from examples.decode_loop import VOCAB_SIZE
+from examples.engine.loop import run_requests
+from examples.engine.scheduler import Request, make_preemption
+from examples.engine.workload import make_workload
+from examples.model import random_llama, shape_for_cache
 from kvcache import BlockManager, allocate_kv_cache, load_config
 
 pytestmark = [

@@ -131,7 +131,7 @@ def _messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         load_config,
         manager_for,
     )
-    from kvcache.graphs import DecodeGraphs
+    from kvcache.step.graphs import DecodeGraphs
 
     for name, text in BAD_CONFIGS.items():
         (tmp_path / name).write_text(text)
@@ -202,7 +202,7 @@ def test_troubleshooting_quotes_real_messages(tmp_path: Path, monkeypatch: pytes
 def _sessions() -> Iterator[tuple[str, str, list[str], str]]:
     """(page, command, arguments, expected output) of each ``$ kvcache ...`` in a text block
     whose files all exist: in the repository, bundled, or one of BAD_CONFIGS."""
-    from kvcache.loading import bundled_configs
+    from kvcache.config.loading import bundled_configs
 
     bundled = set(bundled_configs()) | set(BAD_CONFIGS)
     for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:

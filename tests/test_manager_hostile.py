@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvcache.swap
+import kvcache.memory.swap
 from kvcache import (
     ArgumentTypeError,
     BlockManager,
@@ -396,7 +396,7 @@ def test_swap_space_over_a_mismatched_cache_is_refused_allocating_nothing(
     m = BlockManager(8, BS)
     cache = KVCacheTensors(torch.zeros(1, 2, cache_blocks, cache_block_size, 1, 8))
     made: list[str] = []
-    real_empty, real_allocator = torch.empty, kvcache.swap.BlockAllocator
+    real_empty, real_allocator = torch.empty, kvcache.memory.swap.BlockAllocator
 
     def spy_empty(*args: object, **kwargs: object) -> torch.Tensor:
         made.append("host pool")
@@ -406,8 +406,8 @@ def test_swap_space_over_a_mismatched_cache_is_refused_allocating_nothing(
         made.append("host allocator")
         return real_allocator(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kvcache.swap.torch, "empty", spy_empty)
-    monkeypatch.setattr(kvcache.swap, "BlockAllocator", spy_allocator)
+    monkeypatch.setattr(kvcache.memory.swap.torch, "empty", spy_empty)
+    monkeypatch.setattr(kvcache.memory.swap, "BlockAllocator", spy_allocator)
     before = snapshot(m)
     with pytest.raises(InvalidArgumentError, match="build both from the same config"):
         SwapSpace(m, cache, 4)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Loads a bundled config by name and prints where the package and the config came from.
 PROBE = (
     "import kvcache, sys\n"
-    "from kvcache.loading import bundled_config_dir, load_config\n"
+    "from kvcache.config.loading import bundled_config_dir, load_config\n"
     "config = load_config('tiny-cpu')\n"
     "assert config.cache.num_blocks == 24, config\n"
     "assert 'torch' not in sys.modules\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import BlockAllocator, BlockManager, MetadataBuilder, ScheduledRow, collect_stats
-from kvcache.prefix_cache import PrefixCache
+from kvcache.blocks.prefix_cache import PrefixCache
 
 BS = 4
 

@@ -27,16 +27,16 @@ import torch
 from attention import AttentionSpec
 from attention.errors import ArgumentTypeError, InvalidArgumentError, RankDivergenceError
 from examples.decode_loop import main as decode_main
-from examples.decode_loop import run_requests
 from examples.engine import cache_config_for, engine_for
-from examples.llama import Llama, LlamaShape, random_llama, shard_parameter
-from examples.scheduler import Request, make_preemption
+from examples.engine.loop import run_requests
+from examples.engine.scheduler import Request, make_preemption
+from examples.model import Llama, LlamaShape, random_llama, shard_parameter
 from kvcache import BlockManager, ScheduledRow, allocate_kv_cache, load_config
-from kvcache.agreement import RankAgreement, StepDigest
-from kvcache.cache_tensors import num_blocks_for
 from kvcache.cli import main as kvcache_main
-from kvcache.collective import SingleProcess
-from kvcache.parallel import TensorParallel, head_problems, rank_spec, valid_tp_sizes
+from kvcache.memory.cache_tensors import num_blocks_for
+from kvcache.parallel.agreement import RankAgreement, StepDigest
+from kvcache.parallel.collective import SingleProcess
+from kvcache.parallel.heads import TensorParallel, head_problems, rank_spec, valid_tp_sizes
 from tests.tp_threads import ThreadCollective, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,7 +312,7 @@ def test_checkpoint_shards_serve_transformers_tokens(tmp_path: Path) -> None:
     slices, served at tp=2, gives transformers' own greedy tokens."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from examples.checkpoints import load_checkpoint
+    from examples.model import load_checkpoint
 
     config = transformers.Qwen2Config(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -372,10 +372,10 @@ def test_ranks_agree_on_the_smallest_block_count_a_budget_gives(monkeypatch: pyt
     both ranks size their pool from rank 1's (their managers must hand out the same ids)."""
     import threading
 
-    import examples.engine
+    import examples.engine.parts
 
     free = {"tp-rank-0": 8 << 20, "tp-rank-1": 4 << 20}  # bytes free "on each device"
-    monkeypatch.setattr(examples.engine, "free_device_memory", lambda _: free[threading.current_thread().name])
+    monkeypatch.setattr(examples.engine.parts, "free_device_memory", lambda _: free[threading.current_thread().name])
     config = cache_config_for(BIASED, block_size=32, dtype="float32", memory_budget=0.5, device="cpu")
     per_block = config.bytes_per_block_per_rank(TensorParallel(2, 0))  # 8 KiB: 2 layers x K,V x 32 x 1 x 16 x 4
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 from attention.errors import RankDivergenceError
-from examples.decode_loop import DEFAULT_CONFIG, VOCAB_SIZE, make_workload, run_requests
-from examples.distributed import start_parallel, stop_parallel
+from examples.decode_loop import DEFAULT_CONFIG, VOCAB_SIZE
 from examples.engine import engine_for
-from examples.llama import random_llama, shape_for_cache
-from examples.scheduler import Scheduler, make_preemption
+from examples.engine.distributed import start_parallel, stop_parallel
+from examples.engine.loop import run_requests
+from examples.engine.scheduler import Scheduler, make_preemption
+from examples.engine.workload import make_workload
+from examples.model import random_llama, shape_for_cache
 from kvcache import load_config
 
 DIVERGE_AT = 6

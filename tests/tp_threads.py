@@ -15,7 +15,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from kvcache.collective import Collective
+from kvcache.parallel.collective import Collective
 
 T = TypeVar("T")
 

@@ -1,0 +1,150 @@
+"""From a model shape and a cache config to the parts a serving loop runs: the attention spec
+(with the checkpoint's sliding window), the backend, the cache tensors and the block manager.
+
+    shape = load_checkpoint(path, device="cuda", dtype=torch.bfloat16).shape
+    config = cache_config_for(shape, block_size=256, dtype="bfloat16", num_blocks=4096, device="cuda")
+    engine = engine_for(config, shape, backend="triton")
+
+The backend is built from :meth:`LlamaShape.attention_spec`, not from
+``KVCacheConfig.attention_spec()``: the config's ``model`` section has no field for a window,
+so a spec built from it would silently attend to every token of a Mistral or Qwen2 model.
+
+Tensor parallelism: ``engine_for(..., tp=TensorParallel(size, rank), collective=...)`` builds
+rank ``rank``'s engine: a backend for its heads, a cache of its KV heads, and the same block
+manager as every other rank (same block count, same settings). When the block count comes
+from a fractional memory budget it depends on each device's free memory, so the ranks take
+the minimum (one all-gather) before allocating: every rank's manager must hand out the same
+block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attention import AttentionBackend, AttentionSpec, choose_backend
+from examples.model import LlamaShape
+from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, resolve_device
+from kvcache.memory.cache_tensors import free_device_memory, num_blocks_for
+from kvcache.parallel.collective import Collective, SingleProcess
+from kvcache.parallel.heads import TensorParallel
+
+__all__ = ["Engine", "cache_config_for", "engine_for"]
+
+
+@dataclass
+class Engine:
+    """What :func:`engine_for` built. ``reason``: why this backend (``auto`` explained).
+    ``spec``: the attention shape this rank serves (its heads, under tensor parallelism)."""
+
+    config: KVCacheConfig
+    spec: AttentionSpec
+    backend: AttentionBackend
+    reason: str
+    cache: KVCacheTensors
+    manager: BlockManager
+    tp: TensorParallel = field(default_factory=TensorParallel)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @property
+    def graphs_allowed(self) -> bool:
+        """Whether decode steps may replay CUDA graphs: a CUDA device, a backend that allows
+        capture, and no sliding window (the triton backend plans graph steps for its decode
+        kernel, which reads whole rows; windowed steps must take its prefill kernel)."""
+        return self.device.type == "cuda" and self.backend.info.cuda_graphs and self.spec.sliding_window is None
+
+
+def cache_config_for(
+    shape: LlamaShape,
+    *,
+    block_size: int,
+    dtype: str,
+    num_blocks: int | None = None,
+    memory_budget: float | str | None = None,
+    device: str = "auto",
+    backend: str = "auto",
+    prefix_caching: bool = False,
+    swap_space: int | str = 0,
+) -> KVCacheConfig:
+    """A validated cache config whose ``model`` section is ``shape``'s (give ``num_blocks``
+    or ``memory_budget``). Raises pydantic's ValidationError naming the field."""
+    cache: dict[str, object] = {
+        "block_size": block_size,
+        "dtype": dtype,
+        "device": device,
+        "enable_prefix_caching": prefix_caching,
+        "swap_space": swap_space,
+    }
+    if num_blocks is not None:
+        cache["num_blocks"] = num_blocks
+    if memory_budget is not None:
+        cache["memory_budget"] = memory_budget
+    return KVCacheConfig.model_validate(
+        {"model": shape.model_section().model_dump(), "cache": cache, "attention": {"backend": backend}},
+        strict=False,
+    )
+
+
+def engine_for(
+    config: KVCacheConfig,
+    shape: LlamaShape,
+    *,
+    device: torch.device | str | None = None,
+    num_blocks: int | None = None,
+    backend: str | AttentionBackend | None = None,
+    prefix_caching: bool | None = None,
+    fill: float | None = None,
+    tp: TensorParallel | None = None,
+    collective: Collective | None = None,
+) -> Engine:
+    """Build the spec, backend, cache and manager for ``shape`` under ``config``.
+
+    device, num_blocks, backend, prefix_caching: override the config's values; ``backend``
+    may also be a backend already built for ``shape.attention_spec(...)`` (tests run the
+    triton backend on CPU under its interpreter that way).
+    fill: initialise every cache element (tests poison with NaN).
+    tp, collective: build this rank's engine of a tensor-parallel group (``collective`` is
+    needed only to agree on a block count computed from a memory budget).
+    Raises ValueError when the config's ``model`` section differs from ``shape`` or the model
+    does not split over ``tp.size`` ranks, and the kvcache errors (UnsupportedSettingError,
+    BackendUnavailableError, CacheAllocationError) with their fixes.
+    """
+    shape.check_cache(config.model)
+    tp = tp or TensorParallel()
+    shape.check_tp(tp)
+    collective = collective or SingleProcess()
+    if (collective.rank, collective.size) != (tp.rank, tp.size) and collective.size > 1:
+        raise ValueError(f"collective: rank {collective.rank} of {collective.size}, but tp is {tp}")
+    dev = resolve_device(str(device) if device is not None else config.cache.device)
+    spec = shape.attention_spec(config.cache.dtype, tp=tp)
+    if isinstance(backend, AttentionBackend):
+        if backend.spec != spec:
+            raise ValueError(f"backend: built for {backend.spec}, but the model needs {spec}")
+        chosen, reason = backend, f"{backend.name} (given)"
+    else:
+        choice = choose_backend(
+            backend or config.attention.backend, spec, device_type=dev.type, block_size=config.cache.block_size
+        )
+        chosen, reason = choice.backend, choice.reason
+    if num_blocks is None and config.cache.num_blocks is None and tp.is_sharded:
+        if collective.size != tp.size:
+            raise ValueError(
+                f"collective: a memory budget with {tp.size} ranks needs the group's collective to agree on "
+                f"one block count; pass collective= (or num_blocks=)"
+            )
+        # Free memory differs between devices: every rank takes the smallest count.
+        num_blocks = collective.min_int(num_blocks_for(config, free_device_memory(dev), tp))
+    cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp)
+    # Blocks behind the window are released only when every layer is windowed.
+    release = spec.sliding_window if not spec.has_full_layers else None
+    manager = BlockManager(
+        cache.num_blocks,
+        config.cache.block_size,
+        enable_prefix_caching=config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching,
+        sliding_window=release,
+    )
+    return Engine(config, spec, chosen, reason, cache, manager, tp)

@@ -1,0 +1,161 @@
+"""Runs the model one step at a time over the paged cache.
+
+Each step is planned once (metadata, the backend's plan and the input tokens in one
+host-to-device copy); then a decode step replays the CUDA graph captured for its batch bucket,
+and any other step (prefill chunks, mixed batches, or everything with ``use_graphs=False``)
+runs the model eagerly over the same plan.
+
+On CUDA the warm-up also runs a few eager steps of throw-away sequences (prefill rows of each
+tile height, extend rows, mixed decode + prefill steps and decode rows of lengths that reach
+each split count), so kernels that compile on first use -- the backend's prefill and mixed
+decode variants, which ``backend.warmup`` may not cover -- compile before serving, not during
+the first requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from attention import AttentionBackend, StepCapacity, StepPlan
+from examples.model import Llama
+from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
+from kvcache.step.graphs import DecodeGraphs, default_buckets
+
+__all__ = ["ModelRunner", "WarmupReport"]
+
+
+#: Ids of the throw-away sequences of the eager warm-up steps.
+WARMUP_SEQ = "__warmup__"
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What :meth:`ModelRunner.warmup` did: kernel variants the backend compiled, eager
+    warm-up steps run, graphs captured, time."""
+
+    kernel_variants: int
+    graphs: int
+    seconds: float
+    eager_steps: int = 0
+
+    def line(self) -> str:
+        return (
+            f"warm-up: {self.kernel_variants} kernel variants compiled, {self.eager_steps} eager warm-up steps, "
+            f"{self.graphs} CUDA graphs captured in {self.seconds:.1f} s"
+        )
+
+
+class ModelRunner:
+    """The model, its cache and backend, and the step's persistent buffers.
+
+    use_graphs: capture decode steps in CUDA graphs (CUDA and a backend that allows it only).
+    Without graphs, decode steps are still padded to the same batch buckets when the backend
+    can be captured, so ``use_graphs`` changes how a step is launched, never what it computes
+    (greedy tokens are identical with and without graphs).
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        cache: KVCacheTensors,
+        manager: BlockManager,
+        backend: AttentionBackend,
+        capacity: StepCapacity,
+        *,
+        use_graphs: bool = False,
+    ):
+        self.model = model
+        self.cache = cache
+        self.manager = manager
+        self.backend = backend
+        self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
+        self.graphs = DecodeGraphs(self.builder, self._forward) if use_graphs else None
+        self.buckets = default_buckets(capacity.max_rows) if backend.info.cuda_graphs else None
+
+    def warmup(self, *, eager: bool | None = None) -> WarmupReport:
+        """Compile every kernel variant the capacity can reach and capture the decode graphs,
+        so nothing compiles while serving. ``eager``: run the eager warm-up steps (default:
+        on CUDA only, where kernels compile). The manager must have no sequences with the
+        warm-up's ids (it leaves none behind)."""
+        start = time.perf_counter()
+        variants = self.backend.warmup(self.manager.block_size, self.builder.capacity, self.cache.device)
+        if eager is None:
+            eager = self.cache.device.type == "cuda"
+        eager_steps = self._warm_eager() if eager else 0
+        graphs = self.graphs.capture(self.manager) if self.graphs is not None else 0
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+        return WarmupReport(variants, graphs, time.perf_counter() - start, eager_steps)
+
+    def warmup_steps(self) -> list[list[tuple[int, int]]]:
+        """The eager warm-up steps: per step, (seq_len, num_new) of each row, within the
+        capacity. Prefill rows whose longest is 9, 17, 33 and ``max_tokens`` tokens (each tile
+        height of a prefill kernel), an extend row, then for decode lengths of 1, 2, 4, ...
+        blocks up to the longest sequence (each split count of a split-KV decode): a decode
+        row alone and a decode row beside a prefill row (a mixed step)."""
+        cap = self.builder.capacity
+        bs = self.manager.block_size
+        longest = cap.max_blocks_per_seq * bs
+        top = min(cap.max_tokens, longest)
+        steps = [[(q, q)] for q in sorted({min(q, top) for q in (9, 17, 33, top)}) if q > 1]
+        if longest > 33:
+            steps.append([(longest, min(33, top))])  # extend: new tokens after cached ones
+        lengths, n = [], bs
+        while n < longest:
+            lengths.append(n)
+            n *= 2
+        lengths.append(longest)
+        mixed_q = min(17, cap.max_tokens - 1)
+        for length in lengths:
+            steps.append([(length, 1)])
+            if cap.max_rows >= 2 and mixed_q > 1:
+                steps.append([(length, 1), (mixed_q, mixed_q)])
+        return steps
+
+    def _warm_eager(self) -> int:
+        """Run :meth:`warmup_steps` over throw-away sequences (their K/V lands in blocks that
+        are free again afterwards). Steps that do not fit in the free blocks are skipped."""
+        done = 0
+        for rows in self.warmup_steps():
+            ids = [(WARMUP_SEQ, i) for i in range(len(rows))]
+            blocks = sum(self.manager.blocks_for(seq_len) for seq_len, _ in rows)
+            if blocks > self.manager.num_free_blocks:
+                continue
+            for seq_id, (seq_len, _) in zip(ids, rows, strict=True):
+                self.manager.allocate(seq_id, seq_len)
+            try:
+                scheduled = [
+                    ScheduledRow(seq_id, num_new, start=seq_len - num_new)
+                    for seq_id, (seq_len, num_new) in zip(ids, rows, strict=True)
+                ]
+                plan = self.builder.plan(self.manager, scheduled, token_ids=[0] * sum(n for _, n in rows))
+                self._forward(self.builder.token_ids(plan.metadata.num_tokens), plan)
+                done += 1
+            finally:
+                for seq_id in ids:
+                    self.manager.free(seq_id, reason="aborted")
+        return done
+
+    def step(self, rows: Sequence[ScheduledRow], token_ids: Sequence[int]) -> tuple[StepPlan, torch.Tensor]:
+        """Run one step. Returns the plan and float logits [len(plan.metadata.sampling_rows_host),
+        vocab]: row ``sampling_rows_host[j]``'s next-token logits are row j."""
+        graphs = self.graphs
+        decode = all(r.num_new == 1 for r in rows)
+        if graphs is not None and len(rows) <= graphs.max_rows and decode:
+            plan, logits = graphs.run(self.manager, rows, token_ids)
+            return plan, logits
+        bucket = None
+        if decode and self.buckets is not None:
+            bucket = next((b for b in self.buckets if b >= len(rows)), None)
+        plan = self.builder.plan(self.manager, rows, pad_to=bucket, token_ids=token_ids)
+        with torch.no_grad():
+            logits = self._forward(self.builder.token_ids(plan.metadata.num_tokens), plan)
+        return plan, logits[: len(plan.metadata.sampling_rows_host)]
+
+    def _forward(self, token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(token_ids, self.cache, self.backend, plan)

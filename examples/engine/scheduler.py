@@ -1,0 +1,373 @@
+"""A small continuous-batching scheduler over :class:`kvcache.BlockManager`.
+
+Each step the scheduler picks which tokens run, and the block manager is asked before any
+block is taken (check, then act):
+
+1. requests whose arrival step has come join the waiting queue;
+2. running requests go first, oldest admission first: a decode row (one token, after
+   ``append_slots``) or the next chunk of an unfinished prompt. When a decode row needs a
+   block and none is free, the most recently admitted running request is preempted
+   (possibly the one asking) until it fits;
+3. waiting requests are admitted from the front while ``can_allocate`` allows, each with the
+   whole prompt's slots (``allocate`` reports the leading tokens the prefix cache already
+   holds; their prefill is skipped).
+
+A step never schedules more than ``token_budget`` tokens, so a long prompt is prefilled in
+chunks across several steps while other requests keep decoding.
+
+After the forward pass :meth:`Scheduler.finish_step` records what was computed
+(``mark_computed``), appends the sampled token of every row that reached the end of what is
+known, and frees finished requests.
+
+Preemption is a strategy (:class:`Preemption`): ``recompute`` frees the victim's blocks and
+later prefills prompt + generated tokens again; ``swap`` copies the victim's blocks to host
+memory (:class:`kvcache.SwapSpace`) and brings them back on resume.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
+
+__all__ = [
+    "PREEMPTION_MODES",
+    "Preemption",
+    "RecomputePreemption",
+    "Request",
+    "Scheduler",
+    "StepBatch",
+    "SwapPreemption",
+    "make_preemption",
+]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress. ``eq=False``: compared by identity."""
+
+    req_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    #: The step at which the request arrives (it cannot be admitted before).
+    arrival_step: int = 0
+    #: Tokens generated so far.
+    output: list[int] = field(default_factory=list)
+    #: Leading tokens of ``tokens`` whose K/V is in the cache.
+    num_computed: int = 0
+    #: Whether it was preempted and waits to resume (vs. never admitted).
+    preempted: bool = False
+    num_preemptions: int = 0
+    #: Prompt tokens the prefix cache supplied, summed over admissions.
+    cached_tokens: int = 0
+    finish_step: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then generated tokens: everything known about the sequence."""
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+    @property
+    def peak_tokens(self) -> int:
+        """Most tokens it ever holds slots for: the last sampled token is never fed back."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+
+# ---- preemption strategies ---------------------------------------------------------------
+
+
+class Preemption(ABC):
+    """How a running request gives its blocks back when the pool runs out, and how it
+    gets them back. The scheduler picks the victim and keeps the queues; the strategy only
+    moves blocks (and K/V).
+
+    A swap strategy maps onto :class:`kvcache.SwapSpace`: ``create`` builds the space from
+    ``cache.swap_space`` bytes, ``evict`` is ``manager.preempt(id, "swap", space)`` (or
+    recompute when the host pool is full), ``can_resume``/``resume`` are
+    ``can_swap_in``/``swap_in`` keeping ``req.num_computed``, and ``begin_step`` polls.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def create(cls, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+        """Build the strategy for a run; strategies that move K/V keep ``cache``."""
+        return cls()
+
+    def begin_step(self) -> None:
+        """Called at the start of every :meth:`Scheduler.schedule` (a swap strategy returns
+        the device blocks whose copy to the host has finished). Recompute has nothing to do."""
+        return None
+
+    @abstractmethod
+    def evict(self, req: Request, manager: BlockManager) -> None:
+        """Take ``req``'s blocks back. The scheduler then requeues it at the front of the
+        waiting queue with ``req.preempted`` set."""
+
+    @abstractmethod
+    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+        """Whether :meth:`resume` would succeed now. Changes nothing."""
+
+    @abstractmethod
+    def resume(self, req: Request, manager: BlockManager) -> None:
+        """Give ``req`` blocks again and set ``req.num_computed`` to the tokens whose K/V is
+        already in them."""
+
+
+def admit(req: Request, manager: BlockManager) -> None:
+    """Allocate slots for everything ``req`` knows (prompt + generated); start after what
+    the prefix cache already holds."""
+    cached = manager.allocate(req.req_id, token_ids=req.tokens)
+    req.num_computed = cached
+    req.cached_tokens += cached
+
+
+class RecomputePreemption(Preemption):
+    """Drop the victim's K/V; on resume prefill prompt + generated tokens again.
+
+    Costs compute, needs no host memory. With prefix caching the freed full blocks stay
+    indexed, so a resume often finds most of them still cached.
+    """
+
+    name = "recompute"
+
+    def evict(self, req: Request, manager: BlockManager) -> None:
+        preempt(manager, req.req_id, "recompute")  # frees the blocks; counted by the manager
+        req.num_computed = 0
+
+    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+        return manager.can_allocate(token_ids=req.tokens)
+
+    def resume(self, req: Request, manager: BlockManager) -> None:
+        admit(req, manager)
+
+
+class SwapPreemption(Preemption):
+    """Copy the victim's K/V to a host block pool; on resume copy it back, so nothing is
+    recomputed. When the host pool is full the victim is recomputed instead."""
+
+    name = "swap"
+
+    def __init__(self, space: SwapSpace):
+        self.space = space
+        self._on_host: set[int] = set()
+
+    @classmethod
+    def create(cls, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+        if swap_space_bytes <= 0:
+            raise ValueError(
+                "--preempt swap: cache.swap_space is 0; set it in the config (e.g. swap_space: 256KiB) "
+                "or use --preempt recompute"
+            )
+        return cls(SwapSpace.for_bytes(manager, cache, swap_space_bytes))
+
+    def begin_step(self) -> None:
+        self.space.poll()
+
+    def evict(self, req: Request, manager: BlockManager) -> None:
+        if not self.space.can_swap_out(req.req_id):
+            preempt(manager, req.req_id, "recompute")
+            req.num_computed = 0
+            return
+        preempt(manager, req.req_id, "swap", self.space)
+        # The scheduler asks can_append right after an eviction, and on CUDA the device blocks
+        # return to the pool only once the copy has read them: wait for it on this rare path.
+        self.space.synchronize()
+        self._on_host.add(req.req_id)
+
+    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+        if req.req_id in self._on_host:
+            # The swapped blocks, plus room for tokens sampled but not yet given slots.
+            return manager.allocator.can_allocate(manager.blocks_for(req.num_tokens))
+        return manager.can_allocate(token_ids=req.tokens)
+
+    def resume(self, req: Request, manager: BlockManager) -> None:
+        if req.req_id not in self._on_host:
+            admit(req, manager)
+            return
+        self.space.swap_in(req.req_id)  # req.num_computed is unchanged: its K/V is back
+        self._on_host.discard(req.req_id)
+        reserved = manager.num_tokens(req.req_id)
+        if req.num_tokens > reserved:  # the token sampled just before the swap out
+            manager.append_slots(req.req_id, req.num_tokens - reserved, token_ids=req.tokens[reserved:])
+
+
+#: ``--preempt`` modes this example implements.
+PREEMPTION_MODES: dict[str, type[Preemption]] = {"recompute": RecomputePreemption, "swap": SwapPreemption}
+
+
+def make_preemption(mode: str, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int = 0) -> Preemption:
+    """The strategy for ``--preempt mode``. Raises ValueError naming the modes available."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"--preempt: {mode!r} is not a mode; use {', '.join(PREEMPTION_MODES)}")
+    return PREEMPTION_MODES[mode].create(manager, cache, swap_space_bytes)
+
+
+# ---- the scheduler -----------------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """One step's work. ``rows[i]`` belongs to ``requests[i]``; ``token_ids`` are all rows'
+    new tokens, concatenated in row order (the model's input)."""
+
+    step: int
+    rows: list[ScheduledRow]
+    requests: list[Request]
+    token_ids: list[int]
+
+    def samples(self, i: int) -> bool:
+        """Whether row ``i`` reaches the end of its known tokens, so its logits give the
+        next token (a prompt chunk short of the end does not)."""
+        row = self.rows[i]
+        assert row.start is not None, "the scheduler always sets a row's start"
+        return row.start + row.num_new == self.requests[i].num_tokens
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption of the newest request."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        requests: Iterable[Request],
+        preemption: Preemption,
+        *,
+        token_budget: int = 64,
+        max_running: int = 16,
+    ):
+        """``token_budget``: most tokens in one step; ``max_running``: most rows in one step.
+
+        Raises ValueError for a request that could never fit in the whole pool.
+        """
+        if token_budget < 1 or max_running < 1:
+            raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be at least 1")
+        self.manager = manager
+        self.preemption = preemption
+        self.token_budget = token_budget
+        self.max_running = max_running
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_step))  # not yet arrived
+        for req in self.pending:
+            need = manager.blocks_for(req.peak_tokens)
+            if need > manager.num_blocks:
+                raise ValueError(
+                    f"request {req.req_id}: {len(req.prompt)} prompt + {req.max_new_tokens} new "
+                    f"tokens need {need} blocks but the pool has {manager.num_blocks}; "
+                    f"give the cache more blocks or shorten the request"
+                )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the newest is last
+        self.finished: list[Request] = []
+        self.num_preemptions = 0
+        self.peak_blocks = 0
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.waiting or self.running)
+
+    def next_arrival(self) -> int | None:
+        """The arrival step of the next request not yet arrived (None: all arrived)."""
+        return self.pending[0].arrival_step if self.pending else None
+
+    def schedule(self, step: int) -> StepBatch | None:
+        """Pick this step's rows, reserving their slots. None when nothing can run (the
+        caller skips ahead to :meth:`next_arrival`)."""
+        self.preemption.begin_step()
+        while self.pending and self.pending[0].arrival_step <= step:
+            self.waiting.append(self.pending.popleft())
+        batch = StepBatch(step, [], [], [])
+        budget = self.token_budget
+        preemptions_before = self.num_preemptions
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop as a victim
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            reserved = self.manager.num_tokens(req.req_id)
+            extra = req.num_computed + n - reserved  # decode: the sampled token needs a slot
+            if extra > 0:
+                if not self._make_room(req, extra):
+                    continue
+                self.manager.append_slots(req.req_id, extra, token_ids=req.tokens[reserved : reserved + extra])
+            budget -= self._add(batch, req, n)
+        # Admitting after a preemption would only hand the freed blocks to a newer request.
+        preempted = self.num_preemptions > preemptions_before
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if req.preempted:
+                if not self.preemption.can_resume(req, self.manager):
+                    break
+                self.preemption.resume(req, self.manager)
+                req.preempted = False
+            else:
+                if not self.manager.can_allocate(token_ids=req.tokens):
+                    break
+                admit(req, self.manager)
+            self.running.append(self.waiting.popleft())
+            budget -= self._add(batch, req, min(req.num_tokens - req.num_computed, budget))
+        if not batch.rows and self.waiting and not self.running:
+            raise RuntimeError(
+                f"request {self.waiting[0].req_id} cannot be admitted into an empty pool of "
+                f"{self.manager.num_blocks} blocks ({self.manager.num_free_blocks} free)"
+            )
+        self.peak_blocks = max(self.peak_blocks, self.manager.allocator.num_used)
+        return batch if batch.rows else None
+
+    def finish_step(self, batch: StepBatch, next_tokens: Mapping[int, int]) -> list[Request]:
+        """Record that ``batch`` ran: ``manager.commit`` marks exactly the tokens each row
+        computed. ``next_tokens[i]`` is row i's sampled token (only rows that sample have one).
+        Returns the requests that finished."""
+        self.manager.commit(batch.rows)
+        done = []
+        for i, (row, req) in enumerate(zip(batch.rows, batch.requests, strict=True)):
+            req.num_computed += row.num_new
+            if batch.samples(i):
+                req.output.append(int(next_tokens[i]))
+                if req.is_finished:
+                    self.manager.free(req.req_id)
+                    self.running.remove(req)
+                    req.finish_step = batch.step
+                    self.finished.append(req)
+                    done.append(req)
+        return done
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _add(self, batch: StepBatch, req: Request, n: int) -> int:
+        start = req.num_computed
+        batch.rows.append(ScheduledRow(req.req_id, n, start=start))
+        batch.requests.append(req)
+        batch.token_ids.extend(req.tokens[start : start + n])
+        return n
+
+    def _make_room(self, req: Request, extra: int) -> bool:
+        """Preempt the newest running requests until ``req`` can take ``extra`` more slots.
+        False when ``req`` itself had to go."""
+        while not self.manager.can_append(req.req_id, extra):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.preemption.evict(req, self.manager)
+        self.running.remove(req)
+        req.preempted = True
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Front of the queue: it was admitted before everything still waiting.
+        self.waiting.appendleft(req)

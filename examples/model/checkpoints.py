@@ -1,0 +1,269 @@
+"""Real weights for :mod:`examples.model`: Hugging Face Llama, Qwen2 and Mistral checkpoints.
+
+    model = load_checkpoint("path/to/Qwen2.5-0.5B", device="cuda", dtype=torch.bfloat16)
+    model = from_transformers(hf_model)            # shares the tensors of a loaded transformers model
+    spec = shape_from_config(config).attention_spec("bfloat16")   # the sliding window included
+
+A checkpoint directory holds ``config.json`` and safetensors weights: one
+``model.safetensors``, or shards listed in ``model.safetensors.index.json``. Shards are read
+lazily (``safetensors.safe_open`` maps the file; one tensor at a time is read, cast and copied
+into a parameter already allocated on the target device in the target dtype), so an 8B
+checkpoint needs its 16 GB once, on the device, and one tensor's worth of host memory.
+
+Every name and shape is checked against the model before anything is allocated; a mismatch
+raises ValueError listing each missing key, unused key and wrong shape.
+
+Tensor parallelism (``tp=TensorParallel(size, rank)``): checkpoints hold the full tensors;
+each rank keeps its share (:func:`examples.model.sharding.shard_range`), and :func:`load_checkpoint`
+reads only that share from the file (a safetensors slice), so a rank never holds a whole
+sharded tensor in host memory.
+
+Imports are lazy: safetensors only for :func:`load_checkpoint` (``pip install
+-e '.[hf]'`` in the checkout), transformers never (:func:`from_transformers` reads the model it is
+given).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.dtypes import torch_dtype
+from examples.model.hf_config import shape_from_config
+from examples.model.llama import Llama, empty_llama
+from examples.model.shape import LlamaShape
+from examples.model.sharding import shard_parameter, shard_range
+from kvcache.parallel.heads import TensorParallel
+
+__all__ = [
+    "checkpoint_files",
+    "from_transformers",
+    "load_checkpoint",
+    "load_state_dict",
+    "read_config",
+    "transformers_names",
+]
+
+
+# ---- parameter names ---------------------------------------------------------------------
+
+# Our parameter names -> transformers' names, inside ``model.layers.{i}.``.
+_RENAMES = (
+    ("attn_norm", "input_layernorm"),
+    ("mlp_norm", "post_attention_layernorm"),
+    ("attn.wq", "self_attn.q_proj"),
+    ("attn.wk", "self_attn.k_proj"),
+    ("attn.wv", "self_attn.v_proj"),
+    ("attn.wo", "self_attn.o_proj"),
+    ("mlp.w_gate", "mlp.gate_proj"),
+    ("mlp.w_up", "mlp.up_proj"),
+    ("mlp.w_down", "mlp.down_proj"),
+)
+
+
+def _transformers_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    for ours, theirs in _RENAMES:
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return "model." + name  # layers.{i}.* and norm.weight
+
+
+def transformers_names(model: Llama) -> dict[str, str]:
+    """transformers' state-dict key -> our parameter name, for every parameter of ``model``
+    (a tied lm_head is the embedding, listed once)."""
+    return {_transformers_name(name): name for name, _ in model.named_parameters()}
+
+
+def _ignored(key: str, shape: LlamaShape) -> bool:
+    """Keys a checkpoint may carry that the model has no parameter for."""
+    return key.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and key == "lm_head.weight")
+
+
+def _problems(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Problems of a full (unsharded) state dict's ``shapes`` for ``model`` (which may be a
+    rank's share: it is compared with the full model's shapes)."""
+    if model.tp.is_sharded:
+        with torch.device("meta"):
+            model = Llama(model.shape)  # the full shapes, no memory
+    params = dict(model.named_parameters())
+    wanted = transformers_names(model)
+    found = [f"missing {key}" for key in wanted if key not in shapes]
+    found += [f"unused {key}" for key in shapes if key not in wanted and not _ignored(key, model.shape)]
+    found += [
+        f"{key}: expected shape {list(params[ours].shape)}, got {list(shapes[key])}"
+        for key, ours in wanted.items()
+        if key in shapes and tuple(shapes[key]) != tuple(params[ours].shape)
+    ]
+    return found
+
+
+def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
+    """Put a transformers ``*ForCausalLM`` state dict (full tensors) into ``model`` (a
+    tensor-parallel model takes its rank's share of each).
+
+    share=False: copy into the existing parameters (cast to their dtype and device).
+    share=True:  make the state dict's tensors the parameters (no copy: both models then use
+                 the same memory; dtype and device are the tensors'). A rank's share of a
+                 row-parallel weight (columns) is not contiguous and is copied.
+    Raises ValueError listing missing keys, unused keys and shape mismatches; changes
+    nothing then.
+    """
+    problems = _problems(model, {k: tuple(v.shape) for k, v in state_dict.items()})
+    if problems:
+        raise ValueError("state_dict does not fit the model: " + "; ".join(problems))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, ours in transformers_names(model).items():
+            tensor = shard_parameter(ours, state_dict[key], model.shape, model.tp)
+            if share:
+                module_name, _, attr = ours.rpartition(".")
+                shared = nn.Parameter(tensor.detach().contiguous(), requires_grad=False)
+                setattr(model.get_submodule(module_name), attr, shared)
+            else:
+                params[ours].copy_(tensor)
+    if share:
+        model.tie_weights()
+
+
+def from_transformers(
+    model: nn.Module,
+    *,
+    share: bool = True,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp: TensorParallel | None = None,
+) -> Llama:
+    """Our model with the weights of a transformers ``LlamaForCausalLM`` /
+    ``Qwen2ForCausalLM`` / ``MistralForCausalLM``; with ``tp``, that rank's share.
+
+    share=True (default): the same tensors, no copy (``dtype``/``device`` must be None).
+    share=False: a copy in ``dtype`` on ``device`` (default: the source's).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    shape = shape_from_config(config)
+    state = model.state_dict()
+    if share:
+        if dtype is not None or device is not None:
+            raise ValueError("dtype/device: a shared model keeps the source's tensors; pass share=False to convert")
+        with torch.device("meta"):
+            ours = Llama(shape, tp)
+        load_state_dict(ours, state, share=True)
+        return ours.eval()
+    first = next(iter(state.values()))
+    ours = empty_llama(shape, dtype=dtype or first.dtype, device=device or first.device, tp=tp)
+    load_state_dict(ours, state)
+    return ours
+
+
+# ---- checkpoint directories --------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory. Raises FileNotFoundError naming the file."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json; a checkpoint directory holds config.json and *.safetensors")
+    with open(file) as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards ``model.safetensors.index.json``
+    lists (in order), else ``model.safetensors``, else every ``*.safetensors``."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [root / name for name in dict.fromkeys(weight_map.values())]
+    single = root / "model.safetensors"
+    files = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{root}: no *.safetensors weights (only safetensors checkpoints are read; convert "
+            f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _safe_open() -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError as err:
+        raise ImportError(
+            "loading a checkpoint needs the safetensors package; run: pip install -e '.[hf]' in the project checkout"
+        ) from err
+    return safe_open
+
+
+def _tensors(
+    files: list[Path], ranges: Mapping[str, tuple[int, int, int] | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, CPU tensor) for the keys of ``ranges``, one shard open at a time, one tensor read
+    at a time; a key with a ``(dim, start, length)`` range is read only there."""
+    safe_open = _safe_open()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if key not in ranges:
+                    continue
+                where = ranges[key]
+                if where is None:
+                    yield key, f.get_tensor(key)
+                else:
+                    dim, start, length = where
+                    index = (slice(None),) * dim + (slice(start, start + length),)
+                    yield key, f.get_slice(key)[index]
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
+) -> Llama:
+    """Our model with the weights of a checkpoint directory, on ``device`` in ``dtype``
+    (default: the checkpoint's ``dtype`` / ``torch_dtype``, else float32); with ``tp``, that
+    rank's share (read from the file alone).
+
+    Checks every name and shape from the shard headers first (ValueError listing the
+    problems, before any allocation), then allocates the model once on the device and
+    fills it shard by shard. Raises ImportError naming the pip extra without safetensors.
+    """
+    config = read_config(path)
+    shape = shape_from_config(config)
+    files = checkpoint_files(path)
+    safe_open = _safe_open()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    if dtype is None:
+        name = config.get("dtype") or config.get("torch_dtype") or "float32"
+        dtype = torch_dtype(name)
+    with torch.device("meta"):
+        probe = Llama(shape)  # names and shapes only
+    problems = _problems(probe, shapes)
+    if problems:
+        raise ValueError(f"{path}: the checkpoint does not fit the model: " + "; ".join(problems))
+    model = empty_llama(shape, dtype=dtype, device=device, tp=tp)
+    params = dict(model.named_parameters())
+    wanted = transformers_names(model)
+    ranges = {key: shard_range(ours, shape, model.tp) for key, ours in wanted.items()}
+    with torch.no_grad():
+        for key, tensor in _tensors(files, ranges):
+            params[wanted[key]].copy_(tensor)
+    return model

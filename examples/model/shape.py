@@ -1,0 +1,132 @@
+"""The model's sizes and switches (:class:`LlamaShape`), and a shape that fits a cache config.
+
+The attention part must match the cache config's ``model`` section; vocabulary and MLP sizes
+are the model's own. Reading a shape from a Hugging Face ``config.json`` lives in
+:mod:`examples.model.hf_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attention import AttentionSpec
+from attention.errors import InvalidArgumentError
+from kvcache.config.schema import ModelSection
+from kvcache.parallel.heads import TensorParallel, rank_spec
+
+__all__ = ["LlamaShape", "RopeScaling", "shape_for_cache"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies stretched for long context (transformers' ``rope_parameters``).
+
+    kind ``linear``: every frequency divided by ``factor``. kind ``llama3`` (Llama 3.1+):
+    low frequencies divided by ``factor``, high ones kept, the band between interpolated,
+    with the band edges at ``original_max_position_embeddings / {low,high}_freq_factor``.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Every size and switch the model needs. The attention part must match the cache
+    config's ``model`` section; vocab and MLP sizes are the model's own business.
+
+    qkv_bias / o_bias / mlp_bias: biases on those projections (Qwen2: q/k/v only).
+    tie_word_embeddings: lm_head is the embedding matrix (one tensor).
+    sliding_window, window_layers: as in :class:`attention.AttentionSpec` (Mistral: every
+    layer windowed; Qwen2: per layer). Only the attention backend reads them.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+
+    def check_cache(self, model: ModelSection) -> None:
+        """Raise ValueError naming the field when the cache was sized for another model."""
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            ours, theirs = getattr(self, name), getattr(model, name)
+            if ours != theirs:
+                raise ValueError(
+                    f"model.{name}: the cache config says {theirs} but the model has {ours}; "
+                    f"use a cache config whose model section matches the weights"
+                )
+
+    def model_section(self) -> ModelSection:
+        """The cache config's ``model`` section for this model."""
+        return ModelSection(
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+    def check_tp(self, tp: TensorParallel) -> None:
+        """Raise InvalidArgumentError when the model does not split over ``tp.size`` ranks
+        (heads, see :mod:`kvcache.parallel.heads`; the MLP width must divide evenly too)."""
+        tp.check_heads(self.num_heads, self.num_kv_heads)
+        if self.intermediate_size % tp.size:
+            raise InvalidArgumentError(
+                f"tensor-parallel size {tp.size}: intermediate_size {self.intermediate_size} does not split evenly "
+                f"over {tp.size} ranks; use a size that divides it"
+            )
+
+    def attention_spec(
+        self, dtype: str, kv_cache_dtype: str | None = None, *, tp: TensorParallel | None = None
+    ) -> AttentionSpec:
+        """The attention shape a backend serves for this model, window included; with ``tp``,
+        the shape of that rank's heads.
+
+        ``KVCacheConfig.attention_spec()`` cannot carry the window (the config's ``model``
+        section has no field for it), so build the backend from this spec instead.
+        """
+        spec = AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != dtype else None,
+            sliding_window=self.sliding_window,
+            window_layers=self.window_layers,
+        )
+        return spec if tp is None else rank_spec(spec, tp)
+
+
+def shape_for_cache(model: ModelSection, *, vocab_size: int = 256, intermediate_size: int | None = None) -> LlamaShape:
+    """A model shape that fits a cache config's ``model`` section.
+
+    The cache config describes only attention (it forbids other keys), so the vocabulary and
+    MLP width are example-only choices made here. The MLP defaults to ~8/3 of the hidden
+    size rounded up to a multiple of 32, Llama's usual ratio.
+    """
+    hidden = model.num_heads * model.head_dim
+    if intermediate_size is None:
+        intermediate_size = -(-8 * hidden // 3 // 32) * 32
+    return LlamaShape(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+    )

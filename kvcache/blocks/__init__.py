@@ -1,0 +1,17 @@
+"""The block core: who owns which block, pure Python, no torch.
+
+| module | what it holds |
+| --- | --- |
+| ``free_queue`` | the free blocks, LRU order, O(1) removal from the middle |
+| ``allocator`` | the block pool: ids, reference counts, the free queue (all or nothing) |
+| ``sequence`` | one sequence's block table and counts, and the table of them |
+| ``tokens`` | token ids as callers pass them, checked once |
+| ``rows`` | what a step schedules for one sequence (:class:`ScheduledRow`) |
+| ``admission`` | what admitting a prompt takes: prefix hits and new blocks (check = act) |
+| ``window`` | releasing blocks behind a sliding window |
+| ``prefix_cache`` | content keys of full blocks, chained over the prefix; eviction hooks |
+| ``release`` | giving blocks back: tail first, the prefix index kept right |
+| ``holds`` | blocks kept alive outside any table (a copy in flight) |
+| ``integrity`` | recounting every invariant from scratch |
+| ``manager`` | :class:`BlockManager`: the check/act API over all of the above |
+"""

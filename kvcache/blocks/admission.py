@@ -1,0 +1,57 @@
+"""What admitting a prompt takes: its length, the cached blocks it can share and the free
+blocks it needs, computed once for both ``can_allocate`` and ``allocate`` so that the check
+and the action cannot disagree."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+from attention.checks import cdiv
+from attention.errors import ArgumentTypeError
+from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
+from kvcache.blocks.tokens import prompt_length
+
+__all__ = ["Admission", "plan_admission"]
+
+
+class Admission(NamedTuple):
+    """A checked prompt and what it takes from the pool (changes nothing until acted on).
+
+    num_tokens: its length.
+    token_ids:  its ids as a list, kept when prefix caching will key its blocks (else None).
+    hits:       cached full blocks it shares, in order from its first block.
+    keys:       the prefix-cache keys of ``hits``.
+    needed:     free blocks it takes: its new blocks, plus hits waiting in the free queue.
+    """
+
+    num_tokens: int
+    token_ids: list[int] | None
+    hits: list[int]
+    keys: list[BlockKey]
+    needed: int
+
+
+def plan_admission(
+    allocator: BlockAllocator,
+    prefix_cache: PrefixCache | None,
+    block_size: int,
+    num_tokens: object,
+    token_ids: object,
+    extra_key: Hashable,
+) -> Admission:
+    """Check a prompt given as a count and/or its ids and find its prefix hits. Raises
+    InvalidArgumentError / ArgumentTypeError naming the argument; changes nothing."""
+    length, tokens = prompt_length(num_tokens, token_ids, keep=prefix_cache is not None)
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise ArgumentTypeError(f"extra_key: {type(extra_key).__name__} is not hashable") from None
+    hits: list[int] = []
+    keys: list[BlockKey] = []
+    if prefix_cache is not None and tokens:
+        # Match over all tokens but the last: its logits are needed, so it is always computed.
+        hits, keys = prefix_cache.match(tokens, extra_key, limit=len(tokens) - 1)
+    revived = sum(1 for block in hits if allocator.is_free(block))
+    return Admission(length, tokens, hits, keys, cdiv(length, block_size) - len(hits) + revived)

@@ -1,0 +1,296 @@
+"""The block manager: one block table per sequence, over a shared block allocator.
+
+Check, then act: every ``can_*`` method changes nothing and agrees with its action for every
+input (both raise the same error for an invalid argument); every acting method checks all of
+its arguments first, then either does all of its work or raises and leaves the state exactly
+as it was.
+
+Invariant that keeps appends simple: a block shared by several owners is always *full*. Forks
+copy a partly filled last block at once (the copy is returned for the caller to perform) and
+prefix-cache hits are full blocks, so an append never writes into a shared block.
+
+With a sliding window (every layer windowed), blocks that no future query can see are
+released as soon as :meth:`commit` passes them; their table entries become ``PAD_BLOCK``
+(:mod:`kvcache.blocks.window`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Literal
+
+from attention.checks import cdiv, require_int
+from attention.errors import ArgumentTypeError, IntegrityError, InvalidArgumentError, OutOfBlocksError
+from attention.metadata import PAD_BLOCK
+from kvcache.blocks.admission import plan_admission
+from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.holds import BlockHolds
+from kvcache.blocks.integrity import integrity_problems
+from kvcache.blocks.prefix_cache import PrefixCache
+from kvcache.blocks.release import release_blocks
+from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
+from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable
+from kvcache.blocks.tokens import appended_ids
+from kvcache.blocks.window import release_behind_window
+
+__all__ = ["BlockCopy", "BlockManager", "FreeReason"]
+
+FreeReason = Literal["finished", "aborted", "preempted"]
+_REASONS = ("finished", "aborted", "preempted")
+
+
+class BlockManager(SequenceTable):
+    """Per-sequence block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    enable_prefix_caching: share full blocks whose content (and whole prefix) matches.
+    sliding_window: tokens each query sees when *every* layer is windowed (None otherwise):
+                    blocks behind the window are released as the sequence advances.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        *,
+        sliding_window: int | None = None,
+    ):
+        self.block_size = require_int("block_size", block_size, minimum=1, maximum=1 << 20)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ArgumentTypeError(
+                f"enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        self.sliding_window = (
+            None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
+        )
+        self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, None if self.prefix_cache is None else self.prefix_cache.forget)
+        super().__init__()
+        #: Blocks kept alive by someone other than a block table (a swap-out copy in flight).
+        self.holds = BlockHolds(self.allocator)
+        #: Sequences given up to make room, by how (``free(reason="preempted")`` counts
+        #: "recompute"; a swap-out counts "swap").
+        self.preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
+
+    # ---- queries (change nothing) ------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+    def can_allocate(
+        self, num_tokens: int | None = None, *, token_ids: Sequence[int] | None = None, extra_key: Hashable = None
+    ) -> bool:
+        """Whether ``allocate`` with these arguments would succeed (for a new id). Changes
+        nothing; raises the same argument errors as ``allocate``."""
+        admission = plan_admission(self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key)
+        return self.allocator.num_free >= admission.needed
+
+    def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
+        """Whether ``append_slots(seq_id, n)`` would succeed. Changes nothing; raises the same
+        argument errors as ``append_slots``."""
+        seq = self.sequence(seq_id)
+        n = require_int("n", n, minimum=1)
+        return self.allocator.num_free >= self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
+
+    def can_fork(self, parent_id: Hashable) -> bool:
+        """Whether ``fork(parent_id, ...)`` would succeed. Changes nothing."""
+        seq = self.sequence(parent_id)
+        return seq.num_tokens % self.block_size == 0 or self.allocator.num_free >= 1
+
+    # ---- actions (all or nothing) ------------------------------------------------------
+
+    def allocate(
+        self,
+        seq_id: Hashable,
+        num_tokens: int | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        extra_key: Hashable = None,
+    ) -> int:
+        """Create ``seq_id`` with room for ``num_tokens`` tokens (or ``len(token_ids)``).
+
+        With prefix caching and ``token_ids``, the longest run of cached full blocks is shared
+        instead of allocated; the last token is never taken from the cache (its logits are
+        needed). Returns how many leading tokens are already computed (0 without a hit).
+        Raises SequenceExistsError, OutOfBlocksError or an argument error; changes nothing then.
+        """
+        self.check_new_id(seq_id)
+        num_tokens, tokens, hits, keys, needed = plan_admission(
+            self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key
+        )
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
+        for block in hits:
+            if self.allocator.is_free(block):
+                self.allocator.revive(block)
+            else:
+                self.allocator.incref(block)
+        blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
+        cached = len(hits) * self.block_size
+        if self.prefix_cache is not None and tokens is not None:
+            self.prefix_cache.record_query(num_tokens, cached)
+        stored = tokens[:] if tokens is not None else None  # our copy: the caller may reuse its list
+        self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, stored, extra_key, cached, keys)
+        return cached
+
+    def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> list[int]:
+        """Reserve ``n`` more tokens for ``seq_id``; return their slot ids.
+
+        ``token_ids`` (length ``n``) are required for a prefix-cached sequence. Raises
+        OutOfBlocksError or an argument error; changes nothing then.
+        """
+        seq = self.sequence(seq_id)
+        n = require_int("n", n, minimum=1)
+        new_ids = appended_ids(token_ids, n, keep=seq.token_ids is not None, seq_id=seq_id)
+        new_blocks = self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
+        if new_blocks > self.allocator.num_free:
+            raise OutOfBlocksError(new_blocks, self.allocator.num_free, f"append to {seq_id!r:.60}")
+        if new_blocks:
+            seq.blocks.extend(self.allocator.allocate(new_blocks))
+        start = seq.num_tokens
+        seq.num_tokens = start + n
+        if new_ids is not None:
+            seq.token_ids.extend(new_ids)  # type: ignore[union-attr]
+        return seq.slot_range(start, start + n, self.block_size)
+
+    def commit(self, rows: Iterable[ScheduledRow]) -> None:
+        """Record what a step computed: row ``r`` wrote the K/V of tokens ``[start, start +
+        num_new)`` of its sequence (``start`` as the metadata resolved it). Each row must
+        continue its sequence's computed prefix. Checks every row first; raises an argument
+        error and changes nothing when one does not fit."""
+        for seq, computed in computed_after(rows, self.sequence):
+            self._advance(seq, computed)
+
+    def mark_computed(self, seq_id: Hashable, num_computed: int) -> None:
+        """Record that the K/V of the first ``num_computed`` tokens is written. Prefer
+        :meth:`commit` with the step's rows: under chunked prefill, passing the reserved length
+        here would share blocks whose K/V is not written yet."""
+        seq = self.sequence(seq_id)
+        self._advance(seq, checked_computed(seq, seq_id, num_computed))
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[BlockCopy]:
+        """Make ``child_id`` share ``parent_id``'s blocks.
+
+        Full blocks are shared by reference count. A partly filled last block is copied now
+        (so no shared block is ever written): the returned ``(src, dst)`` pairs are the block
+        copies the caller must perform on every layer's K and V before the next write
+        (``KVCacheTensors.copy_blocks``). Raises UnknownSequenceError, SequenceExistsError or
+        OutOfBlocksError; changes nothing then.
+        """
+        parent = self.sequence(parent_id)
+        self.check_new_id(child_id)
+        partial = parent.num_tokens % self.block_size != 0
+        if partial and self.allocator.num_free < 1:
+            raise OutOfBlocksError(1, self.allocator.num_free, f"fork {parent_id!r:.60}")
+        shared = parent.blocks[:-1] if partial else parent.blocks
+        for block in shared:
+            if block != PAD_BLOCK:
+                self.allocator.incref(block)
+        blocks = list(shared)
+        copies: list[BlockCopy] = []
+        if partial:
+            (dst,) = self.allocator.allocate(1)
+            copies.append((parent.blocks[-1], dst))
+            blocks.append(dst)
+        self._seqs[child_id] = parent.copy_onto(blocks, keep_keys=True)
+        return copies
+
+    def free(self, seq_id: Hashable, *, reason: FreeReason = "finished") -> None:
+        """Release ``seq_id``'s blocks. ``reason="preempted"`` counts a preemption (the engine
+        will recompute it). Cached blocks stay indexed until evicted; the tail is queued for
+        eviction before the head, since a later request is likelier to share the head.
+        Raises UnknownSequenceError or InvalidArgumentError; changes nothing then."""
+        if reason not in _REASONS:
+            raise InvalidArgumentError(f"reason: {reason!r} is not one of {', '.join(_REASONS)}")
+        self.detach(seq_id)
+        if reason == "preempted":
+            self.preemptions["recompute"] += 1
+
+    def detach(self, seq_id: Hashable, *, swapped: bool = False) -> SequenceBlocks:
+        """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
+        it held) so that :meth:`attach` can bring it back later. ``swapped``: its K/V was
+        copied out (a swap preemption, counted); the id stays reserved until :meth:`attach`
+        or :meth:`drop_swapped`."""
+        seq = self.sequence(seq_id)
+        del self._seqs[seq_id]
+        self._release_blocks(seq.blocks)
+        if swapped:
+            self._parked.add(seq_id)
+            self.preemptions["swap"] += 1
+        return seq
+
+    def attach(self, seq_id: Hashable, record: SequenceBlocks) -> list[int]:
+        """Bring back a detached sequence in fresh blocks (e.g. a swap-in): returns the new
+        block ids, one per real block of ``record``, in order. It keeps its blocks' content
+        keys (the fresh blocks are not indexed under them). Raises SequenceExistsError or
+        OutOfBlocksError; changes nothing then."""
+        self.check_hashable(seq_id)
+        parked = seq_id in self._parked
+        self._parked.discard(seq_id)
+        try:
+            self.check_new_id(seq_id)
+            real = sum(1 for b in record.blocks if b != PAD_BLOCK)
+            fresh = self.allocator.allocate(real)
+        except Exception:
+            if parked:
+                self._parked.add(seq_id)
+            raise
+        # The keys describe content, which the fresh blocks hold again: keyed positions are
+        # not keyed twice (the fresh blocks are not holders).
+        self._seqs[seq_id] = record.copy_onto([PAD_BLOCK] * (len(record.blocks) - real) + fresh, keep_keys=True)
+        return list(fresh)
+
+    def drop_swapped(self, seq_id: Hashable) -> None:
+        """Free the id of a swapped-out sequence that will not come back."""
+        self.check_hashable(seq_id)
+        self._parked.discard(seq_id)
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        """Keep owned ``blocks`` allocated without a block table (while a copy reads them).
+        Raises InvalidArgumentError (nothing changed) for an id that is not an owned block."""
+        self.holds.hold(blocks)
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop holds taken with :meth:`hold`. Raises InvalidArgumentError (nothing changed)
+        for a block that is not held (as many times as listed)."""
+        self._release_blocks(self.holds.drop(blocks), once_each=False)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block key; returns how many were dropped (0 without caching).
+        Blocks in use keep their K/V but are not shared again; running sequences key only
+        the blocks they fill from now on."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.reset()
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Recount every invariant from scratch. Raises IntegrityError listing each mismatch."""
+        found = integrity_problems(self.allocator, self.prefix_cache, self.holds.counts, self._seqs, self.block_size)
+        if found:
+            raise IntegrityError(f"{len(found)} integrity problem(s):\n  " + "\n  ".join(found))
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _advance(self, seq: SequenceBlocks, num_computed: int) -> None:
+        """Set the computed prefix; index newly full blocks; release blocks behind the window."""
+        seq.num_computed = num_computed
+        if self.prefix_cache is not None and seq.token_ids is not None:
+            seq.key_full_blocks(self.prefix_cache, self.block_size)
+        if self.sliding_window is not None:
+            gone = release_behind_window(seq, self.sliding_window, self.block_size)
+            if gone:
+                self._release_blocks(gone)
+
+    def _release_blocks(self, blocks: list[int], *, once_each: bool = True) -> None:
+        release_blocks(self.allocator, self.prefix_cache, blocks, once_each=once_each)

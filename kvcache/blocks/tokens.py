@@ -1,0 +1,121 @@
+"""Token ids as callers pass them (lists, tuples, arrays, 1-D integer tensors), checked once
+and turned into one form, so a tensor behaves exactly like the list it holds."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from attention.checks import require_int
+from attention.errors import ArgumentTypeError, InvalidArgumentError
+
+__all__ = ["appended_ids", "prompt_length", "token_count", "token_list"]
+
+
+def _from_array_like(token_ids: Any, name: str) -> list[int] | None:
+    """A 1-D integer tensor / ndarray as a list of ints; None for anything else."""
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is None or not hasattr(token_ids, "tolist"):
+        return None
+    ndim = token_ids.dim() if callable(getattr(token_ids, "dim", None)) else getattr(token_ids, "ndim", None)
+    if ndim != 1:
+        raise InvalidArgumentError(f"{name}: expected a 1-D sequence of token ids, got {ndim} dimensions")
+    if (
+        getattr(dtype, "is_floating_point", False)
+        or getattr(dtype, "is_complex", False)
+        or str(dtype)
+        in (
+            "torch.bool",
+            "bool",
+        )
+    ):
+        raise ArgumentTypeError(f"{name}: expected integer token ids, got dtype {dtype}")
+    kind = getattr(dtype, "kind", "i")  # numpy dtypes have a kind; torch ints pass above
+    if kind not in "iu":
+        raise ArgumentTypeError(f"{name}: expected integer token ids, got dtype {dtype}")
+    values: list[int] = token_ids.tolist()
+    return values
+
+
+def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
+    """``token_ids`` as a list of Python ints: a list is checked and returned as it is (not
+    copied: callers that keep it copy it), anything else is converted. Raises
+    ArgumentTypeError for a string, a mapping, a non-sequence, or an element that is not an
+    integer; InvalidArgumentError for a tensor that is not 1-D."""
+    values: list[int] | None = token_ids if type(token_ids) is list else _from_array_like(token_ids, name)
+    if values is None:
+        if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
+            raise ArgumentTypeError(
+                f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), "
+                f"got {type(token_ids).__name__}"
+            )
+        values = list(token_ids)
+    try:
+        array("q", values)  # C-speed check that every element is an integer that fits int64
+        if bool in set(map(type, values)):  # an int is an int; a bool is not
+            raise TypeError
+    except (TypeError, OverflowError):
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
+        raise ArgumentTypeError(
+            f"{name}: every token id must be an integer in int64 range; found {type(bad).__name__} {bad!r:.40}"
+        ) from None
+    return values
+
+
+def token_count(token_ids: object, name: str = "token_ids") -> int:
+    """How many token ids ``token_ids`` holds, with the container rules of :func:`token_list`
+    (1-D tensors and arrays, sequences, not strings) but without reading the elements, for
+    callers that need only the length: a list and a tensor of the same ids count alike."""
+    if type(token_ids) in (list, tuple):
+        return len(token_ids)  # type: ignore[arg-type]
+    if getattr(token_ids, "dtype", None) is not None and hasattr(token_ids, "tolist"):
+        shape = tuple(getattr(token_ids, "shape", ()))
+        if len(shape) != 1:
+            raise InvalidArgumentError(f"{name}: expected a 1-D sequence of token ids, got {len(shape)} dimensions")
+        return int(shape[0])
+    if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, (Sequence, array)):
+        raise ArgumentTypeError(
+            f"{name}: expected a sequence of integer token ids (list, tuple, 1-D tensor), "
+            f"got {type(token_ids).__name__}"
+        )
+    return len(token_ids)
+
+
+def prompt_length(num_tokens: object, token_ids: object, *, keep: bool) -> tuple[int, list[int] | None]:
+    """A prompt given as a count and/or its token ids: ``(length, ids)``, the ids as a list
+    when ``keep`` (prefix caching reads them), else None. Raises InvalidArgumentError /
+    ArgumentTypeError naming the argument."""
+    tokens = None
+    if token_ids is not None:
+        if keep:
+            tokens = token_list(token_ids)
+            length = len(tokens)
+        else:
+            length = token_count(token_ids)
+        if num_tokens is not None and require_int("num_tokens", num_tokens) != length:
+            raise InvalidArgumentError(
+                f"num_tokens: {num_tokens} disagrees with len(token_ids) = {length}; pass one of them"
+            )
+        num_tokens = length
+    if num_tokens is None:
+        raise InvalidArgumentError("num_tokens: pass num_tokens or token_ids")
+    return require_int("num_tokens", num_tokens, minimum=1), tokens
+
+
+def appended_ids(token_ids: object, n: int, *, keep: bool, seq_id: object) -> list[int] | None:
+    """The ids of ``n`` tokens appended to sequence ``seq_id``, as a list when ``keep`` (a
+    prefix-cached sequence, which needs them), else None after checking their count when
+    given. Raises InvalidArgumentError / ArgumentTypeError naming ``token_ids``."""
+    if not keep:
+        if token_ids is not None and token_count(token_ids) != n:
+            raise InvalidArgumentError(f"token_ids: {token_count(token_ids)} ids for n={n} new tokens")
+        return None
+    if token_ids is None:
+        raise InvalidArgumentError(
+            f"token_ids: sequence {seq_id!r:.60} is prefix-cached, so append_slots needs the {n} new token ids"
+        )
+    new_ids = token_list(token_ids)
+    if len(new_ids) != n:
+        raise InvalidArgumentError(f"token_ids: {len(new_ids)} ids for n={n} new tokens")
+    return new_ids

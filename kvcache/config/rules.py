@@ -1,0 +1,237 @@
+"""The config's limits and its cross-field rules, as plain data and plain functions.
+
+A cross-field rule (``num_heads % num_kv_heads``, num_blocks xor memory_budget, the backend's
+declared capabilities, ...) reads a flat mapping of dotted field paths to values and returns
+every problem it finds. It checks the type and range of each value it reads and skips what it
+cannot judge, so the same rules run in two places:
+
+- in :class:`kvcache.config.schema.KVCacheConfig`'s model validator, on validated values;
+- in :mod:`kvcache.config.loading`, on the raw values of a file whose fields failed validation (pydantic
+  runs a model validator only when every field is valid), so a file's cross-field problems are
+  reported in the same pass as its per-field ones.
+
+Imports no pydantic and no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+from attention.capabilities import BACKENDS, BackendInfo, MultipleOf
+from attention.dtypes import DTYPES
+from attention.errors import ConfigProblem, quote
+
+__all__ = [
+    "BLOCK_SIZE_RULE",
+    "COMPUTE_DTYPES",
+    "DEVICE_PATTERN",
+    "HEAD_DIM_RULE",
+    "MAX_BLOCKS",
+    "MAX_HEADS",
+    "MAX_LAYERS",
+    "MAX_TOKENS",
+    "cross_field_problems",
+    "device_ok",
+]
+
+#: The project-wide block-size rule: every backend reads K/V in tiles of 32 tokens.
+BLOCK_SIZE_RULE = MultipleOf(32, 1024)
+#: Vectorised loads of 16 bytes need head_dim % 8 == 0.
+HEAD_DIM_RULE = MultipleOf(8, 512)
+MAX_LAYERS = 4096
+MAX_HEADS = 1024
+#: Block ids are int32 in block tables (and slot ids int64), so the pool holds at most 2**31 - 1.
+MAX_BLOCKS = 2**31 - 1
+#: Token positions and lengths are int32 in step metadata.
+MAX_TOKENS = 2**31 - 1
+#: What ``cache.device`` may be: ASCII only, no whitespace, a device index of at most 3 digits.
+#: Written for both Python's ``re`` (with fullmatch) and JSON schema (ECMA-262).
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:(0|[1-9][0-9]{0,2}))?)$"
+_DEVICE = re.compile(DEVICE_PATTERN, re.ASCII)
+#: Names a model may compute in (the dtype table's entries that are not cache-only formats).
+COMPUTE_DTYPES: tuple[str, ...] = tuple(name for name, info in DTYPES.items() if not info.cache_only)
+
+Values = Mapping[str, object]
+"""Dotted field path -> value. A path is present when its section is; None: not given."""
+
+
+def device_ok(value: object) -> bool:
+    """Whether ``value`` is a device string the config takes."""
+    return isinstance(value, str) and _DEVICE.fullmatch(value) is not None
+
+
+def cross_field_problems(values: Values) -> list[ConfigProblem]:
+    """Every cross-field problem in ``values``; empty when there is none. Never raises."""
+    rules: tuple[Callable[[Values], list[ConfigProblem]], ...] = (
+        _heads_divide,
+        _one_size,
+        _compute_dtype_given,
+        _window_pattern,
+        _backend_supports,
+    )
+    return [problem for rule in rules for problem in rule(values)]
+
+
+def _count(values: Values, path: str, low: int, high: int) -> int | None:
+    """``values[path]`` when it is an int (not a bool) in [low, high]; else None."""
+    value = values.get(path)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    return None
+
+
+def _any_int(values: Values, path: str) -> int | None:
+    value = values.get(path)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _name(values: Values, path: str, names: Mapping[str, object] | tuple[str, ...]) -> str | None:
+    value = values.get(path)
+    return value if isinstance(value, str) and value in names else None
+
+
+def _bools(values: Values, path: str) -> tuple[bool, ...] | None:
+    value = values.get(path)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value):
+        return tuple(value)
+    return None
+
+
+def _heads_divide(values: Values) -> list[ConfigProblem]:
+    heads = _count(values, "model.num_heads", 1, MAX_HEADS)
+    kv_heads = _count(values, "model.num_kv_heads", 1, MAX_HEADS)
+    if heads is None or kv_heads is None or heads % kv_heads == 0:
+        return []
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    close = sorted(sorted(divisors, key=lambda d: abs(d - kv_heads))[:2])
+    return [
+        ConfigProblem(
+            "model.num_kv_heads",
+            f"{kv_heads} does not divide num_heads {heads} (each KV head serves a whole group of "
+            f"query heads); use {' or '.join(str(d) for d in close)}",
+        )
+    ]
+
+
+def _one_size(values: Values) -> list[ConfigProblem]:
+    if "cache.num_blocks" not in values or "cache.memory_budget" not in values:
+        return []  # no cache section: its absence is reported on its own
+    blocks = values["cache.num_blocks"] is not None
+    budget = values["cache.memory_budget"] is not None
+    if blocks and budget:
+        return [ConfigProblem("cache.num_blocks", "both num_blocks and memory_budget are set; keep one of them")]
+    if not blocks and not budget:
+        return [
+            ConfigProblem(
+                "cache.num_blocks",
+                "neither num_blocks nor memory_budget is set; add one, e.g. num_blocks: 1024 or memory_budget: 0.9",
+            )
+        ]
+    return []
+
+
+def _compute_dtype_given(values: Values) -> list[ConfigProblem]:
+    cache_dtype = _name(values, "cache.dtype", DTYPES)
+    if "model.dtype" not in values or values["model.dtype"] is not None:
+        return []
+    if cache_dtype is None or not DTYPES[cache_dtype].cache_only:
+        return []
+    return [
+        ConfigProblem(
+            "model.dtype",
+            f"is required when cache.dtype is {cache_dtype}, a storage format for the cache only "
+            f"(the model cannot compute in it); set model.dtype: {' or '.join(_preferred_compute())}",
+        )
+    ]
+
+
+def _preferred_compute() -> list[str]:
+    """The 16-bit compute dtypes, the usual partners of an fp8 cache."""
+    return [name for name in ("bfloat16", "float16") if name in COMPUTE_DTYPES] or list(COMPUTE_DTYPES)
+
+
+def _window_pattern(values: Values) -> list[ConfigProblem]:
+    pattern = values.get("model.window_pattern")
+    if not isinstance(pattern, (list, tuple)):
+        return []
+    found = []
+    if values.get("model.sliding_window") is None:
+        found.append(
+            ConfigProblem(
+                "model.window_pattern",
+                "is given without model.sliding_window; set sliding_window (tokens each query sees, "
+                "e.g. 4096) or remove window_pattern",
+            )
+        )
+    layers = _count(values, "model.num_layers", 1, MAX_LAYERS)
+    if layers is not None and len(pattern) != layers:
+        found.append(
+            ConfigProblem(
+                "model.window_pattern",
+                f"has {len(pattern)} {'entry' if len(pattern) == 1 else 'entries'} but num_layers is {layers}; "
+                f"give one true/false per layer",
+            )
+        )
+    return found
+
+
+def _backend_supports(values: Values) -> list[ConfigProblem]:
+    """The chosen backend's declared refusals, for every value it can judge.
+
+    A value that cannot be judged (missing, or of the wrong type) is replaced by one the backend
+    accepts, so it raises no refusal; its own problem is reported by its field.
+    """
+    name = _name(values, "attention.backend", BACKENDS)
+    if name is None:
+        return []  # auto (decided at run time), or an unknown name reported on its own
+    info = BACKENDS[name]
+    block_size = _any_int(values, "cache.block_size")
+    head_dim = _any_int(values, "model.head_dim")
+    compute_path = "cache.dtype" if values.get("model.dtype") is None else "model.dtype"
+    compute = _name(values, compute_path, COMPUTE_DTYPES)
+    device = values.get("cache.device")
+    device_type = device.split(":")[0] if isinstance(device, str) and device_ok(device) and device != "auto" else None
+    window = _count(values, "model.sliding_window", 1, MAX_TOKENS)
+    pattern = _bools(values, "model.window_pattern")
+    problems = info.problems(
+        block_size=info.block_sizes.factor if block_size is None else block_size,
+        head_dim=info.head_dims.factor if head_dim is None else head_dim,
+        dtype=info.dtypes[0] if compute is None else compute,
+        device_type=device_type,
+        kv_cache_dtype=_name(values, "cache.dtype", DTYPES),
+        sliding_window=window is not None and (pattern is None or any(pattern)),
+    )
+    paths = {
+        "block_size": "cache.block_size",
+        "head_dim": "model.head_dim",
+        "dtype": compute_path,
+        "kv_cache_dtype": "cache.dtype",
+        "device": "cache.device",
+        "sliding_window": "model.sliding_window",
+    }
+    judged = {
+        "block_size": block_size is not None,
+        "head_dim": head_dim is not None,
+        "dtype": compute is not None,
+    }
+    shown = {"sliding_window": window}  # the table reports only that a window is used
+    return [
+        ConfigProblem(paths[p.parameter], f"{quote(shown.get(p.parameter, p.value))} is refused: {p.reason}; {p.fix}")
+        for p in problems
+        if judged.get(p.parameter, True) and not _said_already(p.parameter, p.value, info)
+    ]
+
+
+def _said_already(parameter: str, value: object, info: BackendInfo) -> bool:
+    """Whether the field's own message already gives the backend's fix: the value breaks the
+    project-wide rule, and every value that rule suggests instead suits the backend too
+    (head_dim 30 on triton: "use 24 or 32" says it all; block_size 48 on flash_attn: it does not)."""
+    rules: dict[str, tuple[MultipleOf, MultipleOf]] = {
+        "block_size": (BLOCK_SIZE_RULE, info.block_sizes),
+        "head_dim": (HEAD_DIM_RULE, info.head_dims),
+    }
+    if parameter not in rules or not isinstance(value, int):
+        return False
+    project, backend = rules[parameter]
+    return not project.allows(value) and all(backend.allows(v) for v in project.nearest(value))

@@ -1,0 +1,8 @@
+"""Where K/V lives: the per-layer cache tensors on the device, and the tiers blocks move to.
+
+| module | what it holds |
+| --- | --- |
+| ``cache_tensors`` | per-layer K/V tensors: sized from a block count or a budget; fp8 scales; block copies |
+| ``swap`` | a pinned host pool that preempted sequences' blocks are copied to and back |
+| ``preemption`` | :func:`preempt`: give a sequence's blocks up by recompute or by swap |
+"""

@@ -1,0 +1,241 @@
+"""The KV-cache tensors: one K and one V tensor per layer, carved from one allocation.
+
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (what every backend
+declares). All layers live in one ``[num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`` tensor, so the whole cache is a single allocation that either fits or fails
+cleanly, and a block copy across every layer is a single indexing op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from attention.dtypes import dtype_info, torch_dtype
+from attention.errors import CacheAllocationError, InvalidArgumentError
+from attention.layer_cache import LayerCache
+from kvcache.config.schema import KVCacheConfig
+from kvcache.config.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from kvcache.parallel.heads import TensorParallel
+
+__all__ = [
+    "KVCacheTensors",
+    "allocate_kv_cache",
+    "free_device_memory",
+    "num_blocks_for",
+    "resolve_device",
+]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when present, else cpu. Raises CacheAllocationError for a CUDA device
+    that is not there, naming the fix."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CacheAllocationError(
+                f"cache.device: {device!r}, but torch sees no CUDA device; set cache.device "
+                f"to cpu or auto, or install a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise CacheAllocationError(
+                f"cache.device: {device!r}, but only {count} CUDA device(s) exist; use cuda:0"
+                f"{f' to cuda:{count - 1}' if count > 1 else ''}"
+            )
+    return resolved
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now (CUDA: driver's free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_blocks_for(config: KVCacheConfig, free_bytes: int, tp: TensorParallel | None = None) -> int:
+    """Blocks the config asks for: ``num_blocks``, or its budget over the bytes per block of
+    one rank's cache (``tp``: a tensor-parallel rank; the budget is per rank, like vLLM's
+    ``gpu_memory_utilization``).
+
+    With a fractional budget the answer depends on this device's free memory, which differs
+    between ranks: a tensor-parallel engine must agree on one count (the minimum over ranks)
+    before allocating, because every rank's block manager must hand out the same block ids.
+    """
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    assert config.cache.memory_budget is not None, "the config validator requires one of them"
+    return config.cache.memory_budget.bytes_given(free_bytes) // config.bytes_per_block_per_rank(tp)
+
+
+@dataclass
+class KVCacheTensors:
+    """Per-layer K/V cache tensors, views into one allocation.
+
+    storage: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
+             V at [:, 1]), the cache dtype.
+    scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache
+             (None otherwise).
+    ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time.
+    """
+
+    storage: torch.Tensor
+    scales: torch.Tensor | None = None
+    _layers: list[LayerCache] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        s = self.scales
+        self._layers = [
+            LayerCache(
+                self.storage[i, 0],
+                self.storage[i, 1],
+                index=i,
+                k_scale=None if s is None else s[i, 0],
+                v_scale=None if s is None else s[i, 1],
+            )
+            for i in range(self.storage.shape[0])
+        ]
+
+    def layer(self, index: int) -> LayerCache:
+        """Layer ``index``'s cache (what ``write_kv`` and ``attend`` take)."""
+        return self._layers[index]
+
+    @property
+    def key(self) -> list[torch.Tensor]:
+        return [layer.key for layer in self._layers]
+
+    @property
+    def value(self) -> list[torch.Tensor]:
+        return [layer.value for layer in self._layers]
+
+    @property
+    def num_layers(self) -> int:
+        return self.storage.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.storage.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.storage.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Set an fp8 cache's per-KV-head dequantization scales of ``layer`` (fp32
+        [num_kv_heads] each, positive and finite), e.g. from a calibration run. Applies to K/V
+        written from now on; set them before the first write. Raises InvalidArgumentError."""
+        if self.scales is None:
+            raise InvalidArgumentError("set_scales: this cache is not fp8; it has no scales")
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(scale, torch.Tensor) or scale.shape != self.scales.shape[2:]:
+                raise InvalidArgumentError(f"{name}: expected a tensor of shape {list(self.scales.shape[2:])}")
+            if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+                raise InvalidArgumentError(f"{name}: every scale must be positive and finite")
+        self.scales[layer, 0].copy_(k_scale)
+        self.scales[layer, 1].copy_(v_scale)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. the pairs
+        ``BlockManager.fork`` returns). Raises InvalidArgumentError, copying nothing, for an
+        id outside the cache or a destination that is also a source or listed twice."""
+        if not copies:
+            return
+        src = [s for s, _ in copies]
+        dst = [d for _, d in copies]
+        n = self.num_blocks
+        for b in src + dst:
+            if type(b) is not int or not 0 <= b < n:
+                raise InvalidArgumentError(f"copies: block {b!r:.20} is not a block id in [0, {n})")
+        if len(set(dst)) != len(dst) or set(dst) & set(src):
+            raise InvalidArgumentError("copies: destinations must be distinct and not also sources")
+        index_src = torch.tensor(src, device=self.device)
+        index_dst = torch.tensor(dst, device=self.device)
+        self.storage[:, :, index_dst] = self.storage[:, :, index_src]
+
+
+def allocate_kv_cache(
+    config: KVCacheConfig,
+    *,
+    num_blocks: int | None = None,
+    device: torch.device | str | None = None,
+    fill: float | None = None,
+    tp: TensorParallel | None = None,
+) -> KVCacheTensors:
+    """Allocate the cache tensors ``config`` describes.
+
+    ``num_blocks`` and ``device`` override the config. ``tp``: allocate tensor-parallel rank
+    ``tp.rank``'s share, ``[num_layers, 2, num_blocks, block_size, kv_heads_per_rank,
+    head_dim]`` (:mod:`kvcache.parallel.heads`; its block count is ``num_blocks`` as given, which
+    must be the same on every rank). ``fill`` initialises every element
+    (tests poison the cache with NaN to prove nothing reads a slot that was never written);
+    by default the memory is left uninitialised, as in vLLM.
+    Raises CacheAllocationError when the device is missing or cannot hold the cache; the
+    message gives the largest num_blocks that fits.
+    """
+    dev = resolve_device(config.cache.device if device is None else str(device))
+    free = free_device_memory(dev)
+    blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free, tp)
+    per_block = config.bytes_per_block_per_rank(tp)
+    kv_heads = config.kv_heads_per_rank(tp)
+    fits = free // per_block
+    if blocks < 1:
+        raise CacheAllocationError(
+            f"cache.memory_budget: {config.cache.memory_budget} of {format_bytes(free)} free on "
+            f"{dev} holds no block of {format_bytes(per_block)}; raise the budget"
+        )
+    if blocks > fits:
+        raise _too_big(blocks, per_block, free, dev)
+    m = config.model
+    shape = (m.num_layers, 2, blocks, config.cache.block_size, kv_heads, m.head_dim)
+    dtype = torch_dtype(config.cache.dtype)
+    try:
+        storage = torch.empty(shape, dtype=dtype, device=dev)
+    except torch.OutOfMemoryError:
+        raise _too_big(blocks, per_block, free_device_memory(dev), dev) from None
+    if fill is not None:
+        storage.fill_(fill)
+    scales = None
+    if dtype_info(config.cache.dtype).cache_only:
+        scales = torch.full((m.num_layers, 2, kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
+    return KVCacheTensors(storage, scales)
+
+
+def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:
+    return CacheAllocationError(
+        f"cache.num_blocks: {blocks} blocks x {format_bytes(per_block)} = "
+        f"{format_bytes(blocks * per_block)} does not fit in the {format_bytes(free)} free on "
+        f"{device}; the largest num_blocks that fits is {free // per_block} "
+        f"(or use memory_budget: 0.9)"
+    )

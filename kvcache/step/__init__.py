@@ -1,0 +1,8 @@
+"""One serving step on the device: the scheduled rows become step metadata and a backend
+plan, staged in persistent buffers with one host-to-device copy, and replayed in CUDA graphs.
+
+| module | what it holds |
+| --- | --- |
+| ``builder`` | :class:`MetadataBuilder`: persistent block-table rows, staging, ``plan`` |
+| ``graphs`` | :class:`DecodeGraphs`: one CUDA graph per batch-size bucket over those buffers |
+"""

@@ -1,0 +1,447 @@
+"""Each step's attention metadata (and its plan) in persistent buffers, with one host-to-device
+copy per step.
+
+The builder keeps one host buffer (pinned on CUDA) and one device buffer of the same layout,
+allocated once for a :class:`~attention.staging.StepCapacity` (or grown on demand when no
+capacity is given). Every integer a step needs -- lengths, query starts, slots, positions,
+logits indices, the backend plan's work lists, and the block tables -- is written into the
+host buffer and copied in one transfer; the metadata's tensors are views of the device buffer,
+so their addresses never change (what a CUDA graph captured over them needs).
+
+Block tables are persistent rows: row ``i`` remembers which sequence record it showed and how
+many of its blocks are already written, so a step writes only the blocks appended since (a
+decode step: one block every ``block_size`` steps per row), and rewrites a row only when
+another sequence takes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from attention.base import AttentionBackend, StepPlan
+from attention.checks import require_int
+from attention.errors import InvalidArgumentError, MetadataError, UnknownSequenceError
+from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
+from attention.metadata_check import DeviceCheck
+from attention.staging import PlanStaging, StepCapacity
+from kvcache.blocks.manager import BlockManager
+from kvcache.blocks.rows import ScheduledRow
+from kvcache.blocks.sequence import SequenceBlocks
+from kvcache.blocks.tokens import token_list
+
+__all__ = ["MetadataBuilder", "ScheduledRow", "build_metadata"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of the regions of one buffer, for one capacity. The block tables come
+    last, so a step copies only the rows it uses of them."""
+
+    capacity: StepCapacity
+    seq_lens: int
+    query_start_loc: int
+    staged: dict[str, tuple[int, int]]  # name -> (offset, int32 entries)
+    slots: int
+    positions: int
+    logits: int
+    token_ids: int
+    tables: int
+    nbytes: int
+
+    @staticmethod
+    def of(capacity: StepCapacity, staged: dict[str, int]) -> _Layout:
+        r, t, w = capacity.max_rows, capacity.max_tokens, capacity.max_blocks_per_seq
+        offset = 0
+
+        def take(nbytes: int) -> int:
+            nonlocal offset
+            start = offset
+            offset += -(-nbytes // 8) * 8  # 8-byte aligned, for the int64 views
+            return start
+
+        seq_lens, qsl = take(4 * r), take(4 * (r + 1))
+        regions = {name: (take(4 * n), n) for name, n in staged.items()}
+        slots, positions, logits, token_ids = take(8 * t), take(8 * t), take(8 * r), take(8 * t)
+        tables = take(4 * r * w)
+        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, token_ids, tables, offset)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a CPU tensor's bytes (no numpy needed)."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class MetadataBuilder:
+    """Builds :class:`AttentionMetadata` (and, with a backend, the step's plan) for one device.
+
+    device:   where the metadata lives (the cache's device).
+    capacity: fixed buffer sizes (required for CUDA graphs); None: buffers grow as needed.
+    backend:  the backend whose plans :meth:`plan` makes, staged into the same buffers.
+    device_check: check (and repair) every step's metadata on the device after its copy, with
+              no sync (:mod:`attention.metadata_check`); a violation is raised by
+              :meth:`raise_if_violated` at the engine's next sync point. Default: on for CUDA.
+    One builder per engine: rows stay persistent between steps.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        capacity: StepCapacity | None = None,
+        backend: AttentionBackend | None = None,
+        device_check: bool | None = None,
+    ):
+        self.device = torch.device(device)
+        self.backend = backend
+        check = self.device.type == "cuda" if device_check is None else device_check
+        self._check = DeviceCheck(self.device) if check else None
+        self.fixed = capacity is not None
+        self._on_cuda = self.device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None
+        self._allocate(capacity or StepCapacity(8, 64, 8))
+
+    @property
+    def capacity(self) -> StepCapacity:
+        return self._layout.capacity
+
+    # ---- per step ----------------------------------------------------------------------
+
+    def build(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        *,
+        pad_to: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for ``rows``, in order, padded with empty rows to ``pad_to`` rows (a CUDA
+        graph bucket). ``token_ids``: the step's input tokens (all rows' new tokens in row
+        order), staged too and read back with :meth:`token_ids`. Changes nothing in
+        ``manager``. Raises MetadataError naming the row when a row asks for positions
+        outside the sequence's held tokens, UnknownSequenceError for an unknown id, and
+        InvalidArgumentError when the step does not fit a fixed capacity."""
+        meta = self._fill(manager, rows, pad_to, token_ids)
+        self._commit(meta, manager)
+        return meta
+
+    def plan(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        *,
+        pad_to: int | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> StepPlan:
+        """Metadata and the backend's plan for ``rows`` (arguments as in :meth:`build`),
+        staged together and copied to the device in one transfer. ``pad_to``: plan for a
+        CUDA-graph bucket of that many rows."""
+        if self.backend is None:
+            raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
+        meta = self._fill(manager, rows, pad_to, token_ids)
+        plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
+        self._commit(meta, manager)
+        return plan
+
+    def raise_if_violated(self) -> None:
+        """Raise MetadataError when a finished step's device check found a violation (never
+        waits: call it after the engine's own sync point, e.g. after reading the logits)."""
+        if self._check is not None:
+            self._check.raise_if_violated()
+
+    def token_ids(self, num_tokens: int) -> torch.Tensor:
+        """int64 [num_tokens] device view of the staged input tokens (padding tokens: 0)."""
+        return self._view(self._layout.token_ids, torch.int64, num_tokens)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _allocate(self, capacity: StepCapacity) -> None:
+        staged = {}
+        if self.backend is not None:
+            staged = {r.name: r.numel for r in self.backend.buffer_requests(capacity) if r.staged}
+        layout = _Layout.of(capacity, staged)
+        pin = self._on_cuda
+        self._host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._device_buf = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
+        self._mv = _bytes_view(self._host)
+        self._layout = layout
+        rows = capacity.max_rows
+        self._row_record: list[SequenceBlocks | None] = [None] * rows
+        self._row_epoch = [0] * rows
+        self._row_written = [0] * rows
+        self._staging = _BufferStaging(self, capacity)
+        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+
+    def _grow(self, rows: int, tokens: int, width: int) -> None:
+        cap = self._layout.capacity
+        if rows <= cap.max_rows and tokens <= cap.max_tokens and width <= cap.max_blocks_per_seq:
+            return
+        if self.fixed:
+            raise InvalidArgumentError(
+                f"rows: the step has {rows} rows, {tokens} tokens and needs {width} block-table columns; the "
+                f"builder's capacity is {cap.max_rows} rows, {cap.max_tokens} tokens, {cap.max_blocks_per_seq} "
+                f"columns; schedule smaller steps or build the MetadataBuilder with a larger capacity"
+            )
+        self._wait_for_copy()
+        self._allocate(
+            StepCapacity(
+                max(rows, 2 * cap.max_rows) if rows > cap.max_rows else cap.max_rows,
+                max(tokens, 2 * cap.max_tokens) if tokens > cap.max_tokens else cap.max_tokens,
+                max(width, 2 * cap.max_blocks_per_seq) if width > cap.max_blocks_per_seq else cap.max_blocks_per_seq,
+            )
+        )
+
+    def _fill(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        pad_to: int | None,
+        token_ids: Sequence[int] | None,
+    ) -> AttentionMetadata:
+        n = len(rows)
+        if n == 0 and pad_to is None:
+            raise InvalidArgumentError("rows: a step needs at least one scheduled row (or pad_to)")
+        padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=max(n, 1))
+        seqs = manager._seqs
+        bs = manager.block_size
+        records: list[SequenceBlocks] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        logits: list[int] = []
+        sampling: list[int] = []
+        tokens = 0
+        widest = 0
+        # One pass per row; the hot path (a decode row) does only list appends and a few
+        # integer ops: this loop is most of a step's host time.
+        for i, row in enumerate(rows):
+            try:
+                seq = seqs[row.seq_id]
+                num_new = row.num_new
+                start = row.start
+            except (KeyError, TypeError, AttributeError):  # unknown or unhashable id, not a row
+                _raise_bad_row(i, row, manager)
+            held = seq.num_tokens
+            if start is None:
+                start = held - num_new
+            end = start + num_new
+            if (
+                type(num_new) is not int
+                or type(start) is not int
+                or num_new < 1
+                or end > held
+                or (seq.num_released and start < seq.num_released * bs)
+            ):
+                raise MetadataError(
+                    f"rows[{i}]: tokens [{start!r:.20}, {end!r:.20}) of sequence {row.seq_id!r:.60} are not within "
+                    f"its held tokens [{seq.num_released * bs}, {held}); append_slots first"
+                )
+            records.append(seq)
+            seq_lens.append(end)
+            query_lens.append(num_new)
+            slots += seq.slot_range(start, end, bs)
+            if num_new == 1:
+                positions.append(start)
+            else:
+                positions += range(start, end)
+            tokens += num_new
+            qsl.append(tokens)
+            if end == held:  # reaches the end of what is known: its logits are needed
+                logits.append(tokens - 1)
+                sampling.append(i)
+            if len(seq.blocks) > widest:
+                widest = len(seq.blocks)
+        if token_ids is not None and len(token_ids) != tokens:
+            raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
+        self._grow(padded, tokens + padded - n, widest)
+        self._wait_for_copy()
+        self._write_tables(records)
+        self._write_padding_tables(n, padded)
+        if token_ids is not None:
+            ids = token_list(token_ids)
+            total = tokens + padded - n
+            self._mv[self._layout.token_ids : self._layout.token_ids + 8 * total].cast("q")[:] = array(
+                "q", ids + [0] * (padded - n)
+            )
+        pad = padded - n  # padding rows: one token each, slot -1, no K/V
+        num_tokens = tokens + pad
+        if pad:
+            slots += [PAD_SLOT] * pad
+            positions += [0] * pad
+            logits += range(tokens, num_tokens)
+            qsl += range(tokens + 1, num_tokens + 1)
+        return self._write_rows(seq_lens, query_lens, slots, positions, qsl, logits, sampling, padded, bs)
+
+    def _write_tables(self, records: list[SequenceBlocks]) -> None:
+        """Write the blocks each row does not show yet (all of them when the row changed hands)."""
+        layout = self._layout
+        width = layout.capacity.max_blocks_per_seq
+        table = self._mv[layout.tables : layout.tables + 4 * layout.capacity.max_rows * width].cast("i")
+        shown, epochs, written = self._row_record, self._row_epoch, self._row_written
+        for i, seq in enumerate(records):
+            blocks = seq.blocks
+            have = len(blocks)
+            if shown[i] is seq and epochs[i] == seq.epoch:
+                done = written[i]
+                if have > done:
+                    table[i * width + done : i * width + have] = array("i", blocks[done:])
+                    written[i] = have
+                continue
+            stale = written[i] if shown[i] is not None else 0
+            table[i * width : i * width + have] = array("i", blocks)
+            if stale > have:  # the previous sequence of this row was longer: hide its blocks
+                table[i * width + have : i * width + stale] = array("i", [PAD_BLOCK]) * (stale - have)
+            shown[i], epochs[i], written[i] = seq, seq.epoch, have
+
+    def _write_padding_tables(self, first: int, end: int) -> None:
+        """Padding rows ``first .. end - 1`` name block 0 in column 0 (a real block: a kernel
+        that reads one token for an empty row, as flash-attn's paged decode must, stays in the
+        cache), and forget what they showed, so a sequence placed there later is rewritten."""
+        width = self._layout.capacity.max_blocks_per_seq
+        table = self._mv[self._layout.tables : self._layout.tables + 4 * end * width].cast("i")
+        for i in range(first, end):
+            table[i * width] = 0
+            self._row_record[i] = None
+            self._row_written[i] = 0
+
+    def _write_rows(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        slots: list[int],
+        positions: list[int],
+        qsl: list[int],
+        logits: list[int],
+        sampling: list[int],
+        padded: int,
+        bs: int,
+    ) -> AttentionMetadata:
+        """Copy the step's per-row and per-token values into the host buffer; the metadata's
+        tensors are (cached) views of the device buffer."""
+        n = len(seq_lens)
+        num_tokens = len(slots)
+        layout, mv = self._layout, self._mv
+        mv[layout.seq_lens : layout.seq_lens + 4 * n].cast("i")[:] = array("i", seq_lens)
+        if padded > n:
+            mv[layout.seq_lens + 4 * n : layout.seq_lens + 4 * padded].cast("i")[:] = array("i", [0]) * (padded - n)
+        mv[layout.query_start_loc : layout.query_start_loc + 4 * (padded + 1)].cast("i")[:] = array("i", qsl)
+        mv[layout.slots : layout.slots + 8 * num_tokens].cast("q")[:] = array("q", slots)
+        mv[layout.positions : layout.positions + 8 * num_tokens].cast("q")[:] = array("q", positions)
+        mv[layout.logits : layout.logits + 8 * len(logits)].cast("q")[:] = array("q", logits)
+        self._rows_in_use = padded
+        tables, lens, starts, slot_view, pos_view, logit_view = self._views(padded, num_tokens, len(logits))
+        return AttentionMetadata(
+            block_tables=tables,
+            seq_lens=lens,
+            query_start_loc=starts,
+            slot_mapping=slot_view,
+            positions=pos_view,
+            logits_indices=logit_view,
+            block_size=bs,
+            seq_lens_host=tuple(seq_lens),
+            query_lens_host=tuple(query_lens),
+            sampling_rows_host=tuple(sampling),
+        )
+
+    def _views(self, padded: int, num_tokens: int, num_logits: int) -> tuple[torch.Tensor, ...]:
+        """The metadata's device views for these sizes (made once per size: a decode step's
+        sizes repeat)."""
+        key = (padded, num_tokens, num_logits)
+        views = self._view_cache.get(key)
+        if views is None:
+            layout = self._layout
+            width = layout.capacity.max_blocks_per_seq
+            views = (
+                self._view(layout.tables, torch.int32, padded * width).view(padded, width),
+                self._view(layout.seq_lens, torch.int32, padded),
+                self._view(layout.query_start_loc, torch.int32, padded + 1),
+                self._view(layout.slots, torch.int64, num_tokens),
+                self._view(layout.positions, torch.int64, num_tokens),
+                self._view(layout.logits, torch.int64, num_logits),
+            )
+            if len(self._view_cache) > 4096:  # bounded: sizes of prefill steps vary
+                self._view_cache.clear()
+            self._view_cache[key] = views
+        return views
+
+    def _view(self, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        itemsize = 4 if dtype == torch.int32 else 8
+        return self._device_buf[offset : offset + itemsize * numel].view(dtype)
+
+    def _commit(self, meta: AttentionMetadata, manager: BlockManager) -> None:
+        """The step's one host-to-device copy (everything up to the last table row in use),
+        then the device check."""
+        self._copy()
+        if self._check is not None:
+            self._check.run(meta, manager.num_blocks, manager.sliding_window)
+
+    def _copy(self) -> None:
+        if self.device.type == "cpu":
+            return
+        end = self._layout.tables + 4 * self._rows_in_use * self._layout.capacity.max_blocks_per_seq
+        self._device_buf[:end].copy_(self._host[:end], non_blocking=True)
+        if self._on_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _wait_for_copy(self) -> None:
+        """The previous step's copy must have read the host buffer before it is rewritten."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
+class _BufferStaging(PlanStaging):
+    """Plan arrays in the builder's buffers (copied with the metadata), scratch allocated once."""
+
+    def __init__(self, builder: MetadataBuilder, capacity: StepCapacity):
+        self.builder = builder
+        self.device = builder.device
+        self._scratch: dict[str, torch.Tensor] = {}
+        backend = builder.backend
+        if backend is not None:
+            for r in backend.buffer_requests(capacity):
+                if not r.staged:
+                    maker = torch.zeros if r.zeroed else torch.empty
+                    self._scratch[r.name] = maker(r.numel, dtype=r.dtype, device=self.device)
+
+    def stage(self, name: str, values: array) -> torch.Tensor:
+        layout = self.builder._layout
+        if name not in layout.staged:
+            raise MetadataError(f"stage: {name!r} is not among the backend's buffer_requests")
+        offset, room = layout.staged[name]
+        if len(values) > room:
+            raise MetadataError(f"stage: {name!r} needs {len(values)} entries, its buffer holds {room}")
+        self.builder._mv[offset : offset + 4 * len(values)].cast("i")[:] = values
+        return self.builder._view(offset, torch.int32, len(values))
+
+    def scratch(self, name: str, dtype: torch.dtype, numel: int, *, zeroed: bool = False) -> torch.Tensor:
+        buf = self._scratch.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            raise MetadataError(
+                f"scratch: {name!r} ({numel} x {dtype}) is not among the backend's buffer_requests at this capacity"
+            )
+        return buf[:numel]
+
+
+def _raise_bad_row(i: int, row: object, manager: BlockManager) -> NoReturn:
+    if not isinstance(row, ScheduledRow):
+        raise InvalidArgumentError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
+    seq_id: Hashable = row.seq_id
+    manager.sequence(seq_id)  # raises the precise error (unknown or unhashable)
+    raise UnknownSequenceError(seq_id)
+
+
+def build_metadata(
+    manager: BlockManager, rows: Sequence[ScheduledRow], device: torch.device | str
+) -> AttentionMetadata:
+    """One-off :meth:`MetadataBuilder.build` (a serving loop keeps one builder instead)."""
+    return MetadataBuilder(device).build(manager, rows)
