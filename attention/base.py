@@ -25,9 +25,10 @@ import torch
 from attention.capabilities import BackendInfo, backend_info
 from attention.checks import check_tensor, same_device
 from attention.dtypes import dtype_name, torch_dtype
-from attention.errors import MetadataError, UnsupportedSettingError
+from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnsupportedSettingError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
+from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
 
@@ -146,6 +147,52 @@ class AttentionBackend(ABC):
             check_tensor("out", out, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         return self._attend(query, layer, plan, out)
 
+    def rotary_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+    ) -> torch.Tensor:
+        """The layer's boundary before attention in one call: rotate ``query`` and ``key`` at
+        the step's positions (:mod:`attention.rotary`), write the rotated key and ``value``
+        into their cache slots as :meth:`write_kv` does, and return the rotated query.
+
+        query:      [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads,
+                    head_dim]; the compute dtype, any token and head strides with unit stride
+                    along head_dim (e.g. views of one fused QKV projection). Not modified.
+        rotary:     the model's table, on the cache's device, covering every position of the
+                    step (each row's seq_len <= ``rotary.max_positions``).
+        Returns the rotated query, a new contiguous [num_tokens, num_heads, head_dim] tensor
+        (padding tokens' rows are rotated too; their K/V is not written). Backends whose
+        table entry says ``fused_rotary`` do it in one kernel; the others compose it.
+        """
+        meta = self._check_step(layer, plan)
+        spec, device = self.spec, layer.key.device
+        t = meta.num_tokens
+        check_tensor("query", query, shape=(t, spec.num_heads, spec.head_dim), dtype=self.compute_dtype, device=device)
+        for name, x in (("key", key), ("value", value)):
+            check_tensor(name, x, shape=(t, spec.num_kv_heads, spec.head_dim), dtype=self.compute_dtype, device=device)
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if t and x.stride(-1) != 1:
+                raise InvalidArgumentError(f"{name}: expected unit stride along head_dim, got strides {x.stride()}")
+        if not isinstance(rotary, RotaryTable):
+            raise ArgumentTypeError(f"rotary: expected a RotaryTable, got {type(rotary).__name__}")
+        if rotary.head_dim != spec.head_dim or not same_device(rotary.device, device):
+            raise InvalidArgumentError(
+                f"rotary: a table of head_dim {rotary.head_dim} on {rotary.device}; the layer needs head_dim "
+                f"{spec.head_dim} on {device} (RotaryTable.build with this model's inv_freq on the cache's device)"
+            )
+        longest = max(meta.seq_lens_host, default=0)
+        if longest > rotary.max_positions:
+            raise InvalidArgumentError(
+                f"rotary: the table covers {rotary.max_positions} positions, but a row of this step reaches "
+                f"{longest}; build the table for the longest sequence the engine serves"
+            )
+        return self._rotary_write_kv(query, key, value, layer, plan, rotary)
+
     # ---- warm-up -----------------------------------------------------------------------
 
     def warmup(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
@@ -165,6 +212,20 @@ class AttentionBackend(ABC):
     def _attend(
         self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None
     ) -> torch.Tensor: ...
+
+    def _rotary_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+    ) -> torch.Tensor:
+        """Composed from torch ops and :meth:`_write_kv`; a fused kernel overrides it."""
+        positions = plan.metadata.positions
+        self._write_kv(rotate(key, positions, rotary), value, layer, plan)
+        return rotate(query, positions, rotary)
 
     def _device_type_for_checks(self, device_type: str) -> str:
         """The device type checked against the capabilities (the Triton backend maps its CPU

@@ -80,6 +80,9 @@ class BackendInfo:
     sliding_window: whether it runs sliding-window attention.
     cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
                   launch parameters fixed per batch bucket).
+    fused_rotary: whether ``rotary_write_kv`` is one kernel (rotary, cache write and the
+                  rotated query together); otherwise it is composed from torch ops and
+                  ``write_kv``, with the same results.
     block_size_origin: where the block-size rule comes from, quoted in error messages.
     """
 
@@ -97,6 +100,7 @@ class BackendInfo:
     min_compute_capability: tuple[int, int] | None
     sliding_window: bool
     cuda_graphs: bool
+    fused_rotary: bool
     block_size_origin: str
 
     def problems(
@@ -192,6 +196,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=None,
             sliding_window=True,
             cuda_graphs=False,
+            fused_rotary=False,
             block_size_origin="the project-wide rule",
         ),
         BackendInfo(
@@ -212,6 +217,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             cuda_graphs=True,
+            fused_rotary=True,
             block_size_origin="our kernels read tiles of 32 tokens",
         ),
         BackendInfo(
@@ -229,6 +235,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             cuda_graphs=True,
+            fused_rotary=False,
             block_size_origin=(
                 'flash-attn 2 csrc/flash_attn/flash_api.cpp: "Paged KV cache block size must be divisible by 256"'
             ),

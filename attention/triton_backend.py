@@ -24,6 +24,7 @@ from attention.checks import cdiv
 from attention.errors import MetadataError, UnsupportedSettingError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
+from attention.rotary import RotaryTable
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, PlanStaging, StepCapacity
 from attention.synthetic import scratch_layer, synthetic_metadata
@@ -42,6 +43,7 @@ from attention.triton_kernels import (
     paged_decode,
     paged_prefill,
     prefill_tile_index,
+    rotary_write_kv,
     schedule_decode,
     write_kv_cache,
 )
@@ -254,6 +256,29 @@ class TritonBackend(AttentionBackend):
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
         write_kv_cache(key, value, layer.key, layer.value, plan.metadata.slot_mapping, layer.k_scale, layer.v_scale)
 
+    def _rotary_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+    ) -> torch.Tensor:
+        meta = plan.metadata
+        return rotary_write_kv(
+            query,
+            key,
+            value,
+            layer.key,
+            layer.value,
+            meta.slot_mapping,
+            meta.positions,
+            rotary.cos_sin,
+            layer.k_scale,
+            layer.v_scale,
+        )
+
     def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
         assert isinstance(plan, TritonStepPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
@@ -310,16 +335,17 @@ class TritonBackend(AttentionBackend):
     # ---- warm-up -----------------------------------------------------------------------
 
     def warmup(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
-        """Compile every kernel variant steps within ``capacity`` can reach -- the cache write,
-        the decode kernel with and without the split combine, the prefill kernel at each tile
-        height -- for every window kind of the spec, by running each once on a scratch
-        cache. Returns how many variants that is."""
+        """Compile every kernel variant steps within ``capacity`` can reach -- the cache write
+        (alone and fused with rotary), the decode kernel with and without the split combine,
+        the prefill kernel at each tile height -- for every window kind of the spec, by
+        running each once on a scratch cache. Returns how many variants that is."""
         longest = capacity.max_blocks_per_seq * block_size
         decode_lengths = sorted({min(64, longest), longest})  # one chunk; several chunks
         heights = sorted({min(q, capacity.max_tokens, longest) for q in (9, 17, 33, 129)} - {1})
         steps = [[(n, 1)] for n in decode_lengths] + [[(q, q)] for q in heights]
         blocks = max(sum(cdiv(n, block_size) for n, _ in rows) for rows in steps)
         variants: set[tuple[object, ...]] = set()
+        rotary = RotaryTable(torch.zeros(longest, self.spec.head_dim, dtype=torch.float32, device=device))
         for window in self.windows:
             index = 0
             if self.spec.window_layers is not None:
@@ -331,9 +357,11 @@ class TritonBackend(AttentionBackend):
                 assert isinstance(plan, TritonStepPlan), "this backend's plan"
                 t, kvh, heads, d = meta.num_tokens, self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
                 kv = torch.zeros(t, kvh, d, dtype=self.compute_dtype, device=device)
+                query = torch.zeros(t, heads, d, dtype=self.compute_dtype, device=device)
                 self.write_kv(kv, kv, layer, plan)
-                self.attend(torch.zeros(t, heads, d, dtype=self.compute_dtype, device=device), layer, plan)
-                variants.add(("write", self.spec.quantized_cache))
+                self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
+                self.attend(query, layer, plan)
+                variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
                 for launch in plan.decode:
                     variants.add(("decode", window))
                     if launch.schedule.needs_combine and not self.decode_config.fused_combine:

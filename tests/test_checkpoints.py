@@ -234,7 +234,11 @@ def test_from_transformers_shares_or_copies(saved: tuple[Variant, Any, Path]) ->
     variant, hf, _ = saved
     shared = from_transformers(hf)
     assert shared.embed.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    assert shared.layers[0].attn.wq.weight.data_ptr() == hf.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert shared.layers[0].attn.wo.weight.data_ptr() == hf.model.layers[0].self_attn.o_proj.weight.data_ptr()
+    # q, k and v are one parameter: a copy of the three, in order.
+    attn = hf.model.layers[0].self_attn
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(shared.layers[0].attn.wqkv.weight, qkv)
     if variant.options.get("tie_word_embeddings"):
         assert shared.lm_head.weight is shared.embed.weight
     copy = from_transformers(hf, share=False, dtype=torch.float64)

@@ -337,8 +337,13 @@ def test_checkpoint_shards_serve_transformers_tokens(tmp_path: Path) -> None:
         for name, param in model.named_parameters():  # each rank holds exactly its share
             assert torch.equal(param, shard_parameter(name, whole[name], model.shape, tp))
         params = dict(model.named_parameters())
-        assert params["layers.0.attn.wq.weight"].shape == (32, 64)  # 2 of 4 query heads x head_dim 16
-        assert params["layers.0.attn.wk.weight"].shape == (16, 64)  # 1 of 2 KV heads
+        # 2 of 4 query heads, then 1 of 2 KV heads for k and for v, x head_dim 16
+        assert params["layers.0.attn.wqkv.weight"].shape == (32 + 16 + 16, 64)
+        q_full = full.layers[0].attn.wqkv.weight[:64]
+        k_full = full.layers[0].attn.wqkv.weight[64:96]
+        rows = params["layers.0.attn.wqkv.weight"]
+        assert torch.equal(rows[:32], q_full[32 * tp.rank : 32 * tp.rank + 32])
+        assert torch.equal(rows[32:48], k_full[16 * tp.rank : 16 * tp.rank + 16])
         assert params["layers.0.attn.wo.weight"].shape == (64, 32)  # the columns of its query heads
         cache_config = cache_config_for(
             model.shape, block_size=32, dtype="float32", num_blocks=12, device="cpu", backend="reference"

@@ -5,6 +5,7 @@ One concept per module:
 - :mod:`.paging`:          device helpers shared by the attention kernels (block-table address
                            math, one online-softmax step);
 - :mod:`.cache_write`:     scatter new tokens' K/V into their cache slots;
+- :mod:`.rotary_write`:    rotary on Q and K, the cache write and the rotated Q in one kernel;
 - :mod:`.decode_schedule`: host-side partition of decode rows into equal-token chunks (pure
                            Python; fixed grids for CUDA graphs);
 - :mod:`.decode_kernels`:  the decode kernels (one program per chunk and KV head, combine);
@@ -43,6 +44,7 @@ from attention.triton_kernels.prefill import (
     paged_prefill,
     prefill_tile_index,
 )
+from attention.triton_kernels.rotary_write import rotary_write_kv
 
 __all__ = [
     "DECODE_SWEEP",
@@ -65,6 +67,7 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "prefill_tile_index",
+    "rotary_write_kv",
     "schedule_decode",
     "write_kv_cache",
 ]

@@ -27,8 +27,8 @@ for a 64-row LogNormal batch whose longest row alone streams for about that long
 then set by an H200 sweep (benchmarks/results/decode-policy-2026-12-02.json): 3 programs per
 SM and balance 1.25 were at or above the previous 2 / 1.5 on every benchmark shape at blocks
 32 and 256 (16 rows x 16384 tokens: 0.89x -> 1.02x of flash-attn). Balance 1.0 was faster
-still on LogNormal batches but splits near-uniform batches for a few tokens. bench_attention.py
---decode-sweep times a finer and a coarser policy.
+still on LogNormal batches but splits near-uniform batches for a few tokens. bench_decode.py
+--sweep times a finer and a coarser policy.
 
 For CUDA graphs the kernel's grid is fixed per batch bucket: :func:`max_decode_items` and
 :func:`max_decode_partials` depend only on the bucket's row count (never on lengths) and bound

@@ -65,7 +65,7 @@ class PrefillConfig:
                 raise ValueError(f"PrefillConfig.{name}: {v} must be a power of two >= 16")
 
 
-#: Candidates a GPU sweep times (benchmarks/bench_attention.py --sweep), for 16-bit head_dim
+#: Candidates a GPU sweep times (benchmarks/bench_prefill.py --sweep), for 16-bit head_dim
 #: up to 128; each compiles for sm_90 (Triton 3.6 and 3.9) without register spills.
 PREFILL_SWEEP: tuple[PrefillConfig, ...] = tuple(
     PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)

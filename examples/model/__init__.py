@@ -3,7 +3,8 @@
 | module | what it holds |
 | --- | --- |
 | ``shape`` | :class:`LlamaShape`: every size and switch; a shape for a cache config |
-| ``rotary`` | rotary frequencies (Llama-3 / linear scaling), cos/sin tables, the rotation |
+| ``rotary`` | rotary frequencies (Llama-3 / linear scaling) |
+| ``ops`` | RMSNorm (with the residual add) and SiLU x up; ``triton_ops``: their kernels |
 | ``layers`` | RMSNorm, attention over the paged cache, the SwiGLU MLP, row-parallel linear |
 | ``llama`` | :class:`Llama` (embedding, blocks, lm_head); random weights |
 | ``sharding`` | the tensor-parallel share of each parameter |
@@ -22,9 +23,9 @@ from examples.model.checkpoints import (
 from examples.model.hf_config import SUPPORTED_MODEL_TYPES, attention_spec_for, model_section_for, shape_from_config
 from examples.model.layers import MLP, Attention, Block, RMSNorm, RowParallelLinear
 from examples.model.llama import Llama, empty_llama, init_random_, random_llama
-from examples.model.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin
+from examples.model.rotary import rope_inv_freq
 from examples.model.shape import LlamaShape, RopeScaling, shape_for_cache
-from examples.model.sharding import shard_parameter, shard_range
+from examples.model.sharding import param_parts, shard_parameter
 
 __all__ = [
     "MLP",
@@ -36,7 +37,6 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "RowParallelLinear",
-    "apply_rotary",
     "attention_spec_for",
     "checkpoint_files",
     "empty_llama",
@@ -45,13 +45,12 @@ __all__ = [
     "load_checkpoint",
     "load_state_dict",
     "model_section_for",
+    "param_parts",
     "random_llama",
     "read_config",
     "rope_inv_freq",
-    "rotary_cos_sin",
     "shape_for_cache",
     "shape_from_config",
     "shard_parameter",
-    "shard_range",
     "transformers_names",
 ]

@@ -14,7 +14,7 @@ Every name and shape is checked against the model before anything is allocated; 
 raises ValueError listing each missing key, unused key and wrong shape.
 
 Tensor parallelism (``tp=TensorParallel(size, rank)``): checkpoints hold the full tensors;
-each rank keeps its share (:func:`examples.model.sharding.shard_range`), and :func:`load_checkpoint`
+each rank keeps its share (:func:`examples.model.sharding.param_parts`), and :func:`load_checkpoint`
 reads only that share from the file (a safetensors slice), so a rank never holds a whole
 sharded tensor in host memory.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from attention.dtypes import torch_dtype
 from examples.model.hf_config import shape_from_config
 from examples.model.llama import Llama, empty_llama
 from examples.model.shape import LlamaShape
-from examples.model.sharding import shard_parameter, shard_range
+from examples.model.sharding import Part, param_parts
 from kvcache.parallel.heads import TensorParallel
 
 __all__ = [
@@ -47,39 +48,62 @@ __all__ = [
     "load_state_dict",
     "read_config",
     "transformers_names",
+    "transformers_sources",
 ]
 
 
 # ---- parameter names ---------------------------------------------------------------------
 
-# Our parameter names -> transformers' names, inside ``model.layers.{i}.``.
+# Our module names -> transformers' names, inside ``model.layers.{i}.``.
 _RENAMES = (
     ("attn_norm", "input_layernorm"),
     ("mlp_norm", "post_attention_layernorm"),
-    ("attn.wq", "self_attn.q_proj"),
-    ("attn.wk", "self_attn.k_proj"),
-    ("attn.wv", "self_attn.v_proj"),
     ("attn.wo", "self_attn.o_proj"),
-    ("mlp.w_gate", "mlp.gate_proj"),
-    ("mlp.w_up", "mlp.up_proj"),
     ("mlp.w_down", "mlp.down_proj"),
 )
+#: Our fused modules -> the transformers modules of their parts, in order (see
+#: :mod:`examples.model.sharding`).
+_FUSED_SOURCES = {
+    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
-def _transformers_name(name: str) -> str:
+@dataclass(frozen=True)
+class Source:
+    """Where one transformers tensor goes: part ``part`` of our parameter ``param``."""
+
+    param: str
+    part: int
+
+
+def _transformers_names(name: str) -> list[str]:
+    """transformers' keys of our parameter ``name``: one, or one per part of a fused one."""
     if name == "lm_head.weight":
-        return name
+        return [name]
     if name == "embed.weight":
-        return "model.embed_tokens.weight"
+        return ["model.embed_tokens.weight"]
+    for fused, sources in _FUSED_SOURCES.items():
+        if f".{fused}." in name:
+            return ["model." + name.replace(f".{fused}.", f".{source}.") for source in sources]
     for ours, theirs in _RENAMES:
         name = name.replace(f".{ours}.", f".{theirs}.")
-    return "model." + name  # layers.{i}.* and norm.weight
+    return ["model." + name]  # layers.{i}.* and norm.weight
+
+
+def transformers_sources(model: Llama) -> dict[str, Source]:
+    """transformers' state-dict key -> where it goes in ``model``, for every parameter (a tied
+    lm_head is the embedding, listed once)."""
+    return {
+        key: Source(name, part)
+        for name, _ in model.named_parameters()
+        for part, key in enumerate(_transformers_names(name))
+    }
 
 
 def transformers_names(model: Llama) -> dict[str, str]:
-    """transformers' state-dict key -> our parameter name, for every parameter of ``model``
-    (a tied lm_head is the embedding, listed once)."""
-    return {_transformers_name(name): name for name, _ in model.named_parameters()}
+    """transformers' state-dict key -> our parameter name (several keys name a fused one)."""
+    return {key: source.param for key, source in transformers_sources(model).items()}
 
 
 def _ignored(key: str, shape: LlamaShape) -> bool:
@@ -87,22 +111,44 @@ def _ignored(key: str, shape: LlamaShape) -> bool:
     return key.endswith("rotary_emb.inv_freq") or (shape.tie_word_embeddings and key == "lm_head.weight")
 
 
+def _full_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """Our parameters' full (unsharded) shapes, from a model on the meta device (no memory)."""
+    with torch.device("meta"):
+        full = Llama(shape)
+    return {name: tuple(p.shape) for name, p in full.named_parameters()}
+
+
+def _layout(model: Llama) -> dict[str, tuple[Source, Part]]:
+    """transformers' key -> (its source, the part with rank ``model.tp``'s share)."""
+    full = _full_shapes(model.shape)
+    parts = {name: param_parts(name, full[name], model.shape, model.tp) for name in full}
+    return {key: (src, parts[src.param][src.part]) for key, src in transformers_sources(model).items()}
+
+
+def _expected_shape(full: tuple[int, ...], part: Part) -> tuple[int, ...]:
+    """The full transformers tensor of ``part`` (a fused part is a slice of our parameter)."""
+    return tuple(part.full if d == part.dim else n for d, n in enumerate(full))
+
+
 def _problems(model: Llama, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """Problems of a full (unsharded) state dict's ``shapes`` for ``model`` (which may be a
     rank's share: it is compared with the full model's shapes)."""
-    if model.tp.is_sharded:
-        with torch.device("meta"):
-            model = Llama(model.shape)  # the full shapes, no memory
-    params = dict(model.named_parameters())
-    wanted = transformers_names(model)
-    found = [f"missing {key}" for key in wanted if key not in shapes]
-    found += [f"unused {key}" for key in shapes if key not in wanted and not _ignored(key, model.shape)]
-    found += [
-        f"{key}: expected shape {list(params[ours].shape)}, got {list(shapes[key])}"
-        for key, ours in wanted.items()
-        if key in shapes and tuple(shapes[key]) != tuple(params[ours].shape)
-    ]
+    full = _full_shapes(model.shape)
+    layout = _layout(model)
+    found = [f"missing {key}" for key in layout if key not in shapes]
+    found += [f"unused {key}" for key in shapes if key not in layout and not _ignored(key, model.shape)]
+    for key, (src, part) in layout.items():
+        want = _expected_shape(full[src.param], part)
+        if key in shapes and tuple(shapes[key]) != want:
+            found.append(f"{key}: expected shape {list(want)}, got {list(shapes[key])}")
     return found
+
+
+def _share(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """The rank's share of a part's full tensor (the tensor itself when it keeps all of it)."""
+    if (part.start, part.length) == (0, part.full):
+        return tensor
+    return tensor.narrow(part.dim, part.start, part.length)
 
 
 def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, share: bool = False) -> None:
@@ -111,8 +157,9 @@ def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, sha
 
     share=False: copy into the existing parameters (cast to their dtype and device).
     share=True:  make the state dict's tensors the parameters (no copy: both models then use
-                 the same memory; dtype and device are the tensors'). A rank's share of a
-                 row-parallel weight (columns) is not contiguous and is copied.
+                 the same memory; dtype and device are the tensors'). A fused parameter
+                 (q/k/v, gate/up) and a rank's share of a row-parallel weight (columns) are
+                 not one tensor of the source and are copied.
     Raises ValueError listing missing keys, unused keys and shape mismatches; changes
     nothing then.
     """
@@ -120,15 +167,20 @@ def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, sha
     if problems:
         raise ValueError("state_dict does not fit the model: " + "; ".join(problems))
     params = dict(model.named_parameters())
+    pieces: dict[str, list[tuple[Part, torch.Tensor]]] = {}
+    for key, (src, part) in _layout(model).items():
+        pieces.setdefault(src.param, []).append((part, _share(state_dict[key], part)))
     with torch.no_grad():
-        for key, ours in transformers_names(model).items():
-            tensor = shard_parameter(ours, state_dict[key], model.shape, model.tp)
+        for name, parts in pieces.items():
             if share:
-                module_name, _, attr = ours.rpartition(".")
-                shared = nn.Parameter(tensor.detach().contiguous(), requires_grad=False)
+                tensors = [t for _, t in sorted(parts, key=lambda p: p[0].offset)]
+                joined = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=parts[0][0].dim)
+                module_name, _, attr = name.rpartition(".")
+                shared = nn.Parameter(joined.detach().contiguous(), requires_grad=False)
                 setattr(model.get_submodule(module_name), attr, shared)
             else:
-                params[ours].copy_(tensor)
+                for part, tensor in parts:
+                    params[name].narrow(part.dim, part.offset, part.length).copy_(tensor)
     if share:
         model.tie_weights()
 
@@ -261,9 +313,13 @@ def load_checkpoint(
         raise ValueError(f"{path}: the checkpoint does not fit the model: " + "; ".join(problems))
     model = empty_llama(shape, dtype=dtype, device=device, tp=tp)
     params = dict(model.named_parameters())
-    wanted = transformers_names(model)
-    ranges = {key: shard_range(ours, shape, model.tp) for key, ours in wanted.items()}
+    layout = _layout(model)
+    ranges = {
+        key: None if (part.start, part.length) == (0, part.full) else (part.dim, part.start, part.length)
+        for key, (_, part) in layout.items()
+    }
     with torch.no_grad():
         for key, tensor in _tensors(files, ranges):
-            params[wanted[key]].copy_(tensor)
+            src, part = layout[key]
+            params[src.param].narrow(part.dim, part.offset, part.length).copy_(tensor)
     return model

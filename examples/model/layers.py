@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import AttentionBackend, LayerCache, StepPlan
-from examples.model.rotary import apply_rotary
+from attention.rotary import RotaryTable
+from examples.model.ops import add_rms_norm, rms_norm, silu_mul
 from examples.model.shape import LlamaShape
 from kvcache.parallel.heads import TensorParallel
 
@@ -25,7 +26,8 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, with the statistics in float32 whatever the model dtype."""
+    """``x / rms(x) * weight``, with the statistics in float32 whatever the model dtype
+    (:mod:`examples.model.ops`: one kernel on a GPU)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -34,9 +36,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] -> [T, dim], same dtype."""
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the norm in one: (norm(x + residual), x + residual)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RowParallelLinear(nn.Linear):
@@ -64,8 +68,9 @@ class RowParallelLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    """GQA attention over the paged cache: write this step's K/V, then attend causally.
-    Sharded, it holds this rank's query heads and KV heads only."""
+    """GQA attention over the paged cache: one fused q/k/v projection, then rotary, the cache
+    write and the rotated query in one backend call, then attention over the cache. Sharded,
+    it holds this rank's query heads and KV heads only."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel):
         super().__init__()
@@ -76,49 +81,50 @@ class Attention(nn.Module):
             shape.head_dim,
         )
         hidden, q_dim, kv_dim = shape.hidden_size, self.num_heads * shape.head_dim, self.num_kv_heads * shape.head_dim
-        self.wq = nn.Linear(hidden, q_dim, bias=shape.qkv_bias)
-        self.wk = nn.Linear(hidden, kv_dim, bias=shape.qkv_bias)
-        self.wv = nn.Linear(hidden, kv_dim, bias=shape.qkv_bias)
+        self.splits = (q_dim, kv_dim, kv_dim)
+        #: q, k and v stacked along the output features (examples.model.sharding).
+        self.wqkv = nn.Linear(hidden, sum(self.splits), bias=shape.qkv_bias)
         self.wo = RowParallelLinear(q_dim, hidden, bias=shape.o_bias, sharded=tp.is_sharded)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer: LayerCache,
-        backend: AttentionBackend,
-        plan: StepPlan,
+        self, x: torch.Tensor, layer: LayerCache, backend: AttentionBackend, plan: StepPlan, rotary: RotaryTable
     ) -> torch.Tensor:
-        """x: [T, hidden]; cos, sin: [T, 1, D]; layer: this layer's cache. Returns [T, hidden]."""
+        """x: [T, hidden]; layer: this layer's cache; rotary: the model's table. Returns
+        [T, hidden]."""
         t = x.shape[0]
-        q = apply_rotary(self.wq(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.wk(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
         # The cache holds K after rotary, so cached positions never need rotating again.
-        backend.write_kv(k, v, layer, plan)
-        out = backend.attend(q, layer, plan)  # [T, H, D]
-        return self.wo(out.reshape(t, self.num_heads * self.head_dim))
+        query = backend.rotary_write_kv(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            layer,
+            plan,
+            rotary,
+        )
+        out = backend.attend(query, layer, plan)  # [T, H, D]
+        return self.wo(out.view(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``. Sharded, it holds this rank's
-    ``intermediate_size / tp.size`` channels."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one projection. Sharded, it
+    holds this rank's ``intermediate_size / tp.size`` channels."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel):
         super().__init__()
         width = shape.intermediate_size // tp.size
-        self.w_gate = nn.Linear(shape.hidden_size, width, bias=shape.mlp_bias)
-        self.w_up = nn.Linear(shape.hidden_size, width, bias=shape.mlp_bias)
+        #: gate then up, stacked along the output features.
+        self.w_gate_up = nn.Linear(shape.hidden_size, 2 * width, bias=shape.mlp_bias)
         self.w_down = RowParallelLinear(width, shape.hidden_size, bias=shape.mlp_bias, sharded=tp.is_sharded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(silu_mul(self.w_gate_up(x)))
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer."""
+    """One pre-norm transformer layer. The residual stream is carried beside the layer's
+    output, so each residual add runs inside the next norm (:meth:`RMSNorm.add`)."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel):
         super().__init__()
@@ -129,13 +135,19 @@ class Block(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
         layer: LayerCache,
         backend: AttentionBackend,
         plan: StepPlan,
-    ) -> torch.Tensor:
-        """h: [T, hidden] -> [T, hidden]; the cache arguments are as in :class:`Attention`."""
-        h = h + self.attn(self.attn_norm(h), cos, sin, layer, backend, plan)
-        return h + self.mlp(self.mlp_norm(h))
+        rotary: RotaryTable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """delta: the previous layer's output, still to be added to ``residual`` (None for the
+        first layer, whose ``residual`` is the embedding); both [T, hidden]. Returns this
+        layer's MLP output and the residual stream it is to be added to."""
+        if delta is None:
+            x = self.attn_norm(residual)
+        else:
+            x, residual = self.attn_norm.add(delta, residual)
+        x, residual = self.mlp_norm.add(self.attn(x, layer, backend, plan, rotary), residual)
+        return self.mlp(x), residual

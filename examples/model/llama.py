@@ -2,9 +2,9 @@
 
 Short on purpose: embedding, ``num_layers`` x (RMSNorm, rotary GQA attention, RMSNorm,
 SwiGLU MLP), final RMSNorm, lm_head. The only unusual part is attention: every layer writes
-the step's new K/V into its own cache tensors through ``backend.write_kv`` and attends over
-the whole paged history with ``backend.attend``, reusing the one :class:`StepPlan` the caller
-made for the step.
+the step's new K/V into its own cache tensors through ``backend.rotary_write_kv`` and attends
+over the whole paged history with ``backend.attend``, reusing the one :class:`StepPlan` the
+caller made for the step.
 
 The math follows transformers' ``LlamaForCausalLM`` (rotary with the rotate-half convention,
 RMSNorm in float32, softmax scale ``head_dim ** -0.5``), so its weights load unchanged and
@@ -13,11 +13,17 @@ both produce the same tokens. The few ways Qwen2 and Mistral differ are fields o
 only the attention backend sees, through :meth:`LlamaShape.attention_spec`). Reading
 checkpoints and their configs lives in :mod:`examples.model.checkpoints`.
 
-Tensor parallelism (Megatron-style, :class:`kvcache.parallel.heads.TensorParallel`): ``wq``/``wk``/
-``wv`` are split by head (column-parallel: a rank keeps the rows of its query heads and of its
-KV heads, a KV head copied to several ranks when there are more ranks than KV heads), ``wo``
-is split by its input columns (row-parallel: partial outputs summed by one all-reduce, its
-bias added once after the sum); likewise the MLP's gate/up (column) and down (row, one
+Written the way a serving engine writes it: q/k/v are one projection (``wqkv``) and so are
+the MLP's gate and up (``w_gate_up``); rotary, the cache write and the rotated query are one
+backend call (``rotary_write_kv``, with a cos/sin table built once); each residual add runs
+inside the next RMSNorm, and SiLU x up is one op (:mod:`examples.model.ops`: one kernel each
+on a GPU).
+
+Tensor parallelism (Megatron-style, :class:`kvcache.parallel.heads.TensorParallel`): ``wqkv``
+is split by head (column-parallel: a rank keeps the rows of its query heads and of its KV
+heads, a KV head copied to several ranks when there are more ranks than KV heads), ``wo`` is
+split by its input columns (row-parallel: partial outputs summed by one all-reduce, its bias
+added once after the sum); likewise the MLP's gate_up (column) and down (row, one
 all-reduce). Embedding, norms and lm_head are replicated: every rank computes the full logits
 from the same all-reduced hidden state, so every rank samples the same token with no further
 communication (vocab-parallel embedding/lm_head would save their memory at the cost of two
@@ -35,9 +41,11 @@ import torch
 from torch import nn
 
 from attention import AttentionBackend, StepPlan
+from attention.checks import same_device
 from attention.errors import InvalidArgumentError
+from attention.rotary import RotaryTable
 from examples.model.layers import Block, RMSNorm, RowParallelLinear
-from examples.model.rotary import rope_inv_freq, rotary_cos_sin
+from examples.model.rotary import rope_inv_freq
 from examples.model.shape import LlamaShape
 from examples.model.sharding import shard_parameter
 from kvcache import KVCacheTensors
@@ -66,6 +74,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(shape, tp) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self._rotary: RotaryTable | None = None
         self.tie_weights()
 
     def connect(self, collective: Collective) -> None:
@@ -104,13 +113,28 @@ class Llama(nn.Module):
         the full vocabulary, the same on every tensor-parallel rank.
         """
         meta = plan.metadata
-        s = self.shape
-        inv_freq = rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, meta.positions.device)
-        cos, sin = rotary_cos_sin(meta.positions, inv_freq)
-        h = self.embed(token_ids)  # [T, hidden]
+        rotary = self.rotary_table(max(meta.seq_lens_host, default=1), meta.positions.device)
+        residual = self.embed(token_ids)  # [T, hidden]
+        delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.layer(index), backend, plan)
-        return self.lm_head(self.norm(h[meta.logits_indices]))
+            delta, residual = layer(delta, residual, cache.layer(index), backend, plan, rotary)
+        rows = meta.logits_indices
+        if delta is None:  # no layers
+            return self.lm_head(self.norm(residual[rows]))
+        return self.lm_head(self.norm.add(delta[rows], residual[rows])[0])
+
+    def rotary_table(self, max_positions: int, device: torch.device) -> RotaryTable:
+        """The model's rotary cos/sin table on ``device``, covering at least ``max_positions``
+        positions: built once, and again (larger) only when a longer sequence asks. A CUDA
+        graph reads the table it was captured with, so an engine asks for its longest length
+        before capturing (``ModelRunner`` does)."""
+        table = self._rotary
+        if table is None or table.max_positions < max_positions or not same_device(table.device, device):
+            s = self.shape
+            size = max(max_positions, table.max_positions if table is not None else 0)
+            table = RotaryTable.build(rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, device), size)
+            self._rotary = table
+        return table
 
 
 def empty_llama(

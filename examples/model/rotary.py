@@ -1,5 +1,5 @@
-"""Rotary position embedding: frequencies (with Llama-3 and linear scaling), cos/sin tables,
-and the rotation (the rotate-half convention of transformers' Llama)."""
+"""Rotary frequencies, with Llama-3 and linear scaling. The cos/sin table built from them and
+the rotation itself are :mod:`attention.rotary` (the attention boundary applies them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from examples.model.shape import RopeScaling
 
-__all__ = ["apply_rotary", "rope_inv_freq", "rotary_cos_sin"]
+__all__ = ["rope_inv_freq"]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> torch.Tensor:
@@ -32,21 +32,3 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, devi
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = ~(wavelen < old_len / scaling.high_freq_factor) * ~(wavelen > old_len / scaling.low_freq_factor)
     return torch.where(medium, smoothed, scaled)
-
-
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``positions`` (int [T]): each float32 [T, 1, head_dim].
-
-    The table repeats the half-width angles twice, which pairs channel ``j`` with
-    ``j + head_dim/2`` (the rotate-half convention).
-    """
-    angles = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
-    table = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
-    return table.cos(), table.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [T, heads, D] by the angles in cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -1,58 +1,110 @@
-"""Tensor-parallel shares of the model's parameters (Megatron-style): which slice of each full
+"""Tensor-parallel shares of the model's parameters (Megatron-style): which slices of each full
 tensor a rank keeps. Random weights and checkpoints both load full tensors and cut them here,
-so every tensor-parallel size runs the same model."""
+so every tensor-parallel size runs the same model.
+
+Two projections are *fused*: ``attn.wqkv`` is q, k and v stacked along the output features
+(dim 0), ``mlp.w_gate_up`` is gate then up. A fused tensor is made of *parts*, each split over
+the ranks by its own rule, and a rank's fused parameter stacks its share of every part in the
+same order (its q heads, then its k heads, then its v heads).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from examples.model.shape import LlamaShape
 from kvcache.parallel.heads import TensorParallel
 
-__all__ = ["shard_parameter", "shard_range"]
+__all__ = ["Part", "param_parts", "shard_parameter"]
 
-#: Sharded modules (suffix of the parameter's module path) -> (what is split, weight dim).
-#: Dim 0 is column-parallel (output features; the bias is split with them), dim 1
-#: row-parallel (input features; the bias stays whole). Everything else is replicated.
-_SHARDED: dict[str, tuple[str, int]] = {
-    "attn.wq": ("query heads", 0),
-    "attn.wk": ("kv heads", 0),
-    "attn.wv": ("kv heads", 0),
-    "attn.wo": ("query heads", 1),
-    "mlp.w_gate": ("mlp", 0),
-    "mlp.w_up": ("mlp", 0),
-    "mlp.w_down": ("mlp", 1),
+#: What a part of a parameter is split by over the ranks.
+#: "query heads" / "kv heads": the rows (or columns) of the rank's heads; "mlp": its share of
+#: the MLP width; None: not split (every rank keeps it whole).
+Split = str | None
+
+#: Sharded modules (suffix of the parameter's module path) -> (weight dim, the split of each
+#: part along it, in order). Dim 0 is column-parallel (output features; the bias is split with
+#: them), dim 1 row-parallel (input features; the bias stays whole). Everything else is
+#: replicated.
+_SHARDED: dict[str, tuple[int, tuple[Split, ...]]] = {
+    "attn.wqkv": (0, ("query heads", "kv heads", "kv heads")),
+    "attn.wo": (1, ("query heads",)),
+    "mlp.w_gate_up": (0, ("mlp", "mlp")),
+    "mlp.w_down": (1, ("mlp",)),
 }
 
+@dataclass(frozen=True)
+class Part:
+    """One part of a parameter and a rank's share of it.
 
-def shard_range(name: str, shape: LlamaShape, tp: TensorParallel) -> tuple[int, int, int] | None:
-    """Where rank ``tp.rank``'s share of the full parameter ``name`` (our parameter name,
-    e.g. ``layers.0.attn.wq.weight``) lies: ``(dim, start, length)``, or None when the rank
-    keeps the whole tensor (replicated parameters, and everything with one rank).
+    dim:       the dimension it is cut along (and, for a fused parameter, stacked along).
+    full:      its length along ``dim`` in the full tensor.
+    start, length: the rank's share of it along ``dim`` (``0, full``: the whole part).
+    offset:    where that share starts along ``dim`` in the rank's parameter.
+    """
 
-    wq: the rows of the rank's query heads; wk/wv: the rows of its KV heads (the same rows on
-    every rank sharing a replicated KV head); wo: the columns of its query heads; gate/up:
-    its rows of the MLP width; down: its columns. Biases follow their rows; wo's and down's
-    bias (added after the all-reduce) stay whole.
+    dim: int
+    full: int
+    start: int
+    length: int
+    offset: int
+
+
+def _part_length(split: Split, shape: LlamaShape) -> int:
+    if split == "query heads":
+        return shape.num_heads * shape.head_dim
+    if split == "kv heads":
+        return shape.num_kv_heads * shape.head_dim
+    return shape.intermediate_size
+
+
+def _share(split: Split, shape: LlamaShape, tp: TensorParallel) -> tuple[int, int]:
+    """(start, length) of rank ``tp.rank``'s share of a part split by ``split``."""
+    if split is None or not tp.is_sharded:
+        return 0, _part_length(split, shape)
+    if split == "mlp":
+        width = shape.intermediate_size // tp.size
+        return tp.rank * width, width
+    heads = tp.shard(shape.num_heads, shape.num_kv_heads)
+    owned = heads.query_heads if split == "query heads" else heads.kv_heads
+    return owned.start * shape.head_dim, len(owned) * shape.head_dim
+
+
+def param_parts(name: str, full_shape: tuple[int, ...], shape: LlamaShape, tp: TensorParallel) -> list[Part]:
+    """The parts of parameter ``name`` (ours, e.g. ``layers.0.attn.wqkv.weight``) whose full
+    tensor has ``full_shape``, each with rank ``tp.rank``'s share; one part covering the whole
+    tensor for an unfused, unsplit parameter.
+
+    wqkv: the rows of the rank's query heads, then of its KV heads for k and for v (the same
+    rows on every rank sharing a replicated KV head); wo: the columns of its query heads;
+    gate_up: its rows of the MLP width, of gate then of up; down: its columns. Biases follow
+    their rows; wo's and down's bias (added after the all-reduce) stay whole.
     """
     module, _, kind = name.rpartition(".")
     rule = next((r for suffix, r in _SHARDED.items() if module.endswith(suffix)), None)
-    if rule is None or not tp.is_sharded:
-        return None
-    split, dim = rule
-    if kind == "bias" and dim == 1:
-        return None
-    if split == "mlp":
-        width = shape.intermediate_size // tp.size
-        return dim, tp.rank * width, width
-    heads = tp.shard(shape.num_heads, shape.num_kv_heads)
-    owned = heads.query_heads if split == "query heads" else heads.kv_heads
-    d = shape.head_dim
-    return (0 if kind == "bias" else dim), owned.start * d, len(owned) * d
+    if rule is None or (kind == "bias" and rule[0] == 1):
+        return [Part(0, full_shape[0], 0, full_shape[0], 0)] if full_shape else []
+    dim, splits = rule
+    dim = 0 if kind == "bias" else dim
+    parts, offset = [], 0
+    for split in splits:
+        start, length = _share(split, shape, tp)
+        parts.append(Part(dim, _part_length(split, shape), start, length, offset))
+        offset += length
+    return parts
 
 
 def shard_parameter(name: str, full: torch.Tensor, shape: LlamaShape, tp: TensorParallel) -> torch.Tensor:
-    """Rank ``tp.rank``'s share of the full parameter ``name`` (see :func:`shard_range`): a
-    view of ``full``, or ``full`` itself when the rank keeps it whole."""
-    where = shard_range(name, shape, tp)
-    return full if where is None else full.narrow(*where)
+    """Rank ``tp.rank``'s share of the full parameter ``name`` (see :func:`param_parts`):
+    ``full`` itself when the rank keeps it whole, a view when its share is one slice, else a
+    new tensor stacking its slices."""
+    parts = param_parts(name, tuple(full.shape), shape, tp)
+    if len(parts) <= 1 and (not parts or (parts[0].start, parts[0].length) == (0, parts[0].full)):
+        return full
+    pieces, begin = [], 0
+    for part in parts:
+        pieces.append(full.narrow(part.dim, begin + part.start, part.length))
+        begin += part.full
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=parts[0].dim)

@@ -1,0 +1,201 @@
+"""The fused boundary before attention: rotary on Q and K, K and V into their cache slots, and
+the rotated Q, in one kernel (instead of a gather, a dozen elementwise ops and the cache write).
+
+Numbers follow :func:`attention.rotary.rotate`: float32 math, one rounding to the output dtype
+(and, for an fp8 cache, the same scaling and saturation as the cache write).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.triton_kernels.cache_write import _round_to_e4m3_grid
+from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
+
+__all__ = ["rotary_write_kv"]
+
+# Channel pairs one program holds per tensor: a [heads, head_dim / 2] tile of this size keeps
+# the rotation in registers and leaves several programs per token.
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _rotate_tile(ptr, base, j, mask, cos, sin, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Load channels ``j`` and ``j + HALF`` of the heads at ``ptr + base`` ([heads, 1] offsets);
+    return both rotated halves in float32."""
+    lo = tl.load(ptr + base + j[None, :], mask=mask).to(tl.float32)
+    hi = tl.load(ptr + base + HALF + j[None, :], mask=mask).to(tl.float32)
+    return lo * cos[None, :] - hi * sin[None, :], hi * cos[None, :] + lo * sin[None, :]
+
+
+@triton.jit
+def _quantize(x, scale_ptr, h, h_mask, dtype, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """fp32 ``x`` [heads, n] divided by the heads' scales, saturated to +-448, as ``dtype``."""
+    scale = tl.load(scale_ptr + h, mask=h_mask, other=1.0)
+    x = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    if INTERPRETED:
+        x = _round_to_e4m3_grid(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rotary_write_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    pos_ptr,
+    table_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    num_slots,
+    max_positions,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    Q_CHUNKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
+    others rotate BLOCK_H KV heads of K and store them with the same heads of V at the
+    token's slot.
+
+    The position is clamped into the table and a slot outside [0, num_slots) (the -1 of a
+    padding token, or a corrupt id) writes no K/V, so nothing outside the table, the inputs,
+    q_out and the given slots is ever read or written.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    j = tl.arange(0, HALF_PAD)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t), 0), max_positions - 1)
+    row = table_ptr + pos * (2 * HALF)
+    cos = tl.load(row + j, mask=j < HALF)
+    sin = tl.load(row + HALF + j, mask=j < HALF)
+    if chunk < Q_CHUNKS:
+        h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
+        lo, hi = _rotate_tile(q_ptr, t * stride_qt + h[:, None] * stride_qh, j, mask, cos, sin, HALF)
+        out = q_out_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
+        tl.store(out, lo.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        h = (chunk - Q_CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        slot = tl.load(slot_ptr + t)
+        # An invalid slot shrinks the head range to nothing (a scalar select: the interpreter
+        # mistypes scalar & tensor).
+        heads = tl.where((slot >= 0) & (slot < num_slots), NUM_KV_HEADS, 0)
+        h_mask = h < heads
+        mask = h_mask[:, None] & (j[None, :] < HALF)
+        lo, hi = _rotate_tile(k_ptr, t * stride_kt + h[:, None] * stride_kh, j, mask, cos, sin, HALF)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h[:, None] * stride_ch + j[None, :]
+        v_src = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
+        v_lo = tl.load(v_src, mask=mask)
+        v_hi = tl.load(v_src + HALF, mask=mask)
+        dtype = k_cache_ptr.dtype.element_ty
+        if QUANTIZE:
+            lo = _quantize(lo, k_scale_ptr, h, h_mask, dtype, INTERPRETED)
+            hi = _quantize(hi, k_scale_ptr, h, h_mask, dtype, INTERPRETED)
+            v_lo = _quantize(v_lo.to(tl.float32), v_scale_ptr, h, h_mask, dtype, INTERPRETED)
+            v_hi = _quantize(v_hi.to(tl.float32), v_scale_ptr, h, h_mask, dtype, INTERPRETED)
+        else:
+            lo = lo.to(dtype)
+            hi = hi.to(dtype)
+        # V is otherwise a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
+        tl.store(k_cache_ptr + dst, lo, mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, hi, mask=mask)
+        tl.store(v_cache_ptr + dst, v_lo, mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, v_hi, mask=mask)
+
+
+def rotary_write_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate ``query``/``key`` at ``positions``, write rotated K and V to ``slot_mapping``'s
+    slots, return the rotated query.
+
+    query:            [num_tokens, num_heads, head_dim]; key, value [num_tokens, num_kv_heads,
+                      head_dim]; one dtype, unit stride along head_dim, any other strides.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) writes nothing.
+    positions:        int64 [num_tokens]; clamped into the table.
+    cos_sin:          float32 [max_positions, head_dim] (``attention.rotary.RotaryTable``).
+    k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache.
+    Returns a new contiguous [num_tokens, num_heads, head_dim] tensor of query's dtype.
+    Arguments are assumed checked by the caller (``AttentionBackend.rotary_write_kv``).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return q_out
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    half = head_dim // 2
+    half_pad = next_power_of_2(max(half, 16))
+    block_h = min(next_power_of_2(max(num_heads, kv_heads)), max(1, _TILE_ELEMENTS // half_pad))
+    q_chunks = triton.cdiv(num_heads, block_h)
+    grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, block_h))
+    _rotary_write_kernel[grid](
+        query,
+        key,
+        value,
+        q_out,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        positions,
+        cos_sin,
+        k_scale if k_scale is not None else cos_sin,  # unused unless QUANTIZE
+        v_scale if v_scale is not None else cos_sin,
+        num_blocks * block_size,
+        cos_sin.shape[0],
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=kv_heads,
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        Q_CHUNKS=q_chunks,
+        BLOCK_SIZE=block_size,
+        QUANTIZE=k_scale is not None,
+        INTERPRETED=kernels_interpreted(),
+        num_warps=4,
+    )
+    return q_out
