@@ -1,35 +1,55 @@
-"""Decode part of bench_attention.py: our token-balanced Triton decode vs flash-attn 2.
+"""Paged decode on one GPU: our token-balanced Triton decode vs flash-attn 2.
 
-Shape: bf16, 32 query heads, 8 KV heads, head_dim 128; one new token per row, the whole row
-cached. Batches: uniform lengths, and LogNormal lengths (fixed seed) whose rows differ by
-10x or more, where a kernel sized by its longest row idles most of the GPU.
+Shape: bf16, 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B-like); one new token per
+row, the whole row cached. Batches: uniform lengths, and LogNormal lengths (fixed seed) whose
+rows differ by 10x or more, where a kernel sized by its longest row idles most of the GPU.
+Backends: ``triton`` (the default, and an fp8 cache) at block 32 and 256, ``flash_attn`` at
+block 256 (through ``attention.registry.get_backend``; skipped with a note when flash-attn is
+missing).
 
 Every timed call reads its K/V from HBM, not L2: a shape gets ``layers`` independent caches
 (>= HBM_BYTES_PER_GRAPH of K/V together, at least 2), one shared block table with shuffled
 block ids, and each timing runs one call per layer in turn (L2 is also flushed before each
-timing by ``do_bench``); ``ms`` = time of that sequence / layers. Two ways: ``ms`` replays the
-sequence captured in one CUDA graph (the GPU's time, as a serving engine runs decode),
-``eager_ms`` calls the backend from Python (its checks and launches included).
+timing by ``triton.testing.do_bench``); ``ms`` = median time of that sequence / layers. Two
+ways: ``ms`` replays the sequence captured in one CUDA graph (the GPU's time, as a serving
+engine runs decode), ``eager_ms`` calls the backend from Python (its checks and launches
+included). ``tbps`` = K/V bytes read / ``ms``, against the device-to-device copy bandwidth of
+the same run (``pct_copy``); ``vs_flash_attn`` = flash-attn's ms / the row's ms.
 
 Before timing, every variant's output for layer 0 is compared with a float32 reference
 (``rel_err`` = max |out - ref| / max |ref|). A variant that raises is recorded with its error
 and the run goes on (except after a CUDA error that kills the context).
+
+``--sweep`` also times the decode variants (fused combine, DECODE_SWEEP's tiles, a finer and
+a coarser chunking policy; variants after ``--budget-s`` seconds are skipped, with a note) and
+reports the best per shape; ``--window`` adds sliding-window decode (16 rows, window 4096,
+contexts growing past it) for ours and flash-attn.
+
+Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
+({"header": {...}, "decode": [rows], "decode_best": [...], "decode_fp8": [...],
+"decode_window": [rows]}). Without a CUDA GPU it says so and exits 2.
+
+Run (from the project root, on the GPU machine):
+    python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--window]
+        [--out PATH] [--warmup-ms 25] [--rep-ms 100]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
+import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import common
 import torch
+from common import DEVICE, DTYPE, HEAD_DIM, HEADS, KV_HEADS, REL_ERR_LIMIT, JsonRow, KernelTimer, fmt
 
-HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 FP8 = torch.float8_e4m3fn
 UNIFORM = [(1, 1024), (1, 32768), (8, 512), (32, 512), (64, 4096), (128, 2048), (256, 1024), (16, 16384)]
 #: (rows, median, sigma, cap): LogNormal lengths, drawn with a fixed seed.
@@ -38,9 +58,16 @@ QUICK_UNIFORM = [(1, 1024), (32, 512), (64, 4096)]
 BLOCK_SIZES = (32, 256)
 #: K/V bytes one timed sequence reads (over all layers): far above the H200's 60 MB L2.
 HBM_BYTES_PER_GRAPH = 400 << 20
-REL_ERR_LIMIT = 2e-2
 SEED = 0
-DEVICE = "cuda"
+
+DECODE_DEFINITIONS = {
+    **common.DEFINITIONS,
+    "tbps": "decode: K/V bytes read (2 x tokens x kv_heads x head_dim x 2) / time",
+    "decode_ms": "decode rows: one CUDA graph replaying one call per layer over `layers` distinct "
+    "caches (>= 400 MB of K/V, so every call reads HBM), divided by `layers`; eager_ms likewise",
+    "decode_rel_err": "decode rows: max |out - ref| / max |ref| against a float32 reference from the cache",
+    "chunk_len/items/partials": "decode rows: the triton schedule (tokens per chunk, work items, partial slots)",
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +91,7 @@ def decode_shapes(quick: bool) -> list[DecodeShape]:
 
 
 @dataclass
-class DecodeRow:
+class DecodeRow(JsonRow):
     shape: str
     backend: str
     variant: str
@@ -85,11 +112,6 @@ class DecodeRow:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def as_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "extra" and v is not None}
-        out.update(self.extra)
-        return out
-
     @property
     def ok(self) -> bool:
         return self.ms is not None and self.error is None and (self.rel_err or 0.0) <= REL_ERR_LIMIT
@@ -109,22 +131,8 @@ class Variant:
         from attention.triton_backend import TritonBackend
 
         return TritonBackend(
-            spec(fp8=self.fp8, window=self.window), decode_config=self.config, decode_policy=self.policy
+            common.spec(fp8=self.fp8, window=self.window), decode_config=self.config, decode_policy=self.policy
         )
-
-
-def spec(*, fp8: bool = False, window: int | None = None) -> Any:
-    """The benchmark's attention shape (bf16 compute; fp8 or bf16 cache)."""
-    from attention import AttentionSpec
-
-    return AttentionSpec(
-        HEADS,
-        KV_HEADS,
-        HEAD_DIM,
-        dtype="bfloat16",
-        kv_cache_dtype="float8_e4m3" if fp8 else None,
-        sliding_window=window,
-    )
 
 
 def variants(sweep: bool) -> list[Variant]:
@@ -141,7 +149,7 @@ def variants(sweep: bool) -> list[Variant]:
     out = [default, Variant("default + fused_combine", config=fused)]
     for c in DECODE_SWEEP:
         if c not in (base, fused):
-            out.append(Variant(_describe(c), config=c))
+            out.append(Variant(common.describe(c), config=c))
     out.append(Variant("policy programs_per_sm=4 balance=1.0", policy=DecodePolicy(programs_per_sm=4, balance=1.0)))
     out.append(Variant("policy programs_per_sm=1 balance=2.5", policy=DecodePolicy(programs_per_sm=1, balance=2.5)))
     return out
@@ -149,10 +157,6 @@ def variants(sweep: bool) -> list[Variant]:
 
 #: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales).
 FP8_VARIANT = Variant("fp8 cache", fp8=True)
-
-
-def _describe(config: Any) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "combine_num_warps")
 
 
 # ---- problem -------------------------------------------------------------------------------
@@ -240,44 +244,11 @@ def reference(layers: Layers, fp8: bool = False, window: int | None = None) -> t
     return out
 
 
-# ---- timing --------------------------------------------------------------------------------
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-class Timer:
-    def __init__(self, warmup_ms: int, rep_ms: int):
-        import triton.testing
-
-        self._do_bench = triton.testing.do_bench
-        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
-
-    def ms(self, fn: Callable[[], object]) -> float:
-        fn()
-        _sync()
-        return float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
-
-    def graph_ms(self, fn: Callable[[], object]) -> float:
-        """Median replay time of ``fn`` captured once in a CUDA graph."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # compiles and fills per-step caches outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        try:
-            return self.ms(graph.replay)
-        finally:
-            del graph
+# ---- measuring -----------------------------------------------------------------------------
 
 
 def _measure(
-    timer: Timer,
+    timer: KernelTimer,
     row: DecodeRow,
     layers: Layers,
     backend: Any,
@@ -295,9 +266,9 @@ def _measure(
         def call(i: int) -> torch.Tensor:
             return backend.attend(layers.q, caches[i], plan, out=out)
 
-        result = call(0).float()
-        _sync()
-        row.rel_err = float((result - ref).abs().max() / ref.abs().max())
+        result = call(0)
+        torch.cuda.synchronize()
+        row.rel_err = common.rel_err(result, ref)
         if not math.isfinite(row.rel_err):
             row.rel_err = float("inf")
         _describe_schedule(row, plan)
@@ -312,10 +283,7 @@ def _measure(
         row.tbps = row.extra["kv_bytes"] / (row.ms * 1e-3) / 1e12
         row.pct_copy = 100 * row.tbps / copy_tbps
     except Exception as err:
-        row.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-        print(f"  ! {row.shape} {row.backend} bs={row.block_size} {row.variant}: {row.error}", flush=True)
-        if "illegal memory access" in str(err) or "unspecified launch failure" in str(err):
-            raise
+        common.record_error(row, err, f"{row.shape} {row.backend} bs={row.block_size} {row.variant}")
 
 
 def _describe_schedule(row: DecodeRow, plan: Any) -> None:
@@ -327,21 +295,11 @@ def _describe_schedule(row: DecodeRow, plan: Any) -> None:
         row.chunk_len, row.items, row.partials = schedule.chunk_len, schedule.num_items, schedule.num_partials
 
 
-def _flash_attn(notes: list[str], window: int | None = None) -> Any | None:
-    from attention.registry import get_backend
-
-    try:
-        return get_backend("flash_attn", spec(window=window))
-    except (ImportError, KeyError, ModuleNotFoundError) as err:
-        notes.append(f"flash_attn decode rows skipped: {err}")
-        return None
-
-
 def run_decode(
     shapes: list[DecodeShape],
     *,
     sweep: bool,
-    timer: Timer,
+    timer: KernelTimer,
     copy_tbps: float,
     notes: list[str],
     budget_s: float,
@@ -349,7 +307,7 @@ def run_decode(
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
-    flash = _flash_attn(notes)
+    flash = common.flash_attn_backend(notes, "decode rows")
     chosen = [*variants(sweep), FP8_VARIANT]
     deadline = time.monotonic() + budget_s
     skipped = 0
@@ -395,30 +353,56 @@ def run_decode(
                 _print_row(row)
                 shape_rows.append(row)
             del layers, ref, ref8
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-        fa_ms = next((r.ms for r in shape_rows if r.backend == "flash_attn" and r.ms), None)
-        for r in shape_rows:
-            if fa_ms and r.ms:
-                r.vs_flash_attn = fa_ms / r.ms
+            torch.cuda.empty_cache()
+        common.set_vs_flash_attn(shape_rows)
         rows += shape_rows
     if skipped:
         notes.append(f"decode sweep: {skipped} variant runs skipped after the {budget_s:.0f} s budget")
     return rows
 
 
+#: Sliding-window decode: 16 rows, window 4096, contexts growing past it (block 256).
+WINDOW, WINDOW_ROWS, WINDOW_LENGTHS = 4096, 16, (2048, 4096, 8192, 16384, 32768)
+
+
+def run_window(timer: KernelTimer, copy_tbps: float, notes: list[str]) -> list[DecodeRow]:
+    """Decode time as the context grows past a sliding window: ours (windowed spec) and
+    flash-attn (window_size), block 256. Flat times past the window are the point."""
+    rows: list[DecodeRow] = []
+    flash = common.flash_attn_backend(notes, "decode rows", window=WINDOW)
+    ours = Variant("window", window=WINDOW)
+    for n in WINDOW_LENGTHS:
+        shape = DecodeShape(f"{WINDOW_ROWS}x{n} window {WINDOW}", (n,) * WINDOW_ROWS)
+        print(f"decode {shape.label} block 256", flush=True)
+        try:
+            layers = build_layers(shape, 256)
+            ref = reference(layers, window=WINDOW)
+        except Exception as err:
+            notes.append(f"{shape.label}: setup failed: {type(err).__name__}: {err}"[:300])
+            continue
+        read = DecodeShape(shape.label, (min(n, WINDOW),) * WINDOW_ROWS).kv_bytes
+        shape_rows: list[DecodeRow] = []
+        for name, backend in (("flash_attn", flash), ("triton", ours.backend())):
+            if backend is None:
+                continue
+            row = DecodeRow(shape.label, name, "window", 256, WINDOW_ROWS, n * WINDOW_ROWS, n, extra={"kv_bytes": read})
+            _measure(timer, row, layers, backend, ref, copy_tbps)
+            _print_row(row)
+            shape_rows.append(row)
+        common.set_vs_flash_attn(shape_rows)
+        rows += shape_rows
+        del layers, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ---- reporting -----------------------------------------------------------------------------
-
-
-def _fmt(x: float | int | None, spec: str) -> str:
-    width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
-    return "-".rjust(width) if x is None else format(x, spec)
 
 
 def _print_row(r: DecodeRow) -> None:
     print(
-        f"  {r.backend:10s} bs={r.block_size:<4d} ms={_fmt(r.ms, '.4f')} eager={_fmt(r.eager_ms, '.4f')} "
-        f"TB/s={_fmt(r.tbps, '.2f')} rel_err={_fmt(r.rel_err, '.1e')} chunk={r.chunk_len} items={r.items} "
+        f"  {r.backend:10s} bs={r.block_size:<4d} ms={fmt(r.ms, '.4f')} eager={fmt(r.eager_ms, '.4f')} "
+        f"TB/s={fmt(r.tbps, '.2f')} rel_err={fmt(r.rel_err, '.1e')} chunk={r.chunk_len} items={r.items} "
         f"layers={r.layers}  {r.variant}{'  ERROR ' + r.error if r.error else ''}",
         flush=True,
     )
@@ -429,16 +413,15 @@ def print_decode_table(rows: list[DecodeRow]) -> None:
         f"{'shape':34s} {'backend':10s} {'bs':>4s} {'ms':>8s} {'eager':>8s} {'TB/s':>5s} {'%copy':>5s} "
         f"{'vs_fa':>5s} {'rel_err':>7s} {'chunk':>6s} {'items':>5s}  variant"
     )
-    print("\n" + head)
-    print("-" * len(head))
-    for r in rows:
-        flag = "  CHECK" if r.rel_err is not None and r.rel_err > REL_ERR_LIMIT else ""
-        print(
-            f"{r.shape:34s} {r.backend:10s} {r.block_size:4d} {_fmt(r.ms, '8.4f')} {_fmt(r.eager_ms, '8.4f')} "
-            f"{_fmt(r.tbps, '5.2f')} {_fmt(r.pct_copy, '5.1f')} {_fmt(r.vs_flash_attn, '5.2f')} "
-            f"{_fmt(r.rel_err, '7.1e')} {_fmt(r.chunk_len, '6d')} {_fmt(r.items, '5d')}  {r.variant}"
-            f"{flag}{'  ERROR ' + r.error if r.error else ''}"
-        )
+    common.print_table(
+        head,
+        rows,
+        lambda r: (
+            f"{r.shape:34s} {r.backend:10s} {r.block_size:4d} {fmt(r.ms, '8.4f')} {fmt(r.eager_ms, '8.4f')} "
+            f"{fmt(r.tbps, '5.2f')} {fmt(r.pct_copy, '5.1f')} {fmt(r.vs_flash_attn, '5.2f')} "
+            f"{fmt(r.rel_err, '7.1e')} {fmt(r.chunk_len, '6d')} {fmt(r.items, '5d')}  {r.variant}"
+        ),
+    )
 
 
 def best_per_shape(rows: list[DecodeRow]) -> list[dict[str, Any]]:
@@ -479,9 +462,9 @@ def print_best(best: list[dict[str, Any]], copy_tbps: float) -> None:
     print("\ndecode, best per shape" + "\n" + head + "\n" + "-" * len(head))
     for b in best:
         print(
-            f"{b['shape']:34s} {b['block_size']:4d} {_fmt(b['default_ms'], '10.4f')} "
-            f"{_fmt(b['default_vs_fa'], '5.2f')} "
-            f"{_fmt(b['best_ms'], '9.4f')} {_fmt(b['best_vs_fa'], '5.2f')} {_fmt(b['best_pct_copy'], '5.1f')}  "
+            f"{b['shape']:34s} {b['block_size']:4d} {fmt(b['default_ms'], '10.4f')} "
+            f"{fmt(b['default_vs_fa'], '5.2f')} "
+            f"{fmt(b['best_ms'], '9.4f')} {fmt(b['best_vs_fa'], '5.2f')} {fmt(b['best_pct_copy'], '5.1f')}  "
             f"{b['best_variant'] or '-'}"
         )
     print(
@@ -523,37 +506,60 @@ def print_fp8(speedups: list[dict[str, Any]]) -> None:
         )
 
 
-#: Sliding-window decode: 16 rows, window 4096, contexts growing past it (block 256).
-WINDOW, WINDOW_ROWS, WINDOW_LENGTHS = 4096, 16, (2048, 4096, 8192, 16384, 32768)
+# ---- main ----------------------------------------------------------------------------------
 
 
-def run_window(timer: Timer, copy_tbps: float, notes: list[str]) -> list[DecodeRow]:
-    """Decode time as the context grows past a sliding window: ours (windowed spec) and
-    flash-attn (window_size), block 256. Flat times past the window are the point."""
-    rows: list[DecodeRow] = []
-    flash = _flash_attn(notes, window=WINDOW)
-    ours = Variant("window", window=WINDOW)
-    for n in WINDOW_LENGTHS:
-        shape = DecodeShape(f"{WINDOW_ROWS}x{n} window {WINDOW}", (n,) * WINDOW_ROWS)
-        print(f"decode {shape.label} block 256", flush=True)
-        try:
-            layers = build_layers(shape, 256)
-            ref = reference(layers, window=WINDOW)
-        except Exception as err:
-            notes.append(f"{shape.label}: setup failed: {type(err).__name__}: {err}"[:300])
-            continue
-        read = DecodeShape(shape.label, (min(n, WINDOW),) * WINDOW_ROWS).kv_bytes
-        for name, backend in (("flash_attn", flash), ("triton", ours.backend())):
-            if backend is None:
-                continue
-            row = DecodeRow(shape.label, name, "window", 256, WINDOW_ROWS, n * WINDOW_ROWS, n, extra={"kv_bytes": read})
-            _measure(timer, row, layers, backend, ref, copy_tbps)
-            _print_row(row)
-            rows.append(row)
-        fa = next((r.ms for r in rows[-2:] if r.backend == "flash_attn" and r.ms), None)
-        for r in rows[-2:]:
-            if fa and r.ms:
-                r.vs_flash_attn = fa / r.ms
-        del layers, ref
-        torch.cuda.empty_cache()
-    return rows
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short subset of the shapes")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the decode variants (combine, tiles, chunking policies)"
+    )
+    parser.add_argument("--budget-s", type=float, default=270.0, help="seconds after which sweep variants are skipped")
+    parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
+    common.add_run_options(parser, "decode")
+    args = parser.parse_args(argv)
+    if not common.require_cuda("bench_decode"):
+        return 2
+    run = common.Run("decode", args.out, KernelTimer(args.warmup_ms, args.rep_ms), DECODE_DEFINITIONS)
+    decode: list[DecodeRow] = []
+    window: list[DecodeRow] = []
+
+    def body() -> None:
+        nonlocal decode, window
+        # Every timing replays >= 400 MB, so shorter timing windows keep the sweep short.
+        timer = KernelTimer(min(args.warmup_ms, 10), min(args.rep_ms, 50))
+        decode = run_decode(
+            decode_shapes(args.quick),
+            sweep=args.sweep,
+            timer=timer,
+            copy_tbps=run.copy_tbps,
+            notes=run.notes,
+            budget_s=args.budget_s,
+        )
+        run.notes.append(f"decode part took {time.monotonic() - run.started:.0f} s")
+        if args.window:
+            window = run_window(timer, run.copy_tbps, run.notes)
+
+    def document() -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        if decode:
+            doc["decode"] = [r.as_json() for r in decode]
+            doc["decode_best"] = best_per_shape(decode)
+            doc["decode_fp8"] = fp8_speedups(decode)
+        if window:
+            doc["decode_window"] = [r.as_json() for r in window]
+        return doc
+
+    run.measure(body, document)
+    if window:
+        print_decode_table(window)
+    if decode:
+        print_decode_table(decode)
+        print_fp8(fp8_speedups(decode))
+        print_best(best_per_shape(decode), run.copy_tbps)
+    return run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

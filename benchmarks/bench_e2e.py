@@ -5,7 +5,7 @@ Model: Llama-3-8B-shaped (32 layers, hidden 4096, MLP 14336, 32 query / 8 KV hea
 128, vocab 128256, rope theta 500000), random bf16 weights drawn on the GPU (std
 fan_in ** -0.5, seeded), one set shared by both engines: transformers' ``LlamaForCausalLM`` is
 built on the meta device, allocated on the GPU and filled, and our model's parameters are the
-same tensors (:func:`examples.checkpoints.from_transformers`, no copy).
+same tensors (:func:`examples.model.checkpoints.from_transformers`, no copy).
 
 Workload: 128 requests arriving at once, prompt lengths LogNormal(median 512, sigma 0.6)
 capped at 2048, random token ids (seeded), 128 new tokens each, greedy, no EOS.
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
 import itertools
 import json
 import math
@@ -57,21 +56,27 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere: import the project from source
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # loaded by file path (the tests): common.py is beside this file
+    sys.path.insert(0, str(HERE))
+
+# common puts this checkout first on sys.path: the project is imported from source.
+from common import RESULTS, package_version  # noqa: E402
 
 from attention import StepCapacity  # noqa: E402
 from attention.checks import cdiv  # noqa: E402
 from attention.dtypes import torch_dtype  # noqa: E402
-from examples.checkpoints import from_transformers  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
-from examples.llama import Llama, LlamaShape, empty_llama, init_random_  # noqa: E402
-from examples.runner import ModelRunner  # noqa: E402
-from examples.scheduler import Request, Scheduler, make_preemption  # noqa: E402
+from examples.engine.runner import ModelRunner  # noqa: E402
+from examples.engine.scheduler import Request, Scheduler, make_preemption  # noqa: E402
+from examples.model import (  # noqa: E402
+    Llama,
+    LlamaShape,
+    empty_llama,
+    from_transformers,
+    init_random_,
+)
 from kvcache import ScheduledRow  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
 
 LLAMA3_8B = LlamaShape(
     vocab_size=128256,
@@ -220,10 +225,9 @@ class Timer:
 def versions() -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("triton", "transformers", "flash-attn", "flash_attn", "safetensors"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+        version = package_version(dist)
+        if version is not None:
+            out[dist] = version
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out["device"] = props.name

@@ -21,9 +21,10 @@ import torch
 
 
 def serve(kv_dtype: str, args: argparse.Namespace) -> list[list[int]]:
-    from examples.decode_loop import make_workload, run_requests
-    from examples.llama import random_llama, shape_for_cache
-    from examples.scheduler import make_preemption
+    from examples.engine.loop import run_requests
+    from examples.engine.scheduler import make_preemption
+    from examples.engine.workload import make_workload
+    from examples.model import random_llama, shape_for_cache
     from kvcache import allocate_kv_cache, backend_for, manager_for, parse_config
 
     config = parse_config(

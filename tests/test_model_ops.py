@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from examples.model import ops, triton_ops  # noqa: E402
+from examples.model import ops, triton_ops
 
 #: The kernels round at the same points as the torch forms; what is left is the order of the
 #: mean's summation and rsqrt vs 1/sqrt in float32, which can move a result by one unit in
