@@ -34,6 +34,7 @@ def snapshot(m: BlockManager, swap: SwapSpace | None = None) -> dict[str, Any]:
                 [key_chain(k) for k in r.keys],
                 r.num_released,
                 r.epoch,
+                r.num_pending,
             )
             for seq_id, r in m._seqs.items()
         },

@@ -153,3 +153,76 @@ def test_free_reasons_and_preemption_counts() -> None:
     assert m.num_free_blocks == 8
     m.allocate("p", 9)  # a preempted (recompute) sequence is admitted again under its id
     m.check_integrity()
+
+
+# ---- deferred token ids (an overlapped engine learns sampled tokens a step late) ----------
+
+
+def test_deferred_ids_are_keyed_once_given_and_then_shared() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = [1, 2, 3]
+    m.allocate("a", token_ids=prompt)
+    m.commit([ScheduledRow("a", 3, start=0)])
+    # Step N sampled token 4 on the device; step N+1 reserves its slot before the host knows it.
+    assert m.append_slots("a", 1, defer_ids=True) == [3]
+    assert m.sequence("a").num_pending == 1
+    m.commit([ScheduledRow("a", 1, start=3)])  # computed, but its id is unknown: not keyed
+    assert m.sequence("a").keys == []
+    m.check_integrity()
+    assert m.can_allocate(token_ids=[1, 2, 3, 4, 9])
+    assert m.allocate("probe", token_ids=[1, 2, 3, 4, 9]) == 0  # nothing to share yet
+    m.free("probe")
+    m.fill_token_ids("a", [4])
+    assert m.sequence("a").num_pending == 0 and len(m.sequence("a").keys) == 1
+    m.check_integrity()
+    assert m.allocate("b", token_ids=[1, 2, 3, 4, 9]) == 4  # the block is shared now
+    assert m.block_table("b")[0] == m.block_table("a")[0]
+    m.check_integrity()
+
+
+def test_deferred_ids_without_prefix_caching_only_count() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    m.allocate("a", 2)
+    m.append_slots("a", 2, defer_ids=True)
+    m.fill_token_ids("a", [7])
+    m.fill_token_ids("a", [8])
+    assert m.sequence("a").num_pending == 0 and m.num_tokens("a") == 4
+    m.check_integrity()
+
+
+def test_deferred_id_misuse_is_refused_and_changes_nothing() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    m.allocate("a", token_ids=[1, 2, 3])
+    m.append_slots("a", 1, defer_ids=True)
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError, match="now or later"):
+        m.append_slots("a", 1, token_ids=[5], defer_ids=True)
+    with pytest.raises(InvalidArgumentError, match="fill_token_ids first"):
+        m.append_slots("a", 1, token_ids=[5])
+    with pytest.raises(InvalidArgumentError, match="waits for 1"):
+        m.fill_token_ids("a", [5, 6])
+    with pytest.raises(InvalidArgumentError, match="waits for 1"):
+        m.fill_token_ids("a", [])
+    with pytest.raises(TypeError, match="defer_ids"):
+        m.append_slots("a", 1, defer_ids=1)  # type: ignore[arg-type]
+    with pytest.raises(UnknownSequenceError):
+        m.fill_token_ids("nobody", [1])
+    assert snapshot(m) == before
+    m.check_integrity()
+    m.fill_token_ids("a", [4])
+    m.append_slots("a", 1, token_ids=[5])  # in order again
+    m.check_integrity()
+
+
+def test_fork_and_detach_keep_pending_ids() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    m.allocate("p", token_ids=[1, 2, 3])
+    m.append_slots("p", 1, defer_ids=True)
+    m.fork("p", "c")
+    assert m.sequence("c").num_pending == 1
+    record = m.detach("p", swapped=True)
+    m.attach("p", record)
+    for seq in ("p", "c"):
+        m.fill_token_ids(seq, [4])
+    m.commit([ScheduledRow("p", 4, start=0), ScheduledRow("c", 4, start=0)])
+    m.check_integrity()

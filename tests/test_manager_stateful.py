@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -71,6 +72,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=self.prefix_caching)
         self.tokens: dict[Hashable, list[int]] = {}  # running sequences
         self.swapped: dict[Hashable, list[int]] = {}
+        #: Ids appended with defer_ids=True and not given yet (the manager keys none of them).
+        self.pending: dict[Hashable, list[int]] = {}
         self.next_id = 0
         self.cache: KVCacheTensors | None = None
         self.swap: SwapSpace | None = None
@@ -136,16 +139,41 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(n=st.integers(1, BLOCK_SIZE + 2), data=st.data())
-    def append(self, n: int, data: st.DataObject) -> None:
+    def append(self, n: int, data: st.DataObject, defer: bool = False) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         new = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        if self.pending.get(seq) and not defer:  # ids come in order: the deferred ones first
+            before = snapshot(self.m, self.swap)
+            with pytest.raises(InvalidArgumentError, match="fill_token_ids first"):
+                self.m.append_slots(seq, n, token_ids=self._token_arg(new))
+            assert same_state(before, snapshot(self.m, self.swap))
+            return
         expect = self.m.can_append(seq, n)
-        refused = self._refused(self.m.append_slots, seq, n, token_ids=self._token_arg(new))
+        if defer:
+            refused = self._refused(self.m.append_slots, seq, n, defer_ids=True)
+        else:
+            refused = self._refused(self.m.append_slots, seq, n, token_ids=self._token_arg(new))
         assert refused != expect, "can_append disagreed with append_slots"
         if not refused:
             start = len(self.tokens[seq])
             self.tokens[seq] = self.tokens[seq] + new
+            if defer:
+                self.pending.setdefault(seq, []).extend(new)
             self._write(seq, start)
+
+    @precondition(lambda self: self.tokens)
+    @rule(n=st.integers(1, 2), data=st.data())
+    def append_deferred(self, n: int, data: st.DataObject) -> None:
+        """An overlapped engine's append: the sampled token's id is not known yet."""
+        self.append(n, data, defer=True)
+
+    @precondition(lambda self: any(self.pending.get(seq) for seq in self.tokens))
+    @rule(data=st.data())
+    def fill_ids(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(s for s in self.tokens if self.pending.get(s))))
+        k = data.draw(st.integers(1, len(self.pending[seq])))
+        self.m.fill_token_ids(seq, self.pending[seq][:k])
+        del self.pending[seq][:k]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -162,6 +190,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.cache.copy_blocks(result[0])
             self.next_id += 1
             self.tokens[child] = list(self.tokens[parent])
+            self.pending[child] = list(self.pending.get(parent, []))
             shared = set(self.m.block_table(parent)) & set(self.m.block_table(child))
             assert all(self.m.allocator.ref_count(b) == before[b] + 1 for b in shared)
 
@@ -198,6 +227,7 @@ class ManagerMachine(RuleBasedStateMachine):
         counts = dict(self.m.preemptions)
         self.m.free(seq, reason=reason)
         del self.tokens[seq]
+        self.pending.pop(seq, None)
         counts["recompute"] += reason == "preempted"
         assert self.m.preemptions == counts
 
@@ -208,6 +238,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = collect_stats(self.m, self.swap).preemptions_recompute
         preempt(self.m, seq, "recompute")
         del self.tokens[seq]
+        self.pending.pop(seq, None)
         assert collect_stats(self.m, self.swap).preemptions_recompute == before + 1
         self.m.check_new_id(seq)  # a recomputed sequence can be admitted again at once
 

@@ -11,6 +11,7 @@
 | ``window`` | releasing blocks behind a sliding window |
 | ``prefix_cache`` | content keys of full blocks, chained over the prefix; eviction hooks |
 | ``release`` | giving blocks back: tail first, the prefix index kept right |
+| ``fork`` | sharing a table's blocks with a new owner, copying a partial last block |
 | ``holds`` | blocks kept alive outside any table (a copy in flight) |
 | ``integrity`` | recounting every invariant from scratch |
 | ``manager`` | :class:`BlockManager`: the check/act API over all of the above |

@@ -24,13 +24,14 @@ from attention.errors import ArgumentTypeError, IntegrityError, InvalidArgumentE
 from attention.metadata import PAD_BLOCK
 from kvcache.blocks.admission import plan_admission
 from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.fork import share_blocks
 from kvcache.blocks.holds import BlockHolds
 from kvcache.blocks.integrity import integrity_problems
 from kvcache.blocks.prefix_cache import PrefixCache
 from kvcache.blocks.release import release_blocks
 from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable
-from kvcache.blocks.tokens import appended_ids
+from kvcache.blocks.tokens import appended_ids, token_list
 from kvcache.blocks.window import release_behind_window
 
 __all__ = ["BlockCopy", "BlockManager", "FreeReason"]
@@ -142,15 +143,20 @@ class BlockManager(SequenceTable):
         self._seqs[seq_id] = SequenceBlocks(blocks, num_tokens, stored, extra_key, cached, keys)
         return cached
 
-    def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> list[int]:
+    def append_slots(
+        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None, *, defer_ids: bool = False
+    ) -> list[int]:
         """Reserve ``n`` more tokens for ``seq_id``; return their slot ids.
 
-        ``token_ids`` (length ``n``) are required for a prefix-cached sequence. Raises
-        OutOfBlocksError or an argument error; changes nothing then.
+        ``token_ids`` (length ``n``) are required for a prefix-cached sequence, unless
+        ``defer_ids``: the ids are not known yet (an overlapped engine samples a token on the
+        device and learns it a step later) and come later through :meth:`fill_token_ids`, in
+        order; until then the blocks holding them are not keyed. Raises OutOfBlocksError or
+        an argument error; changes nothing then.
         """
         seq = self.sequence(seq_id)
         n = require_int("n", n, minimum=1)
-        new_ids = appended_ids(token_ids, n, keep=seq.token_ids is not None, seq_id=seq_id)
+        new_ids = appended_ids(token_ids, n, seq, seq_id, defer_ids)
         new_blocks = self.blocks_for(seq.num_tokens + n) - len(seq.blocks)
         if new_blocks > self.allocator.num_free:
             raise OutOfBlocksError(new_blocks, self.allocator.num_free, f"append to {seq_id!r:.60}")
@@ -158,9 +164,17 @@ class BlockManager(SequenceTable):
             seq.blocks.extend(self.allocator.allocate(new_blocks))
         start = seq.num_tokens
         seq.num_tokens = start + n
-        if new_ids is not None:
+        if defer_ids:
+            seq.num_pending += n
+        elif new_ids is not None:
             seq.token_ids.extend(new_ids)  # type: ignore[union-attr]
         return seq.slot_range(start, start + n, self.block_size)
+
+    def fill_token_ids(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Give the ids of the oldest deferred tokens of ``seq_id`` (``append_slots(...,
+        defer_ids=True)``), in order; blocks now full, computed and known are keyed. Raises
+        InvalidArgumentError when more ids are given than are pending; changes nothing then."""
+        self.sequence(seq_id).fill_ids(seq_id, token_list(token_ids), self.prefix_cache, self.block_size)
 
     def commit(self, rows: Iterable[ScheduledRow]) -> None:
         """Record what a step computed: row ``r`` wrote the K/V of tokens ``[start, start +
@@ -188,19 +202,9 @@ class BlockManager(SequenceTable):
         """
         parent = self.sequence(parent_id)
         self.check_new_id(child_id)
-        partial = parent.num_tokens % self.block_size != 0
-        if partial and self.allocator.num_free < 1:
+        if not self.can_fork(parent_id):
             raise OutOfBlocksError(1, self.allocator.num_free, f"fork {parent_id!r:.60}")
-        shared = parent.blocks[:-1] if partial else parent.blocks
-        for block in shared:
-            if block != PAD_BLOCK:
-                self.allocator.incref(block)
-        blocks = list(shared)
-        copies: list[BlockCopy] = []
-        if partial:
-            (dst,) = self.allocator.allocate(1)
-            copies.append((parent.blocks[-1], dst))
-            blocks.append(dst)
+        blocks, copies = share_blocks(self.allocator, parent.blocks, parent.num_tokens % self.block_size != 0)
         self._seqs[child_id] = parent.copy_onto(blocks, keep_keys=True)
         return copies
 

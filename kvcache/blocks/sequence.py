@@ -30,6 +30,9 @@ class SequenceBlocks:
     token_ids:    its token ids from position ``token_base`` on, kept only when prefix-cached
                   (to key its full blocks); the ids of blocks already keyed are dropped.
     token_base:   the position of ``token_ids[0]``.
+    num_pending:  trailing reserved tokens whose ids the engine has not given yet
+                  (``append_slots(..., defer_ids=True)``; an overlapped engine learns a sampled
+                  token one step late); their blocks are keyed once the ids come.
     extra_key:    the caller's prefix-cache salt.
     num_computed: leading tokens whose K/V is written (``commit``).
     keys:         prefix-cache keys of its leading full blocks, as indexed (or hit).
@@ -47,6 +50,7 @@ class SequenceBlocks:
     num_released: int = 0
     epoch: int = 0
     token_base: int = 0
+    num_pending: int = 0
 
     def slot_range(self, start: int, end: int, block_size: int) -> list[int]:
         """Slots (``block * block_size + offset``) of token positions ``[start, end)``; the
@@ -67,19 +71,34 @@ class SequenceBlocks:
             keys=list(self.keys) if keep_keys else [],
             num_released=self.num_released,
             token_base=self.token_base,
+            num_pending=self.num_pending,
         )
 
     def key_full_blocks(self, cache: PrefixCache, block_size: int) -> None:
         """Index the computed full blocks not keyed yet in ``cache`` (a prefix-cached record,
         whose ``token_ids`` are kept), then drop their token ids: keys are read from then on."""
         assert self.token_ids is not None, "key_full_blocks needs a prefix-cached record"
-        full = self.num_computed // block_size
+        full = min(self.num_computed, self.num_tokens - self.num_pending) // block_size
         if full <= len(self.keys):
             return
         cache.index(self.blocks, self.keys, self.token_ids, self.extra_key, full, self.token_base)
         drop = full * block_size - self.token_base
         del self.token_ids[:drop]
         self.token_base += drop
+
+    def fill_ids(self, seq_id: Hashable, ids: list[int], cache: PrefixCache | None, block_size: int) -> None:
+        """The ids of the oldest pending tokens (``BlockManager.fill_token_ids``); keys the
+        blocks now full, computed and known. Raises InvalidArgumentError (nothing changed)
+        when more ids come than are pending."""
+        if not 0 < len(ids) <= self.num_pending:
+            raise InvalidArgumentError(
+                f"token_ids: {len(ids)} id(s) for sequence {seq_id!r:.60}, which waits for {self.num_pending}"
+            )
+        self.num_pending -= len(ids)
+        if self.token_ids is not None:
+            self.token_ids.extend(ids)
+            if cache is not None:
+                self.key_full_blocks(cache, block_size)
 
     def problems(self, seq_id: Hashable, block_size: int, allocator: BlockAllocator) -> list[str]:
         """Every broken invariant of this record (empty: fine)."""
@@ -95,11 +114,13 @@ class SequenceBlocks:
             found.append(f"sequence {name} holds ids outside the pool: {real[:8]}")
         if len(set(real)) != len(real):
             found.append(f"sequence {name} holds a block twice: {real}")
-        if self.token_ids is not None and self.token_base + len(self.token_ids) != self.num_tokens:
+        if self.token_ids is not None and self.token_base + len(self.token_ids) + self.num_pending != self.num_tokens:
             found.append(
-                f"sequence {name}: {len(self.token_ids)} token ids from position {self.token_base} "
-                f"for {self.num_tokens} tokens"
+                f"sequence {name}: {len(self.token_ids)} token ids from position {self.token_base} and "
+                f"{self.num_pending} pending for {self.num_tokens} tokens"
             )
+        if not 0 <= self.num_pending <= self.num_tokens:
+            found.append(f"sequence {name}: {self.num_pending} pending token ids of {self.num_tokens} tokens")
         if not 0 <= self.num_computed <= self.num_tokens:
             found.append(f"sequence {name}: {self.num_computed} computed of {self.num_tokens} tokens")
         last_partial = self.num_tokens % block_size != 0

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attention.checks import require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kvcache.blocks.sequence import SequenceBlocks
 
 __all__ = ["appended_ids", "prompt_length", "token_count", "token_list"]
 
@@ -103,11 +106,21 @@ def prompt_length(num_tokens: object, token_ids: object, *, keep: bool) -> tuple
     return require_int("num_tokens", num_tokens, minimum=1), tokens
 
 
-def appended_ids(token_ids: object, n: int, *, keep: bool, seq_id: object) -> list[int] | None:
-    """The ids of ``n`` tokens appended to sequence ``seq_id``, as a list when ``keep`` (a
-    prefix-cached sequence, which needs them), else None after checking their count when
-    given. Raises InvalidArgumentError / ArgumentTypeError naming ``token_ids``."""
-    if not keep:
+def appended_ids(token_ids: object, n: int, seq: SequenceBlocks, seq_id: object, defer_ids: object) -> list[int] | None:
+    """The checked ids of ``n`` tokens appended to sequence ``seq_id`` (record ``seq``): a list
+    when its ids are kept (prefix-cached) and given now, else None (after checking their count
+    when given). ``defer_ids``: the ids come later (``fill_token_ids``). Raises
+    InvalidArgumentError / ArgumentTypeError naming the argument."""
+    if not isinstance(defer_ids, bool):
+        raise ArgumentTypeError(f"defer_ids: expected a bool, got {type(defer_ids).__name__}")
+    if defer_ids and token_ids is not None:
+        raise InvalidArgumentError("token_ids: given with defer_ids=True; pass the ids now or later, not both")
+    if seq.num_pending and not defer_ids:
+        raise InvalidArgumentError(
+            f"token_ids: sequence {seq_id!r:.60} still waits for {seq.num_pending} deferred id(s); "
+            f"call fill_token_ids first (ids come in order)"
+        )
+    if defer_ids or seq.token_ids is None:
         if token_ids is not None and token_count(token_ids) != n:
             raise InvalidArgumentError(f"token_ids: {token_count(token_ids)} ids for n={n} new tokens")
         return None
