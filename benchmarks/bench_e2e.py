@@ -1,30 +1,38 @@
 """End-to-end serving on one GPU: our engine vs transformers' continuous batching, same
-weights, same prompts, same run.
+weights, same prompts, same run, on two workloads.
 
 Model: Llama-3-8B-shaped (32 layers, hidden 4096, MLP 14336, 32 query / 8 KV heads, head_dim
 128, vocab 128256, rope theta 500000), random bf16 weights drawn on the GPU (std
 fan_in ** -0.5, seeded), one set shared by both engines: transformers' ``LlamaForCausalLM`` is
-built on the meta device, allocated on the GPU and filled, and our model's parameters are the
-same tensors (:func:`examples.model.checkpoints.from_transformers`, no copy).
+built on the meta device, allocated on the GPU and filled, and our model takes the same
+tensors (:func:`examples.model.checkpoints.from_transformers`: shared, except the fused q/k/v
+and gate/up projections, which are copies).
 
-Workload: 128 requests arriving at once, prompt lengths LogNormal(median 512, sigma 0.6)
-capped at 2048, random token ids (seeded), 128 new tokens each, greedy, no EOS.
+Workloads (prompt lengths LogNormal(median 512, sigma 0.6) capped at 2048, random token ids,
+128 new tokens each, greedy, no EOS):
+- ``burst``: 128 requests arriving at once (a batch job: after the prefills, pure decode
+  steps at 128 rows);
+- ``poisson``: 256 requests arriving as a Poisson process at ``--poisson-rate`` requests/s
+  (default 64, which keeps roughly 64-128 requests running), so most steps mix prefill chunks
+  with decode rows, as a server's do.
 
 (a) ours: examples' scheduler + model runner, triton backend, CUDA graphs for decode steps,
-    warmed up before timing; every step is timed with CUDA events (planning, GPU work and the
-    argmax's sync; the GPU is idle when a step starts, so this is the step's wall time).
+    steps overlapped with the host (``StepPipeline``; ``--sequential`` turns it off), warmed
+    up once before timing. Per iteration: its period (wall time between two launches: the
+    cadence tokens come at) and its host work (schedule + plan + launch, waits excluded).
 (b) transformers: ``model.continuous_batching_context_manager(...)`` (what ``generate_batch``
     wraps; its warm-up captures CUDA graphs before the timed part), ``paged|flash_attention_2``
-    (falls back to ``paged|sdpa`` when flash-attn is missing), record_timestamps=True.
+    (falls back to ``paged|sdpa`` when flash-attn is missing), record_timestamps=True; the
+    Poisson requests are added at their arrival times from a second thread.
 
-Reported: generated tokens/s over the whole run; our decode step time (median, p99) over
-steps with only decode rows, and at the largest batch against the roofline
-(weight bytes + K/V bytes the step reads) / device-to-device copy bandwidth measured in this
-run; time to first token (median, p99) from submission; inter-token latency (transformers'
-decode step as its requests see it); cold start: our first prefill step before any warm-up vs
-the same step after it, the warm-up time, and the prefill phase of the run. Targets (printed
-as pass/fail): our decode step at 128 rows <= 1.3x roofline; our throughput >= 8x
-transformers'.
+Reported per workload: generated tokens/s; time to first token (median, p99) from each
+request's arrival; inter-token latency (median, p99); our pure-decode iteration at the
+largest batch against the roofline (weight bytes + K/V bytes the step reads) / device-to-device
+copy bandwidth measured in this run, and our mixed iterations (prefill + decode rows). With
+``--profile`` (default on CUDA) a window of iterations of each workload is re-run under
+torch.profiler: GPU time per iteration by kernel class (gemm, attention, boundary, elementwise,
+copy; ``step_profile.py``) and the wall time left, which is host work the GPU waited for.
+Cold start: our first prefill step before any warm-up vs after it, and the warm-up time.
 
 Every part runs in its own try/except: a failure is recorded under ``errors`` in the JSON and
 the rest still runs. A table is printed last; the JSON goes to ``--out``.
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import itertools
 import json
@@ -49,6 +58,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -62,13 +72,15 @@ if str(HERE) not in sys.path:  # loaded by file path (the tests): common.py is b
 
 # common puts this checkout first on sys.path: the project is imported from source.
 from common import RESULTS, package_version  # noqa: E402
+from step_profile import KernelBreakdown, breakdown  # noqa: E402
 
 from attention import StepCapacity  # noqa: E402
 from attention.checks import cdiv  # noqa: E402
 from attention.dtypes import torch_dtype  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
-from examples.engine.runner import ModelRunner  # noqa: E402
-from examples.engine.scheduler import Request, Scheduler, make_preemption  # noqa: E402
+from examples.engine.loop import StepPipeline  # noqa: E402
+from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
+from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
 from examples.model import (  # noqa: E402
     Llama,
     LlamaShape,
@@ -98,9 +110,14 @@ TINY = LlamaShape(
     num_kv_heads=2,
     head_dim=16,
 )
-#: Targets from the issue.
-ROOFLINE_TARGET = 1.3
-SPEEDUP_TARGET = 8.0
+#: Targets (issue "The serving loop at the roofline"), checked on the 8B shape at 128 rows.
+ROOFLINE_TARGET = 1.25
+ITL_TARGET = 0.65
+THROUGHPUT_TARGET = 1.4
+MIXED_TARGET = 1.4
+ELEMENTWISE_TARGET_MS = 0.6
+GEMM_BANDWIDTH_TARGET = 0.85
+HOST_WAIT_TARGET_MS = 0.3
 
 
 @dataclass(frozen=True)
@@ -118,10 +135,15 @@ class Settings:
     backend: str
     dtype: str
     graphs: bool
+    overlap: bool
     seed: int
     skip_transformers: bool
     hf_attention: str
     hf_timeout_s: float
+    poisson_requests: int
+    poisson_rate: float
+    profile: bool
+    workloads: tuple[str, ...]
 
     @property
     def shape(self) -> LlamaShape:
@@ -148,17 +170,22 @@ def settings_from(args: argparse.Namespace) -> Settings:
         backend="triton" if on_cuda else "reference",
         dtype="bfloat16" if on_cuda else "float32",
         graphs=on_cuda and not args.eager,
+        overlap=not args.sequential,
         seed=args.seed,
         skip_transformers=args.skip_transformers,
         hf_attention=args.hf_attention or ("paged|flash_attention_2" if on_cuda else "paged|sdpa"),
-        hf_timeout_s=240.0,  # keeps the whole run under 8 minutes even if transformers is slow
+        hf_timeout_s=150.0,  # keeps the whole run under 10 minutes even if transformers is slow
+        poisson_requests=256,
+        poisson_rate=args.poisson_rate,
+        profile=on_cuda if args.profile is None else args.profile,
+        workloads=tuple(args.workloads.split(",")),
     )
     if args.quick:
-        s = replace(s, requests=32, new_tokens=32, max_running=32)
+        s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
     if args.tiny:
         s = replace(
             s, requests=8, new_tokens=8, median_prompt=40, max_prompt=96, block_size=32, token_budget=64,
-            max_running=8, hf_timeout_s=120.0,
+            max_running=8, hf_timeout_s=120.0, poisson_requests=8, poisson_rate=200.0,
         )  # fmt: skip
     overrides = {
         "requests": args.requests,
@@ -306,17 +333,48 @@ def weight_bytes(model: Llama) -> int:
     return total
 
 
-# ---- the workload ------------------------------------------------------------------------
+# ---- the workloads -----------------------------------------------------------------------
 
 
-def make_prompts(s: Settings) -> list[list[int]]:
-    rng = random.Random(s.seed)
+@dataclass(frozen=True)
+class Workload:
+    """Prompts and their arrival times (seconds after the start; all 0 for a burst)."""
+
+    name: str
+    prompts: list[list[int]]
+    arrivals: list[float]
+
+    def describe(self) -> dict[str, Any]:
+        lengths = [len(p) for p in self.prompts]
+        return {
+            "requests": len(self.prompts),
+            "prompt_tokens": sum(lengths),
+            "prompt_median": statistics.median(lengths),
+            "prompt_min": min(lengths),
+            "prompt_max": max(lengths),
+            "arrivals_s": [round(min(self.arrivals), 3), round(max(self.arrivals), 3)],
+        }
+
+
+def make_prompts(s: Settings, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
     prompts = []
-    for _ in range(s.requests):
+    for _ in range(count):
         n = round(rng.lognormvariate(math.log(s.median_prompt), s.sigma))
         n = max(1, min(s.max_prompt, n))
         prompts.append([rng.randrange(s.shape.vocab_size) for _ in range(n)])
     return prompts
+
+
+def make_workloads(s: Settings) -> dict[str, Workload]:
+    burst = Workload("burst", make_prompts(s, s.requests, s.seed), [0.0] * s.requests)
+    rng = random.Random(s.seed + 1)
+    arrivals, t = [], 0.0
+    for _ in range(s.poisson_requests):
+        arrivals.append(t)
+        t += rng.expovariate(s.poisson_rate)
+    poisson = Workload("poisson", make_prompts(s, s.poisson_requests, s.seed + 2), arrivals)
+    return {w.name: w for w in (burst, poisson) if w.name in s.workloads}
 
 
 # ---- (a) ours ----------------------------------------------------------------------------
@@ -347,8 +405,7 @@ def _probe(runner: ModelRunner, prompts: list[list[int]], budget: int, device: s
         tokens = [t for i, n in rows for t in prompts[i][:n]]
         sync(device)
         start = time.perf_counter()
-        _, logits = runner.step(scheduled, tokens)
-        logits.argmax(dim=-1).tolist()
+        runner.launch(scheduled, tokens).tokens()
         return time.perf_counter() - start
     finally:
         for seq_id in ids:
@@ -356,30 +413,22 @@ def _probe(runner: ModelRunner, prompts: list[list[int]], budget: int, device: s
 
 
 @dataclass
-class StepRecord:
-    rows: int
-    tokens: int
-    decode_only: bool
-    seconds: float
-    iter_seconds: float
-    kv_tokens: int
-    #: host time of runner.step (plan, staging, launches): the GPU waits for this part.
-    host_seconds: float = 0.0
+class OurEngine:
+    """Our engine, built and warmed up once, serving every workload in turn."""
+
+    model: Llama
+    runner: ModelRunner
+    summary: dict[str, Any]
 
 
-@dataclass
-class OursRun:
-    summary: dict[str, Any] = field(default_factory=dict)
-    outputs: list[list[int]] = field(default_factory=list)
-
-
-def serve_ours(model: Llama, prompts: list[list[int]], s: Settings, copy_gbps: float | None) -> OursRun:
+def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> OurEngine:
     shape = model.shape
     bs = s.block_size
-    peaks = [len(p) + s.new_tokens - 1 for p in prompts]
-    longest = max(peaks)
-    # Every request's peak at once (no preemption), plus room for the warm-up's rows.
-    num_blocks = sum(cdiv(p, bs) for p in peaks) + 2 * cdiv(longest, bs) + 8
+    peaks = {
+        name: [len(p) + s.new_tokens - 1 for p in w.prompts] for name, w in workloads.items()
+    }  # every request's peak at once: no preemption in any workload
+    longest = max(max(v) for v in peaks.values())
+    num_blocks = max(sum(cdiv(p, bs) for p in v) for v in peaks.values()) + 2 * cdiv(longest, bs) + 8
     config = cache_config_for(
         shape, block_size=bs, dtype=s.dtype, num_blocks=num_blocks, device=s.device, backend=s.backend
     )
@@ -394,14 +443,17 @@ def serve_ours(model: Llama, prompts: list[list[int]], s: Settings, copy_gbps: f
     )
     out: dict[str, Any] = {
         "backend": engine.backend.name,
+        "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
+        "overlap": s.overlap,
         "num_blocks": num_blocks,
         "block_size": bs,
         "token_budget": s.token_budget,
         "max_running": s.max_running,
         "cache_gib": engine.cache.nbytes / 2**30,
     }
-    out["cold_first_prefill_step_s"] = _probe(runner, prompts, s.token_budget, s.device)
+    first = next(iter(workloads.values())).prompts
+    out["cold_first_prefill_step_s"] = _probe(runner, first, s.token_budget, s.device)
     print(f"  ours: first prefill step before warm-up {out['cold_first_prefill_step_s']:.2f} s", flush=True)
     report = runner.warmup(eager=True)  # on a CPU too: the same code path as on the GPU
     print(f"  ours: {report.line()}", flush=True)
@@ -411,76 +463,146 @@ def serve_ours(model: Llama, prompts: list[list[int]], s: Settings, copy_gbps: f
         "graphs": report.graphs,
         "kernel_variants": report.kernel_variants,
     }
-    out["warm_first_prefill_step_s"] = _probe(runner, prompts, s.token_budget, s.device)
+    out["warm_first_prefill_step_s"] = _probe(runner, first, s.token_budget, s.device)
+    return OurEngine(model, runner, out)
 
-    manager = engine.manager
-    requests = [Request(i, list(p), s.new_tokens) for i, p in enumerate(prompts)]
-    scheduler = Scheduler(
-        manager,
-        requests,
-        make_preemption("recompute", manager, engine.cache),
-        token_budget=s.token_budget,
-        max_running=s.max_running,
-    )
-    timer = Timer(s.device)
-    steps: list[StepRecord] = []
+
+@dataclass
+class IterRecord:
+    """One iteration of the loop (one launched step)."""
+
+    rows: int
+    tokens: int
+    prefill_rows: int
+    #: Wall seconds since the previous launch: the cadence tokens come at.
+    period_s: float
+    #: Host seconds of schedule + plan + launch (waits for the device excluded).
+    host_s: float
+    #: Tokens of K/V the step's rows read (every row's seq_len).
+    kv_tokens: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill_rows == 0
+
+
+@dataclass
+class Served:
+    requests: list[Request]
+    iterations: list[IterRecord]
+    token_times: dict[int, list[float]]
+    arrivals: dict[int, float]
+    wall_s: float
+    preemptions: int
+    profile: KernelBreakdown | None = None
+
+
+def serve(
+    engine: OurEngine,
+    workload: Workload,
+    s: Settings,
+    *,
+    profile_window: tuple[int, int] | None = None,
+) -> Served:
+    """Serve ``workload`` (requests submitted at their arrival times) with the overlapped loop.
+    ``profile_window`` (first iteration, count): run those iterations under torch.profiler
+    (after a sync, so the window starts with an idle GPU), then stop the run there."""
+    runner = engine.runner
+    manager = runner.manager
+    requests = [Request(i, list(p), s.new_tokens) for i, p in enumerate(workload.prompts)]
+    order = sorted(range(len(requests)), key=lambda i: workload.arrivals[i])
+    pending = deque((workload.arrivals[i], requests[i]) for i in order)
+    scheduler = Scheduler(manager, [], make_preemption("recompute", manager, runner.cache), token_budget=s.token_budget,
+                          max_running=s.max_running)  # fmt: skip
     token_times: dict[int, list[float]] = {r.req_id: [] for r in requests}
+    arrived: dict[int, float] = {}
+    t0 = time.perf_counter()
+
+    def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
+        now = time.perf_counter() - t0
+        for i in launched.plan.metadata.sampling_rows_host:
+            token_times[batch.requests[i].req_id].append(now)
+
+    pipeline = StepPipeline(runner, scheduler, overlap=s.overlap, on_result=record)
+    iterations: list[IterRecord] = []
+    profiler: Any = None
+    profile_start = 0.0
+    result_profile: KernelBreakdown | None = None
+    last_launch: float | None = None
+    step = 0
     sync(s.device)
     t0 = time.perf_counter()
-    step = 0
-    while not scheduler.done:
-        t_iter = time.perf_counter()
-        batch = scheduler.schedule(step)
-        if batch is None:
-            raise RuntimeError("the scheduler is idle with every request already arrived")
-        timer.start()
-        t_host = time.perf_counter()
-        plan, logits = runner.step(batch.rows, batch.token_ids)
-        host_seconds = time.perf_counter() - t_host
-        next_ids = logits.argmax(dim=-1)
-        seconds = timer.stop()
-        rows = plan.metadata.sampling_rows_host
-        scheduler.finish_step(batch, dict(zip(rows, next_ids.tolist(), strict=True)))
+    while pending or not scheduler.done:
+        if profile_window is not None and len(iterations) == profile_window[0] and profiler is None:
+            sync(s.device)
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
+            profile_start = time.perf_counter()
         now = time.perf_counter() - t0
-        for i in rows:
-            token_times[batch.requests[i].req_id].append(now)
-        decode_only = all(r.num_new == 1 for r in batch.rows)
-        steps.append(
-            StepRecord(
+        while pending and pending[0][0] <= now:
+            t, req = pending.popleft()
+            arrived[req.req_id] = t
+            scheduler.submit(req)
+        t_host = time.perf_counter()
+        batch = scheduler.schedule(step)
+        scheduled_s = time.perf_counter() - t_host
+        if batch is None:
+            if pipeline.busy:
+                pipeline.drain()
+                continue
+            if pending:  # idle until the next arrival
+                time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
+                continue
+            break
+        launch_at = time.perf_counter()
+        pipeline.submit(batch)
+        prefill_rows = sum(1 for r in batch.rows if r.num_new > 1)
+        iterations.append(
+            IterRecord(
                 rows=len(batch.rows),
                 tokens=len(batch.token_ids),
-                decode_only=decode_only,
-                seconds=seconds,
-                iter_seconds=time.perf_counter() - t_iter,
-                kv_tokens=sum(plan.metadata.seq_lens_host) if decode_only else 0,
-                host_seconds=host_seconds,
+                prefill_rows=prefill_rows,
+                period_s=0.0 if last_launch is None else launch_at - last_launch,
+                host_s=scheduled_s + pipeline.launch_seconds,
+                kv_tokens=sum(r.start + r.num_new for r in batch.rows if r.start is not None),
             )
         )
+        last_launch = launch_at
         step += 1
+        if profiler is not None and profile_window is not None and len(iterations) == sum(profile_window):
+            sync(s.device)
+            wall = time.perf_counter() - profile_start
+            profiler.__exit__(None, None, None)
+            result_profile = breakdown(profiler.events(), profile_window[1], wall)
+            break
+    pipeline.drain()
     wall = time.perf_counter() - t0
+    if result_profile is not None:  # stopped in the middle: give every block back
+        for req in scheduler.running:
+            manager.free(req.req_id, reason="aborted")
     manager.check_integrity()
-
-    generated = sum(len(r.output) for r in requests)
-    out.update(
-        steps=len(steps),
-        wall_s=wall,
-        generated_tokens=generated,
-        prompt_tokens=sum(len(p) for p in prompts),
-        tokens_per_s=generated / wall,
-        preemptions=scheduler.num_preemptions,
-    )
-    out.update(_latency(token_times))
-    out.update(_step_stats(steps, model, s, copy_gbps))
-    prefill_steps = [st for st in steps if not st.decode_only]
-    out["prefill_steps"] = len(prefill_steps)
-    out["prefill_steps_s"] = sum(st.seconds for st in prefill_steps)
-    out["prefill_phase_s"] = max(times[0] for times in token_times.values())
-    return OursRun(out, [r.output for r in requests])
+    return Served(requests, iterations, token_times, arrived, wall, scheduler.num_preemptions, result_profile)
 
 
-def _latency(token_times: dict[int, list[float]]) -> dict[str, Any]:
-    """TTFT and inter-token latency from per-request token times (seconds since submission)."""
-    ttft = [times[0] for times in token_times.values() if times]
+def ours_summary(served: Served, model: Llama, s: Settings, copy_gbps: float | None) -> dict[str, Any]:
+    generated = sum(len(r.output) for r in served.requests)
+    out: dict[str, Any] = {
+        "steps": len(served.iterations),
+        "wall_s": served.wall_s,
+        "generated_tokens": generated,
+        "prompt_tokens": sum(len(r.prompt) for r in served.requests),
+        "tokens_per_s": generated / served.wall_s,
+        "preemptions": served.preemptions,
+    }
+    out.update(_latency(served.token_times, served.arrivals))
+    out.update(_iteration_stats(served.iterations, model, s, copy_gbps))
+    return out
+
+
+def _latency(token_times: dict[int, list[float]], arrivals: dict[int, float] | None = None) -> dict[str, Any]:
+    """TTFT (from each request's arrival) and inter-token latency from per-request token
+    times (seconds since the start)."""
+    ttft = [times[0] - (arrivals or {}).get(rid, 0.0) for rid, times in token_times.items() if times]
     itl = [b - a for times in token_times.values() for a, b in itertools.pairwise(times)]
     return {
         "ttft_median_s": median(ttft),
@@ -490,42 +612,56 @@ def _latency(token_times: dict[int, list[float]]) -> dict[str, Any]:
     }
 
 
-def _step_stats(steps: list[StepRecord], model: Llama, s: Settings, copy_gbps: float | None) -> dict[str, Any]:
+def _iteration_stats(
+    iterations: list[IterRecord], model: Llama, s: Settings, copy_gbps: float | None
+) -> dict[str, Any]:
     shape = model.shape
     itemsize = torch.empty((), dtype=torch_dtype(s.dtype)).element_size()
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
     weights = weight_bytes(model)
-    decode = [st for st in steps if st.decode_only]
+    timed = iterations[1:]  # the first has no period
+    decode = [it for it in timed if it.decode_only]
+    mixed = [it for it in timed if not it.decode_only and it.prefill_rows < it.rows]
+    ms = lambda values: None if not values else 1e3 * statistics.median(values)
     out: dict[str, Any] = {
         "weight_bytes": weights,
         "kv_bytes_per_token": kv_per_token,
         "decode_steps": len(decode),
-        "decode_step_median_ms": None if not decode else 1e3 * statistics.median(st.seconds for st in decode),
-        "decode_step_p99_ms": None if not decode else 1e3 * (percentile([st.seconds for st in decode], 99) or 0.0),
-        "decode_iter_median_ms": None if not decode else 1e3 * statistics.median(st.iter_seconds for st in decode),
+        "mixed_steps": len(mixed),
+        "prefill_steps": sum(1 for it in iterations if not it.decode_only),
+        "decode_iter_median_ms": ms([it.period_s for it in decode]),
+        "mixed_iter_median_ms": ms([it.period_s for it in mixed]),
+        "decode_host_median_ms": ms([it.host_s for it in decode]),
+        "mixed_host_median_ms": ms([it.host_s for it in mixed]),
+        "mixed_rows_median": None if not mixed else statistics.median(it.rows for it in mixed),
     }
+    if out["decode_iter_median_ms"] and out["mixed_iter_median_ms"]:
+        out["mixed_vs_decode_iter"] = out["mixed_iter_median_ms"] / out["decode_iter_median_ms"]
     if not decode:
         return out
-    widest = max(st.rows for st in decode)
-    at = [st for st in decode if st.rows == widest]
+    widest = max(it.rows for it in decode)
+    at = [it for it in decode if it.rows == widest]
     out["roofline_rows"] = widest
     out["roofline_steps"] = len(at)
-    out["decode_step_at_rows_median_ms"] = 1e3 * statistics.median(st.seconds for st in at)
-    out["decode_step_at_rows_p99_ms"] = 1e3 * (percentile([st.seconds for st in at], 99) or 0.0)
-    # The step's host part (plan, staging, graph launch) runs before the GPU can start.
-    out["decode_host_at_rows_median_ms"] = 1e3 * statistics.median(st.host_seconds for st in at)
-    print(
-        f"  ours: decode step at {widest} rows: {out['decode_step_at_rows_median_ms']:.2f} ms, of which host "
-        f"(plan + launch) {out['decode_host_at_rows_median_ms']:.2f} ms",
-        flush=True,
-    )
-    out["kv_bytes_at_rows_median"] = statistics.median(st.kv_tokens * kv_per_token for st in at)
+    out["decode_iter_at_rows_median_ms"] = ms([it.period_s for it in at])
+    out["decode_iter_at_rows_p99_ms"] = 1e3 * (percentile([it.period_s for it in at], 99) or 0.0)
+    out["decode_host_at_rows_median_ms"] = ms([it.host_s for it in at])
+    out["kv_bytes_at_rows_median"] = statistics.median(it.kv_tokens * kv_per_token for it in at)
     if copy_gbps:
         bw = copy_gbps * 1e9
-        ratios = [st.seconds / ((weights + st.kv_tokens * kv_per_token) / bw) for st in at]
-        out["roofline_median_ms"] = 1e3 * statistics.median((weights + st.kv_tokens * kv_per_token) / bw for st in at)
-        out["roofline_ratio_median"] = statistics.median(ratios)
-        out["roofline_ratio_p99"] = percentile(ratios, 99)
+        floors = [(weights + it.kv_tokens * kv_per_token) / bw for it in at]
+        out["roofline_median_ms"] = 1e3 * statistics.median(floors)
+        out["roofline_ratio_median"] = statistics.median(it.period_s / f for it, f in zip(at, floors, strict=True))
+    return out
+
+
+def profile_summary(bd: KernelBreakdown, model: Llama, copy_gbps: float | None) -> dict[str, Any]:
+    out = bd.as_json()
+    gemm_ms = bd.ms.get("gemm")
+    if gemm_ms and copy_gbps:
+        # Every weight matrix is read once per iteration (the embedding is gathered, not read).
+        out["gemm_fraction_of_copy_bw"] = weight_bytes(model) / (gemm_ms * 1e-3) / (copy_gbps * 1e9)
+    print(f"  profile: {bd.line()}", flush=True)
     return out
 
 
@@ -538,12 +674,16 @@ class HFRun:
     outputs: list[list[int]] = field(default_factory=list)
 
 
-def serve_transformers(hf: Any, prompts: list[list[int]], s: Settings, errors: dict[str, str]) -> HFRun:
-    """transformers' continuous batching (5.17: ``ContinuousMixin.continuous_batching_context_manager``,
-    the context manager ``generate_batch`` wraps), timed from ``add_requests`` to the last
-    finished result; its warm-up (CUDA graph capture) runs before."""
+def serve_transformers(hf: Any, workload: Workload, s: Settings, errors: dict[str, str]) -> HFRun:
+    """transformers' continuous batching (``continuous_batching_context_manager``, the context
+    manager ``generate_batch`` wraps), timed from the first arrival to the last finished
+    result; its warm-up (CUDA graph capture) runs before. Requests are added at their arrival
+    times (a thread), all at once for a burst."""
+    import threading
+
     import transformers
 
+    prompts = workload.prompts
     out: dict[str, Any] = {"transformers": transformers.__version__}
     try:
         hf.set_attn_implementation(s.hf_attention)
@@ -575,6 +715,7 @@ def serve_transformers(hf: Any, prompts: list[list[int]], s: Settings, errors: d
 
     entered = time.perf_counter()
     results: dict[str, Any] = {}
+    ids = [f"req-{i}" for i in range(len(prompts))]
     with hf.continuous_batching_context_manager(
         generation_config=gen_config,
         continuous_batching_config=cb_config,
@@ -594,7 +735,16 @@ def serve_transformers(hf: Any, prompts: list[list[int]], s: Settings, errors: d
                 )
             }  # fmt: skip
         t0 = time.perf_counter()
-        ids = manager.add_requests(inputs=prompts, max_new_tokens=s.new_tokens, record_timestamps=True)
+
+        def submit_all() -> None:
+            for i in sorted(range(len(prompts)), key=lambda j: workload.arrivals[j]):
+                delay = workload.arrivals[i] - (time.perf_counter() - t0)
+                if delay > 0:
+                    time.sleep(delay)
+                manager.add_request(prompts[i], request_id=ids[i], max_new_tokens=s.new_tokens, record_timestamps=True)
+
+        adder = threading.Thread(target=submit_all, name="poisson-arrivals", daemon=True)
+        adder.start()
         last = t0
         try:
             while len(results) < len(ids):
@@ -614,18 +764,16 @@ def serve_transformers(hf: Any, prompts: list[list[int]], s: Settings, errors: d
             except Exception as err:
                 errors["transformers.stop"] = f"{type(err).__name__}: {err}"
             raise
+        adder.join(timeout=5)
     wall = last - t0
     failed = [rid for rid, r in results.items() if getattr(r, "error", None)]
     if failed:
         errors["transformers.requests"] = f"{len(failed)} requests failed, e.g. {results[failed[0]].error}"
     outputs = [list(results[rid].generated_tokens) for rid in ids]
-    token_times = {
-        i: [t - t0 for t in (results[rid].timestamps or [])] for i, rid in enumerate(ids)
-    }
+    token_times = {i: [t - t0 for t in (results[rid].timestamps or [])] for i, rid in enumerate(ids)}
     generated = sum(len(o) for o in outputs)
     out.update(wall_s=wall, generated_tokens=generated, tokens_per_s=generated / wall if wall > 0 else None)
-    out.update(_latency(token_times))
-    out["prefill_phase_s"] = max((t[0] for t in token_times.values() if t), default=None)
+    out.update(_latency(token_times, dict(enumerate(workload.arrivals))))
     return HFRun(out, outputs)
 
 
@@ -656,57 +804,73 @@ def _fmt(value: Any, unit: str = "", digits: int = 2) -> str:
     return f"{value}{unit}"
 
 
-def table(results: dict[str, Any], errors: dict[str, str]) -> str:
-    ours = results.get("ours") or {}
-    hf = results.get("transformers") or {}
-    copy = results.get("copy_bandwidth") or {}
+def _workload_rows(ours: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, str, str]]:
     ms = lambda v: None if v is None else 1e3 * v
-    rows = [
+    return [
         ("generated tokens/s", _fmt(ours.get("tokens_per_s"), "", 0), _fmt(hf.get("tokens_per_s"), "", 0)),
         ("wall time (s)", _fmt(ours.get("wall_s")), _fmt(hf.get("wall_s"))),
-        ("warm-up (s)", _fmt(ours.get("warmup_s")), _fmt(hf.get("warmup_s"))),
-        ("decode step median / p99 (ms)",
-         f"{_fmt(ours.get('decode_step_median_ms'))} / {_fmt(ours.get('decode_step_p99_ms'))}", "-"),
-        (f"decode step at {ours.get('roofline_rows', '?')} rows median (ms)",
-         _fmt(ours.get("decode_step_at_rows_median_ms")), "-"),
-        ("roofline at those rows (ms)", _fmt(ours.get("roofline_median_ms")), "-"),
         ("inter-token latency median / p99 (ms)",
          f"{_fmt(ours.get('itl_median_ms'))} / {_fmt(ours.get('itl_p99_ms'))}",
          f"{_fmt(hf.get('itl_median_ms'))} / {_fmt(hf.get('itl_p99_ms'))}"),
         ("TTFT median / p99 (ms)",
          f"{_fmt(ms(ours.get('ttft_median_s')), '', 0)} / {_fmt(ms(ours.get('ttft_p99_s')), '', 0)}",
          f"{_fmt(ms(hf.get('ttft_median_s')), '', 0)} / {_fmt(ms(hf.get('ttft_p99_s')), '', 0)}"),
-        ("prefill phase (s, to the last first token)",
-         _fmt(ours.get("prefill_phase_s")), _fmt(hf.get("prefill_phase_s"))),
-        ("first prefill step cold / warm (s)",
-         f"{_fmt(ours.get('cold_first_prefill_step_s'), '', 3)} / {_fmt(ours.get('warm_first_prefill_step_s'), '', 3)}",
-         "-"),
+        (f"decode iteration at {ours.get('roofline_rows', '?')} rows median (ms)",
+         _fmt(ours.get("decode_iter_at_rows_median_ms")), "-"),
+        ("roofline at those rows (ms)", _fmt(ours.get("roofline_median_ms")), "-"),
+        ("decode / mixed iteration median (ms)",
+         f"{_fmt(ours.get('decode_iter_median_ms'))} / {_fmt(ours.get('mixed_iter_median_ms'))}", "-"),
+        ("host work per decode / mixed iteration (ms)",
+         f"{_fmt(ours.get('decode_host_median_ms'))} / {_fmt(ours.get('mixed_host_median_ms'))}", "-"),
+        ("steps: decode only / mixed / with prefill",
+         f"{ours.get('decode_steps', '-')} / {ours.get('mixed_steps', '-')} / {ours.get('prefill_steps', '-')}", "-"),
     ]  # fmt: skip
-    workload = results.get("workload") or {}
-    lines = [
-        f"workload: {workload.get('requests')} requests, {workload.get('prompt_tokens')} prompt tokens "
-        f"(median {workload.get('prompt_median')}, max {workload.get('prompt_max')}), "
-        f"{workload.get('new_tokens')} new tokens each",
-        f"copy bandwidth: {_fmt(copy.get('gb_per_s'), ' GB/s', 0)} (read + write)",
-    ]
-    if ours:
+
+
+def table(results: dict[str, Any], errors: dict[str, str]) -> str:
+    copy = results.get("copy_bandwidth") or {}
+    engine = results.get("ours_engine") or {}
+    lines = [f"copy bandwidth: {_fmt(copy.get('gb_per_s'), ' GB/s', 0)} (read + write)"]
+    if engine:
         lines.append(
-            f"ours: {ours.get('backend')} backend, CUDA graphs {'on' if ours.get('cuda_graphs') else 'off'}, "
-            f"{ours.get('steps')} steps ({ours.get('prefill_steps')} with prefill rows, {ours.get('decode_steps')} "
-            f"decode only), preemptions {ours.get('preemptions')}"
+            f"ours: {engine.get('backend')} backend, CUDA graphs {'on' if engine.get('cuda_graphs') else 'off'}, "
+            f"overlap {'on' if engine.get('overlap') else 'off'}, warm-up {_fmt(engine.get('warmup_s'))} s, "
+            f"first prefill step cold / warm {_fmt(engine.get('cold_first_prefill_step_s'), '', 3)} / "
+            f"{_fmt(engine.get('warm_first_prefill_step_s'), '', 3)} s"
         )
     if "hf_attention" in results:
         lines.append(f"transformers attention: {results['hf_attention']}")
-    if results.get("agreement"):
-        a = results["agreement"]
+    for name, section in (results.get("workloads") or {}).items():
+        ours = section.get("ours") or {}
+        hf = section.get("transformers") or {}
+        w = section.get("workload") or {}
+        lines.append("")
         lines.append(
-            f"same greedy tokens: first token {a['first_token_agreement']:.0%} of requests, "
-            f"{a['identical_requests']} requests identical, mean common prefix {a['mean_common_prefix']:.1f} tokens"
+            f"== {name}: {w.get('requests')} requests, {w.get('prompt_tokens')} prompt tokens (median "
+            f"{w.get('prompt_median')}, max {w.get('prompt_max')}), arrivals over {w.get('arrivals_s')} s"
         )
-    width = max(len(r[0]) for r in rows)
-    lines.append(f"{'metric':<{width}} | {'ours':>22} | {'transformers':>22}")
-    lines.append(f"{'-' * width}-+-{'-' * 22}-+-{'-' * 22}")
-    lines += [f"{name:<{width}} | {a:>22} | {b:>22}" for name, a, b in rows]
+        if section.get("agreement"):
+            a = section["agreement"]
+            lines.append(
+                f"same greedy tokens: first token {a['first_token_agreement']:.0%} of requests, "
+                f"{a['identical_requests']} requests identical, mean common prefix {a['mean_common_prefix']:.1f}"
+            )
+        for label in ("profile",):
+            if section.get(label):
+                p = section[label]
+                classes = ", ".join(f"{k} {v:.2f}" for k, v in p["ms_per_iteration"].items())
+                lines.append(
+                    f"profile ({p['iterations']} iterations, ms each): GPU {p['gpu_ms_per_iteration']:.2f} = "
+                    f"{classes}; wall {_fmt(p['wall_ms_per_iteration'])}, GPU idle "
+                    f"{_fmt(p['gpu_idle_ms_per_iteration'])}; GEMMs at {_fmt(p.get('gemm_fraction_of_copy_bw'))} "
+                    f"of copy bandwidth"
+                )
+        rows = _workload_rows(ours, hf)
+        width = max(len(r[0]) for r in rows)
+        lines.append(f"{'metric':<{width}} | {'ours':>22} | {'transformers':>22}")
+        lines.append(f"{'-' * width}-+-{'-' * 22}-+-{'-' * 22}")
+        lines += [f"{label:<{width}} | {a:>22} | {b:>22}" for label, a, b in rows]
+    lines.append("")
     for name, target in (results.get("targets") or {}).items():
         verdict = "PASS" if target.get("pass") else ("FAIL" if target.get("pass") is False else "n/a")
         lines.append(f"target {name}: {verdict} ({target.get('text')})")
@@ -715,30 +879,69 @@ def table(results: dict[str, Any], errors: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _target(value: float | None, limit: float, at_most: bool, text: str, valid: bool = True) -> dict[str, Any]:
+    passed = None if value is None or not valid else (value <= limit if at_most else value >= limit)
+    return {"value": value, "pass": passed, "text": text}
+
+
 def targets(results: dict[str, Any], s: Settings) -> dict[str, Any]:
-    ours = results.get("ours") or {}
-    hf = results.get("transformers") or {}
     out: dict[str, Any] = {}
-    ratio = ours.get("roofline_ratio_median")
-    rows = ours.get("roofline_rows")
-    out["decode_vs_roofline"] = {
-        "value": ratio,
-        "pass": None if ratio is None or rows != 128 else ratio <= ROOFLINE_TARGET,
-        "text": (
-            f"our decode step at {rows} rows = {_fmt(ratio)}x roofline; target <= {ROOFLINE_TARGET}x at 128 rows"
-            + ("" if rows == 128 else " (no 128-row decode step in this run)")
-        ),
-    }
-    a, b = ours.get("tokens_per_s"), hf.get("tokens_per_s")
-    speedup = a / b if a and b else None
-    out["throughput_vs_transformers"] = {
-        "value": speedup,
-        "pass": None if speedup is None else speedup >= SPEEDUP_TARGET,
-        "text": f"ours / transformers generated tokens/s = {_fmt(speedup)}x; target >= {SPEEDUP_TARGET}x",
-    }
+    sections = results.get("workloads") or {}
+    burst = (sections.get("burst") or {}).get("ours") or {}
+    rows = burst.get("roofline_rows")
+    ratio = burst.get("roofline_ratio_median")
+    out["decode_iteration_vs_roofline"] = _target(
+        ratio, ROOFLINE_TARGET, True,
+        f"burst decode iteration at {rows} rows = {_fmt(ratio)}x roofline; target <= {ROOFLINE_TARGET}x at 128 rows",
+        valid=rows == 128,
+    )  # fmt: skip
+    profile = (sections.get("burst") or {}).get("profile") or {}
+    elementwise = (profile.get("ms_per_iteration") or {}).get("elementwise")
+    boundary = (profile.get("ms_per_iteration") or {}).get("boundary", 0.0)
+    small = None if elementwise is None else elementwise + boundary
+    out["elementwise_per_step"] = _target(
+        small, ELEMENTWISE_TARGET_MS, True,
+        f"elementwise + boundary kernels {_fmt(small)} ms per decode iteration; target <= {ELEMENTWISE_TARGET_MS} ms",
+    )  # fmt: skip
+    gemm = profile.get("gemm_fraction_of_copy_bw")
+    out["gemm_bandwidth"] = _target(
+        gemm,
+        GEMM_BANDWIDTH_TARGET,
+        False,
+        f"GEMMs at {_fmt(gemm)} of copy bandwidth; target >= {GEMM_BANDWIDTH_TARGET}",
+    )
+    idle = profile.get("gpu_idle_ms_per_iteration")
+    out["host_wait_per_decode_iteration"] = _target(
+        idle,
+        HOST_WAIT_TARGET_MS,
+        True,
+        f"GPU idle {_fmt(idle)} ms per decode iteration; target <= {HOST_WAIT_TARGET_MS}",
+    )
+    for name, section in sections.items():
+        ours, hf = section.get("ours") or {}, section.get("transformers") or {}
+        a, b = ours.get("itl_median_ms"), hf.get("itl_median_ms")
+        itl = a / b if a and b else None
+        out[f"{name}_itl_vs_transformers"] = _target(
+            itl, ITL_TARGET, True, f"{name}: ours / transformers ITL median = {_fmt(itl)}; target <= {ITL_TARGET}"
+        )
+        a, b = ours.get("tokens_per_s"), hf.get("tokens_per_s")
+        speed = a / b if a and b else None
+        out[f"{name}_throughput_vs_transformers"] = _target(
+            speed, THROUGHPUT_TARGET, False,
+            f"{name}: ours / transformers tokens/s = {_fmt(speed)}x; target >= {THROUGHPUT_TARGET}x",
+        )  # fmt: skip
+    poisson = (sections.get("poisson") or {}).get("ours") or {}
+    mixed = poisson.get("mixed_iter_median_ms")
+    pure = burst.get("decode_iter_at_rows_median_ms") or poisson.get("decode_iter_median_ms")
+    rel = mixed / pure if mixed and pure else None
+    out["mixed_vs_pure_decode"] = _target(
+        rel, MIXED_TARGET, True,
+        f"poisson mixed iteration median / pure decode iteration = {_fmt(rel)}; target <= {MIXED_TARGET}",
+    )  # fmt: skip
     if s.tiny:
         for t in out.values():
             t["text"] += " (tiny model: not meaningful)"
+            t["pass"] = None
     return out
 
 
@@ -748,20 +951,29 @@ def targets(results: dict[str, Any], s: Settings) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny model and workload (the same code path in seconds)")
-    p.add_argument("--quick", action="store_true", help="32 requests x 32 new tokens")
+    p.add_argument("--tiny", action="store_true", help="tiny model and workloads (the same code path in seconds)")
+    p.add_argument("--quick", action="store_true", help="32 requests x 32 new tokens (64 in the Poisson workload)")
     p.add_argument("--skip-transformers", action="store_true", help="serve with our engine only")
     p.add_argument("--out", help="JSON path (default benchmarks/results/e2e-<date>.json; none with --tiny)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--requests", type=int)
+    p.add_argument("--requests", type=int, help="requests of the burst workload")
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--backend", choices=("triton", "flash_attn", "reference"))
     p.add_argument("--block-size", type=int)
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
+    p.add_argument("--sequential", action="store_true", help="ours without overlap (each step's tokens first)")
+    p.add_argument("--poisson-rate", type=float, default=64.0, help="Poisson arrivals per second (default 64)")
+    p.add_argument("--workloads", default="burst,poisson", help="comma-separated: burst, poisson")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                   help="re-run a window of iterations under torch.profiler (default: on CUDA)")  # fmt: skip
     p.add_argument("--hf-attention", help="transformers attn_implementation (default paged|flash_attention_2 on cuda)")
     return p
+
+
+#: Profiled iterations (first, count): the burst's decode phase, the Poisson run's steady state.
+PROFILE_WINDOWS = {"burst": (24, 30), "poisson": (160, 30)}
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -801,7 +1013,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         nonlocal hf, model
         t = time.perf_counter()
         hf = build_transformers_model(s.shape, device=s.device, dtype=dtype, seed=s.seed)
-        model = from_transformers(hf)  # the same tensors: no copy
+        model = from_transformers(hf)  # the same tensors, but for the fused projections
         sync(s.device)
         build["seconds"] = time.perf_counter() - t
         build["shared_with_transformers"] = model.embed.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
@@ -824,37 +1036,45 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         build["weight_bytes_per_step"] = weight_bytes(model)
     results["model"] = {"shape": asdict(s.shape), "dtype": s.dtype, **build}
 
-    prompts = make_prompts(s)
-    lengths = [len(p) for p in prompts]
-    results["workload"] = {
-        "requests": len(prompts),
-        "new_tokens": s.new_tokens,
-        "prompt_tokens": sum(lengths),
-        "prompt_median": statistics.median(lengths),
-        "prompt_min": min(lengths),
-        "prompt_max": max(lengths),
-        "lognormal": {"median": s.median_prompt, "sigma": s.sigma, "cap": s.max_prompt},
-        "seed": s.seed,
+    workloads = make_workloads(s)
+    sections: dict[str, dict[str, Any]] = {
+        name: {"workload": {**w.describe(), "new_tokens": s.new_tokens}} for name, w in workloads.items()
     }
-
-    ours_run: OursRun | None = None
+    results["workloads"] = sections
+    outputs: dict[str, list[list[int]]] = {}
+    engine: OurEngine | None = None
     if model is not None:
         m = model
-        ours_run = part("ours", lambda: serve_ours(m, prompts, s, copy_gbps))
-    results["ours"] = ours_run.summary if ours_run else None
+        engine = part("ours.build", lambda: build_ours(m, workloads, s))
+    results["ours_engine"] = engine.summary if engine else None
+    if engine is not None and model is not None:
+        for name, w in workloads.items():
+            serve_it = functools.partial(serve, engine, w, s)
+            served = part(f"ours.{name}", serve_it)
+            if served is not None:
+                sections[name]["ours"] = ours_summary(served, model, s, copy_gbps)
+                outputs[name] = [r.output for r in served.requests]
+            if s.profile and name in PROFILE_WINDOWS:
+                profiled = part(
+                    f"ours.{name}.profile", functools.partial(serve_it, profile_window=PROFILE_WINDOWS[name])
+                )
+                if profiled is not None and profiled.profile is not None:
+                    sections[name]["profile"] = profile_summary(profiled.profile, model, copy_gbps)
     # Hand our cache and graphs back before transformers sizes its cache from free memory.
+    engine = None
     gc.collect()
     if s.on_cuda:
         torch.cuda.empty_cache()
         results["free_gib_before_transformers"] = torch.cuda.mem_get_info()[0] / 2**30
 
-    hf_run: HFRun | None = None
     if hf is not None and not s.skip_transformers:
-        hf_run = part("transformers", lambda: serve_transformers(hf, prompts, s, errors))
+        for name, w in workloads.items():
+            hf_run = part(f"transformers.{name}", functools.partial(serve_transformers, hf, w, s, errors))
+            if hf_run is not None:
+                sections[name]["transformers"] = hf_run.summary
+                if name in outputs:
+                    sections[name]["agreement"] = agreement(outputs[name], hf_run.outputs)
         results["hf_attention"] = hf.config._attn_implementation
-    results["transformers"] = hf_run.summary if hf_run else None
-    if ours_run and hf_run:
-        results["agreement"] = agreement(ours_run.outputs, hf_run.outputs)
     results["targets"] = targets(results, s)
     results["total_s"] = time.perf_counter() - started
 
@@ -864,11 +1084,16 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "command": "python3 benchmarks/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "settings": asdict(s),
             "definitions": {
-                "tokens_per_s": "generated tokens / wall time from submitting every request to the last token",
-                "decode_step": "one step with only decode rows: plan + model + argmax + sync, CUDA events",
+                "tokens_per_s": "generated tokens / wall time from the first arrival to the last token",
+                "iteration": "one launched step of our loop; its period is the wall time since the previous launch "
+                "(overlapped: the step's host work and the previous step's device work run at the same time)",
+                "host work": "schedule + plan + launch of an iteration on the host, waits for the device excluded",
                 "roofline": "(weight bytes, embedding table excluded, + K/V bytes of every row's seq_len) / copy bw",
-                "ttft": "seconds from submitting every request (all at once) to the request's first token",
-                "itl": "time between consecutive tokens of a request (transformers: its record_timestamps)",
+                "ttft": "seconds from a request's arrival to its first token",
+                "itl": "time between consecutive tokens of a request as the host learns them "
+                "(transformers: its record_timestamps)",
+                "profile": "a window of iterations re-run under torch.profiler (CUDA activity only), after a sync: "
+                "kernel time per iteration by class, and the wall time per iteration no kernel covers",
                 "cold_first_prefill_step": "the workload's first prefill step before any warm-up (compiles included)",
             },
         },
@@ -890,7 +1115,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     doc = run(argv)
-    return 1 if doc["results"].get("ours") is None else 0
+    ok = all((section.get("ours") is not None) for section in doc["results"].get("workloads", {}).values())
+    return 0 if ok and doc["results"].get("workloads") else 1
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="no overlap: apply each step's tokens before scheduling the next (same tokens, slower)",
+    )
+    p.add_argument(
         "--checkpoint",
         metavar="DIR",
         help="Llama/Qwen2/Mistral checkpoint (config.json + safetensors) instead of random weights",
@@ -216,6 +221,7 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             preemption=preemption,
             token_budget=args.token_budget,
             use_graphs=use_graphs,
+            overlap=not args.sequential,
             record_margins=args.tokens_out is not None,
             on_step=progress,
             on_warmup=lambda report: say(report.line()),

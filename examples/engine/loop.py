@@ -1,10 +1,16 @@
 """The serving loop: schedule -> one model step -> sample -> commit, until every request is done.
 
 One step is: the scheduler picks rows (:mod:`examples.engine.scheduler`), the runner plans the
-step once and runs the model over every row (:mod:`examples.engine.runner`), the greedy token
-of every row that reached the end of what is known is sampled, and the scheduler records what
-was computed and appends the sampled tokens. :func:`run_requests` returns a
-:class:`RunReport`; :func:`format_summary` turns it into the lines the example prints.
+step once and queues the model over every row and the greedy sampling on the device
+(:mod:`examples.engine.runner`), and the scheduler records what was computed and appends the
+sampled tokens. :func:`run_requests` returns a :class:`RunReport`; :func:`format_summary`
+turns it into the lines the example prints.
+
+Overlapped (the default, :class:`StepPipeline`): step N+1 is scheduled, planned and queued
+while the device runs step N, and step N's results are applied after that (its decode rows'
+next tokens reach step N+1 on the device, through ``feed``). The host's work then hides
+behind the device's instead of adding to it; the tokens are the same as with ``overlap=False``,
+which applies each step's results before scheduling the next.
 """
 
 from __future__ import annotations
@@ -17,14 +23,14 @@ import torch
 
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
-from examples.engine.runner import ModelRunner, WarmupReport
-from examples.engine.scheduler import Preemption, Request, Scheduler
+from examples.engine.runner import LaunchedStep, ModelRunner, WarmupReport
+from examples.engine.scheduler import Preemption, Request, Scheduler, StepBatch
 from examples.model.llama import Llama
 from kvcache import BlockManager, KVCacheTensors
 from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
 
-__all__ = ["ProgressHook", "RunReport", "format_summary", "run_requests"]
+__all__ = ["ProgressHook", "RunReport", "StepPipeline", "format_summary", "run_requests"]
 
 
 @dataclass
@@ -54,6 +60,10 @@ class RunReport:
     #: Tensor-parallel ranks, and the agreement checks they passed (digest exchanges).
     tp_size: int = 1
     agreement_checks: int = 0
+    #: Whether steps overlapped, and the rows whose input token came from the previous step's
+    #: samples on the device (scheduled before the host knew it).
+    overlap: bool = False
+    fed_rows: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -70,6 +80,66 @@ class RunReport:
 
 #: Called after each step with (step, scheduler, seconds since start, tokens generated so far).
 ProgressHook = Callable[[int, Scheduler, float, int], None]
+#: Called with each step's batch, its launch and its sampled tokens, before they are applied.
+ResultHook = Callable[[StepBatch, LaunchedStep, list[int]], None]
+
+
+class StepPipeline:
+    """Queues steps on the runner and applies their results to the scheduler, one step late
+    when ``overlap`` (so the host schedules and plans the next step while the device runs
+    this one), at once otherwise. Sets ``scheduler.drain``, so a preemption first applies
+    the step in flight."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        overlap: bool = True,
+        keep_logits: bool = False,
+        on_result: ResultHook | None = None,
+    ):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self.keep_logits = keep_logits
+        self.on_result = on_result
+        self._in_flight: tuple[StepBatch, LaunchedStep] | None = None
+        #: Tokens sampled and applied so far.
+        self.generated = 0
+        #: Host seconds the last :meth:`submit` spent planning and queueing its step.
+        self.launch_seconds = 0.0
+        scheduler.drain = self.drain
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step's results are still to be applied."""
+        return self._in_flight is not None
+
+    def submit(self, batch: StepBatch) -> LaunchedStep:
+        """Queue ``batch``; apply the step before it (overlap) or this one (no overlap)."""
+        started = time.perf_counter()
+        launched = self.runner.launch(batch.rows, batch.token_ids, batch.feed, keep_logits=self.keep_logits)
+        self.launch_seconds = time.perf_counter() - started
+        if self.overlap:
+            self.drain()
+        self._in_flight = (batch, launched)
+        if not self.overlap:
+            self.drain()
+        return launched
+
+    def drain(self) -> None:
+        """Apply the step in flight, if any (waits for the device)."""
+        if self._in_flight is None:
+            return
+        batch, launched = self._in_flight
+        self._in_flight = None
+        tokens = launched.tokens()
+        if self.on_result is not None:
+            self.on_result(batch, launched, tokens)
+        rows = launched.plan.metadata.sampling_rows_host
+        self.scheduler.finish_step(batch, dict(zip(rows, tokens, strict=True)))
+        self.generated += len(tokens)
 
 
 def run_requests(
@@ -83,6 +153,7 @@ def run_requests(
     token_budget: int = 64,
     max_running: int = 16,
     use_graphs: bool = False,
+    overlap: bool = True,
     record_logits: bool = False,
     record_margins: bool = False,
     on_step: ProgressHook | None = None,
@@ -92,7 +163,8 @@ def run_requests(
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
     ``request.output``). The model, cache and metadata all live on ``cache.device``.
     ``use_graphs``: replay decode steps from CUDA graphs (captured, with every kernel
-    compiled, before the first request runs).
+    compiled, before the first request runs). ``overlap``: schedule each step while the
+    device runs the one before (:class:`StepPipeline`); the tokens are the same either way.
 
     ``collective``: the tensor-parallel group this rank belongs to (the model already
     connected to it). Every rank calls this with the same requests; before each step's
@@ -119,37 +191,46 @@ def run_requests(
         on_warmup(report)
     logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
     margins_of: dict[int, list[float]] = {r.req_id: [] for r in requests}
-    computed = generated = forward_steps = 0
+
+    def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
+        if launched.logits is None:
+            return
+        logits = launched.logits.cpu()
+        rows = launched.plan.metadata.sampling_rows_host
+        top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else None
+        for j, i in enumerate(rows):
+            req_id = batch.requests[i].req_id
+            if record_logits:
+                logits_of[req_id].append(logits[j])
+            if record_margins:
+                margins_of[req_id].append(float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf"))
+
+    keep = record_logits or record_margins
+    pipeline = StepPipeline(runner, scheduler, overlap=overlap, keep_logits=keep, on_result=record if keep else None)
+    computed = forward_steps = fed_rows = 0
     step = 0  # the clock request arrivals are given in
     start = time.perf_counter()
     while not scheduler.done:
         batch = scheduler.schedule(step)
         if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
             agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
-        if batch is None:  # nothing has arrived yet: jump to the next arrival
-            arrival = scheduler.next_arrival()
+        if batch is None:
+            if pipeline.busy:  # everything running waits on the step in flight
+                pipeline.drain()
+                continue
+            arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
             if arrival is None or arrival <= step:
                 raise RuntimeError("the scheduler is idle but no request is due to arrive")
             step = arrival
             continue
-        plan, logits = runner.step(batch.rows, batch.token_ids)  # once per step
-        rows = plan.metadata.sampling_rows_host
-        next_tokens = dict(zip(rows, logits.argmax(dim=-1).tolist(), strict=True))  # the step's one sync
-        if record_logits:
-            for j, i in enumerate(rows):
-                logits_of[batch.requests[i].req_id].append(logits[j].float().cpu())
-        if record_margins:
-            top2 = logits.float().topk(2, dim=-1).values.cpu() if logits.shape[-1] > 1 else None
-            for j, i in enumerate(rows):
-                margin = float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf")
-                margins_of[batch.requests[i].req_id].append(margin)
+        pipeline.submit(batch)
+        fed_rows += sum(1 for j in batch.feed if j >= 0)
         computed += len(batch.token_ids)
-        generated += len(rows)
-        scheduler.finish_step(batch, next_tokens)
         forward_steps += 1
         if on_step is not None:
-            on_step(step, scheduler, time.perf_counter() - start, generated)
+            on_step(step, scheduler, time.perf_counter() - start, pipeline.generated)
         step += 1
+    pipeline.drain()
     wall = time.perf_counter() - start
     if agreement is not None:  # a rank that stopped early meets the others' step check here
         agreement.check("outputs", forward_steps, [r.output for r in requests])
@@ -172,6 +253,8 @@ def run_requests(
         margins=margins_of if record_margins else {},
         tp_size=1 if collective is None else collective.size,
         agreement_checks=0 if agreement is None else agreement.checks,
+        overlap=overlap,
+        fed_rows=fed_rows,
     )
 
 
@@ -191,6 +274,7 @@ def format_summary(report: RunReport) -> list[str]:
         f"wall time: {report.wall_s:.2f} s",
         f"tokens/s: {tok_s:.1f} generated",
         f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
+        f"overlap: {'on' if report.overlap else 'off'} ({report.fed_rows} rows fed their token on the device)",
         f"preemptions: {report.preemptions} ("
         + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",

@@ -5,6 +5,11 @@ host-to-device copy); then a decode step replays the CUDA graph captured for its
 and any other step (prefill chunks, mixed batches, or everything with ``use_graphs=False``)
 runs the model eagerly over the same plan.
 
+:meth:`ModelRunner.launch` only queues a step: the greedy tokens are sampled on the device
+into the builder's ``sampled`` buffer (the next step can feed them to its rows without a
+round trip) and copied to pinned host memory behind the step; :meth:`LaunchedStep.tokens`
+waits for that copy. So the host can schedule and plan step N+1 while the device runs step N.
+
 On CUDA the warm-up also runs a few eager steps of throw-away sequences (prefill rows of each
 tile height, extend rows, mixed decode + prefill steps and decode rows of lengths that reach
 each split count), so kernels that compile on first use -- the backend's prefill and mixed
@@ -25,7 +30,7 @@ from examples.model import Llama
 from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
 from kvcache.step.graphs import DecodeGraphs, default_buckets
 
-__all__ = ["ModelRunner", "WarmupReport"]
+__all__ = ["LaunchedStep", "ModelRunner", "WarmupReport"]
 
 
 #: Ids of the throw-away sequences of the eager warm-up steps.
@@ -47,6 +52,28 @@ class WarmupReport:
             f"warm-up: {self.kernel_variants} kernel variants compiled, {self.eager_steps} eager warm-up steps, "
             f"{self.graphs} CUDA graphs captured in {self.seconds:.1f} s"
         )
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device.
+
+    plan:    the step's plan (``plan.metadata.sampling_rows_host[j]`` is the row of sample j).
+    samples: int64 [k] host tensor (pinned on CUDA) that the step's greedy tokens are copied
+             into, valid once :meth:`tokens` returns.
+    logits:  float32 [k, vocab] device copy of the sampled rows' logits (when asked for).
+    """
+
+    plan: StepPlan
+    samples: torch.Tensor
+    done: torch.cuda.Event | None
+    logits: torch.Tensor | None = None
+
+    def tokens(self) -> list[int]:
+        """The step's sampled token ids, in sampling-row order (waits for the device)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return list(self.samples.tolist())
 
 
 class ModelRunner:
@@ -75,6 +102,12 @@ class ModelRunner:
         self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
         self.graphs = DecodeGraphs(self.builder, self._forward) if use_graphs else None
         self.buckets = default_buckets(capacity.max_rows) if backend.info.cuda_graphs else None
+        # The rotary table for the longest sequence, built before any graph reads it.
+        model.rotary_table(capacity.max_blocks_per_seq * manager.block_size, cache.device)
+        pin = cache.device.type == "cuda"
+        #: Two host buffers for sampled ids: step N+1 is launched before step N's are read.
+        self._samples = [torch.empty(capacity.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._parity = 0
 
     def warmup(self, *, eager: bool | None = None) -> WarmupReport:
         """Compile every kernel variant the capacity can reach and capture the decode graphs,
@@ -133,28 +166,60 @@ class ModelRunner:
                     for seq_id, (seq_len, num_new) in zip(ids, rows, strict=True)
                 ]
                 plan = self.builder.plan(self.manager, scheduled, token_ids=[0] * sum(n for _, n in rows))
-                self._forward(self.builder.token_ids(plan.metadata.num_tokens), plan)
+                self._forward(self.builder.input_ids(plan.metadata.num_tokens), plan)
                 done += 1
             finally:
                 for seq_id in ids:
                     self.manager.free(seq_id, reason="aborted")
         return done
 
-    def step(self, rows: Sequence[ScheduledRow], token_ids: Sequence[int]) -> tuple[StepPlan, torch.Tensor]:
-        """Run one step. Returns the plan and float logits [len(plan.metadata.sampling_rows_host),
-        vocab]: row ``sampling_rows_host[j]``'s next-token logits are row j."""
+    def step(
+        self, rows: Sequence[ScheduledRow], token_ids: Sequence[int], feed: Sequence[int] | None = None
+    ) -> tuple[StepPlan, torch.Tensor]:
+        """Run one step (``feed`` as in ``MetadataBuilder.plan``). Returns the plan and float
+        logits [len(plan.metadata.sampling_rows_host), vocab]: row ``sampling_rows_host[j]``'s
+        next-token logits are row j (a view of the graph's output on a graph step: valid
+        until the next step)."""
         graphs = self.graphs
         decode = all(r.num_new == 1 for r in rows)
         if graphs is not None and len(rows) <= graphs.max_rows and decode:
-            plan, logits = graphs.run(self.manager, rows, token_ids)
+            plan, logits = graphs.run(self.manager, rows, token_ids, feed)
             return plan, logits
         bucket = None
         if decode and self.buckets is not None:
             bucket = next((b for b in self.buckets if b >= len(rows)), None)
-        plan = self.builder.plan(self.manager, rows, pad_to=bucket, token_ids=token_ids)
-        with torch.no_grad():
-            logits = self._forward(self.builder.token_ids(plan.metadata.num_tokens), plan)
+        plan = self.builder.plan(self.manager, rows, pad_to=bucket, token_ids=token_ids, feed=feed)
+        logits = self._forward(self.builder.input_ids(plan.metadata.num_tokens), plan)
         return plan, logits[: len(plan.metadata.sampling_rows_host)]
+
+    def launch(
+        self,
+        rows: Sequence[ScheduledRow],
+        token_ids: Sequence[int],
+        feed: Sequence[int] | None = None,
+        *,
+        keep_logits: bool = False,
+    ) -> LaunchedStep:
+        """Queue one step and its greedy sampling; return without waiting for the device.
+
+        The sampled ids land in ``builder.sampled`` (for the next step's ``feed``) and, behind
+        the step, in a pinned host buffer (:meth:`LaunchedStep.tokens`). Two host buffers
+        alternate, so a step's tokens must be read before the step after next is launched.
+        ``keep_logits``: keep a float32 copy of the sampled rows' logits.
+        """
+        plan, logits = self.step(rows, token_ids, feed)
+        k = len(plan.metadata.sampling_rows_host)
+        sampled = self.builder.sampled[:k]
+        torch.argmax(logits[:k], dim=-1, out=sampled)
+        host = self._samples[self._parity][:k]
+        self._parity ^= 1
+        host.copy_(sampled, non_blocking=True)
+        done = None
+        if self.cache.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        kept = logits[:k].float().clone() if keep_logits else None
+        return LaunchedStep(plan, host, done, kept)
 
     def _forward(self, token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         with torch.no_grad():

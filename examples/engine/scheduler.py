@@ -15,9 +15,18 @@ block is taken (check, then act):
 A step never schedules more than ``token_budget`` tokens, so a long prompt is prefilled in
 chunks across several steps while other requests keep decoding.
 
-After the forward pass :meth:`Scheduler.finish_step` records what was computed
-(``mark_computed``), appends the sampled token of every row that reached the end of what is
-known, and frees finished requests.
+After the forward pass :meth:`Scheduler.finish_step` records what was computed (``commit``),
+appends the sampled token of every row that reached the end of what is known, and frees
+finished requests.
+
+Overlap: the scheduler may plan step N+1 before step N's tokens are known (the loop applies
+step N's results after launching N+1). A request whose row in step N samples then has one
+token *in flight*: step N+1 gives it a decode row whose input is fed on the device from step
+N's samples (``StepBatch.feed``), reserves its slot with ``append_slots(..., defer_ids=True)``,
+and ``finish_step`` gives the manager the id once known (``fill_token_ids``). A request whose
+last token is in flight is not scheduled again. Before preempting anyone the scheduler drains
+(``drain``: the loop applies the step in flight), so a preempted request never has a token in
+flight.
 
 Preemption is a strategy (:class:`Preemption`): ``recompute`` frees the victim's blocks and
 later prefills prompt + generated tokens again; ``swap`` copies the victim's blocks to host
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -55,10 +64,17 @@ class Request:
     max_new_tokens: int
     #: The step at which the request arrives (it cannot be admitted before).
     arrival_step: int = 0
-    #: Tokens generated so far.
+    #: Tokens generated so far (known on the host).
     output: list[int] = field(default_factory=list)
-    #: Leading tokens of ``tokens`` whose K/V is in the cache.
+    #: Leading tokens whose K/V is in the cache or queued to be written by a launched step.
     num_computed: int = 0
+    #: Tokens sampled on the device whose ids the host does not know yet (one per step in flight).
+    in_flight: int = 0
+    #: The sampling row (in its step) of the last token sampled for it: what the next step
+    #: feeds to its decode row while that token is in flight.
+    sample_row: int = -1
+    #: Whether the manager holds a slot for the in-flight token with its id deferred.
+    deferred_slot: bool = False
     #: Whether it was preempted and waits to resume (vs. never admitted).
     preempted: bool = False
     num_preemptions: int = 0
@@ -68,16 +84,31 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt then generated tokens: everything known about the sequence."""
+        """Prompt then generated tokens: every id known on the host."""
         return self.prompt + self.output
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        """Tokens of the sequence, the in-flight one included."""
+        return len(self.prompt) + len(self.output) + self.in_flight
 
     @property
     def is_finished(self) -> bool:
         return len(self.output) >= self.max_new_tokens
+
+    @property
+    def fully_sampled(self) -> bool:
+        """Its last token is sampled (perhaps still in flight): nothing more to schedule."""
+        return len(self.output) + self.in_flight >= self.max_new_tokens
+
+    def tokens_at(self, start: int, end: int) -> list[int]:
+        """The known ids of positions ``[start, end)`` (without copying the whole sequence)."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
 
     @property
     def peak_tokens(self) -> int:
@@ -221,19 +252,25 @@ def make_preemption(mode: str, manager: BlockManager, cache: KVCacheTensors, swa
 @dataclass
 class StepBatch:
     """One step's work. ``rows[i]`` belongs to ``requests[i]``; ``token_ids`` are all rows'
-    new tokens, concatenated in row order (the model's input)."""
+    new tokens, concatenated in row order (the model's input; 0 stands for a fed token).
+
+    feed:     per row, -1 or the previous step's sampling row whose token is this row's
+              input (``MetadataBuilder.plan(feed=...)``).
+    sampling: per row, whether it reaches the end of its sequence, so its logits give the
+              next token (a prompt chunk short of the end does not); sampling rows come in
+              row order, as the metadata's ``sampling_rows_host``.
+    """
 
     step: int
     rows: list[ScheduledRow]
     requests: list[Request]
     token_ids: list[int]
+    feed: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)
 
     def samples(self, i: int) -> bool:
-        """Whether row ``i`` reaches the end of its known tokens, so its logits give the
-        next token (a prompt chunk short of the end does not)."""
-        row = self.rows[i]
-        assert row.start is not None, "the scheduler always sets a row's start"
-        return row.start + row.num_new == self.requests[i].num_tokens
+        """Whether row ``i`` samples a token."""
+        return self.sampling[i]
 
 
 class Scheduler:
@@ -260,18 +297,31 @@ class Scheduler:
         self.max_running = max_running
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_step))  # not yet arrived
         for req in self.pending:
-            need = manager.blocks_for(req.peak_tokens)
-            if need > manager.num_blocks:
-                raise ValueError(
-                    f"request {req.req_id}: {len(req.prompt)} prompt + {req.max_new_tokens} new "
-                    f"tokens need {need} blocks but the pool has {manager.num_blocks}; "
-                    f"give the cache more blocks or shorten the request"
-                )
+            self._check_fits(req)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self.finished: list[Request] = []
         self.num_preemptions = 0
         self.peak_blocks = 0
+        #: Applies the step in flight, if any (set by an overlapped loop): called before a
+        #: preemption, so no request is preempted with a token in flight.
+        self.drain: Callable[[], None] | None = None
+
+    def submit(self, req: Request) -> None:
+        """A request arriving now (an online server's entry point; requests given at
+        construction arrive at their ``arrival_step``). Raises ValueError when it could
+        never fit in the whole pool."""
+        self._check_fits(req)
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request) -> None:
+        need = self.manager.blocks_for(req.peak_tokens)
+        if need > self.manager.num_blocks:
+            raise ValueError(
+                f"request {req.req_id}: {len(req.prompt)} prompt + {req.max_new_tokens} new "
+                f"tokens need {need} blocks but the pool has {self.manager.num_blocks}; "
+                f"give the cache more blocks or shorten the request"
+            )
 
     @property
     def done(self) -> bool:
@@ -293,7 +343,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop as a victim
+            if req not in self.running or req.fully_sampled:  # a victim above, or done
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             reserved = self.manager.num_tokens(req.req_id)
@@ -301,7 +351,12 @@ class Scheduler:
             if extra > 0:
                 if not self._make_room(req, extra):
                     continue
-                self.manager.append_slots(req.req_id, extra, token_ids=req.tokens[reserved : reserved + extra])
+                known = req.tokens_at(reserved, reserved + extra)  # a drain may have made it known
+                if len(known) == extra:
+                    self.manager.append_slots(req.req_id, extra, token_ids=known)
+                else:  # the sampled token is in flight: its id comes later
+                    self.manager.append_slots(req.req_id, extra, defer_ids=True)
+                    req.deferred_slot = True
             budget -= self._add(batch, req, n)
         # Admitting after a preemption would only hand the freed blocks to a newer request.
         preempted = self.num_preemptions > preemptions_before
@@ -332,10 +387,14 @@ class Scheduler:
         Returns the requests that finished."""
         self.manager.commit(batch.rows)
         done = []
-        for i, (row, req) in enumerate(zip(batch.rows, batch.requests, strict=True)):
-            req.num_computed += row.num_new
-            if batch.samples(i):
-                req.output.append(int(next_tokens[i]))
+        for i, req in enumerate(batch.requests):
+            if batch.sampling[i]:
+                token = int(next_tokens[i])
+                req.output.append(token)
+                req.in_flight -= 1
+                if req.deferred_slot:
+                    self.manager.fill_token_ids(req.req_id, [token])
+                    req.deferred_slot = False
                 if req.is_finished:
                     self.manager.free(req.req_id)
                     self.running.remove(req)
@@ -350,12 +409,24 @@ class Scheduler:
         start = req.num_computed
         batch.rows.append(ScheduledRow(req.req_id, n, start=start))
         batch.requests.append(req)
-        batch.token_ids.extend(req.tokens[start : start + n])
+        known = req.tokens_at(start, start + n)
+        fed = len(known) < n  # the last token is in flight: read it from the device
+        batch.token_ids.extend(known + [0] * (n - len(known)))
+        batch.feed.append(req.sample_row if fed else -1)
+        samples = start + n == req.num_tokens
+        if samples:
+            req.sample_row = sum(batch.sampling)
+            req.in_flight += 1
+        batch.sampling.append(samples)
+        req.num_computed = start + n
         return n
 
     def _make_room(self, req: Request, extra: int) -> bool:
-        """Preempt the newest running requests until ``req`` can take ``extra`` more slots.
-        False when ``req`` itself had to go."""
+        """Preempt the newest running requests until ``req`` can take ``extra`` more slots
+        (after applying the step in flight, which may free blocks and leaves no token in
+        flight). False when ``req`` itself had to go."""
+        if self.drain is not None and not self.manager.can_append(req.req_id, extra):
+            self.drain()
         while not self.manager.can_append(req.req_id, extra):
             victim = self.running[-1]
             self._preempt(victim)

@@ -12,6 +12,15 @@ Block tables are persistent rows: row ``i`` remembers which sequence record it s
 many of its blocks are already written, so a step writes only the blocks appended since (a
 decode step: one block every ``block_size`` steps per row), and rewrites a row only when
 another sequence takes it.
+
+Overlap (an engine that prepares step N+1 while the device runs step N): on CUDA the host
+buffer is doubled, so planning a step never waits for the previous step's copy to have read
+its buffer (each host buffer keeps its own record of the rows it holds; one device buffer is
+enough, because the copy of step N+1 is queued behind step N's kernels on the same stream).
+Tokens sampled on the device need no round trip through the host: the engine writes each
+step's sampled ids into :attr:`MetadataBuilder.sampled`, and the next step's ``feed`` names,
+per row, the sampled row whose token is that row's last input; :meth:`MetadataBuilder.input_ids`
+gathers them on the device.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class _Layout:
     positions: int
     logits: int
     token_ids: int
+    feed: int
     tables: int
     nbytes: int
 
@@ -67,15 +77,35 @@ class _Layout:
 
         seq_lens, qsl = take(4 * r), take(4 * (r + 1))
         regions = {name: (take(4 * n), n) for name, n in staged.items()}
-        slots, positions, logits, token_ids = take(8 * t), take(8 * t), take(8 * r), take(8 * t)
+        slots, positions, logits, token_ids, feed = take(8 * t), take(8 * t), take(8 * r), take(8 * t), take(8 * t)
         tables = take(4 * r * w)
-        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, token_ids, tables, offset)
+        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, token_ids, feed, tables, offset)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a CPU tensor's bytes (no numpy needed)."""
     nbytes = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class _HostBuffer:
+    """One host staging buffer (pinned on CUDA), the block-table rows it holds, and the event
+    of the last copy that read it."""
+
+    def __init__(self, layout: _Layout, pin: bool):
+        self.tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.mv = _bytes_view(self.tensor)
+        rows = layout.capacity.max_rows
+        self.row_record: list[SequenceBlocks | None] = [None] * rows
+        self.row_epoch = [0] * rows
+        self.row_written = [0] * rows
+        self.copied: torch.cuda.Event | None = None
+
+    def wait_for_copy(self) -> None:
+        """The last copy from this buffer must have read it before it is rewritten."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
 
 
 class MetadataBuilder:
@@ -104,7 +134,8 @@ class MetadataBuilder:
         self._check = DeviceCheck(self.device) if check else None
         self.fixed = capacity is not None
         self._on_cuda = self.device.type == "cuda"
-        self._copied: torch.cuda.Event | None = None
+        #: Sampling rows of the last step planned (what ``feed`` may name in the next).
+        self._sampled_rows = 0
         self._allocate(capacity or StepCapacity(8, 64, 8))
 
     @property
@@ -120,14 +151,18 @@ class MetadataBuilder:
         *,
         pad_to: int | None = None,
         token_ids: Sequence[int] | None = None,
+        feed: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Metadata for ``rows``, in order, padded with empty rows to ``pad_to`` rows (a CUDA
         graph bucket). ``token_ids``: the step's input tokens (all rows' new tokens in row
-        order), staged too and read back with :meth:`token_ids`. Changes nothing in
-        ``manager``. Raises MetadataError naming the row when a row asks for positions
-        outside the sequence's held tokens, UnknownSequenceError for an unknown id, and
-        InvalidArgumentError when the step does not fit a fixed capacity."""
-        meta = self._fill(manager, rows, pad_to, token_ids)
+        order), staged too and read back with :meth:`input_ids`. ``feed``: per row, -1 or
+        the index ``j`` of a sampling row of the previous step: then that row's last input
+        token is ``sampled[j]``, read on the device (its entry in ``token_ids`` is ignored).
+        Changes nothing in ``manager``. Raises MetadataError naming the row when a row asks
+        for positions outside the sequence's held tokens, UnknownSequenceError for an unknown
+        id, and InvalidArgumentError when the step does not fit a fixed capacity or ``feed``
+        names no sampling row of the previous step."""
+        meta = self._fill(manager, rows, pad_to, token_ids, feed)
         self._commit(meta, manager)
         return meta
 
@@ -138,13 +173,14 @@ class MetadataBuilder:
         *,
         pad_to: int | None = None,
         token_ids: Sequence[int] | None = None,
+        feed: Sequence[int] | None = None,
     ) -> StepPlan:
         """Metadata and the backend's plan for ``rows`` (arguments as in :meth:`build`),
         staged together and copied to the device in one transfer. ``pad_to``: plan for a
         CUDA-graph bucket of that many rows."""
         if self.backend is None:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
-        meta = self._fill(manager, rows, pad_to, token_ids)
+        meta = self._fill(manager, rows, pad_to, token_ids, feed)
         plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
         self._commit(meta, manager)
         return plan
@@ -156,8 +192,26 @@ class MetadataBuilder:
             self._check.raise_if_violated()
 
     def token_ids(self, num_tokens: int) -> torch.Tensor:
-        """int64 [num_tokens] device view of the staged input tokens (padding tokens: 0)."""
+        """int64 [num_tokens] device view of the staged input tokens (padding tokens: 0), as
+        given: fed tokens are not in it (:meth:`input_ids` has them)."""
         return self._view(self._layout.token_ids, torch.int64, num_tokens)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """int64 [max_rows] on the device: the engine writes each step's sampled token ids
+        here, row ``j`` for the step's sampling row ``j`` (e.g. ``torch.argmax(logits, -1,
+        out=builder.sampled[:k])``), for the next step's ``feed``."""
+        return self._sampled
+
+    def input_ids(self, num_tokens: int) -> torch.Tensor:
+        """int64 [num_tokens] device tensor of the step's input tokens: the staged ones, with
+        every fed token read from :attr:`sampled` (device ops only, no host sync: callable
+        inside a CUDA-graph capture, and valid once the previous step's sampling is queued).
+        A persistent buffer, rewritten by the next call."""
+        staged = self.token_ids(num_tokens)
+        feed = self._view(self._layout.feed, torch.int64, num_tokens)
+        picked = self._sampled.index_select(0, feed.clamp(0, self._sampled.numel() - 1))
+        return torch.where(feed >= 0, picked, staged, out=self._inputs[:num_tokens])
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -166,15 +220,20 @@ class MetadataBuilder:
         if self.backend is not None:
             staged = {r.name: r.numel for r in self.backend.buffer_requests(capacity) if r.staged}
         layout = _Layout.of(capacity, staged)
-        pin = self._on_cuda
-        self._host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._device_buf = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
-        self._mv = _bytes_view(self._host)
+        # Two host buffers on CUDA, so a step is planned while the previous one's copy is in
+        # flight; one elsewhere (nothing is in flight: the CPU "device" buffer is the host's).
+        self._buffers = [_HostBuffer(layout, self._on_cuda) for _ in range(2 if self._on_cuda else 1)]
+        self._next = 0
+        self._buf = self._buffers[0]
+        self._mv = self._buf.mv
+        host = self._buf.tensor
+        self._device_buf = host if self.device.type == "cpu" else torch.zeros_like(host, device=self.device)
+        previous = getattr(self, "_sampled", None)  # a grown builder keeps the last step's samples
+        self._sampled = torch.zeros(capacity.max_rows, dtype=torch.int64, device=self.device)
+        if previous is not None:
+            self._sampled[: previous.numel()] = previous
+        self._inputs = torch.zeros(capacity.max_tokens, dtype=torch.int64, device=self.device)
         self._layout = layout
-        rows = capacity.max_rows
-        self._row_record: list[SequenceBlocks | None] = [None] * rows
-        self._row_epoch = [0] * rows
-        self._row_written = [0] * rows
         self._staging = _BufferStaging(self, capacity)
         self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -188,7 +247,10 @@ class MetadataBuilder:
                 f"builder's capacity is {cap.max_rows} rows, {cap.max_tokens} tokens, {cap.max_blocks_per_seq} "
                 f"columns; schedule smaller steps or build the MetadataBuilder with a larger capacity"
             )
-        self._wait_for_copy()
+        for buffer in self._buffers:
+            buffer.wait_for_copy()
+        if self._on_cuda:  # the old device buffers may still be read by queued kernels
+            torch.cuda.current_stream(self.device).synchronize()
         self._allocate(
             StepCapacity(
                 max(rows, 2 * cap.max_rows) if rows > cap.max_rows else cap.max_rows,
@@ -203,6 +265,7 @@ class MetadataBuilder:
         rows: Sequence[ScheduledRow],
         pad_to: int | None,
         token_ids: Sequence[int] | None,
+        feed: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         n = len(rows)
         if n == 0 and pad_to is None:
@@ -261,8 +324,9 @@ class MetadataBuilder:
                 widest = len(seq.blocks)
         if token_ids is not None and len(token_ids) != tokens:
             raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
+        fed = self._checked_feed(feed, n, qsl)
         self._grow(padded, tokens + padded - n, widest)
-        self._wait_for_copy()
+        self._switch_buffer()
         self._write_tables(records)
         self._write_padding_tables(n, padded)
         if token_ids is not None:
@@ -278,14 +342,46 @@ class MetadataBuilder:
             positions += [0] * pad
             logits += range(tokens, num_tokens)
             qsl += range(tokens + 1, num_tokens + 1)
+        feed_values = array("q", [-1]) * num_tokens
+        for position, j in fed:
+            feed_values[position] = j
+        self._mv[self._layout.feed : self._layout.feed + 8 * num_tokens].cast("q")[:] = feed_values
+        self._sampled_rows = len(sampling)
         return self._write_rows(seq_lens, query_lens, slots, positions, qsl, logits, sampling, padded, bs)
+
+    def _checked_feed(self, feed: Sequence[int] | None, n: int, qsl: list[int]) -> list[tuple[int, int]]:
+        """``(token position, sampled row)`` of each fed row's last token; raises
+        InvalidArgumentError for a feed that does not fit this step and the previous one."""
+        if feed is None:
+            return []
+        if isinstance(feed, (str, bytes)) or len(feed) != n:
+            got = len(feed) if hasattr(feed, "__len__") else type(feed).__name__
+            raise InvalidArgumentError(f"feed: expected one entry per row ({n}), got {got}")
+        fed = []
+        for i, j in enumerate(feed):
+            if type(j) is not int or not -1 <= j < self._sampled_rows:
+                raise InvalidArgumentError(
+                    f"feed[{i}]: {j!r:.20} is not -1 or a sampling row of the previous step "
+                    f"(it sampled {self._sampled_rows} rows)"
+                )
+            if j >= 0:
+                fed.append((qsl[i + 1] - 1, j))
+        return fed
+
+    def _switch_buffer(self) -> None:
+        """Plan into the next host buffer, once its last copy has read it."""
+        self._buf = self._buffers[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
+        self._buf.wait_for_copy()
+        self._mv = self._buf.mv
 
     def _write_tables(self, records: list[SequenceBlocks]) -> None:
         """Write the blocks each row does not show yet (all of them when the row changed hands)."""
         layout = self._layout
         width = layout.capacity.max_blocks_per_seq
         table = self._mv[layout.tables : layout.tables + 4 * layout.capacity.max_rows * width].cast("i")
-        shown, epochs, written = self._row_record, self._row_epoch, self._row_written
+        buf = self._buf
+        shown, epochs, written = buf.row_record, buf.row_epoch, buf.row_written
         for i, seq in enumerate(records):
             blocks = seq.blocks
             have = len(blocks)
@@ -309,8 +405,8 @@ class MetadataBuilder:
         table = self._mv[self._layout.tables : self._layout.tables + 4 * end * width].cast("i")
         for i in range(first, end):
             table[i * width] = 0
-            self._row_record[i] = None
-            self._row_written[i] = 0
+            self._buf.row_record[i] = None
+            self._buf.row_written[i] = 0
 
     def _write_rows(
         self,
@@ -387,16 +483,10 @@ class MetadataBuilder:
         if self.device.type == "cpu":
             return
         end = self._layout.tables + 4 * self._rows_in_use * self._layout.capacity.max_blocks_per_seq
-        self._device_buf[:end].copy_(self._host[:end], non_blocking=True)
+        self._device_buf[:end].copy_(self._buf.tensor[:end], non_blocking=True)
         if self._on_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def _wait_for_copy(self) -> None:
-        """The previous step's copy must have read the host buffer before it is rewritten."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+            self._buf.copied = torch.cuda.Event()
+            self._buf.copied.record()
 
 
 class _BufferStaging(PlanStaging):

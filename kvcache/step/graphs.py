@@ -7,7 +7,9 @@ persistent buffers: a step with ``n <= B`` rows is planned padded to ``B`` rows
 token ids into the same device addresses the graph recorded, in the step's one copy; then the
 graph replays. Padding rows have ``seq_len`` 0 and slot -1: they read and write no K/V. The
 backend plans graph steps from the bucket size alone (never from this step's lengths), so
-every replay launches exactly what was captured.
+every replay launches exactly what was captured. The graph starts with
+``MetadataBuilder.input_ids``, so tokens fed from the previous step's samples are gathered
+inside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvcache.step.builder import MetadataBuilder
 
 __all__ = ["DecodeGraphs", "default_buckets"]
 
-#: ``forward(token_ids, plan) -> output``: token_ids int64 [B] (the builder's token buffer),
+#: ``forward(token_ids, plan) -> output``: token_ids int64 [B] (``builder.input_ids(B)``),
 #: output [B, ...]; it must only launch device work (no host sync, no new tensor shapes).
 Forward = Callable[[torch.Tensor, StepPlan], torch.Tensor]
 
@@ -79,13 +81,12 @@ class DecodeGraphs:
         graphs were captured."""
         for bucket in reversed(self.buckets):
             plan = self.builder.plan(manager, [], pad_to=bucket, token_ids=[])
-            ids = self.builder.token_ids(bucket)
             for _ in range(2):
-                self.forward(ids, plan)
+                self.forward(self.builder.input_ids(bucket), plan)
             torch.cuda.synchronize(self.builder.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                output = self.forward(ids, plan)
+                output = self.forward(self.builder.input_ids(bucket), plan)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bucket] = _Captured(graph, output)
@@ -93,12 +94,17 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def run(
-        self, manager: BlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int]
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        token_ids: Sequence[int],
+        feed: Sequence[int] | None = None,
     ) -> tuple[StepPlan, torch.Tensor]:
-        """Plan a pure decode step padded to its bucket and replay that bucket's graph.
-        Returns the plan and the output rows of the real rows (a view into the graph's
-        output, valid until the next replay). Raises InvalidArgumentError when the step is
-        not a pure decode step or has more rows than the largest bucket."""
+        """Plan a pure decode step padded to its bucket and replay that bucket's graph
+        (``feed`` as in ``MetadataBuilder.plan``). Returns the plan and the output rows of the
+        real rows (a view into the graph's output, valid until the next replay). Raises
+        InvalidArgumentError when the step is not a pure decode step or has more rows than
+        the largest bucket."""
         bucket = self.bucket_for(len(rows))
         if bucket is None or bucket not in self._graphs:
             raise InvalidArgumentError(
@@ -106,7 +112,7 @@ class DecodeGraphs:
             )
         if any(row.num_new != 1 for row in rows):
             raise InvalidArgumentError("rows: only decode steps (one new token per row) replay a graph")
-        plan = self.builder.plan(manager, rows, pad_to=bucket, token_ids=token_ids)
+        plan = self.builder.plan(manager, rows, pad_to=bucket, token_ids=token_ids, feed=feed)
         captured = self._graphs[bucket]
         captured.graph.replay()
         return plan, captured.output[: len(rows)]

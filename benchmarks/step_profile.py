@@ -1,0 +1,112 @@
+"""Where a serving iteration's GPU time goes: the kernels of a torch.profiler trace, summed by
+class, per iteration, beside the iterations' wall time (what is left is host time the GPU
+waited for).
+
+Classes, by kernel name (the first pattern that matches wins):
+
+- ``attention``: our paged decode and prefill kernels and their combine, flash-attn's;
+- ``gemm``: cuBLAS / cuBLASLt / CUTLASS matrix products (``nvjet``, ``sm90_xmma``, ``gemm``,
+  ``gemv``, ``cutlass``) and their split-K reductions (``splitKreduce``);
+- ``boundary``: the fused rotary + cache write (``_rotary_write_kernel``) and the plain cache
+  write;
+- ``copy``: memcpy / memset;
+- ``elementwise``: everything else (norms, SiLU x up, embedding gather, argmax, the
+  metadata check, torch's elementwise and reduction kernels).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CLASSES", "KernelBreakdown", "breakdown", "classify"]
+
+CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("attention", re.compile(r"decode_items_kernel|decode_combine|_prefill_kernel|flash_fwd|flash::|fmha", re.I)),
+    ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
+    ("boundary", re.compile(r"_rotary_write_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
+    ("copy", re.compile(r"memcpy|memset", re.I)),
+)
+
+
+def classify(name: str) -> str:
+    """The class of a kernel named ``name`` (see the module docstring)."""
+    return next((label for label, pattern in CLASSES if pattern.search(name)), "elementwise")
+
+
+@dataclass
+class KernelBreakdown:
+    """GPU kernel time of ``iterations`` iterations, per iteration.
+
+    ms:        class -> milliseconds per iteration.
+    launches:  class -> kernels per iteration.
+    top:       the kernels with the most time: (name, ms per iteration, launches per iteration).
+    wall_ms:   wall time per iteration (host clock), when the caller measured it.
+    """
+
+    iterations: int
+    ms: dict[str, float] = field(default_factory=dict)
+    launches: dict[str, float] = field(default_factory=dict)
+    top: list[tuple[str, float, float]] = field(default_factory=list)
+    wall_ms: float | None = None
+
+    @property
+    def gpu_ms(self) -> float:
+        return sum(self.ms.values())
+
+    @property
+    def idle_ms(self) -> float | None:
+        """Wall time per iteration with no kernel running: host work the GPU waited for."""
+        return None if self.wall_ms is None else max(0.0, self.wall_ms - self.gpu_ms)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "iterations": self.iterations,
+            "ms_per_iteration": {k: round(v, 4) for k, v in sorted(self.ms.items())},
+            "kernels_per_iteration": {k: round(v, 2) for k, v in sorted(self.launches.items())},
+            "gpu_ms_per_iteration": round(self.gpu_ms, 4),
+            "wall_ms_per_iteration": None if self.wall_ms is None else round(self.wall_ms, 4),
+            "gpu_idle_ms_per_iteration": None if self.idle_ms is None else round(self.idle_ms, 4),
+            "top_kernels": [
+                {"name": n[:120], "ms_per_iteration": round(t, 4), "launches_per_iteration": round(c, 2)}
+                for n, t, c in self.top
+            ],
+        }
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.ms.items(), key=lambda kv: -kv[1]))
+        idle = "" if self.idle_ms is None else f"; wall {self.wall_ms:.2f}, GPU idle {self.idle_ms:.2f}"
+        return f"per iteration (ms): GPU {self.gpu_ms:.2f} = {parts}{idle}"
+
+
+def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: int = 12) -> KernelBreakdown:
+    """Sum the CUDA kernel events of a finished ``torch.profiler.profile`` (its
+    ``events()``) by class, per iteration. ``wall_s``: the host time of those iterations."""
+    total: dict[str, float] = defaultdict(float)
+    count: Counter[str] = Counter()
+    per_kernel: dict[str, float] = defaultdict(float)
+    per_kernel_count: Counter[str] = Counter()
+    for event in events:
+        # Kernels (and device copies) are the events on the device; a host op's device time
+        # would count its kernels twice.
+        if str(getattr(event, "device_type", "")) != "DeviceType.CUDA":
+            continue
+        us = float(event.time_range.elapsed_us())
+        if us <= 0:
+            continue
+        label = classify(event.name)
+        total[label] += us
+        count[label] += 1
+        per_kernel[event.name] += us
+        per_kernel_count[event.name] += 1
+    n = max(iterations, 1)
+    result = KernelBreakdown(iterations)
+    result.ms = {k: v / 1e3 / n for k, v in total.items()}
+    result.launches = {k: v / n for k, v in count.items()}
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    result.top = [(name, us / 1e3 / n, per_kernel_count[name] / n) for name, us in ranked]
+    if wall_s is not None:
+        result.wall_ms = 1e3 * wall_s / n
+    return result
