@@ -91,40 +91,44 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     row = table_ptr + pos * (2 * HALF)
     cos = tl.load(row + j, mask=j < HALF)
     sin = tl.load(row + HALF + j, mask=j < HALF)
+    # The two branches share no variable names: Triton requires a name assigned in both
+    # branches to have one type in both, and K leaves as the cache dtype.
     if chunk < Q_CHUNKS:
         h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
-        lo, hi = _rotate_tile(q_ptr, t * stride_qt + h[:, None] * stride_qh, j, mask, cos, sin, HALF)
+        q_lo, q_hi = _rotate_tile(q_ptr, t * stride_qt + h[:, None] * stride_qh, j, mask, cos, sin, HALF)
         out = q_out_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
-        tl.store(out, lo.to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF, hi.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, q_lo.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, q_hi.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
-        h = (chunk - Q_CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        kh = (chunk - Q_CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(slot_ptr + t)
         # An invalid slot shrinks the head range to nothing (a scalar select: the interpreter
         # mistypes scalar & tensor).
         heads = tl.where((slot >= 0) & (slot < num_slots), NUM_KV_HEADS, 0)
-        h_mask = h < heads
-        mask = h_mask[:, None] & (j[None, :] < HALF)
-        lo, hi = _rotate_tile(k_ptr, t * stride_kt + h[:, None] * stride_kh, j, mask, cos, sin, HALF)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h[:, None] * stride_ch + j[None, :]
-        v_src = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
-        v_lo = tl.load(v_src, mask=mask)
-        v_hi = tl.load(v_src + HALF, mask=mask)
+        kh_mask = kh < heads
+        kv_mask = kh_mask[:, None] & (j[None, :] < HALF)
+        k_lo, k_hi = _rotate_tile(k_ptr, t * stride_kt + kh[:, None] * stride_kh, j, kv_mask, cos, sin, HALF)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kh[:, None] * stride_ch + j[None, :]
+        v_src = v_ptr + t * stride_vt + kh[:, None] * stride_vh + j[None, :]
+        v_lo = tl.load(v_src, mask=kv_mask)
+        v_hi = tl.load(v_src + HALF, mask=kv_mask)
         dtype = k_cache_ptr.dtype.element_ty
         if QUANTIZE:
-            lo = _quantize(lo, k_scale_ptr, h, h_mask, dtype, INTERPRETED)
-            hi = _quantize(hi, k_scale_ptr, h, h_mask, dtype, INTERPRETED)
-            v_lo = _quantize(v_lo.to(tl.float32), v_scale_ptr, h, h_mask, dtype, INTERPRETED)
-            v_hi = _quantize(v_hi.to(tl.float32), v_scale_ptr, h, h_mask, dtype, INTERPRETED)
+            k_lo_out = _quantize(k_lo, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+            k_hi_out = _quantize(k_hi, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+            v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+            v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
         else:
-            lo = lo.to(dtype)
-            hi = hi.to(dtype)
-        # V is otherwise a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
-        tl.store(k_cache_ptr + dst, lo, mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, hi, mask=mask)
-        tl.store(v_cache_ptr + dst, v_lo, mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v_hi, mask=mask)
+            # V is a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
+            k_lo_out = k_lo.to(dtype)
+            k_hi_out = k_hi.to(dtype)
+            v_lo_out = v_lo
+            v_hi_out = v_hi
+        tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
+        tl.store(v_cache_ptr + dst, v_lo_out, mask=kv_mask)
+        tl.store(v_cache_ptr + dst + HALF, v_hi_out, mask=kv_mask)
 
 
 def rotary_write_kv(

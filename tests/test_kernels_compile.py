@@ -1,0 +1,81 @@
+"""The fused boundary kernel and the model's elementwise kernels compile for the H200 (sm_90)
+without a GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU
+compiler rejects programs its CPU interpreter runs (a name bound to two types in the branches
+of an ``if``, say), so the interpreter tests alone would let such a kernel reach the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attention.triton_kernels.rotary_write import _rotary_write_kernel
+from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
+
+def source(fn, sig, consts):
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    return ASTSource(fn, sig, constexprs=consts)
+
+def rotary(dtype, cache, quantize):
+    sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "q_out_ptr": dtype, "k_cache_ptr": cache,
+           "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "num_slots": "i64", "max_positions": "i32"}
+    for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+                 "stride_oh", "stride_cb", "stride_ct", "stride_ch"):
+        sig[name] = "i32"
+    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, Q_CHUNKS=1, BLOCK_SIZE=256,
+                  QUANTIZE=quantize, INTERPRETED=False)
+    return source(_rotary_write_kernel, sig, consts)
+
+def norm(dtype, add):
+    sig = {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype, "sum_ptr": dtype,
+           "dim": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32"}
+    return source(_rms_norm_kernel, sig, dict(ADD=add, BLOCK=4096, ROUND_BF16=False))
+
+def silu(dtype):
+    sig = {"gate_up_ptr": dtype, "out_ptr": dtype, "width": "i32", "stride_g": "i32", "stride_o": "i32"}
+    return source(_silu_mul_kernel, sig, dict(BLOCK=1024, ROUND_BF16=False))
+
+target = GPUTarget("cuda", 90, 32)
+kernels = {
+    "rotary-bf16": rotary("*bf16", "*bf16", False),
+    "rotary-fp16": rotary("*fp16", "*fp16", False),
+    "rotary-fp32": rotary("*fp32", "*fp32", False),
+    "rotary-bf16-fp8-cache": rotary("*bf16", "*fp8e4nv", True),
+    "norm-bf16": norm("*bf16", False),
+    "add-norm-bf16": norm("*bf16", True),
+    "add-norm-fp32": norm("*fp32", True),
+    "silu-bf16": silu("*bf16"),
+    "silu-fp16": silu("*fp16"),
+}
+report = {}
+for name, src in kernels.items():
+    k = triton.compile(src, target=target, options=dict(num_warps=4))
+    report[name] = {"shared": k.metadata.shared, "ptx_lines": k.asm["ptx"].count(chr(10))}
+print(json.dumps(report))
+"""
+
+
+def test_boundary_and_model_kernels_compile_for_sm90() -> None:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip(f"triton has no bundled ptxas here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 9, report
