@@ -51,6 +51,9 @@ class KernelBreakdown:
     launches: dict[str, float] = field(default_factory=dict)
     top: list[tuple[str, float, float]] = field(default_factory=list)
     wall_ms: float | None = None
+    #: One replay of the last iteration's CUDA graph, back to back (no host work between):
+    #: the step's GPU time with the gaps between its kernels, when the iterations were graphs.
+    replay_ms: float | None = None
 
     @property
     def gpu_ms(self) -> float:
@@ -58,8 +61,17 @@ class KernelBreakdown:
 
     @property
     def idle_ms(self) -> float | None:
-        """Wall time per iteration with no kernel running: host work the GPU waited for."""
+        """Wall time per iteration with no kernel running (host waits and the gaps between
+        kernels together)."""
         return None if self.wall_ms is None else max(0.0, self.wall_ms - self.gpu_ms)
+
+    @property
+    def host_wait_ms(self) -> float | None:
+        """Wall time per iteration beyond the graph's own back-to-back replay: what the GPU
+        waited for the host (None without a replay time)."""
+        if self.wall_ms is None or self.replay_ms is None:
+            return None
+        return max(0.0, self.wall_ms - self.replay_ms)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +81,8 @@ class KernelBreakdown:
             "gpu_ms_per_iteration": round(self.gpu_ms, 4),
             "wall_ms_per_iteration": None if self.wall_ms is None else round(self.wall_ms, 4),
             "gpu_idle_ms_per_iteration": None if self.idle_ms is None else round(self.idle_ms, 4),
+            "graph_replay_ms": None if self.replay_ms is None else round(self.replay_ms, 4),
+            "host_wait_ms_per_iteration": None if self.host_wait_ms is None else round(self.host_wait_ms, 4),
             "top_kernels": [
                 {"name": n[:120], "ms_per_iteration": round(t, 4), "launches_per_iteration": round(c, 2)}
                 for n, t, c in self.top
@@ -77,7 +91,9 @@ class KernelBreakdown:
 
     def line(self) -> str:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.ms.items(), key=lambda kv: -kv[1]))
-        idle = "" if self.idle_ms is None else f"; wall {self.wall_ms:.2f}, GPU idle {self.idle_ms:.2f}"
+        idle = "" if self.idle_ms is None else f"; wall {self.wall_ms:.2f}, no kernel running {self.idle_ms:.2f}"
+        if self.replay_ms is not None:
+            idle += f"; graph replay {self.replay_ms:.2f}, host wait {self.host_wait_ms:.2f}"
         return f"per iteration (ms): GPU {self.gpu_ms:.2f} = {parts}{idle}"
 
 

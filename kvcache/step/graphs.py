@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.forward = forward
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
+        self._last: int | None = None  # the bucket of the last step run
 
     @property
     def max_rows(self) -> int:
@@ -115,4 +116,13 @@ class DecodeGraphs:
         plan = self.builder.plan(manager, rows, pad_to=bucket, token_ids=token_ids, feed=feed)
         captured = self._graphs[bucket]
         captured.graph.replay()
+        self._last = bucket
         return plan, captured.output[: len(rows)]
+
+    def replay_last(self) -> None:
+        """Replay the last step's graph again over the buffers as they are: it recomputes that
+        step and writes the same K/V to the same slots (for timing the step's GPU work alone,
+        with nothing planned in between). Raises InvalidArgumentError before any step ran."""
+        if self._last is None:
+            raise InvalidArgumentError("replay_last: no step has been run from a graph yet")
+        self._graphs[self._last].graph.replay()
