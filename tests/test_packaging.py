@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.child_env import child_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Loads a bundled config by name and prints where the package and the config came from.
@@ -29,7 +31,7 @@ PROBE = (
 def _run(args: list[str], cwd: Path, pythonpath: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
+        env["PYTHONPATH"] = child_pythonpath(pythonpath)
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 

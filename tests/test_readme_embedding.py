@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.child_env import child_pythonpath
+
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!--\s*not run\b.*?-->\s*$")
@@ -48,7 +50,7 @@ def run_page(path: Path, tmp_path: Path) -> str:
     script = tmp_path / (path.stem + "_page.py")
     script.write_text(script_of(path.read_text(encoding="utf-8")), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = child_pythonpath(ROOT)
     result = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

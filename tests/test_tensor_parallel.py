@@ -37,6 +37,7 @@ from kvcache.memory.cache_tensors import num_blocks_for
 from kvcache.parallel.agreement import RankAgreement, StepDigest
 from kvcache.parallel.collective import SingleProcess
 from kvcache.parallel.heads import TensorParallel, head_problems, rank_spec, valid_tp_sizes
+from tests.child_env import child_pythonpath
 from tests.tp_threads import ThreadCollective, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -433,7 +434,7 @@ def _torchrun(args: list[str], tmp_path: Path, timeout: float = 150) -> subproce
     if not TORCHRUN.exists() or not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("needs torchrun and torch.distributed with gloo")
     # --standalone: a free port on localhost, so parallel CI jobs do not collide.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *args],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=timeout,

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.child_env import child_pythonpath
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
@@ -37,7 +39,7 @@ def _run(tmp_path: Path, tp: int, backend: str, eager: bool) -> dict[str, dict[s
         args.append("--eager")
     launcher = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", str(tp)]
     command = [*launcher, *args] if tp > 1 else [sys.executable, *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), "NCCL_NVLS_ENABLE": "0"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data: dict[str, dict[str, list[float]]] = json.loads(out.read_text())

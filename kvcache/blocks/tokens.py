@@ -115,20 +115,20 @@ def appended_ids(token_ids: object, n: int, seq: SequenceBlocks, seq_id: object,
         raise ArgumentTypeError(f"defer_ids: expected a bool, got {type(defer_ids).__name__}")
     if defer_ids and token_ids is not None:
         raise InvalidArgumentError("token_ids: given with defer_ids=True; pass the ids now or later, not both")
+    keep = seq.token_ids is not None and not defer_ids
+    new_ids = None
+    if token_ids is not None:  # the ids themselves first: a type error names them whatever the state
+        new_ids = token_list(token_ids) if keep else None
+        count = len(new_ids) if new_ids is not None else token_count(token_ids)
+        if count != n:
+            raise InvalidArgumentError(f"token_ids: {count} ids for n={n} new tokens")
     if seq.num_pending and not defer_ids:
         raise InvalidArgumentError(
             f"token_ids: sequence {seq_id!r:.60} still waits for {seq.num_pending} deferred id(s); "
             f"call fill_token_ids first (ids come in order)"
         )
-    if defer_ids or seq.token_ids is None:
-        if token_ids is not None and token_count(token_ids) != n:
-            raise InvalidArgumentError(f"token_ids: {token_count(token_ids)} ids for n={n} new tokens")
-        return None
-    if token_ids is None:
+    if keep and new_ids is None:
         raise InvalidArgumentError(
             f"token_ids: sequence {seq_id!r:.60} is prefix-cached, so append_slots needs the {n} new token ids"
         )
-    new_ids = token_list(token_ids)
-    if len(new_ids) != n:
-        raise InvalidArgumentError(f"token_ids: {len(new_ids)} ids for n={n} new tokens")
     return new_ids
