@@ -14,6 +14,7 @@ inside it.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,15 +80,27 @@ class DecodeGraphs:
     def capture(self, manager: BlockManager) -> int:
         """Capture every bucket, largest first (they share one memory pool). Each is run
         twice eagerly first, so every kernel is compiled before capture. Returns how many
-        graphs were captured."""
+        graphs were captured.
+
+        Python's cyclic garbage collector is off during each capture (after one collection
+        first): a dead cycle collected mid-capture (an engine's earlier runner, with its pinned
+        buffers and CUDA events) would free CUDA resources, a call that invalidates the
+        capture."""
+        gc.collect()
         for bucket in reversed(self.buckets):
             plan = self.builder.plan(manager, [], pad_to=bucket, token_ids=[])
             for _ in range(2):
                 self.forward(self.builder.input_ids(bucket), plan)
             torch.cuda.synchronize(self.builder.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = self.forward(self.builder.input_ids(bucket), plan)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    output = self.forward(self.builder.input_ids(bucket), plan)
+            finally:
+                if collecting:
+                    gc.enable()
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[bucket] = _Captured(graph, output)
