@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from attention.registry import (
         get_backend as get_backend,
     )
+    from attention.rotary import (
+        RotaryTable as RotaryTable,
+    )
     from attention.spec import (
         AttentionSpec as AttentionSpec,
     )
@@ -86,6 +89,7 @@ _HOME = {
     "available_backends": "attention.registry",
     "choose_backend": "attention.registry",
     "get_backend": "attention.registry",
+    "RotaryTable": "attention.rotary",
     "AttentionSpec": "attention.spec",
     "DirectStaging": "attention.staging",
     "PlanStaging": "attention.staging",

@@ -183,6 +183,19 @@ def _messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     cached = kvcache.BlockManager(8, 32, enable_prefix_caching=True)
     cached.allocate("p", token_ids=[1, 2, 3])
     yield _raised(lambda: cached.append_slots("p", 1))
+    cached.append_slots("p", 1, defer_ids=True)
+    yield _raised(lambda: cached.append_slots("p", 1, token_ids=[4]))
+    fed = MetadataBuilder("cpu", backend=backend)
+    fed.plan(manager, [ScheduledRow("a", 40, start=0)])  # one sampling row
+    yield _raised(lambda: fed.plan(manager, [ScheduledRow("a", 1, start=39)], token_ids=[0], feed=[3]))
+    from attention.rotary import RotaryTable
+
+    short = RotaryTable(torch.zeros(4, backend.spec.head_dim))
+    plan = backend.plan(MetadataBuilder("cpu").build(manager, [ScheduledRow("a", 40, start=0)]))
+    t, spec = 40, backend.spec
+    q = torch.zeros(t, spec.num_heads, spec.head_dim)
+    kv = torch.zeros(t, spec.num_kv_heads, spec.head_dim)
+    yield _raised(lambda: backend.rotary_write_kv(q, kv, kv, cache.layer(0), plan, short))
     yield _raised(lambda: manager.allocate("b", 2.5))
     yield _raised(lambda: manager.append_slots("zz", 1))
     yield _raised(lambda: manager.allocate("a", 4))
