@@ -10,8 +10,10 @@ A workload of requests with different prompt lengths arrives over time; the sche
 (:mod:`examples.engine.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
 runs the model (:mod:`examples.model`, random weights from ``--seed``, or a Llama / Qwen2 /
 Mistral checkpoint with ``--checkpoint``: then the config's ``model`` section is the
-checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once -> ``backend.plan`` once ->
-every layer writes K/V and attends -> sample -> ``mark_computed``.
+checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once ->
+``backend.plan`` once -> every layer writes K/V and attends -> sample on the device ->
+``commit``; the host schedules step N+1 while the device runs step N and applies step N's
+tokens after that (:mod:`examples.engine.loop`; ``--sequential`` turns the overlap off).
 
 With ``--tp N`` under torchrun each process is one tensor-parallel rank: it holds its share of
 the weights and of the KV heads (:mod:`kvcache.parallel.heads`), runs the same scheduler and block
