@@ -13,13 +13,9 @@ head_dim 96/256, no register spills.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from tests.child_env import compile_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,15 +67,7 @@ print(json.dumps(report))
 
 
 def test_decode_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr:
-        pytest.skip(f"triton has no bundled ptxas here: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = compile_report(_SCRIPT)
     for name in ("items-bs256", "items-bs32-fused"):
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"

@@ -268,10 +268,6 @@ class StepBatch:
     feed: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
 
-    def samples(self, i: int) -> bool:
-        """Whether row ``i`` samples a token."""
-        return self.sampling[i]
-
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption of the newest request."""
