@@ -13,11 +13,7 @@ head_dim 96/256, no register spills.)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.child_env import compile_report
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
 import json, re, sys

@@ -5,13 +5,9 @@ of an ``if``, say), so the interpreter tests alone would let such a kernel reach
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.child_env import compile_report
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
 import json
