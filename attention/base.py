@@ -99,12 +99,20 @@ class AttentionBackend(ABC):
 
         staging: where device-side plan arrays go (default: fresh tensors, copied now).
         graph:   plan for CUDA-graph capture/replay: launch parameters depend only on the
-                 padded batch size (the bucket), never on this step's lengths.
+                 bucket -- the padded batch and the number of tokens -- never on this step's
+                 lengths. A bucket with more tokens than rows holds prefill rows (backends
+                 with ``mixed_cuda_graphs`` only).
         """
         metadata.check()
         if graph and not self.info.cuda_graphs:
             raise UnsupportedSettingError(
                 f"graph: backend {self.name} cannot be captured in a CUDA graph; use triton or flash_attn"
+            )
+        if graph and metadata.num_tokens > metadata.padded_batch and not self.info.mixed_cuda_graphs:
+            raise UnsupportedSettingError(
+                f"graph: backend {self.name} captures pure decode steps only (one token per row), but this "
+                f"bucket has {metadata.num_tokens} tokens for {metadata.padded_batch} rows; run steps with "
+                "prefill rows eagerly, or use the triton backend"
             )
         return self._plan(metadata, staging or DirectStaging(metadata.device), graph)
 

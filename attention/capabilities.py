@@ -79,7 +79,9 @@ class BackendInfo:
     min_compute_capability: lowest CUDA compute capability, checked on a real device.
     sliding_window: whether it runs sliding-window attention.
     cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
-                  launch parameters fixed per batch bucket).
+                  launch parameters fixed per batch bucket) for pure decode steps.
+    mixed_cuda_graphs: whether steps with prefill rows can be captured too (launch
+                  parameters fixed per bucket of rows and tokens).
     fused_rotary: whether ``rotary_write_kv`` is one kernel (rotary, cache write and the
                   rotated query together); otherwise it is composed from torch ops and
                   ``write_kv``, with the same results.
@@ -100,6 +102,7 @@ class BackendInfo:
     min_compute_capability: tuple[int, int] | None
     sliding_window: bool
     cuda_graphs: bool
+    mixed_cuda_graphs: bool
     fused_rotary: bool
     block_size_origin: str
 
@@ -196,6 +199,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=None,
             sliding_window=True,
             cuda_graphs=False,
+            mixed_cuda_graphs=False,
             fused_rotary=False,
             block_size_origin="the project-wide rule",
         ),
@@ -217,6 +221,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             cuda_graphs=True,
+            mixed_cuda_graphs=True,
             fused_rotary=True,
             block_size_origin="our kernels read tiles of 32 tokens",
         ),
@@ -235,6 +240,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             cuda_graphs=True,
+            mixed_cuda_graphs=False,
             fused_rotary=False,
             block_size_origin=(
                 'flash-attn 2 csrc/flash_attn/flash_api.cpp: "Paged KV cache block size must be divisible by 256"'

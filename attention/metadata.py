@@ -9,7 +9,10 @@ has one new token, a prefill or extend row has many. New tokens attend causally 
 token before them, cached or new (or to the last ``sliding_window`` of them).
 
 A batch may be *padded* to a fixed size (a CUDA-graph bucket): rows past ``batch`` have
-``seq_len`` 0, one query token each with slot -1, and read and write nothing.
+``seq_len`` 0 and read and write nothing. In a decode bucket (as many tokens as rows) each
+padding row has one query token; in a bucket with more tokens than rows (room for prefill
+rows) padding rows have none, and the padding tokens follow the last row's. Padding tokens
+have slot -1.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class AttentionMetadata:
       positions:       int64 [num_tokens]; position of each new token in its sequence (rotary).
       logits_indices:  int64 [num_logits]; query rows whose logits the step needs: the last new
                        token of every row that reaches the end of its known tokens (every decode
-                       row, the last chunk of a prompt), in row order, then one per padding row.
+                       row, the last chunk of a prompt), in row order; then, in a padded batch,
+                       padding entries (any token; their logits are not used) up to at most
+                       padded_batch entries in all.
     Host values (no device sync needed to read them):
       seq_lens_host, query_lens_host: the real rows' lengths.
       sampling_rows_host: the real rows that have an entry in logits_indices, in order.
@@ -130,15 +135,17 @@ class AttentionMetadata:
             )
         if self.positions.shape[0] != self.num_tokens:
             raise MetadataError(f"metadata.positions: {self.positions.shape[0]} entries for {self.num_tokens} tokens")
-        if self.num_real_tokens + (pb - b) > self.num_tokens:
+        if self.num_real_tokens > self.num_tokens:
             raise MetadataError(
-                f"metadata: query lengths sum to {self.num_real_tokens} (+{pb - b} padding rows) but "
-                f"slot_mapping has only {self.num_tokens} entries"
+                f"metadata: query lengths sum to {self.num_real_tokens} but slot_mapping has only "
+                f"{self.num_tokens} entries"
             )
-        if self.logits_indices.shape[0] != len(self.sampling_rows_host) + (pb - b):
+        sampled = len(self.sampling_rows_host)
+        num_logits = self.logits_indices.shape[0]
+        if not sampled <= num_logits <= max(pb, sampled):
             raise MetadataError(
-                f"metadata.logits_indices: {self.logits_indices.shape[0]} entries for "
-                f"{len(self.sampling_rows_host)} sampling rows and {pb - b} padding rows"
+                f"metadata.logits_indices: {num_logits} entries for {sampled} sampling rows; expected "
+                f"between {sampled} and padded_batch {pb}"
             )
         width = self.table_width
         q_lens, s_lens = self.query_lens_host, self.seq_lens_host

@@ -4,8 +4,9 @@ Plan once per step: :meth:`TritonBackend.plan` sends every one-token row to the 
 decode kernel and every longer row to the prefill kernel (a mixed batch runs both, on disjoint
 output rows) and decides everything they need -- split counts, the decode row index, the
 prefill tile index, kernel configurations -- from host-side lengths and the attention spec.
-Per-layer calls only launch, so no layer call waits on the device and a decode step can be
-captured in a CUDA graph.
+Per-layer calls only launch, so no layer call waits on the device and a step can be captured
+in a CUDA graph: a decode step per batch bucket, a mixed step (prefill rows beside decode
+rows) per token bucket, with both kernels on grids fixed by the bucket.
 
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it also
 accepts CPU tensors and runs the same kernels in Triton's interpreter, slowly, for tests.
@@ -40,6 +41,7 @@ from attention.triton_kernels import (
     kernels_interpreted,
     max_decode_items,
     max_decode_partials,
+    max_prefill_tiles,
     paged_decode,
     paged_prefill,
     prefill_tile_index,
@@ -48,6 +50,7 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
+from attention.triton_kernels.prefill import PAD_TILE
 
 __all__ = ["DecodeLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -56,6 +59,8 @@ __all__ = ["DecodeLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 INTERPRETER_NUM_SMS = 132
 #: Smallest prefill tile height (rows of Q per program).
 _MIN_BLOCK_M = 16
+#: Persistent prefill programs per SM on a fixed (CUDA-graph) grid.
+_PREFILL_PROGRAMS_PER_SM = 2
 
 _CPU_REFUSED = "the triton backend needs CUDA tensors; set TRITON_INTERPRET=1 to run it on CPU (slow, for tests)"
 
@@ -88,10 +93,16 @@ class DecodeLaunch:
 @dataclass(frozen=True)
 class PrefillLaunch:
     """The prefill kernel's launch for one step: its configuration and the int32
-    [num_tiles, 2] (row, tile) index, heaviest tile first."""
+    [num_tiles, 2] (row, tile) index, heaviest tile first.
+
+    On a graph step with room for prefill rows the grid is fixed: the index is padded to the
+    bucket's :func:`~attention.triton_kernels.max_prefill_tiles` entries, ``tile_count``
+    (int32 [1]) holds the real ones, and ``programs`` persistent programs share them."""
 
     config: PrefillConfig
     tile_index: torch.Tensor
+    tile_count: torch.Tensor | None = None
+    programs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -171,8 +182,11 @@ class TritonBackend(AttentionBackend):
         kvh, heads, d = self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
         items = max_decode_items(rows, kvh, sms, self.decode_policy)
         partials = max(1, max_decode_partials(rows, kvh, sms, self.decode_policy))
-        tiles = capacity.max_tokens // _MIN_BLOCK_M + capacity.max_rows
-        found = [BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True)]
+        tiles = max_prefill_tiles(capacity.max_rows, capacity.max_tokens, _MIN_BLOCK_M)
+        found = [
+            BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True),
+            BufferRequest("prefill_tile_count", torch.int32, 1, staged=True),
+        ]
         for w in self.windows:
             found.append(BufferRequest(f"decode_items_{w}", torch.int32, ITEM_FIELDS * items, staged=True))
             found.append(BufferRequest(f"decode_rows_{w}", torch.int32, ROW_FIELDS * rows, staged=True))
@@ -191,25 +205,45 @@ class TritonBackend(AttentionBackend):
         return _num_sms(device)
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
-        q_lens, s_lens = metadata.query_lens_host, metadata.seq_lens_host
+        """On a graph step both kernels' launches depend only on the bucket: the decode grid on
+        its rows; the prefill launch exists when the bucket has more tokens than rows (room
+        for prefill rows), with a fixed grid over a padded tile index."""
+        q_lens = metadata.query_lens_host
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q == 1)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > 1)
-        if graph and prefill_rows:
-            raise MetadataError("graph: only pure decode steps are captured; this step has prefill rows")
+        fixed_prefill = graph and metadata.num_tokens > metadata.padded_batch
+        if graph and prefill_rows and not fixed_prefill:
+            raise MetadataError(
+                f"graph: this step has prefill rows but its bucket has {metadata.num_tokens} tokens for "
+                f"{metadata.padded_batch} rows; plan it in a bucket with more tokens than rows (pad_tokens)"
+            )
         decode: tuple[DecodeLaunch, ...] = ()
         workspace = None
         if decode_rows or graph:
             decode, workspace = self._plan_decode(metadata, decode_rows, staging, graph)
         prefill = None
-        if prefill_rows:
-            longest = max(q_lens[r] for r in prefill_rows)
-            config = self.prefill_config or default_prefill_config(self.spec.head_dim, self.compute_dtype, longest)
-            pairs = prefill_tile_index(s_lens, q_lens, config.block_m, prefill_rows)
-            tiles = staging.stage("prefill_tiles", array("i", [v for pair in pairs for v in pair])).view(-1, 2)
-            prefill = PrefillLaunch(config, tiles)
-        return TritonStepPlan(
-            metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill
-        )
+        if prefill_rows or fixed_prefill:
+            prefill = self._plan_prefill(metadata, prefill_rows, staging, fixed_prefill)
+        return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill)
+
+    def _plan_prefill(
+        self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, fixed: bool
+    ) -> PrefillLaunch:
+        """The tile index of ``rows``; ``fixed``: padded to the bucket's largest, with the tile
+        height fixed too (never shrunk to this step's longest row)."""
+        q_lens = meta.query_lens_host
+        longest = None if fixed else max(q_lens[r] for r in rows)
+        config = self.prefill_config or default_prefill_config(self.spec.head_dim, self.compute_dtype, longest)
+        pairs = prefill_tile_index(meta.seq_lens_host, q_lens, config.block_m, rows)
+        values = array("i", [v for pair in pairs for v in pair])
+        if not fixed:
+            return PrefillLaunch(config, staging.stage("prefill_tiles", values).view(-1, 2))
+        grid_tiles = max_prefill_tiles(meta.padded_batch, meta.num_tokens, config.block_m)
+        values.extend(array("i", PAD_TILE) * (grid_tiles - len(pairs)))
+        tiles = staging.stage("prefill_tiles", values).view(-1, 2)
+        count = staging.stage("prefill_tile_count", array("i", [len(pairs)]))
+        programs = _PREFILL_PROGRAMS_PER_SM * self._sms(meta.device)
+        return PrefillLaunch(config, tiles, count, programs)
 
     def _plan_decode(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, graph: bool
@@ -327,6 +361,8 @@ class TritonBackend(AttentionBackend):
                 window=window,
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
+                tile_count=p.tile_count,
+                programs=p.programs,
             )
         if target is not result:
             result.copy_(target)
@@ -337,7 +373,8 @@ class TritonBackend(AttentionBackend):
     def warmup(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
         """Compile every kernel variant steps within ``capacity`` can reach -- the cache write
         (alone and fused with rotary), the decode kernel with and without the split combine,
-        the prefill kernel at each tile height -- for every window kind of the spec, by
+        the prefill kernel at each tile height and on the fixed grid of CUDA-graph steps --
+        for every window kind of the spec, by
         running each once on a scratch cache. Returns how many variants that is."""
         longest = capacity.max_blocks_per_seq * block_size
         decode_lengths = sorted({min(64, longest), longest})  # one chunk; several chunks
@@ -368,6 +405,11 @@ class TritonBackend(AttentionBackend):
                         variants.add(("combine",))
                 if plan.prefill is not None:
                     variants.add(("prefill", window, plan.prefill.config))
+                    # The fixed-grid (CUDA-graph) launch of a step with room for prefill rows.
+                    fixed = self.plan(meta, graph=True)
+                    assert isinstance(fixed, TritonStepPlan) and fixed.prefill is not None, "this backend's plan"
+                    self.attend(query, layer, fixed)
+                    variants.add(("prefill", window, fixed.prefill.config, "persistent"))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(variants)

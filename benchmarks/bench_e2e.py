@@ -19,7 +19,7 @@ Workloads (prompt lengths LogNormal(median 512, sigma 0.6) capped at 2048, rando
   rows need about 40k prompt tokens/s, 650 TFLOP/s of prefill on an 8B model: more than the
   GPU has beside decoding; ``--poisson-rate 64 --poisson-budget 8192`` shows that regime.)
 
-(a) ours: examples' scheduler + model runner, triton backend, CUDA graphs for decode steps,
+(a) ours: examples' scheduler + model runner, triton backend, CUDA graphs for decode and mixed steps,
     steps overlapped with the host (``StepPipeline``; ``--sequential`` turns it off), warmed
     up once before timing. Per iteration: its period (wall time between two launches: the
     cadence tokens come at) and its host work (schedule + plan + launch, waits excluded).
@@ -503,6 +503,8 @@ class Served:
     wall_s: float
     preemptions: int
     profile: KernelBreakdown | None = None
+    #: Steps of this run replayed from CUDA graphs, by kind ("decode", "mixed").
+    graph_replays: dict[str, int] | None = None
 
 
 def serve(
@@ -524,6 +526,7 @@ def serve(
     scheduler = Scheduler(manager, [], preemption, token_budget=workload.token_budget, max_running=s.max_running)
     token_times: dict[int, list[float]] = {r.req_id: [] for r in requests}
     arrived: dict[int, float] = {}
+    replays_before = dict(runner.graphs.replays) if runner.graphs is not None else None
     t0 = time.perf_counter()
 
     def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
@@ -591,7 +594,12 @@ def serve(
         for req in scheduler.running:
             manager.free(req.req_id, reason="aborted")
     manager.check_integrity()
-    return Served(requests, iterations, token_times, arrived, wall, scheduler.num_preemptions, result_profile)
+    replays = None
+    if runner.graphs is not None and replays_before is not None:
+        replays = {kind: n - replays_before[kind] for kind, n in runner.graphs.replays.items()}
+    return Served(
+        requests, iterations, token_times, arrived, wall, scheduler.num_preemptions, result_profile, replays
+    )
 
 
 def _replay_ms(runner: ModelRunner, s: Settings, repeats: int = 20) -> float:
@@ -616,6 +624,7 @@ def ours_summary(served: Served, model: Llama, s: Settings, copy_gbps: float | N
         "prompt_tokens": sum(len(r.prompt) for r in served.requests),
         "tokens_per_s": generated / served.wall_s,
         "preemptions": served.preemptions,
+        "graph_replays": served.graph_replays,
     }
     out.update(_latency(served.token_times, served.arrivals))
     out.update(_iteration_stats(served.iterations, model, s, copy_gbps))
@@ -829,6 +838,7 @@ def _fmt(value: Any, unit: str = "", digits: int = 2) -> str:
 
 def _workload_rows(ours: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, str, str]]:
     ms = lambda v: None if v is None else 1e3 * v
+    replays = ours.get("graph_replays") or {}
     return [
         ("generated tokens/s", _fmt(ours.get("tokens_per_s"), "", 0), _fmt(hf.get("tokens_per_s"), "", 0)),
         ("wall time (s)", _fmt(ours.get("wall_s")), _fmt(hf.get("wall_s"))),
@@ -847,6 +857,8 @@ def _workload_rows(ours: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, 
          f"{_fmt(ours.get('decode_host_median_ms'))} / {_fmt(ours.get('mixed_host_median_ms'))}", "-"),
         ("steps: decode only / mixed / with prefill",
          f"{ours.get('decode_steps', '-')} / {ours.get('mixed_steps', '-')} / {ours.get('prefill_steps', '-')}", "-"),
+        ("steps replayed from graphs: decode / mixed",
+         f"{replays.get('decode', '-')} / {replays.get('mixed', '-')}" if replays else "off", "-"),
     ]  # fmt: skip
 
 

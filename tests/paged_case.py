@@ -86,12 +86,14 @@ def make_case(
     seed: int = 0,
     spare_blocks: int = 3,
     pad_to: int | None = None,
+    pad_tokens: int | None = None,
     layer_index: int = 0,
     cache_dtype: torch.dtype | None = None,
     device_check: bool | None = None,
 ) -> PagedCase:
     """``rows``: (context, new) per row. The layer holds the context tokens' K/V; the step's
-    metadata covers the new tokens (padded to ``pad_to`` rows when given), built by
+    metadata covers the new tokens (padded to ``pad_to`` rows and ``pad_tokens`` tokens when
+    given), built by
     ``MetadataBuilder(device, device_check=device_check)`` (kept in ``case.builder``)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, spec.dtype)
@@ -126,7 +128,9 @@ def make_case(
         ctx_index = torch.cat([torch.arange(starts[i], starts[i] + c) for i, (c, _) in enumerate(rows) if c > 0])
         writer.write_kv(all_key[ctx_index.to(device)], all_value[ctx_index.to(device)], layer, ctx_plan)
     builder = MetadataBuilder(device, device_check=device_check)
-    meta = builder.build(manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], pad_to=pad_to)
+    meta = builder.build(
+        manager, [ScheduledRow(i, n, start=c) for i, (c, n) in enumerate(rows)], pad_to=pad_to, pad_tokens=pad_tokens
+    )
     new_index = torch.cat([torch.arange(starts[i] + c, starts[i] + c + n) for i, (c, n) in enumerate(rows)])
     pad = meta.num_tokens - meta.num_real_tokens
     new_key = torch.cat(

@@ -120,6 +120,46 @@ def test_pad_to_below_the_rows_is_refused() -> None:
         MetadataBuilder("cpu").build(m, [ScheduledRow("a", 1), ScheduledRow("b", 1)], pad_to=1)
 
 
+def test_pad_tokens_gives_empty_padding_rows_and_trailing_tokens() -> None:
+    """A bucket with room for prefill rows: padding rows bring no token, the step's tokens are
+    padded after the last row's, and logits are padded to one entry per row (a row that
+    does not sample, a prompt's middle chunk, is padded too)."""
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("a", 5)
+    m.allocate("b", 9)
+    m.append_slots("a", 1)
+    builder = MetadataBuilder("cpu")
+    rows = [ScheduledRow("a", 1), ScheduledRow("b", 3, start=2)]  # b: a middle chunk, no logits
+    meta = builder.build(m, rows, pad_to=4, pad_tokens=8, token_ids=[11, 21, 22, 23])
+    assert (meta.batch, meta.padded_batch, meta.num_tokens, meta.num_real_tokens) == (2, 4, 8, 4)
+    assert meta.seq_lens.tolist() == [6, 5, 0, 0]
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 4, 4]
+    assert meta.slot_mapping.tolist()[4:] == [PAD_SLOT] * 4 and meta.positions.tolist()[4:] == [0] * 4
+    assert meta.sampling_rows_host == (0,)
+    assert meta.logits_indices.tolist() == [0, 7, 7, 7]
+    assert builder.token_ids(meta.num_tokens).tolist() == [11, 21, 22, 23, 0, 0, 0, 0]
+    meta.check()
+    full = builder.build(m, rows, pad_to=2, pad_tokens=4, token_ids=[11, 21, 22, 23])
+    assert full.logits_indices.tolist() == [0, 3] and full.query_start_loc.tolist() == [0, 1, 4]
+    full.check()
+
+
+def test_bad_pad_tokens_are_refused_before_anything_changes() -> None:
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("a", 5)
+    builder = MetadataBuilder("cpu", capacity=StepCapacity(4, 8, 4))
+    before = snapshot(m)
+    rows = [ScheduledRow("a", 5)]
+    with pytest.raises(InvalidArgumentError, match=r"pad_tokens: .*give pad_to"):
+        builder.build(m, rows, pad_tokens=8)
+    with pytest.raises(InvalidArgumentError, match="pad_tokens"):
+        builder.build(m, rows, pad_to=2, pad_tokens=4)  # fewer than the step's 5 tokens
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        builder.build(m, rows, pad_to=2, pad_tokens=9)
+    assert snapshot(m) == before
+    assert builder.build(m, rows, pad_to=2, pad_tokens=8).num_tokens == 8
+
+
 def test_two_builders_keep_their_own_metadata() -> None:
     m = BlockManager(num_blocks=8, block_size=4)
     m.allocate("a", 3)

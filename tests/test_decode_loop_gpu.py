@@ -6,6 +6,7 @@ Skipped without a CUDA device; each backend is skipped when its library is missi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from attention import get_backend
 from examples.decode_loop import VOCAB_SIZE
-from examples.engine.loop import run_requests
+from examples.engine.loop import RunReport, run_requests
 from examples.engine.scheduler import Request, make_preemption
 from examples.engine.workload import make_workload
 from examples.model import random_llama, shape_for_cache
@@ -32,12 +33,23 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-cuda-256.yaml"
 TIE_TOLERANCE = 2e-2
 
 
-def _run(
-    backend_name: str, preempt: str, use_graphs: bool = False, overlap: bool = True
-) -> tuple[list[Request], dict[int, list[torch.Tensor]], dict[str, int]]:
+def _serve(
+    backend_name: str,
+    preempt: str,
+    use_graphs: bool = False,
+    overlap: bool = True,
+    window: tuple[int, tuple[bool, ...] | None] | None = None,
+) -> RunReport:
+    """The workload through the loop; ``window``: (sliding window, per-layer pattern) for
+    the attention spec (blocks behind the window are released when every layer has it)."""
     config = load_config(CONFIG)
     cache = allocate_kv_cache(config, device="cuda", fill=float("nan"))
-    manager = BlockManager(cache.num_blocks, config.cache.block_size)
+    spec = config.attention_spec()
+    release = None
+    if window is not None:
+        spec = dataclasses.replace(spec, sliding_window=window[0], window_layers=window[1])
+        release = window[0] if window[1] is None else None
+    manager = BlockManager(cache.num_blocks, config.cache.block_size, sliding_window=release)
     shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
     model = random_llama(shape, seed=0, dtype=torch.float16, device="cuda")
     requests = make_workload("default", 12, seed=3, block_size=config.cache.block_size, vocab_size=VOCAB_SIZE)
@@ -46,7 +58,7 @@ def _run(
         requests,
         manager=manager,
         cache=cache,
-        backend=get_backend(backend_name, config.attention_spec()),
+        backend=get_backend(backend_name, spec),
         preemption=make_preemption(preempt, manager, cache, config.cache.swap_space),
         token_budget=512,
         use_graphs=use_graphs,
@@ -54,7 +66,14 @@ def _run(
         record_logits=True,
     )
     assert report.finished == len(requests)
-    return requests, report.logits, report.preemptions_by_mode
+    return report
+
+
+def _run(
+    backend_name: str, preempt: str, use_graphs: bool = False, overlap: bool = True
+) -> tuple[list[Request], dict[int, list[torch.Tensor]], dict[str, int]]:
+    report = _serve(backend_name, preempt, use_graphs, overlap)
+    return report.requests, report.logits, report.preemptions_by_mode
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -84,14 +103,38 @@ def test_backend_tokens_match_reference_on_cuda(backend: str, preempt: str) -> N
 
 @pytest.mark.parametrize("backend", ["flash_attn", "triton"])
 def test_cuda_graphs_give_the_same_tokens_as_eager(backend: str) -> None:
-    """Decode steps replayed from CUDA graphs (captured per batch bucket over the persistent
-    buffers) compute exactly what the same steps compute eagerly: identical greedy tokens."""
+    """Steps replayed from CUDA graphs (captured per bucket over the persistent buffers)
+    compute exactly what the same steps compute eagerly: identical greedy tokens. With
+    triton, mixed steps (prefill chunks beside decode rows) replay graphs too."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"needs {backend}")
-    eager, _, _ = _run(backend, "recompute", use_graphs=False)
-    graphed, _, _ = _run(backend, "recompute", use_graphs=True)
-    for a, b in zip(eager, graphed, strict=True):
+    eager = _serve(backend, "recompute", use_graphs=False)
+    graphed = _serve(backend, "recompute", use_graphs=True)
+    for a, b in zip(eager.requests, graphed.requests, strict=True):
         assert a.output == b.output, f"request {a.req_id}: eager {a.output} vs graphs {b.output}"
+    assert eager.graph_replays == {}
+    assert graphed.graph_replays["decode"] > 0, graphed.graph_replays
+    if backend == "triton":
+        assert graphed.graph_replays["mixed"] > 0, graphed.graph_replays
+    else:
+        assert graphed.graph_replays["mixed"] == 0, graphed.graph_replays
+
+
+@pytest.mark.parametrize("pattern", [None, (True, False)], ids=["every-layer", "alternating"])
+def test_windowed_model_replays_graphs_with_the_eager_tokens(pattern: tuple[bool, ...] | None) -> None:
+    """A sliding-window model (every layer, blocks behind the window released; or every
+    other layer) replays decode and mixed steps from graphs, with the eager loop's tokens and
+    the reference backend's (up to near-ties)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    window = (300, pattern)
+    eager = _serve("triton", "recompute", use_graphs=False, window=window)
+    graphed = _serve("triton", "recompute", use_graphs=True, window=window)
+    reference = _serve("reference", "recompute", window=window)
+    assert [r.output for r in graphed.requests] == [r.output for r in eager.requests]
+    assert graphed.graph_replays["decode"] > 0 and graphed.graph_replays["mixed"] > 0, graphed.graph_replays
+    identical = sum(a.output == b.output for a, b in zip(reference.requests, graphed.requests, strict=True))
+    assert identical >= len(graphed.requests) - 1, f"{identical} of {len(graphed.requests)} match the reference"
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

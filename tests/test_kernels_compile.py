@@ -1,4 +1,5 @@
-"""The fused boundary kernel and the model's elementwise kernels compile for the H200 (sm_90)
+"""The fused boundary kernel, the prefill kernel (its launch per tile and its persistent
+fixed-grid form) and the model's elementwise kernels compile for the H200 (sm_90)
 without a GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU
 compiler rejects programs its CPU interpreter runs (a name bound to two types in the branches
 of an ``if``, say), so the interpreter tests alone would let such a kernel reach the GPU."""
@@ -16,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention.triton_kernels.rotary_write import _rotary_write_kernel
 from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
+from attention.triton_kernels.prefill import _prefill_kernel
 
 def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
@@ -41,6 +43,18 @@ def silu(dtype):
     sig = {"gate_up_ptr": dtype, "out_ptr": dtype, "width": "i32", "stride_g": "i32", "stride_o": "i32"}
     return source(_silu_mul_kernel, sig, dict(BLOCK=1024, ROUND_BF16=False))
 
+def prefill(dtype, persistent, window):
+    sig = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "block_tables_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tile_index_ptr": "*i32",
+           "tile_count_ptr": "*i32", "out_ptr": dtype, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+           "qk_scale": "fp32", "window": "i32", "num_blocks": "i32", "num_tokens": "i32", "table_width": "i32",
+           "max_tiles": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_bt": "i32", "stride_ot": "i32",
+           "stride_oh": "i32"}
+    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=256, BLOCK_M=128,
+                  BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window, DEQUANT=False,
+                  PERSISTENT=persistent)
+    return source(_prefill_kernel, sig, consts)
+
 target = GPUTarget("cuda", 90, 32)
 kernels = {
     "rotary-bf16": rotary("*bf16", "*bf16", False),
@@ -52,10 +66,14 @@ kernels = {
     "add-norm-fp32": norm("*fp32", True),
     "silu-bf16": silu("*bf16"),
     "silu-fp16": silu("*fp16"),
+    "prefill-bf16": prefill("*bf16", False, False),
+    "prefill-bf16-persistent": prefill("*bf16", True, False),
+    "prefill-bf16-persistent-window": prefill("*bf16", True, True),
 }
 report = {}
 for name, src in kernels.items():
-    k = triton.compile(src, target=target, options=dict(num_warps=4))
+    warps = 8 if name.startswith("prefill") else 4
+    k = triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=3))
     report[name] = {"shared": k.metadata.shared, "ptx_lines": k.asm["ptx"].count(chr(10))}
 print(json.dumps(report))
 """
@@ -64,4 +82,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 9, report
+    assert len(report) == 12, report

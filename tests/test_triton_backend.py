@@ -10,6 +10,7 @@ GPU-sized chunkings run on CUDA only.
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from attention.triton_kernels import (
     DecodeConfig,
     PrefillConfig,
     default_prefill_config,
+    max_prefill_tiles,
     prefill_tile_index,
 )
 from tests.paged_case import (
@@ -208,6 +210,71 @@ def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:
     assert first.workspace is not None and second.workspace is not None
     for name in ("part_o", "part_lse", "counters"):
         assert getattr(first.workspace, name).shape == getattr(second.workspace, name).shape, name
+
+
+@pytest.mark.parametrize("layer_index", [0, 1], ids=["full", "window"])
+def test_mixed_graph_plans_depend_only_on_the_bucket(layer_index: int, triton_device: str) -> None:
+    """Steps with prefill rows beside decode rows (and one with none), padded to one bucket
+    of 6 rows and 96 tokens: every launch a graph captures -- the decode grid, the prefill
+    tile index's length, its tile height and its persistent program count -- is the same; the
+    outputs are right for a full and a windowed layer, and padding tokens are never written."""
+    spec = make_spec(4, 2, 32, torch.float16, sliding_window=40, window_layers=(False, True))
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=8)
+    steps = [
+        [(3, 1), (0, 37), (90, 1)],
+        [(70, 20), (31, 1), (0, 5), (150, 1), (12, 33)],
+        [(64, 1), (5, 1)],  # no prefill rows: the fixed prefill launch runs no tile
+    ]
+    plans = []
+    for i, rows in enumerate(steps):
+        case = make_case(
+            rows, spec, block_size=32, device=triton_device, pad_to=6, pad_tokens=96, seed=i, layer_index=layer_index
+        )
+        assert case.meta.num_tokens == 96 and case.meta.padded_batch == 6
+        plan = backend.plan(case.meta, graph=True)
+        assert isinstance(plan, TritonStepPlan) and plan.prefill is not None
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+        out = backend.attend(case.query, case.layer, plan)
+        _check(out[: case.meta.num_real_tokens], reference_output(case), torch.float16)
+        assert plan.prefill.tile_count is not None
+        assert plan.prefill.tile_count.tolist() == [len(prefill_tile_index(
+            case.meta.seq_lens_host, case.meta.query_lens_host, plan.prefill.config.block_m, plan.prefill_rows
+        ))]  # fmt: skip
+        plans.append(plan)
+    first = plans[0]
+    assert first.prefill is not None and first.prefill.config == default_prefill_config(32, torch.float16)
+    for other in plans[1:]:
+        assert other.prefill is not None
+        assert other.prefill.config == first.prefill.config
+        assert other.prefill.tile_index.shape == first.prefill.tile_index.shape
+        assert other.prefill.programs == first.prefill.programs == 16
+        for a, b in zip(first.decode, other.decode, strict=True):
+            assert (a.schedule.grid_items, a.schedule.grid_rows) == (b.schedule.grid_items, b.schedule.grid_rows)
+
+
+def test_prefill_rows_need_a_bucket_with_room_for_them(triton_device: str) -> None:
+    """A graph plan whose bucket has as many tokens as rows (a decode bucket) refuses a
+    prefill row, naming the fix."""
+    spec = make_spec(2, 1, 16, torch.float32)
+    case = make_case([(3, 2)], spec, block_size=32, device=triton_device, pad_to=3, pad_tokens=3)
+    with pytest.raises(KVCacheError, match="pad_tokens"):
+        TritonBackend(spec).plan(case.meta, graph=True)
+
+
+def test_prefill_tile_bound_covers_every_step_of_a_bucket() -> None:
+    """max_prefill_tiles bounds the tile index of any step of at most ``rows`` rows and
+    ``tokens`` tokens (random splits, and the worst: many rows one token past a tile)."""
+    gen = random.Random(0)
+    for rows, tokens, block_m in [(4, 64, 16), (128, 256, 128), (3, 7, 16), (1, 2, 16), (8, 1000, 64)]:
+        splits = [[block_m + 1] * min(rows, tokens // (block_m + 1))]
+        for _ in range(200):
+            q_lens: list[int] = []
+            while len(q_lens) < rows and tokens - sum(q_lens) >= 2 and gen.random() < 0.8:
+                q_lens.append(gen.randint(2, min(tokens - sum(q_lens), 2 * block_m)))
+            splits.append(q_lens)
+        for q_lens in filter(None, splits):
+            found = prefill_tile_index(q_lens, q_lens, block_m)
+            assert len(found) <= max_prefill_tiles(rows, tokens, block_m), (rows, tokens, q_lens)
 
 
 def test_layers_reuse_the_plan_without_launch_checks(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:

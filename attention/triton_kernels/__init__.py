@@ -38,9 +38,11 @@ from attention.triton_kernels.decode_schedule import (
 )
 from attention.triton_kernels.paging import interpreter_requested, kernels_interpreted
 from attention.triton_kernels.prefill import (
+    PAD_TILE,
     PREFILL_SWEEP,
     PrefillConfig,
     default_prefill_config,
+    max_prefill_tiles,
     paged_prefill,
     prefill_tile_index,
 )
@@ -49,6 +51,7 @@ from attention.triton_kernels.rotary_write import rotary_write_kv
 __all__ = [
     "DECODE_SWEEP",
     "FP8_KV_DTYPES",
+    "PAD_TILE",
     "PREFILL_SWEEP",
     "DecodeConfig",
     "DecodePolicy",
@@ -64,6 +67,7 @@ __all__ = [
     "kernels_interpreted",
     "max_decode_items",
     "max_decode_partials",
+    "max_prefill_tiles",
     "paged_decode",
     "paged_prefill",
     "prefill_tile_index",

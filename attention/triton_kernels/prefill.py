@@ -12,6 +12,10 @@ tile) a program takes comes from a small index built on the host from host-side 
 programs start early and the tail of the launch stays short. Within a program the key tiles
 left of the diagonal run without any mask; only the last one or two tiles (those crossing
 the diagonal) apply the causal mask; tiles right of it are never visited.
+
+For a CUDA graph the grid must not depend on the step's lengths: the index is padded to
+:func:`max_prefill_tiles` entries for the bucket's rows and tokens, its real length is staged
+beside it, and a fixed number of persistent programs walk the real entries (``PERSISTENT``).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from attention.triton_kernels.paging import (
 )
 
 __all__ = [
+    "PAD_TILE",
     "PREFILL_SWEEP",
     "PrefillConfig",
     "default_prefill_config",
+    "max_prefill_tiles",
     "paged_prefill",
     "prefill_tile_index",
 ]
@@ -126,6 +132,17 @@ def prefill_tile_index(
     return [(row, tile) for _, row, tile in tiles]
 
 
+#: Filler of a padded tile index: row -1 computes nothing.
+PAD_TILE = (-1, 0)
+
+
+def max_prefill_tiles(rows: int, tokens: int, block_m: int) -> int:
+    """The most (row, tile) entries a step of at most ``rows`` rows and ``tokens`` new
+    tokens can have among its prefill rows (rows of >= 2 tokens; at most ``tokens // 2`` of
+    them): every such row adds at most one partial tile to ``tokens / block_m`` full ones."""
+    return -(-tokens // block_m) + min(rows, tokens // 2)
+
+
 @triton.jit
 def _pages_in_cache(  # type: ignore[no-untyped-def]
     table_row_ptr, n0, offs_n, limit, num_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
@@ -165,8 +182,72 @@ def _masked_softmax_update(  # type: ignore[no-untyped-def]
 
 
 # The block-table width changes every step: do not compile a variant per width.
-@triton.jit(do_not_specialize=["stride_bt", "window", "num_blocks", "num_tokens", "table_width"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_blocks", "num_tokens", "table_width", "max_tiles"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_index_ptr,
+    tile_count_ptr,
+    out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    window,
+    num_blocks,
+    num_tokens,
+    table_width,
+    max_tiles,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """One work item is (tile-index entry, query head). Without PERSISTENT, program ``pid``
+    takes item ``pid`` (the grid is the step's tiles x heads). With PERSISTENT (a fixed grid,
+    for CUDA graphs), program ``pid`` takes items ``pid, pid + grid, ...`` below the step's
+    ``tile_count[0] x NUM_HEADS`` (read on the device), so the grid can be sized for the
+    largest step of a bucket and the programs of a smaller one exit at once."""
+    if PERSISTENT:
+        # The count comes from the step's plan; entries past the index are never read.
+        work = tl.minimum(tl.maximum(tl.load(tile_count_ptr), 0), max_tiles) * NUM_HEADS
+        for item in range(tl.program_id(0), work, tl.num_programs(0)):
+            _prefill_item(
+                item, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, window, num_blocks, num_tokens,
+                table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS, NUM_KV_HEADS, GROUP,
+                HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW, DEQUANT,
+            )  # fmt: skip
+    else:
+        _prefill_item(
+            tl.program_id(0), q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+            query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, window, num_blocks,
+            num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
+            NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
+            DEQUANT,
+        )  # fmt: skip
+
+
+@triton.jit
+def _prefill_item(  # type: ignore[no-untyped-def]
+    item,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -200,18 +281,21 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     HAS_WINDOW: tl.constexpr,
     DEQUANT: tl.constexpr,
 ):
-    """Program (head, tile): heads vary fastest so the query heads of one KV group run side
+    """Item (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
-    keys p - window < k <= p, and key tiles wholly left of every query's window are skipped."""
-    pid = tl.program_id(0)
-    h = pid % NUM_HEADS
-    entry = tile_index_ptr + 2 * (pid // NUM_HEADS).to(tl.int64)
+    keys p - window < k <= p, and key tiles wholly left of every query's window are skipped.
+    A tile-index entry with row -1 (padding of a fixed grid) computes and writes nothing."""
+    h = item % NUM_HEADS
+    entry = tile_index_ptr + 2 * (item // NUM_HEADS)  # < 2**31: the index is sized by tokens
     row = tl.load(entry)
     tile = tl.load(entry + 1)
+    live = row >= 0
+    row = tl.maximum(row, 0)
     q_start = tl.load(query_start_loc_ptr + row)
     # Clamped so that no metadata can index outside the block table or overflow int32: a
     # length in [0, table_width * block_size], a query length in [0, seq_len].
     seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + row), 0), table_width * BLOCK_SIZE)
+    seq_len = tl.where(live, seq_len, 0)
     q_len = tl.minimum(tl.maximum(tl.load(query_start_loc_ptr + row + 1) - q_start, 0), seq_len)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -331,6 +415,8 @@ def paged_prefill(
     window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tile_count: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``.
 
@@ -340,21 +426,29 @@ def paged_prefill(
     block_tables:    int32 [batch, max_blocks]; seq_lens int32 [batch];
     query_start_loc: int32 [batch + 1].
     tile_index:      int32 [num_tiles, 2] of (row, tile) from :func:`prefill_tile_index`
-                     with the same ``config.block_m``, on the device.
+                     with the same ``config.block_m``, on the device; an entry with row -1
+                     is padding and computes nothing.
     out:             [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous.
     window:          sliding window (a query sees this many keys, itself included); None: all.
     k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (else None).
+    tile_count, programs: a fixed grid (CUDA graphs): ``programs`` persistent programs share
+                     the first ``tile_count[0]`` entries (int32 [1] on the device; clamped to
+                     ``num_tiles``) of a padded ``tile_index``. The launch then depends only
+                     on the shapes and ``programs``, never on the step's lengths.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
     num_tiles = tile_index.shape[0]
+    if (tile_count is None) != (programs is None):
+        raise ValueError("tile_count and programs: give both (a fixed grid) or neither")
     if num_tiles == 0:
         return out
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache/v_cache: the prefill kernel needs contiguous caches")
     if query.stride(-1) != 1:
         query = query.contiguous()
-    _prefill_kernel[(num_tiles * num_heads,)](
+    grid = num_tiles * num_heads if programs is None else max(1, min(programs, num_tiles * num_heads))
+    _prefill_kernel[(grid,)](
         query,
         k_cache,
         v_cache,
@@ -362,6 +456,7 @@ def paged_prefill(
         seq_lens,
         query_start_loc,
         tile_index,
+        tile_count if tile_count is not None else seq_lens,  # unused unless PERSISTENT
         out,
         k_scale if k_scale is not None else seq_lens,  # unused unless DEQUANT
         v_scale if v_scale is not None else seq_lens,
@@ -370,6 +465,7 @@ def paged_prefill(
         k_cache.shape[0],
         query.shape[0],
         block_tables.shape[1],
+        num_tiles,
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -387,6 +483,7 @@ def paged_prefill(
         DOT_PRECISION=dot_precision_for(query.dtype),
         HAS_WINDOW=window is not None,
         DEQUANT=k_scale is not None,
+        PERSISTENT=programs is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

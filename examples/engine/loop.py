@@ -64,6 +64,8 @@ class RunReport:
     #: samples on the device (scheduled before the host knew it).
     overlap: bool = False
     fed_rows: int = 0
+    #: Steps replayed from CUDA graphs, by kind ("decode", "mixed"); empty without graphs.
+    graph_replays: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -162,7 +164,7 @@ def run_requests(
 ) -> RunReport:
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
     ``request.output``). The model, cache and metadata all live on ``cache.device``.
-    ``use_graphs``: replay decode steps from CUDA graphs (captured, with every kernel
+    ``use_graphs``: replay steps from CUDA graphs (captured, with every kernel
     compiled, before the first request runs). ``overlap``: schedule each step while the
     device runs the one before (:class:`StepPipeline`); the tokens are the same either way.
 
@@ -255,6 +257,7 @@ def run_requests(
         agreement_checks=0 if agreement is None else agreement.checks,
         overlap=overlap,
         fed_rows=fed_rows,
+        graph_replays=dict(runner.graphs.replays) if runner.graphs is not None else {},
     )
 
 
@@ -275,6 +278,13 @@ def format_summary(report: RunReport) -> list[str]:
         f"tokens/s: {tok_s:.1f} generated",
         f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
         f"overlap: {'on' if report.overlap else 'off'} ({report.fed_rows} rows fed their token on the device)",
+        "CUDA graphs: "
+        + (
+            f"{report.graph_replays.get('decode', 0)} decode and {report.graph_replays.get('mixed', 0)} mixed "
+            f"steps replayed of {report.steps}"
+            if report.graph_replays
+            else "off"
+        ),
         f"preemptions: {report.preemptions} ("
         + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",

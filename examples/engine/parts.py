@@ -52,10 +52,10 @@ class Engine:
 
     @property
     def graphs_allowed(self) -> bool:
-        """Whether decode steps may replay CUDA graphs: a CUDA device, a backend that allows
-        capture, and no sliding window (the triton backend plans graph steps for its decode
-        kernel, which reads whole rows; windowed steps must take its prefill kernel)."""
-        return self.device.type == "cuda" and self.backend.info.cuda_graphs and self.spec.sliding_window is None
+        """Whether steps may replay CUDA graphs: a CUDA device and a backend that allows
+        capture (sliding windows included: the decode kernels read each row's window range,
+        planned per step like any other length)."""
+        return self.device.type == "cuda" and self.backend.info.cuda_graphs
 
 
 def cache_config_for(

@@ -1,9 +1,10 @@
 """Runs the model one step at a time over the paged cache.
 
 Each step is planned once (metadata, the backend's plan and the input tokens in one
-host-to-device copy); then a decode step replays the CUDA graph captured for its batch bucket,
-and any other step (prefill chunks, mixed batches, or everything with ``use_graphs=False``)
-runs the model eagerly over the same plan.
+host-to-device copy), padded to its bucket (:mod:`kvcache.step.buckets`): a decode step to
+its batch bucket, a step with prefill rows to its token bucket when the backend can capture
+those. Then the step replays the CUDA graph captured for its bucket; a step no bucket holds
+(or every step, with ``use_graphs=False``) runs the model eagerly over the same plan.
 
 :meth:`ModelRunner.launch` only queues a step: the greedy tokens are sampled on the device
 into the builder's ``sampled`` buffer (the next step can feed them to its rows without a
@@ -28,7 +29,8 @@ import torch
 from attention import AttentionBackend, StepCapacity, StepPlan
 from examples.model import Llama
 from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
-from kvcache.step.graphs import DecodeGraphs, default_buckets
+from kvcache.step.buckets import StepBuckets, StepShape, default_token_buckets
+from kvcache.step.graphs import StepGraphs
 
 __all__ = ["LaunchedStep", "ModelRunner", "WarmupReport"]
 
@@ -79,10 +81,11 @@ class LaunchedStep:
 class ModelRunner:
     """The model, its cache and backend, and the step's persistent buffers.
 
-    use_graphs: capture decode steps in CUDA graphs (CUDA and a backend that allows it only).
-    Without graphs, decode steps are still padded to the same batch buckets when the backend
-    can be captured, so ``use_graphs`` changes how a step is launched, never what it computes
-    (greedy tokens are identical with and without graphs).
+    use_graphs: capture steps in CUDA graphs (CUDA and a backend that allows it only): decode
+    steps, and mixed steps when the backend has ``mixed_cuda_graphs``. Without graphs, steps
+    are still padded to the same buckets when the backend can be captured, so ``use_graphs``
+    changes how a step is launched, never what it computes (greedy tokens are identical with
+    and without graphs).
     """
 
     def __init__(
@@ -100,8 +103,11 @@ class ModelRunner:
         self.manager = manager
         self.backend = backend
         self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
-        self.graphs = DecodeGraphs(self.builder, self._forward) if use_graphs else None
-        self.buckets = default_buckets(capacity.max_rows) if backend.info.cuda_graphs else None
+        info = backend.info
+        tokens = default_token_buckets(capacity.max_tokens) if info.mixed_cuda_graphs else []
+        #: The buckets steps are padded to (None: the backend is never captured; no padding).
+        self.shapes = StepBuckets(capacity.max_rows, capacity.max_tokens, tokens=tokens) if info.cuda_graphs else None
+        self.graphs = StepGraphs(self.builder, self._forward, token_buckets=tokens) if use_graphs else None
         # The rotary table for the longest sequence, built before any graph reads it.
         model.rotary_table(capacity.max_blocks_per_seq * manager.block_size, cache.device)
         pin = cache.device.type == "cuda"
@@ -110,7 +116,7 @@ class ModelRunner:
         self._parity = 0
 
     def warmup(self, *, eager: bool | None = None) -> WarmupReport:
-        """Compile every kernel variant the capacity can reach and capture the decode graphs,
+        """Compile every kernel variant the capacity can reach and capture the step graphs,
         so nothing compiles while serving. ``eager``: run the eager warm-up steps (default:
         on CUDA only, where kernels compile). The manager must have no sequences with the
         warm-up's ids (it leaves none behind)."""
@@ -165,7 +171,7 @@ class ModelRunner:
                     ScheduledRow(seq_id, num_new, start=seq_len - num_new)
                     for seq_id, (seq_len, num_new) in zip(ids, rows, strict=True)
                 ]
-                plan = self.builder.plan(self.manager, scheduled, token_ids=[0] * sum(n for _, n in rows))
+                plan = self._plan(scheduled, [0] * sum(n for _, n in rows), None, self._shape(scheduled))
                 self._forward(self.builder.input_ids(plan.metadata.num_tokens), plan)
                 done += 1
             finally:
@@ -180,17 +186,31 @@ class ModelRunner:
         logits [len(plan.metadata.sampling_rows_host), vocab]: row ``sampling_rows_host[j]``'s
         next-token logits are row j (a view of the graph's output on a graph step: valid
         until the next step)."""
+        shape = self._shape(rows)
         graphs = self.graphs
-        decode = all(r.num_new == 1 for r in rows)
-        if graphs is not None and len(rows) <= graphs.max_rows and decode:
-            plan, logits = graphs.run(self.manager, rows, token_ids, feed)
-            return plan, logits
-        bucket = None
-        if decode and self.buckets is not None:
-            bucket = next((b for b in self.buckets if b >= len(rows)), None)
-        plan = self.builder.plan(self.manager, rows, pad_to=bucket, token_ids=token_ids, feed=feed)
+        if graphs is not None and shape is not None and graphs.has(shape):
+            return graphs.run(self.manager, rows, token_ids, feed, shape=shape)
+        plan = self._plan(rows, token_ids, feed, shape)
         logits = self._forward(self.builder.input_ids(plan.metadata.num_tokens), plan)
         return plan, logits[: len(plan.metadata.sampling_rows_host)]
+
+    def _shape(self, rows: Sequence[ScheduledRow]) -> StepShape | None:
+        """The bucket ``rows`` are padded to (None: none holds them, or no padding)."""
+        return None if self.shapes is None else self.shapes.shape_for([row.num_new for row in rows])
+
+    def _plan(
+        self,
+        rows: Sequence[ScheduledRow],
+        token_ids: Sequence[int],
+        feed: Sequence[int] | None,
+        shape: StepShape | None,
+    ) -> StepPlan:
+        if shape is None:
+            return self.builder.plan(self.manager, rows, token_ids=token_ids, feed=feed)
+        pad_tokens = shape.tokens if shape.mixed else None
+        return self.builder.plan(
+            self.manager, rows, pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=token_ids, feed=feed
+        )
 
     def launch(
         self,

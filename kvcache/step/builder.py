@@ -150,19 +150,22 @@ class MetadataBuilder:
         rows: Sequence[ScheduledRow],
         *,
         pad_to: int | None = None,
+        pad_tokens: int | None = None,
         token_ids: Sequence[int] | None = None,
         feed: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Metadata for ``rows``, in order, padded with empty rows to ``pad_to`` rows (a CUDA
-        graph bucket). ``token_ids``: the step's input tokens (all rows' new tokens in row
-        order), staged too and read back with :meth:`input_ids`. ``feed``: per row, -1 or
+        graph bucket): each padding row brings one token (a decode bucket), or, with
+        ``pad_tokens``, none, and the step's tokens are padded to ``pad_tokens`` (a bucket with
+        room for prefill rows; it needs ``pad_to``). ``token_ids``: the step's input tokens
+        (all rows' new tokens in row order), staged too and read back with :meth:`input_ids`. ``feed``: per row, -1 or
         the index ``j`` of a sampling row of the previous step: then that row's last input
         token is ``sampled[j]``, read on the device (its entry in ``token_ids`` is ignored).
         Changes nothing in ``manager``. Raises MetadataError naming the row when a row asks
         for positions outside the sequence's held tokens, UnknownSequenceError for an unknown
-        id, and InvalidArgumentError when the step does not fit a fixed capacity or ``feed``
-        names no sampling row of the previous step."""
-        meta = self._fill(manager, rows, pad_to, token_ids, feed)
+        id, and InvalidArgumentError when the step does not fit a fixed capacity or its
+        bucket, or ``feed`` names no sampling row of the previous step."""
+        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed)
         self._commit(meta, manager)
         return meta
 
@@ -172,15 +175,16 @@ class MetadataBuilder:
         rows: Sequence[ScheduledRow],
         *,
         pad_to: int | None = None,
+        pad_tokens: int | None = None,
         token_ids: Sequence[int] | None = None,
         feed: Sequence[int] | None = None,
     ) -> StepPlan:
         """Metadata and the backend's plan for ``rows`` (arguments as in :meth:`build`),
-        staged together and copied to the device in one transfer. ``pad_to``: plan for a
-        CUDA-graph bucket of that many rows."""
+        staged together and copied to the device in one transfer. ``pad_to`` (and
+        ``pad_tokens``): plan for a CUDA-graph bucket of that many rows (and tokens)."""
         if self.backend is None:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
-        meta = self._fill(manager, rows, pad_to, token_ids, feed)
+        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed)
         plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
         self._commit(meta, manager)
         return plan
@@ -264,12 +268,15 @@ class MetadataBuilder:
         manager: BlockManager,
         rows: Sequence[ScheduledRow],
         pad_to: int | None,
+        pad_tokens: int | None,
         token_ids: Sequence[int] | None,
         feed: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         n = len(rows)
         if n == 0 and pad_to is None:
             raise InvalidArgumentError("rows: a step needs at least one scheduled row (or pad_to)")
+        if pad_tokens is not None and pad_to is None:
+            raise InvalidArgumentError("pad_tokens: pads a bucket of rows; give pad_to too")
         padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=max(n, 1))
         seqs = manager._seqs
         bs = manager.block_size
@@ -324,24 +331,30 @@ class MetadataBuilder:
                 widest = len(seq.blocks)
         if token_ids is not None and len(token_ids) != tokens:
             raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
+        pad = padded - n
+        if pad_tokens is None:
+            num_tokens = tokens + pad  # padding rows: one token each
+        else:
+            num_tokens = require_int("pad_tokens", pad_tokens, minimum=max(tokens, 1))
         fed = self._checked_feed(feed, n, qsl)
-        self._grow(padded, tokens + padded - n, widest)
+        self._grow(padded, num_tokens, widest)
         self._switch_buffer()
         self._write_tables(records)
         self._write_padding_tables(n, padded)
         if token_ids is not None:
             ids = token_list(token_ids)
-            total = tokens + padded - n
-            self._mv[self._layout.token_ids : self._layout.token_ids + 8 * total].cast("q")[:] = array(
-                "q", ids + [0] * (padded - n)
+            self._mv[self._layout.token_ids : self._layout.token_ids + 8 * num_tokens].cast("q")[:] = array(
+                "q", ids + [0] * (num_tokens - tokens)
             )
-        pad = padded - n  # padding rows: one token each, slot -1, no K/V
-        num_tokens = tokens + pad
-        if pad:
-            slots += [PAD_SLOT] * pad
-            positions += [0] * pad
+        # Padding tokens: slot -1 (no K/V), position 0.
+        slots += [PAD_SLOT] * (num_tokens - tokens)
+        positions += [0] * (num_tokens - tokens)
+        if pad_tokens is None:
             logits += range(tokens, num_tokens)
             qsl += range(tokens + 1, num_tokens + 1)
+        else:  # empty padding rows; logits padded to one entry per row (any token)
+            logits += [num_tokens - 1] * (padded - len(logits))
+            qsl += [tokens] * pad
         feed_values = array("q", [-1]) * num_tokens
         for position, j in fed:
             feed_values[position] = j

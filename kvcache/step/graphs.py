@@ -1,12 +1,14 @@
-"""CUDA graphs of an engine's decode step, one per batch-size bucket.
+"""CUDA graphs of an engine's steps, one per bucket (:mod:`kvcache.step.buckets`).
 
 A decode step (every row brings one token) is captured once per bucket of ``B`` rows (1, 2,
-4, 8, ... up to the builder's ``max_rows``). Capture and replay both run over the builder's
-persistent buffers: a step with ``n <= B`` rows is planned padded to ``B`` rows
-(``MetadataBuilder.plan(..., pad_to=B)``), which writes this step's metadata, plan arrays and
-token ids into the same device addresses the graph recorded, in the step's one copy; then the
-graph replays. Padding rows have ``seq_len`` 0 and slot -1: they read and write no K/V. The
-backend plans graph steps from the bucket size alone (never from this step's lengths), so
+4, 8, ... up to the builder's ``max_rows``); with a backend that has ``mixed_cuda_graphs``, a
+mixed step (prefill rows beside decode rows) is captured once per token bucket of ``T``
+tokens (``min(max_rows, T - 1)`` rows). Capture and replay both run over the builder's
+persistent buffers: a step is planned padded to its bucket (``MetadataBuilder.plan(...,
+pad_to=rows, pad_tokens=tokens)``), which writes this step's metadata, plan arrays and token
+ids into the same device addresses the graph recorded, in the step's one copy; then the graph
+replays. Padding rows have ``seq_len`` 0 and padding tokens slot -1: they read and write no
+K/V. The backend plans graph steps from the bucket alone (never from this step's lengths), so
 every replay launches exactly what was captured. The graph starts with
 ``MetadataBuilder.input_ids``, so tokens fed from the previous step's samples are gathered
 inside it.
@@ -25,22 +27,15 @@ from attention.base import StepPlan
 from attention.errors import InvalidArgumentError, UnsupportedSettingError
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.rows import ScheduledRow
+from kvcache.step.buckets import StepBuckets, StepShape, default_buckets, default_token_buckets
 from kvcache.step.builder import MetadataBuilder
 
-__all__ = ["DecodeGraphs", "default_buckets"]
+__all__ = ["DecodeGraphs", "StepGraphs", "default_buckets"]
 
-#: ``forward(token_ids, plan) -> output``: token_ids int64 [B] (``builder.input_ids(B)``),
-#: output [B, ...]; it must only launch device work (no host sync, no new tensor shapes).
+#: ``forward(token_ids, plan) -> output``: token_ids int64 [T] (``builder.input_ids(T)``),
+#: output [plan's logits rows, ...]; it must only launch device work (no host sync, no new
+#: tensor shapes).
 Forward = Callable[[torch.Tensor, StepPlan], torch.Tensor]
-
-
-def default_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, ... below ``max_rows``, then ``max_rows``."""
-    buckets, b = [], 1
-    while b < max_rows:
-        buckets.append(b)
-        b *= 2
-    return [*buckets, max_rows]
 
 
 @dataclass
@@ -49,33 +44,62 @@ class _Captured:
     output: torch.Tensor
 
 
-class DecodeGraphs:
-    """Captured decode steps over ``builder``'s buffers (its backend must allow graphs)."""
+class StepGraphs:
+    """Captured steps over ``builder``'s buffers (its backend must allow graphs).
 
-    def __init__(self, builder: MetadataBuilder, forward: Forward, buckets: Sequence[int] | None = None):
+    buckets:       decode buckets (rows); default 1, 2, 4, ... up to ``max_rows``.
+    token_buckets: mixed-step token buckets; default :func:`default_token_buckets` of the
+                   builder's ``max_tokens`` when the backend has ``mixed_cuda_graphs``, else
+                   none. Pass ``()`` to capture decode steps only.
+    """
+
+    def __init__(
+        self,
+        builder: MetadataBuilder,
+        forward: Forward,
+        buckets: Sequence[int] | None = None,
+        token_buckets: Sequence[int] | None = None,
+    ):
         if builder.backend is None or not builder.fixed:
             raise InvalidArgumentError("builder: CUDA graphs need a MetadataBuilder with a capacity and a backend")
-        if not builder.backend.info.cuda_graphs:
+        info = builder.backend.info
+        if not info.cuda_graphs:
             raise UnsupportedSettingError(f"backend {builder.backend.name} cannot be captured in a CUDA graph")
         if builder.device.type != "cuda":
             raise UnsupportedSettingError(f"CUDA graphs need a CUDA device; the builder is on {builder.device}")
-        max_rows = builder.capacity.max_rows
-        self.buckets = sorted(set(buckets or default_buckets(max_rows)))
-        if self.buckets[0] < 1 or self.buckets[-1] > max_rows:
-            raise InvalidArgumentError(f"buckets: {self.buckets} must lie in [1, max_rows={max_rows}]")
+        cap = builder.capacity
+        if token_buckets is None:
+            token_buckets = default_token_buckets(cap.max_tokens) if info.mixed_cuda_graphs else ()
+        elif token_buckets and not info.mixed_cuda_graphs:
+            raise UnsupportedSettingError(
+                f"token_buckets: backend {builder.backend.name} captures decode steps only; pass token_buckets=()"
+            )
+        self.shapes = StepBuckets(cap.max_rows, cap.max_tokens, decode=buckets, tokens=token_buckets)
+        self.buckets = list(self.shapes.decode)
         self.builder = builder
         self.forward = forward
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[StepShape, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
-        self._last: int | None = None  # the bucket of the last step run
+        self._last: StepShape | None = None  # the bucket of the last step run
+        #: Steps replayed so far, by kind ("decode", "mixed").
+        self.replays = {"decode": 0, "mixed": 0}
 
     @property
     def max_rows(self) -> int:
         return self.buckets[-1]
 
     def bucket_for(self, rows: int) -> int | None:
-        """The smallest bucket holding ``rows`` rows (None: more rows than the largest)."""
+        """The smallest decode bucket holding ``rows`` rows (None: more rows than the largest)."""
         return next((b for b in self.buckets if b >= rows), None)
+
+    def shape_for(self, rows: Sequence[ScheduledRow]) -> StepShape | None:
+        """The captured bucket a step of ``rows`` replays (None: it runs eagerly)."""
+        shape = self.shapes.shape_for([row.num_new for row in rows])
+        return shape if shape is not None and self.has(shape) else None
+
+    def has(self, shape: StepShape) -> bool:
+        """Whether ``shape`` has been captured."""
+        return shape in self._graphs
 
     def capture(self, manager: BlockManager) -> int:
         """Capture every bucket, largest first (they share one memory pool). Each is run
@@ -87,23 +111,24 @@ class DecodeGraphs:
         buffers and CUDA events) would free CUDA resources, a call that invalidates the
         capture."""
         gc.collect()
-        for bucket in reversed(self.buckets):
-            plan = self.builder.plan(manager, [], pad_to=bucket, token_ids=[])
+        for shape in self.shapes.shapes():
+            pad_tokens = shape.tokens if shape.mixed else None
+            plan = self.builder.plan(manager, [], pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=[])
             for _ in range(2):
-                self.forward(self.builder.input_ids(bucket), plan)
+                self.forward(self.builder.input_ids(shape.tokens), plan)
             torch.cuda.synchronize(self.builder.device)
             graph = torch.cuda.CUDAGraph()
             collecting = gc.isenabled()
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    output = self.forward(self.builder.input_ids(bucket), plan)
+                    output = self.forward(self.builder.input_ids(shape.tokens), plan)
             finally:
                 if collecting:
                     gc.enable()
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, output)
+            self._graphs[shape] = _Captured(graph, output)
         torch.cuda.synchronize(self.builder.device)
         return len(self._graphs)
 
@@ -113,24 +138,33 @@ class DecodeGraphs:
         rows: Sequence[ScheduledRow],
         token_ids: Sequence[int],
         feed: Sequence[int] | None = None,
+        *,
+        shape: StepShape | None = None,
     ) -> tuple[StepPlan, torch.Tensor]:
-        """Plan a pure decode step padded to its bucket and replay that bucket's graph
-        (``feed`` as in ``MetadataBuilder.plan``). Returns the plan and the output rows of the
-        real rows (a view into the graph's output, valid until the next replay). Raises
-        InvalidArgumentError when the step is not a pure decode step or has more rows than
-        the largest bucket."""
-        bucket = self.bucket_for(len(rows))
-        if bucket is None or bucket not in self._graphs:
+        """Plan a step padded to its bucket and replay that bucket's graph (``feed`` as in
+        ``MetadataBuilder.plan``; ``shape``: the bucket, when the caller already has it from
+        ``shapes.shape_for``; a bucket too small for the step is refused by the builder or
+        the backend). Returns the plan and the output rows of the step's sampling
+        rows (a view into the graph's output, valid until the next replay). Raises
+        InvalidArgumentError when no captured bucket holds the step (see :meth:`shape_for`)."""
+        if shape is None:
+            shape = self.shape_for(rows)
+        if shape is None or not self.has(shape):
+            have = sorted((s.rows, s.tokens) for s in self._graphs)
             raise InvalidArgumentError(
-                f"rows: {len(rows)} rows; captured buckets are {sorted(self._graphs)} (capture first)"
+                f"rows: no captured bucket holds a step of {len(rows)} rows and "
+                f"{sum(r.num_new for r in rows)} tokens; captured (rows, tokens): {have} (capture first, "
+                "or run the step eagerly)"
             )
-        if any(row.num_new != 1 for row in rows):
-            raise InvalidArgumentError("rows: only decode steps (one new token per row) replay a graph")
-        plan = self.builder.plan(manager, rows, pad_to=bucket, token_ids=token_ids, feed=feed)
-        captured = self._graphs[bucket]
+        pad_tokens = shape.tokens if shape.mixed else None
+        plan = self.builder.plan(
+            manager, rows, pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=token_ids, feed=feed
+        )
+        captured = self._graphs[shape]
         captured.graph.replay()
-        self._last = bucket
-        return plan, captured.output[: len(rows)]
+        self._last = shape
+        self.replays["mixed" if shape.mixed else "decode"] += 1
+        return plan, captured.output[: len(plan.metadata.sampling_rows_host)]
 
     def replay_last(self) -> None:
         """Replay the last step's graph again over the buffers as they are: it recomputes that
@@ -139,3 +173,10 @@ class DecodeGraphs:
         if self._last is None:
             raise InvalidArgumentError("replay_last: no step has been run from a graph yet")
         self._graphs[self._last].graph.replay()
+
+
+class DecodeGraphs(StepGraphs):
+    """:class:`StepGraphs` of decode steps only (no token buckets)."""
+
+    def __init__(self, builder: MetadataBuilder, forward: Forward, buckets: Sequence[int] | None = None):
+        super().__init__(builder, forward, buckets, token_buckets=())
