@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import PAD_BLOCK, PAD_SLOT, StepCapacity
+from attention import PAD_BLOCK, PAD_SLOT, ReferenceBackend, StepCapacity
+from attention.errors import UnsupportedSettingError
 from kvcache import BlockManager, InvalidArgumentError, MetadataBuilder, MetadataError, ScheduledRow
 from tests.manager_state import snapshot
+from tests.paged_case import make_spec
 
 SENTINEL = 99  # never a block id in these pools
 
@@ -158,6 +160,24 @@ def test_bad_pad_tokens_are_refused_before_anything_changes() -> None:
         builder.build(m, rows, pad_to=2, pad_tokens=9)
     assert snapshot(m) == before
     assert builder.build(m, rows, pad_to=2, pad_tokens=8).num_tokens == 8
+
+
+def test_feed_names_a_sampling_row_of_the_last_committed_step() -> None:
+    """``feed`` picks the previous step's sampled id on the device; a plan the backend refused
+    is not a step: the one before it stays the one ``feed`` refers to."""
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("a", 3)
+    m.allocate("b", 2)
+    builder = MetadataBuilder("cpu", backend=ReferenceBackend(make_spec(2, 1, 8, torch.float32)))
+    builder.plan(m, [ScheduledRow("a", 3, start=0), ScheduledRow("b", 2, start=0)], token_ids=[1, 2, 3, 4, 5])
+    builder.sampled[:2] = torch.tensor([70, 80])
+    m.append_slots("a", 1, defer_ids=True)
+    with pytest.raises(UnsupportedSettingError):  # the reference backend cannot be captured
+        builder.plan(m, [ScheduledRow("a", 1)], pad_to=2, token_ids=[0], feed=[1])
+    plan = builder.plan(m, [ScheduledRow("a", 1)], token_ids=[0], feed=[1])
+    assert builder.input_ids(plan.metadata.num_tokens).tolist() == [80]
+    with pytest.raises(InvalidArgumentError, match=r"feed\[0\]: 1 is not -1 or a sampling row"):
+        builder.plan(m, [ScheduledRow("a", 1)], token_ids=[0], feed=[1])  # that step sampled one row
 
 
 def test_two_builders_keep_their_own_metadata() -> None:

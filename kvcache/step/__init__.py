@@ -4,5 +4,6 @@ plan, staged in persistent buffers with one host-to-device copy, and replayed in
 | module | what it holds |
 | --- | --- |
 | ``builder`` | :class:`MetadataBuilder`: persistent block-table rows, staging, ``plan`` |
-| ``graphs`` | :class:`DecodeGraphs`: one CUDA graph per batch-size bucket over those buffers |
+| ``buckets`` | :class:`StepBuckets`: the step shapes steps are padded to (decode rows, mixed tokens) |
+| ``graphs`` | :class:`StepGraphs`: one CUDA graph per bucket over those buffers |
 """

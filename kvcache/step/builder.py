@@ -359,7 +359,6 @@ class MetadataBuilder:
         for position, j in fed:
             feed_values[position] = j
         self._mv[self._layout.feed : self._layout.feed + 8 * num_tokens].cast("q")[:] = feed_values
-        self._sampled_rows = len(sampling)
         return self._write_rows(seq_lens, query_lens, slots, positions, qsl, logits, sampling, padded, bs)
 
     def _checked_feed(self, feed: Sequence[int] | None, n: int, qsl: list[int]) -> list[tuple[int, int]]:
@@ -487,7 +486,9 @@ class MetadataBuilder:
 
     def _commit(self, meta: AttentionMetadata, manager: BlockManager) -> None:
         """The step's one host-to-device copy (everything up to the last table row in use),
-        then the device check."""
+        then the device check. Only a committed step counts as the one ``feed`` refers to (a
+        plan the backend refused leaves the previous step's sampling rows in force)."""
+        self._sampled_rows = len(meta.sampling_rows_host)
         self._copy()
         if self._check is not None:
             self._check.run(meta, manager.num_blocks, manager.sliding_window)
