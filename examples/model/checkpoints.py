@@ -25,6 +25,7 @@ given).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -220,25 +221,59 @@ def from_transformers(
 # ---- checkpoint directories --------------------------------------------------------------
 
 
+#: The largest config.json or index.json read (real ones are a few KiB; an index of a
+#: thousand-shard checkpoint is a few MiB).
+MAX_JSON_BYTES = 64 << 20
+
+
+def _read_json(file: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``file``; ValueError naming the file when it is too large, not
+    JSON (truncated, say) or not an object."""
+    size = file.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{file}: {size} bytes; a {what} over {MAX_JSON_BYTES} bytes is not read")
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: not a readable {what} ({err}); is the file truncated?") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: a {what} holds a JSON object, got {type(value).__name__}")
+    return value
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
-    """``config.json`` of a checkpoint directory. Raises FileNotFoundError naming the file."""
+    """``config.json`` of a checkpoint directory. Raises FileNotFoundError naming the file,
+    ValueError naming it when it is not a JSON object."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no config.json; a checkpoint directory holds config.json and *.safetensors")
-    with open(file) as f:
-        config: dict[str, Any] = json.load(f)
-    return config
+    return _read_json(file, "config.json")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards ``model.safetensors.index.json``
-    lists (in order), else ``model.safetensors``, else every ``*.safetensors``."""
+    lists (in order), else ``model.safetensors``, else every ``*.safetensors``. A shard the
+    index names must be a file directly in the directory (no path outside it); ValueError
+    naming the index otherwise, FileNotFoundError naming a missing shard."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return [root / name for name in dict.fromkeys(weight_map.values())]
+        weight_map = _read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
+        files = []
+        for name in dict.fromkeys(weight_map.values()):
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(
+                    f"{index}: shard {name!r:.100} is not a file name in the checkpoint directory; an index may "
+                    "only name files beside it"
+                )
+            shard = root / name
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard}: listed in {index.name} but missing")
+            files.append(shard)
+        return files
     single = root / "model.safetensors"
     files = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
     if not files:
@@ -266,17 +301,29 @@ def _tensors(
     at a time; a key with a ``(dim, start, length)`` range is read only there."""
     safe_open = _safe_open()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _unreadable_named(file), safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 if key not in ranges:
                     continue
                 where = ranges[key]
                 if where is None:
-                    yield key, f.get_tensor(key)
+                    tensor = f.get_tensor(key)
                 else:
                     dim, start, length = where
                     index = (slice(None),) * dim + (slice(start, start + length),)
-                    yield key, f.get_slice(key)[index]
+                    tensor = f.get_slice(key)[index]
+                yield key, tensor
+
+
+@contextlib.contextmanager
+def _unreadable_named(file: Path) -> Iterator[None]:
+    """A safetensors error (a truncated file, a header that claims more bytes than the file
+    has, a tensor past its end) as ValueError naming ``file``; safetensors' own messages name
+    no file."""
+    try:
+        yield
+    except Exception as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from err
 
 
 def load_checkpoint(
@@ -300,7 +347,7 @@ def load_checkpoint(
     safe_open = _safe_open()
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _unreadable_named(file), safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     if dtype is None:

@@ -1,8 +1,9 @@
 """A model's shape from a Hugging Face config (``config.json`` or a transformers config
 object): sizes, rotary scaling and sliding windows of Llama, Qwen2 and Mistral models.
 
-Every value is checked: a missing, non-numeric or out-of-range size raises ValueError naming
-the key.
+Every value is checked: a missing, non-numeric or out-of-range size (each is bounded, so a
+hostile config cannot make the loader build a billion layers) raises ValueError naming the
+key.
 """
 
 from __future__ import annotations
@@ -32,8 +33,50 @@ def _reader(config: Mapping[str, Any] | Any) -> Any:
     return lambda key, default=None: getattr(config, key, default)
 
 
+#: Upper bounds of a config's sizes: a hostile config.json must not make the loader build a
+#: billion layers (the largest released models stay far below each).
+_LIMITS = {
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 23,
+    "head_dim": 1024,
+    "sliding_window": 1 << 30,
+    "max_window_layers": 1 << 20,
+    "original_max_position_embeddings": 1 << 30,
+    "max_position_embeddings": 1 << 30,
+}
+
+
 def _refuse(field: str, got: object, why: str) -> ValueError:
     return ValueError(f"{field}: {got!r} is not supported by the example model; {why}")
+
+
+def _size(get: Any, key: str, default: object = _MISSING, *, minimum: int = 1) -> int:
+    """The integer ``key`` of the config, in ``[minimum, _LIMITS[key]]``; ValueError naming
+    the key for a missing (without ``default``), non-integer or out-of-range value."""
+    value = get(key, None)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"{key}: missing from the checkpoint config; config.json must give it")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}: {value!r:.60} is not an integer")
+    if not minimum <= value <= _LIMITS[key]:
+        raise ValueError(f"{key}: {value} is outside [{minimum}, {_LIMITS[key]}]")
+    return value
+
+
+def _number(get: Any, key: str, default: float, *, where: Mapping[str, Any] | None = None) -> float:
+    """A positive finite float (from ``where`` when given, else the config)."""
+    value = (where.get(key, None) if where is not None else get(key, None))
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+        raise ValueError(f"{key}: {value!r:.60} is not a positive finite number")
+    return float(value)
 
 
 def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
@@ -58,9 +101,16 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
         raise _refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", get("hidden_act"), "it needs 'silu'")
-    heads = int(get("num_attention_heads"))
-    hidden = int(get("hidden_size"))
-    layers = int(get("num_hidden_layers"))
+    heads = _size(get, "num_attention_heads")
+    hidden = _size(get, "hidden_size")
+    layers = _size(get, "num_hidden_layers")
+    kv_heads = _size(get, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}; each KV head serves "
+            "a whole group of query heads"
+        )
+    head_dim = _size(get, "head_dim", hidden // heads if hidden >= heads else 0)
     if model_type == "llama":
         qkv_bias = o_bias = bool(get("attention_bias", False))
         mlp_bias = bool(get("mlp_bias", False))
@@ -68,14 +118,14 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
         qkv_bias, o_bias, mlp_bias = model_type == "qwen2", False, False
     window, window_layers = _window(model_type, get, layers)
     return LlamaShape(
-        vocab_size=int(get("vocab_size")),
+        vocab_size=_size(get, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size")),
+        intermediate_size=_size(get, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(get("head_dim") or hidden // heads),
-        norm_eps=float(get("rms_norm_eps", 1e-6)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        norm_eps=_number(get, "rms_norm_eps", 1e-6),
         **_rope(get),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -88,24 +138,34 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
 
 def _rope(get: Any) -> dict[str, Any]:
     params = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters: {params!r:.60} is not a mapping")
     if any(isinstance(v, Mapping) for v in params.values()):
         raise _refuse("rope_parameters", "per layer type", "it needs one set for every layer")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta") or get("rope_theta") or 10000.0)
+    theta = _number(get, "rope_theta", _number(get, "rope_theta", 10000.0), where=params)
     partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise _refuse("partial_rotary_factor", partial, "it rotates every channel (1.0)")
     if kind == "default":
         return {"rope_theta": theta, "rope_scaling": None}
+    def factor(key: str) -> float:
+        if key not in params:
+            raise ValueError(f"rope_parameters.{key}: missing for rope_type {kind!r}")
+        return _number(get, key, 1.0, where=params)
+
     if kind == "linear":
-        return {"rope_theta": theta, "rope_scaling": RopeScaling("linear", float(params["factor"]))}
+        return {"rope_theta": theta, "rope_scaling": RopeScaling("linear", factor("factor"))}
     if kind == "llama3":
+        original = params.get("original_max_position_embeddings")
         scaling = RopeScaling(
             "llama3",
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params.get("original_max_position_embeddings") or get("max_position_embeddings")),
+            factor("factor"),
+            factor("low_freq_factor"),
+            factor("high_freq_factor"),
+            _size(lambda key, default=None: original, "original_max_position_embeddings")
+            if original is not None
+            else _size(get, "max_position_embeddings"),
         )
         return {"rope_theta": theta, "rope_scaling": scaling}
     raise _refuse("rope_parameters.rope_type", kind, "it needs default, linear or llama3")
@@ -117,15 +177,19 @@ def _window(model_type: str, get: Any, layers: int) -> tuple[int | None, tuple[b
         return None, None
     if model_type == "mistral":
         window = get("sliding_window", _MISSING)
-        return (_MISTRAL_DEFAULT_WINDOW if window is _MISSING else window), None
+        if window is _MISSING:
+            return _MISTRAL_DEFAULT_WINDOW, None
+        return (None if window is None else _size(get, "sliding_window")), None
     if not get("use_sliding_window", False) or get("sliding_window") is None:
         return None, None
-    window = int(get("sliding_window"))
+    window = _size(get, "sliding_window")
     types = get("layer_types")
     if types is None:
-        first = int(get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS))
+        first = _size(get, "max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
         pattern = tuple(i >= first for i in range(layers))
     else:
+        if not isinstance(types, (list, tuple)):
+            raise ValueError(f"layer_types: {types!r:.60} is not a list")
         if len(types) != layers:
             raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers {layers}; give one per layer")
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
