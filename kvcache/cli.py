@@ -1,8 +1,10 @@
 """The ``kvcache`` command: ``validate``, ``plan``, ``schema`` and ``list-configs``.
 
-Exit status: 0 on success, 1 when a config is invalid or a plan holds nothing, 2 for bad
-command-line usage. Problems are printed one per line, never as a traceback. A config is a
-file path or the name of a bundled config (``kvcache validate tiny-cpu``).
+Exit status: 0 on success (also when the reader of a pipe leaves early: ``kvcache schema |
+head``), 1 when a config is invalid or a plan holds nothing, 2 for bad command-line usage.
+Problems are printed one per line, never as a traceback. A config is a file path or the name
+of a bundled config (``kvcache validate tiny-cpu``; a near miss gets a "did you mean").
+``kvcache --version`` prints the installed version; ``python -m kvcache`` is the same command.
 
 Startup is kept short: no torch is imported, and pydantic and YAML only by the commands that
 read a config.
@@ -66,6 +68,11 @@ def _plan(args: argparse.Namespace) -> int:
         f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
         f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}"
     )
+    if args.memory is not None and config.cache.num_blocks is not None:
+        print(
+            f"  note: the config fixes num_blocks ({config.cache.num_blocks}); --memory only decides whether "
+            "they fit (set cache.memory_budget instead of num_blocks to size the cache from memory)"
+        )
     rows = plan.lines()
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -132,12 +139,23 @@ def _tp_size(text: str) -> int:
     return int(text)
 
 
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("paged-kvcache")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e . in the checkout)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcache",
         description="Paged KV-cache configs: validate and plan. CONFIG is a YAML file "
         "or the name of a bundled config (see list-configs).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate", help="check configs; print every problem, then a summary")
     validate.add_argument("files", nargs="+", metavar="CONFIG")
@@ -168,10 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `kvcache schema | head`: the reader left; say nothing more
+    except BrokenPipeError:  # `kvcache schema | head`: the reader left; nothing went wrong
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 0
     return code
 
 

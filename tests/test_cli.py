@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,42 @@ def test_cli_commands_import_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_version_and_python_dash_m() -> None:
+    from tests.child_env import child_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "kvcache", "--version"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("kvcache ") and len(result.stdout.split()) >= 2
+    listing = subprocess.run([sys.executable, "-m", "kvcache", "list-configs"], capture_output=True, text=True, env=env)
+    assert listing.returncode == 0 and "tiny-cpu" in listing.stdout
+
+
+def test_a_reader_that_leaves_early_is_not_an_error() -> None:
+    """``kvcache schema | head``: stdout's reader is gone; the command exits 0, silently."""
+    from tests.child_env import child_pythonpath
+
+    code = (
+        "import os, sys\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+        "from kvcache.cli import main\n"
+        "code = main(['schema'])\n"
+        "sys.stdout = open(os.devnull, 'w')\n"
+        "print(code, file=sys.stderr)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.stderr.strip().splitlines()[-1] == "0", result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_misspelled_bundled_name_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "tiny-cpuu"]) == 1
+    assert "did you mean 'tiny-cpu'?" in capsys.readouterr().err
+
+
+def test_plan_says_when_memory_only_checks_a_fixed_block_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tiny-cpu", "--memory", "1GiB"]) == 0
+    assert "fixes num_blocks (24); --memory only decides whether they fit" in capsys.readouterr().out

@@ -29,6 +29,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kvcache.metrics": ("attention", "kvcache.blocks", "kvcache.memory"),
     "kvcache.setup": ("attention", "kvcache.config", "kvcache.blocks", "kvcache.memory", "kvcache.parallel.heads"),
     "kvcache.cli": ("kvcache.config", "kvcache.parallel.heads"),
+    "kvcache.__main__": ("kvcache.cli",),
     "kvcache.moved": (),
 }
 

@@ -13,6 +13,7 @@ with the package (:mod:`kvcache.config.bundled`); anything else is a path.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Iterable
@@ -64,12 +65,14 @@ def _locate(path: str | os.PathLike[str]) -> tuple[str | os.PathLike[str], str]:
             return bundled[name], printable(str(bundled[name]))
         if not os.path.lexists(name):
             known = ", ".join(bundled) or "none"
+            close = difflib.get_close_matches(name, list(bundled), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(
                 printable(name),
                 [
                     ConfigProblem(
                         "",
-                        f"is neither a file nor a bundled config; check the path, or name a "
+                        f"is neither a file nor a bundled config; {hint}check the path, or name a "
                         f"bundled config ({known}; `kvcache list-configs`)",
                     )
                 ],
