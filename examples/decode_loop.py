@@ -182,6 +182,16 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         vocab_size=shape.vocab_size,
     )
 
+    need = max(manager.blocks_for(r.peak_tokens) for r in requests)
+    if need > manager.num_blocks:  # the scheduler would refuse it: say so in one line, with the fix
+        longest = max(requests, key=lambda r: r.peak_tokens)
+        print(
+            f"{where}error: --num-blocks / cache size: request {longest.req_id} needs {need} blocks "
+            f"({longest.peak_tokens} tokens at block_size {manager.block_size}) but the cache has "
+            f"{manager.num_blocks}; give the cache at least {need} blocks",
+            file=sys.stderr,
+        )
+        return 1
     lengths = [len(r.prompt) for r in requests]
     say(
         f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads "

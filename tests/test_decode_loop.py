@@ -239,3 +239,15 @@ def test_cli_swap_mode_swaps(capsys: pytest.CaptureFixture[str]) -> None:
     preemptions = _summary(capsys.readouterr().out)["preemptions"]
     swaps = re.search(r"swap (\d+); blocks swapped out/in (\d+)/(\d+)", preemptions)
     assert swaps is not None and int(swaps[1]) >= 1 and swaps[2] == swaps[3] != "0", preemptions
+
+
+def test_cli_too_few_blocks_is_one_line_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quiet", "--num-blocks", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: --num-blocks / cache size: request ") and "give the cache at least 5 blocks" in err
+
+
+def test_cli_summary_says_whether_steps_replayed_graphs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quiet", "--requests", "4"]) == 0
+    assert "\n  CUDA graphs: off\n" in capsys.readouterr().out  # a CPU run has none
