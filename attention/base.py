@@ -250,7 +250,9 @@ class AttentionBackend(ABC):
             )
         meta = plan.metadata
         if not isinstance(layer, LayerCache):
-            raise TypeError(f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}")
+            raise ArgumentTypeError(
+                f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}"
+            )
         k = layer.key
         seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, layer.k_scale is None)
         if seen not in self._accepted:

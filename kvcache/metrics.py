@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
 from kvcache.memory.swap import SwapSpace
 
@@ -58,7 +59,16 @@ class CacheStats:
 
 
 def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) -> CacheStats:
-    """Snapshot ``manager`` (and its swap space). O(1)."""
+    """Snapshot ``manager`` (and its swap space). O(1). Raises ArgumentTypeError for
+    arguments of the wrong type and InvalidArgumentError for a swap space of another manager
+    (its counts would mix two pools)."""
+    if not isinstance(manager, BlockManager):
+        raise ArgumentTypeError(f"manager: expected a BlockManager, got {type(manager).__name__}")
+    if swap_space is not None:
+        if not isinstance(swap_space, SwapSpace):
+            raise ArgumentTypeError(f"swap_space: expected a SwapSpace or None, got {type(swap_space).__name__}")
+        if swap_space.manager is not manager:
+            raise InvalidArgumentError("swap_space: it belongs to another manager; pass that manager's swap space")
     cache = manager.prefix_cache
     alloc = manager.allocator
     return CacheStats(

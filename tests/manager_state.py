@@ -43,7 +43,7 @@ def snapshot(m: BlockManager, swap: SwapSpace | None = None) -> dict[str, Any]:
         "cached_free": alloc.num_cached_free,
         "ref": list(alloc._ref),
         "holds": dict(m.holds.counts),
-        "parked": set(m._parked),
+        "parked": m._parked.snapshot(),
         "preemptions": dict(m.preemptions),
     }
     pc = m.prefix_cache

@@ -5,6 +5,7 @@ prefix-cache index); every can_* query agrees with its action; none of it relies
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -26,8 +27,10 @@ from kvcache import (
     SequenceExistsError,
     SwapSpace,
     UnknownSequenceError,
+    collect_stats,
     preempt,
 )
+from kvcache.blocks.sequence import SequenceBlocks
 from tests.manager_state import snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +172,47 @@ MISUSES: dict[str, tuple[Callable[[BlockManager, SwapSpace], object], type[KVCac
     "append a string token id": (lambda m, s: m.append_slots("share", 1, token_ids=["a"]), ArgumentTypeError),
     "append without ids (prefix-cached)": (lambda m, s: m.append_slots("share", 1), InvalidArgumentError),
     "append too few ids": (lambda m, s: m.append_slots("share", 2, token_ids=[1]), InvalidArgumentError),
+    "a token id of 2**70": (lambda m, s: m.allocate("x", token_ids=[1, 2**70]), ArgumentTypeError),
+    "append a token id of 2**70": (lambda m, s: m.append_slots("share", 1, token_ids=[2**70]), ArgumentTypeError),
+    # swapped-out ids and records
+    "drop_swapped an id a SwapSpace holds": (lambda m, s: m.drop_swapped("gone"), InvalidArgumentError),
+    "attach something that is not a record": (lambda m, s: m.attach("x", ("blocks", 3)), ArgumentTypeError),
+    "attach a record with too few blocks": (
+        lambda m, s: m.attach("x", _record(m, blocks=[0])),
+        InvalidArgumentError,
+    ),
+    "attach a record computed past its tokens": (
+        lambda m, s: m.attach("x", _record(m, num_computed=99)),
+        InvalidArgumentError,
+    ),
+    "attach a record whose ids miss tokens": (
+        lambda m, s: m.attach("x", _record(m, token_ids=[1, 2])),
+        InvalidArgumentError,
+    ),
+    "attach a record with a float count": (
+        lambda m, s: m.attach("x", _record(m, num_tokens=9.0)),
+        ArgumentTypeError,
+    ),
+    # foreign objects
+    "preempt with something that is not a manager": (lambda m, s: preempt(object(), "share"), ArgumentTypeError),
+    "preempt into a swap space of another manager": (
+        lambda m, s: preempt(m, "share", "swap", SwapSpace(BlockManager(12, BS), s.cache, 2)),
+        InvalidArgumentError,
+    ),
+    "collect_stats with a swap space of another manager": (
+        lambda m, s: collect_stats(m, SwapSpace(BlockManager(12, BS), s.cache, 2)),
+        InvalidArgumentError,
+    ),
+    "collect_stats with something that is not a swap space": (
+        lambda m, s: collect_stats(m, object()),
+        ArgumentTypeError,
+    ),
 }
+
+
+def _record(m: BlockManager, **change: object) -> SequenceBlocks:
+    """A copy of "keep"'s record with ``change`` applied (what a caller might hand attach)."""
+    return dataclasses.replace(m.sequence("keep").copy_onto(list(m.block_table("keep")), keep_keys=True), **change)
 
 
 @pytest.mark.parametrize("name", list(MISUSES))

@@ -13,6 +13,7 @@
 | ``release`` | giving blocks back: tail first, the prefix index kept right |
 | ``fork`` | sharing a table's blocks with a new owner, copying a partial last block |
 | ``holds`` | blocks kept alive outside any table (a copy in flight) |
+| ``parking`` | ids of swapped-out sequences, reserved until attached or dropped |
 | ``integrity`` | recounting every invariant from scratch |
 | ``manager`` | :class:`BlockManager`: the check/act API over all of the above |
 """

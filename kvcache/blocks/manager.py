@@ -30,7 +30,7 @@ from kvcache.blocks.integrity import integrity_problems
 from kvcache.blocks.prefix_cache import PrefixCache
 from kvcache.blocks.release import release_blocks
 from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
-from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable
+from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable, checked_record
 from kvcache.blocks.tokens import appended_ids, token_list
 from kvcache.blocks.window import release_behind_window
 
@@ -219,44 +219,43 @@ class BlockManager(SequenceTable):
         if reason == "preempted":
             self.preemptions["recompute"] += 1
 
-    def detach(self, seq_id: Hashable, *, swapped: bool = False) -> SequenceBlocks:
+    def detach(self, seq_id: Hashable, *, swapped: bool = False, holder: object | None = None) -> SequenceBlocks:
         """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
         it held) so that :meth:`attach` can bring it back later. ``swapped``: its K/V was
         copied out (a swap preemption, counted); the id stays reserved until :meth:`attach`
-        or :meth:`drop_swapped`."""
+        or :meth:`drop_swapped`. ``holder``: the swap space holding that K/V (a SwapSpace
+        passes itself), which alone may drop the id."""
         seq = self.sequence(seq_id)
         del self._seqs[seq_id]
         self._release_blocks(seq.blocks)
         if swapped:
-            self._parked.add(seq_id)
+            self._parked.park(seq_id, holder)
             self.preemptions["swap"] += 1
         return seq
 
     def attach(self, seq_id: Hashable, record: SequenceBlocks) -> list[int]:
         """Bring back a detached sequence in fresh blocks (e.g. a swap-in): returns the new
         block ids, one per real block of ``record``, in order. It keeps its blocks' content
-        keys (the fresh blocks are not indexed under them). Raises SequenceExistsError or
-        OutOfBlocksError; changes nothing then."""
+        keys (the fresh blocks are not indexed under them). Raises InvalidArgumentError for a
+        record whose counts contradict each other, SequenceExistsError or OutOfBlocksError;
+        changes nothing then."""
         self.check_hashable(seq_id)
-        parked = seq_id in self._parked
-        self._parked.discard(seq_id)
-        try:
+        checked_record(record, self.block_size)
+        with self._parked.lifted(seq_id):
             self.check_new_id(seq_id)
             real = sum(1 for b in record.blocks if b != PAD_BLOCK)
             fresh = self.allocator.allocate(real)
-        except Exception:
-            if parked:
-                self._parked.add(seq_id)
-            raise
         # The keys describe content, which the fresh blocks hold again: keyed positions are
         # not keyed twice (the fresh blocks are not holders).
         self._seqs[seq_id] = record.copy_onto([PAD_BLOCK] * (len(record.blocks) - real) + fresh, keep_keys=True)
         return list(fresh)
 
-    def drop_swapped(self, seq_id: Hashable) -> None:
-        """Free the id of a swapped-out sequence that will not come back."""
+    def drop_swapped(self, seq_id: Hashable, *, holder: object | None = None) -> None:
+        """Free the id of a swapped-out sequence that will not come back. Raises
+        InvalidArgumentError (nothing changed) when a swap space other than ``holder`` holds
+        its K/V: call that space's ``drop``, which releases its host blocks too."""
         self.check_hashable(seq_id)
-        self._parked.discard(seq_id)
+        self._parked.drop(seq_id, holder)
 
     def hold(self, blocks: Iterable[int]) -> None:
         """Keep owned ``blocks`` allocated without a block table (while a copy reads them).

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 from attention.checks import cdiv, require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError, SequenceExistsError, UnknownSequenceError
 from attention.metadata import PAD_BLOCK
+from kvcache.blocks.parking import ParkedIds
 
 if TYPE_CHECKING:
     from kvcache.blocks.allocator import BlockAllocator
     from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 
-__all__ = ["BlockCopy", "SequenceBlocks", "SequenceTable"]
+__all__ = ["BlockCopy", "SequenceBlocks", "SequenceTable", "checked_record"]
 
 #: ``(source block, destination block)``: a copy the caller performs on the cache tensors.
 BlockCopy = tuple[int, int]
@@ -102,18 +103,27 @@ class SequenceBlocks:
 
     def problems(self, seq_id: Hashable, block_size: int, allocator: BlockAllocator) -> list[str]:
         """Every broken invariant of this record (empty: fine)."""
-        found = []
         name = repr(seq_id)[:60]
+        found = self.count_problems(name, block_size)
+        real = [b for b in self.blocks[self.num_released :]]
+        if any(not 0 <= b < allocator.num_blocks for b in real):
+            found.append(f"sequence {name} holds ids outside the pool: {real[:8]}")
+        if len(set(real)) != len(real):
+            found.append(f"sequence {name} holds a block twice: {real}")
+        last_partial = self.num_tokens % block_size != 0
+        if real and last_partial and 0 <= real[-1] < allocator.num_blocks and allocator.ref_count(real[-1]) > 1:
+            found.append(f"sequence {name}: partly filled last block {real[-1]} is shared")
+        return found
+
+    def count_problems(self, name: str, block_size: int) -> list[str]:
+        """The invariants between this record's counts, blocks and token ids (no pool needed)."""
+        found = []
         want = cdiv(self.num_tokens, block_size)
         if len(self.blocks) != want:
             found.append(f"sequence {name}: {len(self.blocks)} blocks for {self.num_tokens} tokens (want {want})")
         real = [b for b in self.blocks[self.num_released :]]
         if any(b == PAD_BLOCK for b in real) or any(b != PAD_BLOCK for b in self.blocks[: self.num_released]):
             found.append(f"sequence {name}: released blocks are not exactly its first {self.num_released}")
-        if any(not 0 <= b < allocator.num_blocks for b in real):
-            found.append(f"sequence {name} holds ids outside the pool: {real[:8]}")
-        if len(set(real)) != len(real):
-            found.append(f"sequence {name} holds a block twice: {real}")
         if self.token_ids is not None and self.token_base + len(self.token_ids) + self.num_pending != self.num_tokens:
             found.append(
                 f"sequence {name}: {len(self.token_ids)} token ids from position {self.token_base} and "
@@ -123,10 +133,29 @@ class SequenceBlocks:
             found.append(f"sequence {name}: {self.num_pending} pending token ids of {self.num_tokens} tokens")
         if not 0 <= self.num_computed <= self.num_tokens:
             found.append(f"sequence {name}: {self.num_computed} computed of {self.num_tokens} tokens")
-        last_partial = self.num_tokens % block_size != 0
-        if real and last_partial and 0 <= real[-1] < allocator.num_blocks and allocator.ref_count(real[-1]) > 1:
-            found.append(f"sequence {name}: partly filled last block {real[-1]} is shared")
         return found
+
+
+def checked_record(record: object, block_size: int) -> SequenceBlocks:
+    """``record`` as a :class:`SequenceBlocks` whose counts agree (what ``attach`` accepts).
+    Raises ArgumentTypeError for another type or a count that is not an int, and
+    InvalidArgumentError listing every count that contradicts the others."""
+    if not isinstance(record, SequenceBlocks):
+        raise ArgumentTypeError(f"record: expected a SequenceBlocks (from detach), got {type(record).__name__}")
+    for field_name in ("num_tokens", "num_computed", "num_released", "token_base", "num_pending"):
+        value = getattr(record, field_name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"record.{field_name}: expected an int, got {type(value).__name__}")
+    if not isinstance(record.blocks, list) or not all(type(b) is int for b in record.blocks):
+        raise ArgumentTypeError("record.blocks: expected a list of int block ids")
+    if record.token_ids is not None and (
+        not isinstance(record.token_ids, list) or not all(type(t) is int for t in record.token_ids)
+    ):
+        raise ArgumentTypeError("record.token_ids: expected None or a list of int token ids")
+    found = record.count_problems("record", block_size)
+    if found:
+        raise InvalidArgumentError("record: " + "; ".join(found))
+    return record
 
 
 class SequenceTable:
@@ -135,7 +164,7 @@ class SequenceTable:
     def __init__(self) -> None:
         self._seqs: dict[Hashable, SequenceBlocks] = {}
         #: Ids detached for a swap-out: not usable for new sequences until attached or dropped.
-        self._parked: set[Hashable] = set()
+        self._parked = ParkedIds()
         self.block_size: int
 
     @property

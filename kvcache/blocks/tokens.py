@@ -59,9 +59,14 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
         if bool in set(map(type, values)):  # an int is an int; a bool is not
             raise TypeError
     except (TypeError, OverflowError):
-        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int)), None)
+        i, bad = next(
+            (i, v)
+            for i, v in enumerate(values)
+            if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63
+        )
+        what = "out of int64 range" if isinstance(bad, int) and not isinstance(bad, bool) else type(bad).__name__
         raise ArgumentTypeError(
-            f"{name}: every token id must be an integer in int64 range; found {type(bad).__name__} {bad!r:.40}"
+            f"{name}[{i}]: every token id must be an integer in int64 range; found {bad!r:.40} ({what})"
         ) from None
     return values
 
@@ -117,11 +122,11 @@ def appended_ids(token_ids: object, n: int, seq: SequenceBlocks, seq_id: object,
         raise InvalidArgumentError("token_ids: given with defer_ids=True; pass the ids now or later, not both")
     keep = seq.token_ids is not None and not defer_ids
     new_ids = None
-    if token_ids is not None:  # the ids themselves first: a type error names them whatever the state
-        new_ids = token_list(token_ids) if keep else None
-        count = len(new_ids) if new_ids is not None else token_count(token_ids)
-        if count != n:
-            raise InvalidArgumentError(f"token_ids: {count} ids for n={n} new tokens")
+    if token_ids is not None:  # the ids themselves first: a bad id is named whatever the state
+        checked = token_list(token_ids)
+        if len(checked) != n:
+            raise InvalidArgumentError(f"token_ids: {len(checked)} ids for n={n} new tokens")
+        new_ids = checked if keep else None
     if seq.num_pending and not defer_ids:
         raise InvalidArgumentError(
             f"token_ids: sequence {seq_id!r:.60} still waits for {seq.num_pending} deferred id(s); "

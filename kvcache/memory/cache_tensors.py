@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
-from attention.errors import CacheAllocationError, InvalidArgumentError
+from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
@@ -113,8 +114,10 @@ class KVCacheTensors:
         ]
 
     def layer(self, index: int) -> LayerCache:
-        """Layer ``index``'s cache (what ``write_kv`` and ``attend`` take)."""
-        return self._layers[index]
+        """Layer ``index``'s cache (what ``write_kv`` and ``attend`` take). Raises
+        InvalidArgumentError for an index outside ``[0, num_layers)`` (no negative indexing: a
+        layer counted from the end is a bug, not a request)."""
+        return self._layers[require_int("layer", index, minimum=0, maximum=len(self._layers) - 1)]
 
     @property
     def key(self) -> list[torch.Tensor]:
@@ -158,6 +161,7 @@ class KVCacheTensors:
         written from now on; set them before the first write. Raises InvalidArgumentError."""
         if self.scales is None:
             raise InvalidArgumentError("set_scales: this cache is not fp8; it has no scales")
+        layer = require_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not isinstance(scale, torch.Tensor) or scale.shape != self.scales.shape[2:]:
                 raise InvalidArgumentError(f"{name}: expected a tensor of shape {list(self.scales.shape[2:])}")
@@ -170,8 +174,13 @@ class KVCacheTensors:
         """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. the pairs
         ``BlockManager.fork`` returns). Raises InvalidArgumentError, copying nothing, for an
         id outside the cache or a destination that is also a source or listed twice."""
+        if isinstance(copies, (str, bytes)) or not isinstance(copies, Sequence):
+            raise ArgumentTypeError(f"copies: expected a sequence of (src, dst) pairs, got {type(copies).__name__}")
         if not copies:
             return
+        for i, pair in enumerate(copies):
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+                raise InvalidArgumentError(f"copies[{i}]: {pair!r:.40} is not a (src, dst) pair of block ids")
         src = [s for s, _ in copies]
         dst = [d for _, d in copies]
         n = self.num_blocks
@@ -204,6 +213,8 @@ def allocate_kv_cache(
     Raises CacheAllocationError when the device is missing or cannot hold the cache; the
     message gives the largest num_blocks that fits.
     """
+    if num_blocks is not None:
+        num_blocks = require_int("num_blocks", num_blocks, minimum=1)
     dev = resolve_device(config.cache.device if device is None else str(device))
     free = free_device_memory(dev)
     blocks = num_blocks if num_blocks is not None else num_blocks_for(config, free, tp)

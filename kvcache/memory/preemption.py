@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Literal
 
-from attention.errors import InvalidArgumentError
+from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
 from kvcache.memory.swap import SwapSpace
 
@@ -27,9 +27,14 @@ def preempt(
     ``recompute``: its blocks are freed; the caller re-admits it later and recomputes its K/V
     (prompt + generated tokens). ``swap``: its K/V is copied to ``swap_space`` and comes back
     with ``swap_space.swap_in``. Raises UnknownSequenceError, InvalidArgumentError for a bad
-    mode or a missing swap space, OutOfBlocksError when the swap space is full; changes
-    nothing then.
+    mode or a missing swap space (or one of another manager), ArgumentTypeError for an
+    argument of the wrong type, OutOfBlocksError when the swap space is full; changes nothing
+    then.
     """
+    if not isinstance(manager, BlockManager):
+        raise ArgumentTypeError(f"manager: expected a BlockManager, got {type(manager).__name__}")
+    if swap_space is not None and not isinstance(swap_space, SwapSpace):
+        raise ArgumentTypeError(f"swap_space: expected a SwapSpace or None, got {type(swap_space).__name__}")
     if mode == "recompute":
         manager.free(seq_id, reason="preempted")
     elif mode == "swap":

@@ -109,7 +109,7 @@ class SwapSpace:
             raise OutOfBlocksError(len(device_blocks), self.allocator.num_free, f"swap out {seq_id!r} (host pool)")
         host_blocks = self.allocator.allocate(len(device_blocks))
         self._copy_to_host(device_blocks, host_blocks)
-        self.manager.detach(seq_id, swapped=True)
+        self.manager.detach(seq_id, swapped=True, holder=self)
         self._swapped[seq_id] = _Swapped(record, host_blocks)
         self.swapped_out_blocks += len(device_blocks)
         return list(zip(device_blocks, host_blocks, strict=True))
@@ -132,7 +132,7 @@ class SwapSpace:
         entry = self._entry(seq_id)
         self.allocator.release(entry.host_blocks)
         del self._swapped[seq_id]
-        self.manager.drop_swapped(seq_id)
+        self.manager.drop_swapped(seq_id, holder=self)
 
     def poll(self) -> None:
         """Return device blocks whose swap-out copy has finished to the free pool."""

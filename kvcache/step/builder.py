@@ -35,7 +35,7 @@ import torch
 
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import require_int
-from attention.errors import InvalidArgumentError, MetadataError, UnknownSequenceError
+from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnknownSequenceError
 from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
 from attention.metadata_check import DeviceCheck
 from attention.staging import PlanStaging, StepCapacity
@@ -128,7 +128,18 @@ class MetadataBuilder:
         backend: AttentionBackend | None = None,
         device_check: bool | None = None,
     ):
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise InvalidArgumentError(
+                f"device: {device!r:.40} is not a device; use e.g. 'cuda', 'cuda:1' or 'cpu'"
+            ) from err
+        if capacity is not None and not isinstance(capacity, StepCapacity):
+            raise ArgumentTypeError(f"capacity: expected a StepCapacity or None, got {type(capacity).__name__}")
+        if backend is not None and not isinstance(backend, AttentionBackend):
+            raise ArgumentTypeError(f"backend: expected an AttentionBackend or None, got {type(backend).__name__}")
+        if device_check is not None and not isinstance(device_check, bool):
+            raise ArgumentTypeError(f"device_check: expected a bool or None, got {type(device_check).__name__}")
         self.backend = backend
         check = self.device.type == "cuda" if device_check is None else device_check
         self._check = DeviceCheck(self.device) if check else None
@@ -272,6 +283,8 @@ class MetadataBuilder:
         token_ids: Sequence[int] | None,
         feed: Sequence[int] | None = None,
     ) -> AttentionMetadata:
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+            raise ArgumentTypeError(f"rows: expected a sequence of ScheduledRow, got {type(rows).__name__}")
         n = len(rows)
         if n == 0 and pad_to is None:
             raise InvalidArgumentError("rows: a step needs at least one scheduled row (or pad_to)")
