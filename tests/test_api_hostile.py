@@ -50,7 +50,11 @@ CALLS: dict[str, tuple[Callable[..., object], type[KVCacheError], str]] = {
         r"copies\[0\]",
     ),
     "copy_blocks with a number": (lambda c, cache, m, b: cache.copy_blocks(3), ArgumentTypeError, "copies"),
-    "allocate 0 blocks": (lambda c, cache, m, b: allocate_kv_cache(c, num_blocks=0), InvalidArgumentError, "num_blocks"),
+    "allocate 0 blocks": (
+        lambda c, cache, m, b: allocate_kv_cache(c, num_blocks=0),
+        InvalidArgumentError,
+        "num_blocks",
+    ),
     "allocate 1.5 blocks": (
         lambda c, cache, m, b: allocate_kv_cache(c, num_blocks=1.5),
         ArgumentTypeError,
