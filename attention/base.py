@@ -104,17 +104,31 @@ class AttentionBackend(ABC):
                  with ``mixed_cuda_graphs`` only).
         """
         metadata.check()
-        if graph and not self.info.cuda_graphs:
+        if graph:
+            self.check_graph_bucket(metadata.padded_batch, metadata.num_tokens, prefill_rows=metadata.max_query_len > 1)
+        return self._plan(metadata, staging or DirectStaging(metadata.device), graph)
+
+    def check_graph_bucket(self, padded_batch: int, num_tokens: int, *, prefill_rows: bool) -> None:
+        """Raise unless this backend can plan a CUDA-graph step of ``padded_batch`` rows and
+        ``num_tokens`` tokens (``prefill_rows``: some row brings more than one token):
+        UnsupportedSettingError for a backend that cannot be captured (or not with room for
+        prefill rows), MetadataError for prefill rows in a decode bucket (as many tokens as
+        rows). A persistent builder calls it before writing the step."""
+        if not self.info.cuda_graphs:
             raise UnsupportedSettingError(
                 f"graph: backend {self.name} cannot be captured in a CUDA graph; use triton or flash_attn"
             )
-        if graph and metadata.num_tokens > metadata.padded_batch and not self.info.mixed_cuda_graphs:
+        if num_tokens > padded_batch and not self.info.mixed_cuda_graphs:
             raise UnsupportedSettingError(
                 f"graph: backend {self.name} captures pure decode steps only (one token per row), but this "
-                f"bucket has {metadata.num_tokens} tokens for {metadata.padded_batch} rows; run steps with "
-                "prefill rows eagerly, or use the triton backend"
+                f"bucket has {num_tokens} tokens for {padded_batch} rows; run steps with prefill rows eagerly, "
+                "or use the triton backend"
             )
-        return self._plan(metadata, staging or DirectStaging(metadata.device), graph)
+        if prefill_rows and num_tokens <= padded_batch:
+            raise MetadataError(
+                f"graph: this step has prefill rows but its bucket has {num_tokens} tokens for {padded_batch} "
+                "rows; plan it in a bucket with more tokens than rows (pad_tokens)"
+            )
 
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
         """The staged arrays and scratch buffers plans may ask for, at most, for steps within

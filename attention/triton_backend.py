@@ -22,7 +22,7 @@ import torch
 
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import cdiv
-from attention.errors import MetadataError, UnsupportedSettingError
+from attention.errors import UnsupportedSettingError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.rotary import RotaryTable
@@ -211,12 +211,7 @@ class TritonBackend(AttentionBackend):
         q_lens = metadata.query_lens_host
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q == 1)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > 1)
-        fixed_prefill = graph and metadata.num_tokens > metadata.padded_batch
-        if graph and prefill_rows and not fixed_prefill:
-            raise MetadataError(
-                f"graph: this step has prefill rows but its bucket has {metadata.num_tokens} tokens for "
-                f"{metadata.padded_batch} rows; plan it in a bucket with more tokens than rows (pad_tokens)"
-            )
+        fixed_prefill = graph and metadata.num_tokens > metadata.padded_batch  # checked: see check_graph_bucket
         decode: tuple[DecodeLaunch, ...] = ()
         workspace = None
         if decode_rows or graph:

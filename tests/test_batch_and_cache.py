@@ -34,6 +34,8 @@ def test_metadata_for_a_mixed_step() -> None:
     m = BlockManager(num_blocks=10, block_size=4)
     m.allocate("prefill", 9)  # blocks 0, 1, 2
     m.allocate("decode", 5)  # blocks 3, 4
+    m.mark_computed("prefill", 4)  # its first chunk ran
+    m.mark_computed("decode", 5)
     m.append_slots("decode", 1)
     builder = MetadataBuilder("cpu")
     meta = builder.build(m, [ScheduledRow("decode", 1), ScheduledRow("prefill", 5, start=4)])

@@ -87,6 +87,7 @@ def test_padding_rows() -> None:
     m = BlockManager(num_blocks=16, block_size=4)
     m.allocate("a", 5)
     m.allocate("b", 3)
+    m.mark_computed("a", 5)
     m.append_slots("a", 1)
     builder = MetadataBuilder("cpu")
     rows = [ScheduledRow("a", 1), ScheduledRow("b", 3)]
@@ -129,6 +130,8 @@ def test_pad_tokens_gives_empty_padding_rows_and_trailing_tokens() -> None:
     m = BlockManager(num_blocks=16, block_size=4)
     m.allocate("a", 5)
     m.allocate("b", 9)
+    m.mark_computed("a", 5)
+    m.mark_computed("b", 2)
     m.append_slots("a", 1)
     builder = MetadataBuilder("cpu")
     rows = [ScheduledRow("a", 1), ScheduledRow("b", 3, start=2)]  # b: a middle chunk, no logits
@@ -204,9 +207,17 @@ def test_token_ids_are_checked() -> None:
 def test_bad_rows_are_refused_naming_the_row() -> None:
     m = BlockManager(num_blocks=8, block_size=4)
     m.allocate("a", 3)
+    m.mark_computed("a", 2)
     builder = MetadataBuilder("cpu")
     with pytest.raises(MetadataError, match=r"rows\[1\]"):
         builder.build(m, [ScheduledRow("a", 1), ScheduledRow("a", 4, start=0)])
+    with pytest.raises(MetadataError, match=r"rows\[1\]: sequence 'a' is already scheduled in rows\[0\]"):
+        builder.build(m, [ScheduledRow("a", 1), ScheduledRow("a", 2, start=0)])  # both within its tokens
+    with pytest.raises(MetadataError, match=r"rows\[0\].num_new: 0 must be at least 1"):
+        builder.build(m, [ScheduledRow("a", 0, start=2)])
+    m.allocate("b", 6)
+    with pytest.raises(MetadataError, match=r"start after its first 0 tokens.*schedule them first \(start=0\)"):
+        builder.build(m, [ScheduledRow("b", 2, start=4)])  # would attend over K/V never written
     with pytest.raises(InvalidArgumentError, match=r"rows\[0\]: expected a ScheduledRow"):
         builder.build(m, [("a", 1)])  # type: ignore[list-item]
     with pytest.raises(KeyError, match="'nope' is unknown"):
@@ -255,6 +266,8 @@ def _script(form, prefix_caching: bool) -> tuple[list[object], dict]:  # type: i
     out.append(m.allocate("c", 5, token_ids=form([1, 2, 3, 4, 0])))
     out.append(m.append_slots("c", 1, token_ids=form([4])))
     out.append(m.can_allocate(token_ids=form(list(range(100, 140)))))  # 10 blocks: too many
+    m.mark_computed("c", 5)  # their contexts ran (a decode row starts where computing stopped)
+    m.mark_computed("b", 12)
     builder = MetadataBuilder("cpu")
     meta = builder.build(m, [ScheduledRow("c", 1), ScheduledRow("b", 1)], token_ids=form([4, 13]))
     out.append(builder.token_ids(meta.num_tokens).tolist())
@@ -274,3 +287,33 @@ def test_token_ids_as_tensors_behave_exactly_like_lists(form: str, prefix_cachin
         assert want_out[5] == 4, "c hits a's first block"
         records = got_state["seqs"]
         assert all(type(t) is int for r in records.values() for t in r[2]), "token ids kept as Python ints"
+
+
+def test_a_refused_graph_plan_changes_no_buffer() -> None:
+    """A bucket the backend cannot plan is refused before anything is written: the metadata
+    of the step before (views of the same buffers on a CPU) is unchanged."""
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("a", 6)
+    m.allocate("b", 9)
+    builder = MetadataBuilder("cpu", backend=ReferenceBackend(make_spec(2, 1, 8, torch.float32)))
+    plan = builder.plan(m, [ScheduledRow("a", 6, start=0)], token_ids=[1, 2, 3, 4, 5, 6])
+    views = [t.clone() for t in (plan.metadata.block_tables, plan.metadata.slot_mapping, plan.metadata.seq_lens)]
+    with pytest.raises(UnsupportedSettingError, match="cannot be captured"):
+        builder.plan(m, [ScheduledRow("b", 9, start=0)], pad_to=2, token_ids=list(range(9)))
+    now = (plan.metadata.block_tables, plan.metadata.slot_mapping, plan.metadata.seq_lens)
+    assert all(torch.equal(a, b) for a, b in zip(views, now, strict=True))
+
+
+def test_the_next_step_may_start_where_the_planned_one_ends() -> None:
+    """An overlapped engine plans step N+1 before committing step N: a row may start where a
+    committed plan of its sequence ended, not further."""
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("p", 10)
+    builder = MetadataBuilder("cpu")
+    builder.build(m, [ScheduledRow("p", 4, start=0)])  # chunk 1, in flight (not committed)
+    builder.build(m, [ScheduledRow("p", 4, start=4)])  # chunk 2 follows it
+    with pytest.raises(MetadataError, match=r"start after its first 8 tokens"):
+        builder.build(m, [ScheduledRow("p", 1, start=9)])
+    m.commit([ScheduledRow("p", 4, start=0)])
+    m.commit([ScheduledRow("p", 4, start=4)])
+    assert builder.build(m, [ScheduledRow("p", 2, start=8)]).num_tokens == 2

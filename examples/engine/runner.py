@@ -164,8 +164,10 @@ class ModelRunner:
             blocks = sum(self.manager.blocks_for(seq_len) for seq_len, _ in rows)
             if blocks > self.manager.num_free_blocks:
                 continue
-            for seq_id, (seq_len, _) in zip(ids, rows, strict=True):
+            for seq_id, (seq_len, num_new) in zip(ids, rows, strict=True):
                 self.manager.allocate(seq_id, seq_len)
+                if seq_len > num_new:  # stands for a context computed earlier (its K/V is garbage)
+                    self.manager.mark_computed(seq_id, seq_len - num_new)
             try:
                 scheduled = [
                     ScheduledRow(seq_id, num_new, start=seq_len - num_new)

@@ -40,6 +40,10 @@ class SequenceBlocks:
     num_released: leading blocks released behind a sliding window.
     epoch:        grows whenever ``blocks`` changes other than by appending, so a persistent
                   metadata builder knows to rewrite the row.
+    num_planned:  leading tokens computed or being computed by a step a builder has planned
+                  (set when the plan is committed; an overlapped engine plans the next step
+                  before committing this one): a row may start at most at
+                  ``max(num_computed, num_planned)``.
     """
 
     blocks: list[int]
@@ -52,6 +56,7 @@ class SequenceBlocks:
     epoch: int = 0
     token_base: int = 0
     num_pending: int = 0
+    num_planned: int = 0
 
     def slot_range(self, start: int, end: int, block_size: int) -> list[int]:
         """Slots (``block * block_size + offset``) of token positions ``[start, end)``; the

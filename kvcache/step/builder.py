@@ -147,6 +147,8 @@ class MetadataBuilder:
         self._on_cuda = self.device.type == "cuda"
         #: Sampling rows of the last step planned (what ``feed`` may name in the next).
         self._sampled_rows = 0
+        #: The records of the rows of the last step filled (see _commit).
+        self._records: list[SequenceBlocks] = []
         self._allocate(capacity or StepCapacity(8, 64, 8))
 
     @property
@@ -195,7 +197,8 @@ class MetadataBuilder:
         ``pad_tokens``): plan for a CUDA-graph bucket of that many rows (and tokens)."""
         if self.backend is None:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
-        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed)
+        graph_backend = self.backend if pad_to is not None else None
+        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed, graph_backend)
         plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
         self._commit(meta, manager)
         return plan
@@ -282,7 +285,11 @@ class MetadataBuilder:
         pad_tokens: int | None,
         token_ids: Sequence[int] | None,
         feed: Sequence[int] | None = None,
+        graph_backend: AttentionBackend | None = None,
     ) -> AttentionMetadata:
+        """Check the step, then write it into the next host buffer; ``graph_backend``: the
+        backend that will plan it as a CUDA-graph step (its bucket is checked before any
+        write, so a refused step leaves the buffers as they were)."""
         if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
             raise ArgumentTypeError(f"rows: expected a sequence of ScheduledRow, got {type(rows).__name__}")
         n = len(rows)
@@ -322,11 +329,9 @@ class MetadataBuilder:
                 or num_new < 1
                 or end > held
                 or (seq.num_released and start < seq.num_released * bs)
+                or (start > seq.num_computed and start > seq.num_planned)
             ):
-                raise MetadataError(
-                    f"rows[{i}]: tokens [{start!r:.20}, {end!r:.20}) of sequence {row.seq_id!r:.60} are not within "
-                    f"its held tokens [{seq.num_released * bs}, {held}); append_slots first"
-                )
+                _raise_bad_range(i, row.seq_id, seq, start, num_new, bs)
             records.append(seq)
             seq_lens.append(end)
             query_lens.append(num_new)
@@ -342,6 +347,9 @@ class MetadataBuilder:
                 sampling.append(i)
             if len(seq.blocks) > widest:
                 widest = len(seq.blocks)
+        if len(set(map(id, records))) != n:
+            _raise_repeated(rows, records)
+        self._records = records  # their planned frontier moves when the step is committed
         if token_ids is not None and len(token_ids) != tokens:
             raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
         pad = padded - n
@@ -350,6 +358,8 @@ class MetadataBuilder:
         else:
             num_tokens = require_int("pad_tokens", pad_tokens, minimum=max(tokens, 1))
         fed = self._checked_feed(feed, n, qsl)
+        if graph_backend is not None:
+            graph_backend.check_graph_bucket(padded, num_tokens, prefill_rows=tokens > n)
         self._grow(padded, num_tokens, widest)
         self._switch_buffer()
         self._write_tables(records)
@@ -502,6 +512,9 @@ class MetadataBuilder:
         then the device check. Only a committed step counts as the one ``feed`` refers to (a
         plan the backend refused leaves the previous step's sampling rows in force)."""
         self._sampled_rows = len(meta.sampling_rows_host)
+        for seq, end in zip(self._records, meta.seq_lens_host, strict=True):
+            if end > seq.num_planned:
+                seq.num_planned = end
         self._copy()
         if self._check is not None:
             self._check.run(meta, manager.num_blocks, manager.sliding_window)
@@ -555,6 +568,41 @@ def _raise_bad_row(i: int, row: object, manager: BlockManager) -> NoReturn:
     seq_id: Hashable = row.seq_id
     manager.sequence(seq_id)  # raises the precise error (unknown or unhashable)
     raise UnknownSequenceError(seq_id)
+
+
+def _raise_bad_range(
+    i: int, seq_id: Hashable, seq: SequenceBlocks, start: object, num_new: object, bs: int
+) -> NoReturn:
+    """The precise MetadataError for a row whose tokens no correct step holds."""
+    if type(num_new) is not int or type(start) is not int:
+        raise MetadataError(f"rows[{i}]: num_new {num_new!r:.20} and start {start!r:.20} must be ints")
+    if num_new < 1:
+        raise MetadataError(f"rows[{i}].num_new: {num_new} must be at least 1 (a row brings a token)")
+    end = start + num_new
+    name = f"rows[{i}]: tokens [{start}, {end}) of sequence {seq_id!r:.60}"
+    if end <= seq.num_tokens and start >= seq.num_released * bs:
+        frontier = max(seq.num_computed, seq.num_planned)
+        raise MetadataError(
+            f"{name} start after its first {frontier} tokens, the ones computed or being computed; the tokens "
+            f"[{frontier}, {start}) have no K/V to attend to: schedule them first (start={frontier})"
+        )
+    raise MetadataError(
+        f"{name} are not within its held tokens [{seq.num_released * bs}, {seq.num_tokens}); append_slots first"
+    )
+
+
+def _raise_repeated(rows: Sequence[ScheduledRow], records: list[SequenceBlocks]) -> NoReturn:
+    """MetadataError naming two rows of one sequence (a step computes each sequence once:
+    two chunks of it would write and read its K/V in one launch, and commit refuses them)."""
+    first: dict[int, int] = {}
+    for j, seq in enumerate(records):
+        if id(seq) in first:
+            raise MetadataError(
+                f"rows[{j}]: sequence {rows[j].seq_id!r:.60} is already scheduled in rows[{first[id(seq)]}]; "
+                "give each sequence one row per step (one chunk: merge the two)"
+            )
+        first[id(seq)] = j
+    raise AssertionError("unreachable: the records were not distinct")
 
 
 def build_metadata(
