@@ -33,6 +33,7 @@ class ReferenceBackend(AttentionBackend):
         self.math_dtype = compute_dtype
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
+        _check_device_values(metadata)
         return StepPlan(metadata, self.spec, self.name)
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
@@ -65,6 +66,38 @@ class ReferenceBackend(AttentionBackend):
             ).to(query.dtype)
             start += q_len
         return result
+
+
+def _check_device_values(meta: AttentionMetadata) -> None:
+    """The device tensors agree with the host lengths this backend computes from, and no two
+    new tokens write one slot (reads them on the host: this backend syncs anyway). Raises
+    MetadataError naming the field: hand-made metadata that contradicts itself would write
+    one token's K/V over another's."""
+    b = meta.batch
+    lens = meta.seq_lens[:b].tolist()
+    if lens != list(meta.seq_lens_host):
+        row = next(i for i, (a, h) in enumerate(zip(lens, meta.seq_lens_host, strict=True)) if a != h)
+        raise MetadataError(
+            f"metadata.seq_lens[{row}]: {lens[row]} on the device, {meta.seq_lens_host[row]} on the host"
+        )
+    starts, total = [0], 0
+    for q in meta.query_lens_host:
+        total += q
+        starts.append(total)
+    got = meta.query_start_loc[: b + 1].tolist()
+    if got != starts:
+        row = next(i for i, (a, h) in enumerate(zip(got, starts, strict=True)) if a != h)
+        raise MetadataError(
+            f"metadata.query_start_loc[{row}]: {got[row]} on the device; the host query lengths give {starts[row]}"
+        )
+    slots = meta.slot_mapping[:total]
+    written = slots[slots >= 0]
+    if written.numel() != torch.unique(written).numel():
+        values, counts = torch.unique(written, return_counts=True)
+        raise MetadataError(
+            f"metadata.slot_mapping: slot {int(values[counts > 1][0])} is written by two tokens of the step; "
+            "each new token needs its own slot"
+        )
 
 
 def _first_column(seq_len: int, query_len: int, block_size: int, window: int | None) -> int:

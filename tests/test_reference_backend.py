@@ -119,3 +119,26 @@ def test_registry_names_the_install() -> None:
 
 def test_rel_err_never_passes_nan() -> None:
     assert math.isnan(rel_err(torch.tensor([float("nan")]), torch.tensor([1.0])))
+
+
+@pytest.mark.parametrize(
+    ("field", "index", "value", "match"),
+    [
+        ("seq_lens", 1, 7, r"metadata.seq_lens\[1\]: 7 on the device, 6 on the host"),
+        ("query_start_loc", 1, 2, r"metadata.query_start_loc\[1\]: 2 on the device; the host query lengths give 3"),
+        ("slot_mapping", 3, None, r"metadata.slot_mapping: slot \d+ is written by two tokens"),
+    ],
+)
+def test_device_values_that_contradict_the_host_are_refused(
+    field: str, index: int, value: int | None, match: str
+) -> None:
+    """Hand-made metadata whose device tensors disagree with its host lengths (or that sends
+    two new tokens to one slot) is refused at plan time, before anything is written."""
+    spec = make_spec(2, 1, 16, torch.float32)
+    case = make_case([(0, 3), (5, 1)], spec, block_size=32, device="cpu")
+    tensor = getattr(case.meta, field)
+    tensor[index] = tensor[0] if value is None else value  # slot 3 := slot 0
+    before = case.storage.clone()
+    with pytest.raises(MetadataError, match=match):
+        ReferenceBackend(spec).plan(case.meta)
+    assert torch.equal(case.storage.isnan(), before.isnan())
