@@ -26,6 +26,8 @@ from kvcache import (
     InvalidArgumentError,
     KVCacheError,
     KVCacheTensors,
+    MetadataBuilder,
+    MetadataError,
     OutOfBlocksError,
     ScheduledRow,
     SequenceExistsError,
@@ -75,6 +77,7 @@ class ManagerMachine(RuleBasedStateMachine):
         #: Ids appended with defer_ids=True and not given yet (the manager keys none of them).
         self.pending: dict[Hashable, list[int]] = {}
         self.next_id = 0
+        self.builder = MetadataBuilder("cpu")  # persistent, as an engine's
         self.cache: KVCacheTensors | None = None
         self.swap: SwapSpace | None = None
         if self.with_swap:
@@ -218,6 +221,43 @@ class ManagerMachine(RuleBasedStateMachine):
         }
         self.m.commit(rows)
         assert {seq: self.m.num_computed(seq) for seq in seqs} == expect
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def plan(self, data: st.DataObject) -> None:
+        """Rows a step might schedule, valid or not: the builder accepts exactly the steps the
+        rules allow (each sequence once; tokens within its held ones; starting no later than
+        what is computed or planned) with the manager's slots, and refuses the rest naming
+        the row, changing nothing."""
+        ids = sorted(self.tokens)
+        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3))
+        rows = []
+        for seq in chosen:
+            held = self.m.num_tokens(seq)
+            start = data.draw(st.integers(0, held))
+            rows.append(ScheduledRow(seq, data.draw(st.integers(0, held - start + 1)), start=start))
+        bs = self.m.block_size
+
+        def allowed(row: ScheduledRow) -> bool:
+            r = self.m.sequence(row.seq_id)
+            end = row.start + row.num_new  # type: ignore[operator]
+            frontier = max(r.num_computed, r.num_planned)
+            return row.num_new >= 1 and end <= r.num_tokens and r.num_released * bs <= row.start <= frontier
+
+        valid = len(set(chosen)) == len(chosen) and all(allowed(r) for r in rows)
+        planned_before = {seq: self.m.sequence(seq).num_planned for seq in ids}
+        before = snapshot(self.m, self.swap)
+        if not valid:
+            with pytest.raises(MetadataError, match=r"rows\[\d\]"):
+                self.builder.build(self.m, rows)
+            assert same_state(before, snapshot(self.m, self.swap))
+            assert {seq: self.m.sequence(seq).num_planned for seq in ids} == planned_before
+            return
+        meta = self.builder.build(self.m, rows)
+        want = [slot for r in rows for slot in self.m.slots(r.seq_id, r.start, r.start + r.num_new)]  # type: ignore[operator]
+        assert meta.slot_mapping.tolist() == want
+        for r in rows:
+            assert self.m.sequence(r.seq_id).num_planned == max(planned_before[r.seq_id], r.start + r.num_new)  # type: ignore[operator]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
