@@ -31,15 +31,24 @@ class ReferenceBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, compute_dtype: torch.dtype = torch.float32):
         super().__init__(spec)
         self.math_dtype = compute_dtype
+        #: The last plan whose device values were checked (once per step, at its first layer
+        #: call: a persistent builder copies them to the device after planning).
+        self._checked: StepPlan | None = None
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
-        _check_device_values(metadata)
         return StepPlan(metadata, self.spec, self.name)
 
+    def _check_once(self, plan: StepPlan) -> None:
+        if plan is not self._checked:
+            _check_device_values(plan.metadata)
+            self._checked = plan
+
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
+        self._check_once(plan)
         scatter_kv(key, value, layer, plan.metadata.slot_mapping)
 
     def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+        self._check_once(plan)
         meta = plan.metadata
         n, bs, kvh, d = layer.key.shape
         tables = meta.block_tables

@@ -91,7 +91,6 @@ from examples.model import (  # noqa: E402
     from_transformers,
     init_random_,
 )
-from examples.model.ops import set_decode_gemm  # noqa: E402
 from kvcache import ScheduledRow  # noqa: E402
 
 LLAMA3_8B = LlamaShape(
@@ -149,7 +148,6 @@ class Settings:
     poisson_budget: int
     profile: bool
     workloads: tuple[str, ...]
-    gemm: str = "cublas"
 
     @property
     def shape(self) -> LlamaShape:
@@ -177,7 +175,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
         dtype="bfloat16" if on_cuda else "float32",
         graphs=on_cuda and not args.eager,
         overlap=not args.sequential,
-        gemm=args.gemm,
         seed=args.seed,
         skip_transformers=args.skip_transformers,
         hf_attention=args.hf_attention or ("paged|flash_attention_2" if on_cuda else "paged|sdpa"),
@@ -433,7 +430,6 @@ class OurEngine:
 
 
 def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> OurEngine:
-    set_decode_gemm(s.gemm)
     shape = model.shape
     bs = s.block_size
     peaks = {
@@ -1007,12 +1003,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
     p.add_argument("--sequential", action="store_true", help="ours without overlap (each step's tokens first)")
-    p.add_argument(
-        "--gemm",
-        choices=("cublas", "skinny"),
-        default="cublas",
-        help="ours: the product for decode-sized steps (examples.model.skinny_gemm or cuBLAS)",
-    )
     p.add_argument("--poisson-rate", type=float, default=32.0, help="Poisson arrivals per second (default 32)")
     p.add_argument("--poisson-budget", type=int, default=256, help="tokens per step in the Poisson workload")
     p.add_argument("--workloads", default="burst,poisson", help="comma-separated: burst, poisson")

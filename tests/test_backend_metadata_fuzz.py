@@ -145,12 +145,8 @@ def test_checked_metadata_is_repaired_and_reported(under: UnderTest, step: Step,
 
 def _run_unchecked(under: UnderTest, case: PagedCase, planted: list[str]) -> None:
     print(f"running: {planted}", flush=True)  # a crash kills the process: the last line names it
+    plan = under.make(case.spec).plan(case.meta)
     before = case.storage.clone()
-    try:
-        plan = under.make(case.spec).plan(case.meta)  # the reference checks device values against the host's
-    except KVCacheError:
-        assert torch.equal(_bits(case.storage), _bits(before)), "a refused plan wrote to the cache"
-        return
     out_store = _write_and_attend(under, case, plan)
     _assert_nothing_outside(case, before, out_store, planted)
 

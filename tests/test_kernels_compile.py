@@ -1,9 +1,8 @@
 """The fused boundary kernel, the prefill kernel (its launch per tile and its persistent
-fixed-grid form), the skinny decode GEMM and the model's elementwise kernels compile for the
-H200 (sm_90) without a GPU (as tests/test_decode_compile.py does for the decode kernels):
-Triton's GPU compiler rejects programs its CPU interpreter runs (a name bound to two types in
-the branches of an ``if``, say), so the interpreter tests alone would let such a kernel reach
-the GPU."""
+fixed-grid form) and the model's elementwise kernels compile for the H200 (sm_90) without a
+GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU compiler
+rejects programs its CPU interpreter runs (a name bound to two types in the branches of an
+``if``, say), so the interpreter tests alone would let such a kernel reach the GPU."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from triton.compiler import ASTSource
 from attention.triton_kernels.rotary_write import _rotary_write_kernel
 from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
 from attention.triton_kernels.prefill import _prefill_kernel
-from examples.model.skinny_gemm import _skinny_kernel
 
 def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
@@ -57,12 +55,6 @@ def prefill(dtype, persistent, window):
                   PERSISTENT=persistent)
     return source(_prefill_kernel, sig, consts)
 
-def skinny(split):
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-           "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-    consts = dict(K_SLICE=4096 // split, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split)
-    return source(_skinny_kernel, sig, consts)
-
 target = GPUTarget("cuda", 90, 32)
 kernels = {
     "rotary-bf16": rotary("*bf16", "*bf16", False),
@@ -77,8 +69,6 @@ kernels = {
     "prefill-bf16": prefill("*bf16", False, False),
     "prefill-bf16-persistent": prefill("*bf16", True, False),
     "prefill-bf16-persistent-window": prefill("*bf16", True, True),
-    "skinny-gemm": skinny(1),
-    "skinny-gemm-split8": skinny(8),
 }
 report = {}
 for name, src in kernels.items():
@@ -92,4 +82,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 14, report
+    assert len(report) == 12, report

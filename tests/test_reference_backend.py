@@ -133,12 +133,17 @@ def test_device_values_that_contradict_the_host_are_refused(
     field: str, index: int, value: int | None, match: str
 ) -> None:
     """Hand-made metadata whose device tensors disagree with its host lengths (or that sends
-    two new tokens to one slot) is refused at plan time, before anything is written."""
+    two new tokens to one slot) is refused at the step's first layer call, before anything
+    is written."""
     spec = make_spec(2, 1, 16, torch.float32)
     case = make_case([(0, 3), (5, 1)], spec, block_size=32, device="cpu")
     tensor = getattr(case.meta, field)
     tensor[index] = tensor[0] if value is None else value  # slot 3 := slot 0
     before = case.storage.clone()
+    backend = ReferenceBackend(spec)
+    plan = backend.plan(case.meta)
     with pytest.raises(MetadataError, match=match):
-        ReferenceBackend(spec).plan(case.meta)
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    with pytest.raises(MetadataError, match=match):
+        backend.attend(case.query, case.layer, plan)
     assert torch.equal(case.storage.isnan(), before.isnan())

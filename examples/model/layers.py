@@ -10,15 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention import AttentionBackend, LayerCache, StepPlan
 from attention.rotary import RotaryTable
-from examples.model.ops import add_rms_norm, linear, rms_norm, silu_mul
+from examples.model.ops import add_rms_norm, rms_norm, silu_mul
 from examples.model.shape import LlamaShape
 from kvcache.parallel.heads import TensorParallel
 
-__all__ = ["MLP", "AllReduce", "Attention", "Block", "Linear", "RMSNorm", "RowParallelLinear"]
+__all__ = ["MLP", "AllReduce", "Attention", "Block", "RMSNorm", "RowParallelLinear"]
 
 #: Sums a tensor over the tensor-parallel ranks, in place, and returns it.
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -42,15 +43,7 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` through :func:`examples.model.ops.linear` (the skinny product for decode
-    steps, when chosen)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(Linear):
+class RowParallelLinear(nn.Linear):
     """A linear layer whose input features are split over the tensor-parallel ranks: each
     rank multiplies its slice of the input by its columns of the weight, one all-reduce sums
     the partial outputs, then the (full, replicated) bias is added once.
@@ -70,7 +63,7 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         if self.all_reduce is None:
             raise RuntimeError("a tensor-parallel model needs its all-reduce: call model.connect(collective) first")
-        out = self.all_reduce(linear(x, self.weight))
+        out = self.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -90,7 +83,7 @@ class Attention(nn.Module):
         hidden, q_dim, kv_dim = shape.hidden_size, self.num_heads * shape.head_dim, self.num_kv_heads * shape.head_dim
         self.splits = (q_dim, kv_dim, kv_dim)
         #: q, k and v stacked along the output features (examples.model.sharding).
-        self.wqkv = Linear(hidden, sum(self.splits), bias=shape.qkv_bias)
+        self.wqkv = nn.Linear(hidden, sum(self.splits), bias=shape.qkv_bias)
         self.wo = RowParallelLinear(q_dim, hidden, bias=shape.o_bias, sharded=tp.is_sharded)
 
     def forward(
@@ -121,7 +114,7 @@ class MLP(nn.Module):
         super().__init__()
         width = shape.intermediate_size // tp.size
         #: gate then up, stacked along the output features.
-        self.w_gate_up = Linear(shape.hidden_size, 2 * width, bias=shape.mlp_bias)
+        self.w_gate_up = nn.Linear(shape.hidden_size, 2 * width, bias=shape.mlp_bias)
         self.w_down = RowParallelLinear(width, shape.hidden_size, bias=shape.mlp_bias, sharded=tp.is_sharded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

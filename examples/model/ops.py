@@ -22,36 +22,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "decode_gemm", "fused_ops_available", "linear", "rms_norm", "set_decode_gemm", "silu_mul"]
-
-#: The matrix product for at most ``skinny_gemm.MAX_ROWS`` rows on CUDA: "cublas"
-#: (``F.linear``) or "skinny" (:mod:`examples.model.skinny_gemm`).
-_DECODE_GEMM = ["cublas"]
-
-
-def set_decode_gemm(kind: str) -> None:
-    """Choose the product for decode-sized steps: "cublas" or "skinny" (process-wide; set it
-    before capturing CUDA graphs)."""
-    if kind not in ("cublas", "skinny"):
-        raise ValueError(f"kind: {kind!r} is not 'cublas' or 'skinny'")
-    _DECODE_GEMM[0] = kind
-
-
-def decode_gemm() -> str:
-    return _DECODE_GEMM[0]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x [T, in], weight [out, in] -> [T, out]. With the skinny
-    product chosen, a CUDA step of few rows takes it (same result up to float32 summation
-    order)."""
-    if _DECODE_GEMM[0] == "skinny" and x.is_cuda and _triton_installed():
-        from examples.model.skinny_gemm import skinny_linear, skinny_supported
-
-        if skinny_supported(x, weight):
-            out = skinny_linear(x, weight)
-            return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+__all__ = ["add_rms_norm", "fused_ops_available", "rms_norm", "silu_mul"]
 
 
 @functools.cache
