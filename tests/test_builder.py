@@ -317,3 +317,16 @@ def test_the_next_step_may_start_where_the_planned_one_ends() -> None:
     m.commit([ScheduledRow("p", 4, start=0)])
     m.commit([ScheduledRow("p", 4, start=4)])
     assert builder.build(m, [ScheduledRow("p", 2, start=8)]).num_tokens == 2
+
+
+def test_a_manager_larger_than_the_cache_is_refused() -> None:
+    """With the cache's block count, a manager that could hand out blocks the cache does not
+    have is refused before anything is written; the device check holds ids to the cache."""
+    m = BlockManager(num_blocks=16, block_size=4)
+    m.allocate("a", 3)
+    builder = MetadataBuilder("cpu", num_cache_blocks=8)
+    with pytest.raises(InvalidArgumentError, match="hands out 16 blocks but the cache has 8"):
+        builder.build(m, [ScheduledRow("a", 3, start=0)])
+    assert builder.build(BlockManager(8, 4), [], pad_to=1).padded_batch == 1
+    with pytest.raises(InvalidArgumentError, match="num_cache_blocks"):
+        MetadataBuilder("cpu", num_cache_blocks=0)

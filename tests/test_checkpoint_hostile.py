@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from examples.model import shape_from_config
 from examples.model.checkpoints import checkpoint_files, load_checkpoint, read_config
@@ -128,3 +130,47 @@ def test_broken_safetensors_files_are_named(tmp_path: Path, content: Any) -> Non
     weights.write_bytes(content(weights.read_bytes()))
     with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
         load_checkpoint(root)
+
+
+_VALUES = st.one_of(
+    st.sampled_from(["llama", "qwen2", "mistral", "full_attention", "sliding_attention"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(
+        st.one_of(st.integers(0, 3), st.sampled_from(["full_attention", "sliding_attention"]), st.none()), max_size=3
+    ),
+    st.dictionaries(st.sampled_from(["rope_type", "factor", "type"]), st.integers(-2, 9), max_size=2),
+)
+
+
+_KEYS = sorted(
+    {
+        *TINY,
+        "head_dim",
+        "rope_scaling",
+        "rope_theta",
+        "sliding_window",
+        "use_sliding_window",
+        "layer_types",
+        "max_window_layers",
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=4))
+def test_any_config_gives_a_shape_or_a_value_error(changes: dict[str, Any]) -> None:
+    """Random values of random types in any key: a shape within the bounds, or ValueError;
+    never another exception (a bare int(), a ZeroDivisionError) and never a slow build."""
+    started = time.perf_counter()
+    try:
+        shape = shape_from_config({**TINY, **changes})
+    except ValueError:
+        return
+    finally:
+        assert time.perf_counter() - started < 1.0
+    assert 1 <= shape.num_layers <= 1024 and 1 <= shape.num_kv_heads <= shape.num_heads <= 1024
+    assert shape.num_heads % shape.num_kv_heads == 0 and 1 <= shape.head_dim <= 1024

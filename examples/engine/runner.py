@@ -102,7 +102,9 @@ class ModelRunner:
         self.cache = cache
         self.manager = manager
         self.backend = backend
-        self.builder = MetadataBuilder(cache.device, capacity=capacity, backend=backend)
+        self.builder = MetadataBuilder(
+            cache.device, capacity=capacity, backend=backend, num_cache_blocks=cache.num_blocks
+        )
         info = backend.info
         tokens = default_token_buckets(capacity.max_tokens) if info.mixed_cuda_graphs else []
         #: The buckets steps are padded to (None: the backend is never captured; no padding).

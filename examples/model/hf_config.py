@@ -192,7 +192,7 @@ def _window(model_type: str, get: Any, layers: int) -> tuple[int | None, tuple[b
             raise ValueError(f"layer_types: {types!r:.60} is not a list")
         if len(types) != layers:
             raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers {layers}; give one per layer")
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
         if unknown:
             raise _refuse("layer_types", unknown[0], "it knows full_attention and sliding_attention")
         pattern = tuple(t == "sliding_attention" for t in types)

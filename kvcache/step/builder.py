@@ -117,6 +117,9 @@ class MetadataBuilder:
     device_check: check (and repair) every step's metadata on the device after its copy, with
               no sync (:mod:`attention.metadata_check`); a violation is raised by
               :meth:`raise_if_violated` at the engine's next sync point. Default: on for CUDA.
+    num_cache_blocks: blocks of the cache the steps run over (``cache.num_blocks``): a step
+              from a manager with more blocks is refused, and the device check holds block
+              ids to the cache. None: the manager's count is trusted.
     One builder per engine: rows stay persistent between steps.
     """
 
@@ -127,6 +130,7 @@ class MetadataBuilder:
         capacity: StepCapacity | None = None,
         backend: AttentionBackend | None = None,
         device_check: bool | None = None,
+        num_cache_blocks: int | None = None,
     ):
         try:
             self.device = torch.device(device)
@@ -140,6 +144,9 @@ class MetadataBuilder:
             raise ArgumentTypeError(f"backend: expected an AttentionBackend or None, got {type(backend).__name__}")
         if device_check is not None and not isinstance(device_check, bool):
             raise ArgumentTypeError(f"device_check: expected a bool or None, got {type(device_check).__name__}")
+        self.num_cache_blocks = (
+            None if num_cache_blocks is None else require_int("num_cache_blocks", num_cache_blocks, minimum=1)
+        )
         self.backend = backend
         check = self.device.type == "cuda" if device_check is None else device_check
         self._check = DeviceCheck(self.device) if check else None
@@ -298,6 +305,11 @@ class MetadataBuilder:
         if pad_tokens is not None and pad_to is None:
             raise InvalidArgumentError("pad_tokens: pads a bucket of rows; give pad_to too")
         padded = n if pad_to is None else require_int("pad_to", pad_to, minimum=max(n, 1))
+        if self.num_cache_blocks is not None and manager.num_blocks > self.num_cache_blocks:
+            raise InvalidArgumentError(
+                f"manager: it hands out {manager.num_blocks} blocks but the cache has {self.num_cache_blocks}; "
+                "build the manager over the cache (kvcache.manager_for(config, cache))"
+            )
         seqs = manager._seqs
         bs = manager.block_size
         records: list[SequenceBlocks] = []
@@ -517,7 +529,8 @@ class MetadataBuilder:
                 seq.num_planned = end
         self._copy()
         if self._check is not None:
-            self._check.run(meta, manager.num_blocks, manager.sliding_window)
+            blocks = manager.num_blocks if self.num_cache_blocks is None else self.num_cache_blocks
+            self._check.run(meta, blocks, manager.sliding_window)
 
     def _copy(self) -> None:
         if self.device.type == "cpu":
