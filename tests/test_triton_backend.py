@@ -277,6 +277,31 @@ def test_prefill_tile_bound_covers_every_step_of_a_bucket() -> None:
             assert len(found) <= max_prefill_tiles(rows, tokens, block_m), (rows, tokens, q_lens)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["per-tile", "fixed-grid"])
+def test_windowed_extend_reads_nothing_behind_the_window(graph: bool, triton_device: str) -> None:
+    """An extend row of 37 new tokens over 347 cached, window 32, blocks wholly behind the
+    window released: their table entries point at a never-written (NaN) block, as a reused
+    block's bits would be anything. The prefill kernel must not fold keys that no query of a
+    tile sees into its sums (a masked key times a NaN value is NaN): the output is finite and
+    matches the float64 reference."""
+    spec = make_spec(4, 1, 32, torch.float16, sliding_window=32)
+    case = make_case([(347, 37), (40, 1)], spec, block_size=32, device=triton_device, pad_to=2 if graph else None,
+                     pad_tokens=64 if graph else None)  # fmt: skip
+    tables = case.meta.block_tables
+    owned = {int(b) for b in tables[0, :12].tolist()} | {int(b) for b in tables[1, :2].tolist()}
+    nan_block = next(b for b in range(case.layer.key.shape[0]) if b not in owned)
+    assert case.layer.key[nan_block].isnan().all()
+    first_visible = (347 - 32 + 1) // 32  # column 9 holds position 316, the first query's oldest key
+    tables[0, :first_visible] = nan_block
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta, graph=graph)
+    assert isinstance(plan, TritonStepPlan) and plan.prefill is not None
+    writer = ReferenceBackend(case.spec)
+    writer.write_kv(case.new_key, case.new_value, case.layer, writer.plan(case.meta))
+    out = backend.attend(case.query, case.layer, plan)[: case.meta.num_real_tokens]
+    _check(out, reference_output(case), torch.float16)
+
+
 def test_layers_reuse_the_plan_without_launch_checks(monkeypatch: pytest.MonkeyPatch, triton_device: str) -> None:
     """The plan made the decode schedule from the metadata and the spec, so per-layer calls
     skip the launcher's host checks (no per-layer Python cost) and every layer is right."""

@@ -338,13 +338,17 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     head_off = (h // GROUP) * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
+    # With a window, keys below the tile's first query's window are seen by no query of the
+    # tile; their blocks may have been released (and reused, or never written: any bits), so
+    # they are not even loaded: a masked key times a NaN value would still be NaN.
+    win_lo = first_pos - window + 1
     if HAS_WINDOW:
         for n0 in range(lo, mid_start, BLOCK_N):
             n = n0 + offs_n
             pages = _pages_in_cache(table_row, n0, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
             tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
             kv_off = tok[:, None] + head_off + d[None, :]
-            kv_mask = tile_mask(n < kv_end, d, HEAD_DIM, D_PAD)
+            kv_mask = tile_mask((n < kv_end) & (n >= win_lo), d, HEAD_DIM, D_PAD)
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
@@ -375,6 +379,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < kv_end
+        if HAS_WINDOW:
+            n_mask = n_mask & (n >= win_lo)
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
