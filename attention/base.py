@@ -74,6 +74,7 @@ class AttentionBackend(ABC):
                 kv_cache_dtype=spec.kv_cache_dtype,
                 device_type=None,
                 sliding_window=spec.sliding_window is not None,
+                logit_softcap=spec.logit_softcap is not None,
             )
         ]
         if refused:

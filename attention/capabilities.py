@@ -78,6 +78,7 @@ class BackendInfo:
     devices:      device types it runs on.
     min_compute_capability: lowest CUDA compute capability, checked on a real device.
     sliding_window: whether it runs sliding-window attention.
+    logit_softcap: whether it caps attention scores (``cap * tanh(s / cap)``, Gemma-2).
     cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
                   launch parameters fixed per batch bucket) for pure decode steps.
     mixed_cuda_graphs: whether steps with prefill rows can be captured too (launch
@@ -101,6 +102,7 @@ class BackendInfo:
     devices: tuple[str, ...]
     min_compute_capability: tuple[int, int] | None
     sliding_window: bool
+    logit_softcap: bool
     cuda_graphs: bool
     mixed_cuda_graphs: bool
     fused_rotary: bool
@@ -115,6 +117,7 @@ class BackendInfo:
         device_type: str | None,
         kv_cache_dtype: str | None = None,
         sliding_window: bool = False,
+        logit_softcap: bool = False,
     ) -> list[CapabilityProblem]:
         """Every reason this backend refuses the setting; empty when it is supported.
 
@@ -169,6 +172,15 @@ class BackendInfo:
                     f"set cache.device to {self.devices[0]} or pick another attention.backend",
                 )
             )
+        if logit_softcap and not self.logit_softcap:
+            found.append(
+                CapabilityProblem(
+                    "logit_softcap",
+                    True,
+                    f"backend {self.name} has no attention-score soft-capping",
+                    "pick another attention.backend",
+                )
+            )
         if sliding_window and not self.sliding_window:
             found.append(
                 CapabilityProblem(
@@ -198,6 +210,7 @@ BACKENDS: dict[str, BackendInfo] = {
             devices=("cpu", "cuda"),
             min_compute_capability=None,
             sliding_window=True,
+            logit_softcap=True,
             cuda_graphs=False,
             mixed_cuda_graphs=False,
             fused_rotary=False,
@@ -220,6 +233,7 @@ BACKENDS: dict[str, BackendInfo] = {
             devices=("cuda",),
             min_compute_capability=(8, 0),
             sliding_window=True,
+            logit_softcap=True,
             cuda_graphs=True,
             mixed_cuda_graphs=True,
             fused_rotary=True,
@@ -239,6 +253,7 @@ BACKENDS: dict[str, BackendInfo] = {
             devices=("cuda",),
             min_compute_capability=(8, 0),
             sliding_window=True,
+            logit_softcap=True,
             cuda_graphs=True,
             mixed_cuda_graphs=False,
             fused_rotary=False,

@@ -108,6 +108,7 @@ class FlashAttnBackend(AttentionBackend):
                 softmax_scale=self.spec.scale,
                 causal=True,
                 window_size=window_size,
+                softcap=self.spec.logit_softcap or 0.0,  # flash-attn: 0 turns the cap off
             ).squeeze(1)
         else:
             # The whole query (padding included): query_start_loc never points past it, even
@@ -123,6 +124,7 @@ class FlashAttnBackend(AttentionBackend):
                 softmax_scale=self.spec.scale,
                 causal=True,
                 window_size=window_size,
+                softcap=self.spec.logit_softcap or 0.0,  # flash-attn: 0 turns the cap off
                 block_table=meta.block_tables[: meta.batch],
             )
         rows = result.shape[0]

@@ -71,7 +71,7 @@ class ReferenceBackend(AttentionBackend):
             v = v_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]
             q = query[start : start + q_len]  # [q_len, heads, d]
             result[start : start + q_len] = _causal_attention(
-                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip
+                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip, self.spec.logit_softcap
             ).to(query.dtype)
             start += q_len
         return result
@@ -145,14 +145,18 @@ def _causal_attention(
     dtype: torch.dtype,
     window: int | None,
     skip: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len - skip, kv_heads, d],
     the keys from position ``skip`` on. A query at position p sees keys at positions
-    p - window < k <= p (every k <= p without window)."""
+    p - window < k <= p (every k <= p without window). ``softcap``: scaled scores s become
+    ``softcap * tanh(s / softcap)`` before the softmax."""
     q_len, seq_len = q.shape[0], k.shape[0] + skip
     k = k.to(dtype).repeat_interleave(group, dim=1)
     v = v.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     k_pos = torch.arange(skip, seq_len, device=q.device)
     hidden = k_pos[None, :] > q_pos[:, None]

@@ -102,5 +102,6 @@ def _problems(info: BackendInfo, spec: AttentionSpec, device_type: str, block_si
             kv_cache_dtype=spec.kv_cache_dtype,
             device_type=device_type,
             sliding_window=spec.sliding_window is not None,
+            logit_softcap=spec.logit_softcap is not None,
         )
     ]

@@ -33,6 +33,8 @@ class AttentionSpec:
     window_layers:  per layer, whether it uses the window (models that mix full and windowed
                     layers); None: every layer does when ``sliding_window`` is set.
     softmax_scale:  scale of q.k; None: ``head_dim ** -0.5``.
+    logit_softcap:  cap c of the scaled scores s before the softmax: ``c * tanh(s / c)``
+                    (Gemma-2's ``attn_logit_softcapping``); None: no cap.
     Raises InvalidArgumentError / ArgumentTypeError naming the field.
     """
 
@@ -44,6 +46,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] | None = None
     softmax_scale: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         require_int("num_heads", self.num_heads, minimum=1)
@@ -77,6 +80,11 @@ class AttentionSpec:
                 raise ArgumentTypeError(f"softmax_scale: expected a number, got {type(self.softmax_scale).__name__}")
             if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
                 raise InvalidArgumentError(f"softmax_scale: {self.softmax_scale} must be a finite positive number")
+        if self.logit_softcap is not None:
+            if isinstance(self.logit_softcap, bool) or not isinstance(self.logit_softcap, (int, float)):
+                raise ArgumentTypeError(f"logit_softcap: expected a number, got {type(self.logit_softcap).__name__}")
+            if not (math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
+                raise InvalidArgumentError(f"logit_softcap: {self.logit_softcap} must be a finite positive number")
 
     @property
     def group_size(self) -> int:

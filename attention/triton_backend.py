@@ -339,6 +339,7 @@ class TritonBackend(AttentionBackend):
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
                 check=False,
+                softcap=self.spec.logit_softcap,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -358,6 +359,7 @@ class TritonBackend(AttentionBackend):
                 v_scale=layer.v_scale,
                 tile_count=p.tile_count,
                 programs=p.programs,
+                softcap=self.spec.logit_softcap,
             )
         if target is not result:
             result.copy_(target)

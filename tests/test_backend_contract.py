@@ -417,3 +417,18 @@ def test_cache_past_int32_offsets(under: UnderTest) -> None:
     assert torch.equal(written[0], small.new_key) and torch.equal(written[1], small.new_value)
     del big, layer
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window"])
+def test_logit_softcap(under: UnderTest, window: int | None) -> None:
+    """Scores capped at c * tanh(s / c) before the softmax (Gemma-2), in decode and prefill
+    rows, with and without a window: the float64 oracle applies the cap, and a cap this small
+    (2.0) changes the output, so a backend that ignored it would fail."""
+    dtype = torch.float16
+    rows = [(100, 1), (0, 50), (20, 30), (36, 1)]
+    capped = make_spec(4, 2, 64, dtype, sliding_window=window, logit_softcap=2.0, softmax_scale=0.5)
+    out, ref, _ = _run(under, rows, capped, seed=5)
+    _check(out, ref, dtype)
+    _, uncapped_ref, _ = _run(under, rows, dataclasses.replace(capped, logit_softcap=None), seed=5)
+    assert rel_err(ref, uncapped_ref) > 0.05, "the cap should matter at these scores"

@@ -147,3 +147,18 @@ def test_device_values_that_contradict_the_host_are_refused(
     with pytest.raises(MetadataError, match=match):
         backend.attend(case.query, case.layer, plan)
     assert torch.equal(case.storage.isnan(), before.isnan())
+
+
+def test_logit_softcap_is_c_tanh_of_the_scaled_scores() -> None:
+    """The oracle's cap, against the formula written out for one decode row."""
+    spec = make_spec(2, 1, 8, torch.float32, logit_softcap=1.5, softmax_scale=0.7)
+    case = make_case([(9, 1)], spec, block_size=32, device="cpu", seed=2)
+    backend = ReferenceBackend(spec, compute_dtype=torch.float64)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    out = backend.attend(case.query, case.layer, plan)  # float64 math, float32 out
+    k, v = case.all_key.double()[:10], case.all_value.double()[:10]  # [10, 1, 8]
+    q = case.query.double()[0]  # [2, 8]
+    scores = 1.5 * torch.tanh(0.7 * (q @ k[:, 0].T) / 1.5)  # [2, 10]
+    want = scores.softmax(-1) @ v[:, 0]
+    torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-6)

@@ -305,6 +305,7 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     check: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention of the schedule's rows; writes their tokens of ``out``, returns it.
 
@@ -320,6 +321,7 @@ def paged_decode(
                   ``config.block_n``). workspace: from :func:`allocate_decode_workspace`.
     out:          [>= num_tokens, num_heads, head_dim], the query's dtype, unit last stride;
                   tokens no row names are left untouched.
+    softcap:      cap scaled scores s to ``softcap * tanh(s / softcap)`` (None: no cap).
     check:        run :func:`check_decode_launch` first (~20-40 us of Python). Pass False
                   only for arguments of shapes already checked (e.g. every layer after the
                   first of a step): the kernels then still stay inside their tensors
@@ -353,6 +355,7 @@ def paged_decode(
         ws.part_lse,
         ws.counters,
         softmax_scale * _LOG2E,
+        (softcap or 1.0) * _LOG2E,  # the scores' log2 units
         items.shape[0],
         block_tables.shape[0],
         block_tables.shape[1],
@@ -378,6 +381,7 @@ def paged_decode(
         DOT_PRECISION=dot_precision_for(query.dtype),
         FUSED_COMBINE=config.fused_combine,
         MERGE_CHUNKS=_MERGE_CHUNKS,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.paging import tile_mask, tile_token_offsets
+from attention.triton_kernels.paging import soft_cap, tile_mask, tile_token_offsets
 
 __all__ = ["decode_combine_kernel", "decode_items_kernel"]
 
@@ -157,6 +157,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     part_lse_ptr,
     counters_ptr,
     qk_scale,
+    softcap,
     num_item_slots,
     num_table_rows,
     table_width,
@@ -182,6 +183,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (kv_head, i): item i of int32 items [num_item_slots, 8] = (d, kv_start,
     kv_end, partial_slot, table_row, q_token, num_chunks, first_partial); d < 0 is padding.
@@ -190,7 +192,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     strides). KV_SCALED (an fp8 cache): K and V are converted to the query's dtype and
     dequantised with per-KV-head fp32 scales, k_scale folded into the score scale and
     v_scale applied to the output (both constant over the head, so the same as scaling
-    every element).
+    every element). SOFTCAP: scores are capped, ``softcap * tanh(s / softcap)`` with
+    ``softcap`` in the same log2 units as ``qk_scale``.
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
@@ -253,6 +256,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 

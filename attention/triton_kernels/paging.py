@@ -21,6 +21,7 @@ __all__ = [
     "load_tile_pages",
     "next_power_of_2",
     "online_softmax_update",
+    "soft_cap",
     "tile_mask",
     "tile_token_offsets",
     "upcast_for",
@@ -59,6 +60,13 @@ def dot_precision_for(dtype: torch.dtype) -> str:
     recover ~fp32 accuracy, where plain tf32 would cut inputs to 10 mantissa bits and "ieee"
     runs on FMA units and spills registers in the prefill tiles. 16-bit inputs ignore it."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def soft_cap(s, cap):  # type: ignore[no-untyped-def]
+    """``cap * tanh(s / cap)`` in float32 (tanh as ``2 * sigmoid(2x) - 1``, which saturates
+    to +-1 instead of overflowing)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
 
 
 def next_power_of_2(n: int) -> int:

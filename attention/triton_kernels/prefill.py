@@ -33,6 +33,7 @@ from attention.triton_kernels.paging import (
     load_tile_pages,
     next_power_of_2,
     online_softmax_update,
+    soft_cap,
     tile_mask,
     tile_token_offsets,
     upcast_for,
@@ -196,6 +197,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    softcap,
     window,
     num_blocks,
     num_tokens,
@@ -219,6 +221,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     HAS_WINDOW: tl.constexpr,
     DEQUANT: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One work item is (tile-index entry, query head). Without PERSISTENT, program ``pid``
     takes item ``pid`` (the grid is the step's tiles x heads). With PERSISTENT (a fixed grid,
@@ -231,17 +234,17 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         for item in range(tl.program_id(0), work, tl.num_programs(0)):
             _prefill_item(
                 item, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, window, num_blocks, num_tokens,
+                tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, softcap, window, num_blocks, num_tokens,
                 table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS, NUM_KV_HEADS, GROUP,
-                HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW, DEQUANT,
+                HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW, DEQUANT, SOFTCAP,
             )  # fmt: skip
     else:
         _prefill_item(
             tl.program_id(0), q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-            query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, window, num_blocks,
-            num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
+            query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, softcap, window,
+            num_blocks, num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
             NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
-            DEQUANT,
+            DEQUANT, SOFTCAP,
         )  # fmt: skip
 
 
@@ -259,6 +262,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    softcap,
     window,
     num_blocks,
     num_tokens,
@@ -280,11 +284,14 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DEQUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Item (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
     keys p - window < k <= p, and key tiles wholly left of every query's window are skipped.
-    A tile-index entry with row -1 (padding of a fixed grid) computes and writes nothing."""
+    A tile-index entry with row -1 (padding of a fixed grid) computes and writes nothing.
+    SOFTCAP: raw scores are capped before the masks, ``softcap * tanh(qk / softcap)``, with
+    ``softcap`` the cap divided by the softmax scale (the scale applies after)."""
     h = item % NUM_HEADS
     entry = tile_index_ptr + 2 * (item // NUM_HEADS)  # < 2**31: the index is sized by tokens
     row = tl.load(entry)
@@ -354,6 +361,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
             k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
             v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:
+                qk = soft_cap(qk, softcap)
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
             m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
@@ -374,6 +383,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
         v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     for n0 in range(full_end, kv_end, BLOCK_N):
@@ -390,6 +401,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
         v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         if HAS_WINDOW:
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
@@ -423,6 +436,7 @@ def paged_prefill(
     v_scale: torch.Tensor | None = None,
     tile_count: torch.Tensor | None = None,
     programs: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``.
 
@@ -441,6 +455,7 @@ def paged_prefill(
                      the first ``tile_count[0]`` entries (int32 [1] on the device; clamped to
                      ``num_tiles``) of a padded ``tile_index``. The launch then depends only
                      on the shapes and ``programs``, never on the step's lengths.
+    softcap:         cap scaled scores s to ``softcap * tanh(s / softcap)`` (None: no cap).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -467,6 +482,7 @@ def paged_prefill(
         k_scale if k_scale is not None else seq_lens,  # unused unless DEQUANT
         v_scale if v_scale is not None else seq_lens,
         softmax_scale * _LOG2E,
+        (softcap or 1.0) / softmax_scale,  # the cap in raw q.k units
         window or 0,
         k_cache.shape[0],
         query.shape[0],
@@ -490,6 +506,7 @@ def paged_prefill(
         HAS_WINDOW=window is not None,
         DEQUANT=k_scale is not None,
         PERSISTENT=programs is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

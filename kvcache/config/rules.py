@@ -201,6 +201,7 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         device_type=device_type,
         kv_cache_dtype=_name(values, "cache.dtype", DTYPES),
         sliding_window=window is not None and (pattern is None or any(pattern)),
+        logit_softcap=values.get("model.logit_softcap") is not None,
     )
     paths = {
         "block_size": "cache.block_size",
@@ -209,6 +210,7 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         "kv_cache_dtype": "cache.dtype",
         "device": "cache.device",
         "sliding_window": "model.sliding_window",
+        "logit_softcap": "model.logit_softcap",
     }
     judged = {
         "block_size": block_size is not None,

@@ -152,6 +152,9 @@ class ModelSection(BaseModel):
     window_pattern: tuple[bool, ...] | None = Field(default=None, max_length=MAX_LAYERS)
     """Per layer, whether it uses sliding_window (models that mix full and windowed layers);
     one entry per layer. Default: every layer does when sliding_window is set."""
+    logit_softcap: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
+    """Cap c of the attention scores: scaled scores s become c * tanh(s / c) before the softmax
+    (Gemma-2's attn_logit_softcapping, 50.0). Default: no cap."""
 
     @field_validator("head_dim")
     @classmethod
@@ -374,6 +377,7 @@ class KVCacheConfig(BaseModel):
             kv_cache_dtype=self.cache.dtype if self.cache.dtype != compute else None,
             sliding_window=m.sliding_window,
             window_layers=m.window_pattern,
+            logit_softcap=m.logit_softcap,
         )
         if tp is None:
             return spec
