@@ -75,6 +75,7 @@ class AttentionBackend(ABC):
                 device_type=None,
                 sliding_window=spec.sliding_window is not None,
                 logit_softcap=spec.logit_softcap is not None,
+                attention_sinks=spec.attention_sinks,
             )
         ]
         if refused:
@@ -154,13 +155,22 @@ class AttentionBackend(ABC):
         self._write_kv(key, value, layer, plan)
 
     def attend(
-        self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, *, out: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        *,
+        out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's new tokens over the paged K/V.
 
         query: [num_tokens, num_heads, head_dim], the compute dtype.
         layer: this layer's cache, already holding this step's new K/V (``write_kv`` first).
         out:   optional [num_tokens, num_heads, head_dim] to write into.
+        sinks: float32 [num_heads], this layer's learned sink logits (finite), given exactly
+               when the spec has ``attention_sinks``: head h's softmax denominator gains
+               ``exp(sinks[h])`` (in the units of the scaled scores).
         Returns [num_tokens, num_heads, head_dim]. Rows of padding tokens are unspecified.
         """
         meta = self._check_step(layer, plan)
@@ -168,7 +178,18 @@ class AttentionBackend(ABC):
         check_tensor("query", query, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         if out is not None:
             check_tensor("out", out, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
-        return self._attend(query, layer, plan, out)
+        if self.spec.attention_sinks:
+            if sinks is None:
+                raise InvalidArgumentError(
+                    "sinks: the spec has attention_sinks; pass this layer's learned sink logits, float32 [num_heads]"
+                )
+            heads = (self.spec.num_heads,)
+            check_tensor("sinks", sinks, shape=heads, dtype=torch.float32, device=layer.key.device)
+        elif sinks is not None:
+            raise InvalidArgumentError(
+                "sinks: given, but the spec has no attention_sinks (AttentionSpec(attention_sinks=True))"
+            )
+        return self._attend(query, layer, plan, out, sinks)
 
     def rotary_write_kv(
         self,
@@ -233,7 +254,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def _attend(
-        self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
     def _rotary_write_kv(

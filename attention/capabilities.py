@@ -79,6 +79,7 @@ class BackendInfo:
     min_compute_capability: lowest CUDA compute capability, checked on a real device.
     sliding_window: whether it runs sliding-window attention.
     logit_softcap: whether it caps attention scores (``cap * tanh(s / cap)``, Gemma-2).
+    attention_sinks: whether it takes learned per-head sink logits (gpt-oss).
     cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
                   launch parameters fixed per batch bucket) for pure decode steps.
     mixed_cuda_graphs: whether steps with prefill rows can be captured too (launch
@@ -103,6 +104,7 @@ class BackendInfo:
     min_compute_capability: tuple[int, int] | None
     sliding_window: bool
     logit_softcap: bool
+    attention_sinks: bool
     cuda_graphs: bool
     mixed_cuda_graphs: bool
     fused_rotary: bool
@@ -118,6 +120,7 @@ class BackendInfo:
         kv_cache_dtype: str | None = None,
         sliding_window: bool = False,
         logit_softcap: bool = False,
+        attention_sinks: bool = False,
     ) -> list[CapabilityProblem]:
         """Every reason this backend refuses the setting; empty when it is supported.
 
@@ -181,6 +184,15 @@ class BackendInfo:
                     "pick another attention.backend",
                 )
             )
+        if attention_sinks and not self.attention_sinks:
+            found.append(
+                CapabilityProblem(
+                    "attention_sinks",
+                    True,
+                    f"backend {self.name} has no attention sinks",
+                    "use the triton or reference backend",
+                )
+            )
         if sliding_window and not self.sliding_window:
             found.append(
                 CapabilityProblem(
@@ -211,6 +223,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=None,
             sliding_window=True,
             logit_softcap=True,
+            attention_sinks=True,
             cuda_graphs=False,
             mixed_cuda_graphs=False,
             fused_rotary=False,
@@ -234,6 +247,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             logit_softcap=True,
+            attention_sinks=True,
             cuda_graphs=True,
             mixed_cuda_graphs=True,
             fused_rotary=True,
@@ -254,6 +268,7 @@ BACKENDS: dict[str, BackendInfo] = {
             min_compute_capability=(8, 0),
             sliding_window=True,
             logit_softcap=True,
+            attention_sinks=False,
             cuda_graphs=True,
             mixed_cuda_graphs=False,
             fused_rotary=False,

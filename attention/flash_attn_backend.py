@@ -90,7 +90,14 @@ class FlashAttnBackend(AttentionBackend):
             return
         scatter_kv(key, value, layer, plan.metadata.slot_mapping)
 
-    def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,  # never given: the backend table refuses attention_sinks
+    ) -> torch.Tensor:
         assert isinstance(plan, FlashAttnPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
         window = self.spec.window_of(layer.index)

@@ -47,9 +47,16 @@ class ReferenceBackend(AttentionBackend):
         self._check_once(plan)
         scatter_kv(key, value, layer, plan.metadata.slot_mapping)
 
-    def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         self._check_once(plan)
-        meta = plan.metadata
+        meta, spec = plan.metadata, self.spec
         n, bs, kvh, d = layer.key.shape
         tables = meta.block_tables
         window = self.spec.window_of(layer.index)
@@ -71,7 +78,7 @@ class ReferenceBackend(AttentionBackend):
             v = v_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]
             q = query[start : start + q_len]  # [q_len, heads, d]
             result[start : start + q_len] = _causal_attention(
-                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip, self.spec.logit_softcap
+                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip, spec.logit_softcap, sinks
             ).to(query.dtype)
             start += q_len
         return result
@@ -146,11 +153,13 @@ def _causal_attention(
     window: int | None,
     skip: int = 0,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len - skip, kv_heads, d],
     the keys from position ``skip`` on. A query at position p sees keys at positions
     p - window < k <= p (every k <= p without window). ``softcap``: scaled scores s become
-    ``softcap * tanh(s / softcap)`` before the softmax."""
+    ``softcap * tanh(s / softcap)`` before the softmax. ``sinks``: [heads] logits that join
+    each head's softmax as a key with a zero value."""
     q_len, seq_len = q.shape[0], k.shape[0] + skip
     k = k.to(dtype).repeat_interleave(group, dim=1)
     v = v.to(dtype).repeat_interleave(group, dim=1)
@@ -163,7 +172,11 @@ def _causal_attention(
     if window is not None:
         hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    sink = sinks.to(dtype)[:, None, None].expand(-1, q_len, 1)  # [heads, q_len, 1]
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def _check_tables(

@@ -103,5 +103,6 @@ def _problems(info: BackendInfo, spec: AttentionSpec, device_type: str, block_si
             device_type=device_type,
             sliding_window=spec.sliding_window is not None,
             logit_softcap=spec.logit_softcap is not None,
+            attention_sinks=spec.attention_sinks,
         )
     ]

@@ -35,6 +35,9 @@ class AttentionSpec:
     softmax_scale:  scale of q.k; None: ``head_dim ** -0.5``.
     logit_softcap:  cap c of the scaled scores s before the softmax: ``c * tanh(s / c)``
                     (Gemma-2's ``attn_logit_softcapping``); None: no cap.
+    attention_sinks: every layer has a learned per-head sink logit that joins the softmax's
+                    denominator and attends to nothing (gpt-oss); ``attend`` then takes the
+                    layer's ``sinks``.
     Raises InvalidArgumentError / ArgumentTypeError naming the field.
     """
 
@@ -47,6 +50,7 @@ class AttentionSpec:
     window_layers: tuple[bool, ...] | None = None
     softmax_scale: float | None = None
     logit_softcap: float | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         require_int("num_heads", self.num_heads, minimum=1)
@@ -80,6 +84,8 @@ class AttentionSpec:
                 raise ArgumentTypeError(f"softmax_scale: expected a number, got {type(self.softmax_scale).__name__}")
             if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
                 raise InvalidArgumentError(f"softmax_scale: {self.softmax_scale} must be a finite positive number")
+        if not isinstance(self.attention_sinks, bool):
+            raise ArgumentTypeError(f"attention_sinks: expected a bool, got {type(self.attention_sinks).__name__}")
         if self.logit_softcap is not None:
             if isinstance(self.logit_softcap, bool) or not isinstance(self.logit_softcap, (int, float)):
                 raise ArgumentTypeError(f"logit_softcap: expected a number, got {type(self.logit_softcap).__name__}")

@@ -308,7 +308,14 @@ class TritonBackend(AttentionBackend):
             layer.v_scale,
         )
 
-    def _attend(self, query: torch.Tensor, layer: LayerCache, plan: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        out: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         assert isinstance(plan, TritonStepPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
         result = torch.empty_like(query) if out is None else out
@@ -340,6 +347,7 @@ class TritonBackend(AttentionBackend):
                 v_scale=layer.v_scale,
                 check=False,
                 softcap=self.spec.logit_softcap,
+                sinks=sinks,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -360,6 +368,7 @@ class TritonBackend(AttentionBackend):
                 tile_count=p.tile_count,
                 programs=p.programs,
                 softcap=self.spec.logit_softcap,
+                sinks=sinks,
             )
         if target is not result:
             result.copy_(target)
@@ -380,6 +389,7 @@ class TritonBackend(AttentionBackend):
         blocks = max(sum(cdiv(n, block_size) for n, _ in rows) for rows in steps)
         variants: set[tuple[object, ...]] = set()
         rotary = RotaryTable(torch.zeros(longest, self.spec.head_dim, dtype=torch.float32, device=device))
+        sinks = torch.zeros(self.spec.num_heads, device=device) if self.spec.attention_sinks else None
         for window in self.windows:
             index = 0
             if self.spec.window_layers is not None:
@@ -394,7 +404,7 @@ class TritonBackend(AttentionBackend):
                 query = torch.zeros(t, heads, d, dtype=self.compute_dtype, device=device)
                 self.write_kv(kv, kv, layer, plan)
                 self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
-                self.attend(query, layer, plan)
+                self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
                 for launch in plan.decode:
                     variants.add(("decode", window))
@@ -405,7 +415,7 @@ class TritonBackend(AttentionBackend):
                     # The fixed-grid (CUDA-graph) launch of a step with room for prefill rows.
                     fixed = self.plan(meta, graph=True)
                     assert isinstance(fixed, TritonStepPlan) and fixed.prefill is not None, "this backend's plan"
-                    self.attend(query, layer, fixed)
+                    self.attend(query, layer, fixed, sinks=sinks)
                     variants.add(("prefill", window, fixed.prefill.config, "persistent"))
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -432,3 +432,55 @@ def test_logit_softcap(under: UnderTest, window: int | None) -> None:
     _check(out, ref, dtype)
     _, uncapped_ref, _ = _run(under, rows, dataclasses.replace(capped, logit_softcap=None), seed=5)
     assert rel_err(ref, uncapped_ref) > 0.05, "the cap should matter at these scores"
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window"])
+def test_attention_sinks(under: UnderTest, window: int | None) -> None:
+    """Learned per-head sink logits in the denominator, in decode rows (short and long:
+    one chunk and split ones, merged) and prefill rows: against the float64 oracle; the sinks
+    are large enough to matter. A backend without them refuses the spec at construction."""
+    dtype = torch.float16
+    spec = make_spec(4, 2, 64, dtype, sliding_window=window, attention_sinks=True)
+    if not BACKENDS[under.name].attention_sinks:
+        with pytest.raises(UnsupportedSettingError, match="attention_sinks"):
+            under.make(spec)
+        return
+    rows = [(700, 1), (0, 50), (20, 30), (36, 1)]
+    sinks = torch.tensor([1.0, -0.5, 2.5, 0.0], device=under.device)
+    case = make_case(rows, spec, block_size=under.block_size, device=under.device, seed=6)
+    backend = under.make(spec)
+    ref = _sink_reference(case, sinks)
+    variants = [backend]
+    if under.name == "triton":  # split rows, merged by the combine kernel or in the decode kernel
+        config = backend.decode_config  # type: ignore[attr-defined]
+        variants = [
+            type(backend)(spec, decode_chunk_len=128, decode_config=dataclasses.replace(config, fused_combine=fused))
+            for fused in (False, True)
+        ]
+    for backend in variants:
+        plan = backend.plan(case.meta)
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+        out = backend.attend(case.query, case.layer, plan, sinks=sinks)[: case.meta.num_real_tokens]
+        _check(out, ref, dtype)
+    no_sinks = dataclasses.replace(case, spec=dataclasses.replace(spec, attention_sinks=False))
+    assert rel_err(ref, reference_output(no_sinks)) > 0.05, "the sinks should matter"
+    with pytest.raises(InvalidArgumentError, match="sinks: the spec has attention_sinks"):
+        backend.attend(case.query, case.layer, plan)
+    with pytest.raises(InvalidArgumentError, match="sinks"):
+        backend.attend(case.query, case.layer, plan, sinks=sinks[:2])
+
+
+def _sink_reference(case: PagedCase, sinks: torch.Tensor) -> torch.Tensor:
+    """reference_output with the sinks: the float64 oracle over the written cache."""
+    from attention import LayerCache, ReferenceBackend
+
+    spec32 = dataclasses.replace(case.spec, dtype="float32", kv_cache_dtype=None)
+    oracle = ReferenceBackend(spec32, compute_dtype=torch.float64)
+    layer = case.layer
+    written = LayerCache(layer.key.clone(), layer.value.clone(), layer.index)
+    writer = ReferenceBackend(case.spec)
+    writer.write_kv(case.new_key, case.new_value, written, writer.plan(case.meta))
+    plain = LayerCache(written.key.float(), written.value.float(), layer.index)
+    out = oracle.attend(case.query.float(), plain, oracle.plan(case.meta), sinks=sinks.float())
+    return out[: case.meta.num_real_tokens]

@@ -22,38 +22,40 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 
-def items_kernel(block_size, fused, softcap=False):
+def items_kernel(block_size, fused, softcap=False, sinks=False):
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_scale_ptr": "*fp32",
-           "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "items_ptr": "*i32", "out_ptr": "*bf16",
-           "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32", "qk_scale": "fp32",
-           "softcap": "fp32"}
+           "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "block_tables_ptr": "*i32", "items_ptr": "*i32",
+           "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
+           "qk_scale": "fp32", "softcap": "fp32"}
     for name in ("num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
                  "num_partial_slots", "num_counter_rows", "stride_qt", "stride_qh", "stride_bt",
                  "stride_ot", "stride_oh"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128,
                   BLOCK_SIZE=block_size, BLOCK_N=64, KV_SCALED=False, UPCAST=False, DOT_PRECISION="tf32",
-                  FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap)
+                  FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    # What a launch specialises on: 16-byte aligned pointers (0-10) and strides divisible by
+    # What a launch specialises on: 16-byte aligned pointers (0-11) and strides divisible by
     # 16 (stride_qt, stride_qh, stride_ot, stride_oh); without it no load is vectorised.
-    aligned = [*range(11), 20, 21, 23, 24]
+    aligned = [*range(12), 21, 22, 24, 25]
     return ASTSource(decode_items_kernel, sig, constexprs=consts,
                      attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
-def combine_kernel():
-    sig = {"rows_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+def combine_kernel(sinks=False):
+    sig = {"rows_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
            "num_row_slots": "i32", "num_q_tokens": "i32", "num_partial_slots": "i32", "stride_ot": "i32",
            "stride_oh": "i32"}
-    consts = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, MERGE_CHUNKS=32)
+    consts = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, MERGE_CHUNKS=32, SINKS=sinks)
     sig.update(dict.fromkeys(consts, "constexpr"))
     return ASTSource(decode_combine_kernel, sig, constexprs=consts,
-                     attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
+                     attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9)})
 
 target = GPUTarget("cuda", 90, 32)
 report = {}
 for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused", items_kernel(32, True)),
-                  ("items-bs256-softcap", items_kernel(256, False, True)), ("combine", combine_kernel())):
+                  ("items-bs256-softcap", items_kernel(256, False, True)),
+                  ("items-bs32-fused-sinks", items_kernel(32, True, False, True)), ("combine", combine_kernel()),
+                  ("combine-sinks", combine_kernel(True))):
     k = triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
     ptx = k.asm["ptx"]
     report[name] = {"shared": k.metadata.shared, "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
@@ -65,8 +67,9 @@ print(json.dumps(report))
 
 def test_decode_kernels_compile_for_sm90() -> None:
     report = compile_report(_SCRIPT)
-    for name in ("items-bs256", "items-bs32-fused", "items-bs256-softcap"):
+    for name in ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks"):
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"
     assert report["items-bs32-fused"]["acq_rel_atomic"], report
-    assert report["combine"]["vector_loads"] > 0, f"combine: partials no longer read in 16-byte vectors: {report}"
+    for name in ("combine", "combine-sinks"):
+        assert report[name]["vector_loads"] > 0, f"{name}: partials no longer read in 16-byte vectors: {report}"

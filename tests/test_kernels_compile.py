@@ -43,16 +43,17 @@ def silu(dtype):
     sig = {"gate_up_ptr": dtype, "out_ptr": dtype, "width": "i32", "stride_g": "i32", "stride_o": "i32"}
     return source(_silu_mul_kernel, sig, dict(BLOCK=1024, ROUND_BF16=False))
 
-def prefill(dtype, persistent, window, softcap=False):
+def prefill(dtype, persistent, window, softcap=False, sinks=False):
     sig = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "block_tables_ptr": "*i32",
            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tile_index_ptr": "*i32",
            "tile_count_ptr": "*i32", "out_ptr": dtype, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-           "qk_scale": "fp32", "softcap": "fp32", "window": "i32", "num_blocks": "i32", "num_tokens": "i32",
-           "table_width": "i32", "max_tiles": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_bt": "i32",
-           "stride_ot": "i32", "stride_oh": "i32"}
+           "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}
+    for name in ("window", "num_blocks", "num_tokens", "table_width", "max_tiles", "stride_qt", "stride_qh",
+                 "stride_bt", "stride_ot", "stride_oh"):
+        sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=256, BLOCK_M=128,
                   BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window, DEQUANT=False,
-                  PERSISTENT=persistent, SOFTCAP=softcap)
+                  PERSISTENT=persistent, SOFTCAP=softcap, SINKS=sinks)
     return source(_prefill_kernel, sig, consts)
 
 target = GPUTarget("cuda", 90, 32)
@@ -70,6 +71,7 @@ kernels = {
     "prefill-bf16-persistent": prefill("*bf16", True, False),
     "prefill-bf16-persistent-window": prefill("*bf16", True, True),
     "prefill-bf16-window-softcap": prefill("*bf16", False, True, True),
+    "prefill-bf16-persistent-sinks": prefill("*bf16", True, False, False, True),
 }
 report = {}
 for name, src in kernels.items():
@@ -83,4 +85,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 13, report
+    assert len(report) == 14, report

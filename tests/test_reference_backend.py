@@ -162,3 +162,20 @@ def test_logit_softcap_is_c_tanh_of_the_scaled_scores() -> None:
     scores = 1.5 * torch.tanh(0.7 * (q @ k[:, 0].T) / 1.5)  # [2, 10]
     want = scores.softmax(-1) @ v[:, 0]
     torch.testing.assert_close(out[0].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_sinks_join_the_denominator() -> None:
+    """The oracle's sinks, against the formula written out for one decode row: each head's
+    softmax gains a key whose logit is the sink and whose value is zero."""
+    spec = make_spec(2, 1, 8, torch.float32, attention_sinks=True)
+    case = make_case([(9, 1)], spec, block_size=32, device="cpu", seed=4)
+    sinks = torch.tensor([0.5, 3.0])
+    backend = ReferenceBackend(spec, compute_dtype=torch.float64)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    out = backend.attend(case.query, case.layer, plan, sinks=sinks)
+    k, v = case.all_key.double()[:10, 0], case.all_value.double()[:10, 0]  # [10, 8]
+    q = case.query.double()[0]  # [2, 8]
+    scores = (q @ k.T) * spec.scale  # [2, 10]
+    weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + sinks.double().exp()[:, None])
+    torch.testing.assert_close(out[0].double(), weights @ v, rtol=1e-5, atol=1e-6)

@@ -306,6 +306,7 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
     check: bool = True,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of the schedule's rows; writes their tokens of ``out``, returns it.
 
@@ -322,6 +323,7 @@ def paged_decode(
     out:          [>= num_tokens, num_heads, head_dim], the query's dtype, unit last stride;
                   tokens no row names are left untouched.
     softcap:      cap scaled scores s to ``softcap * tanh(s / softcap)`` (None: no cap).
+    sinks:        fp32 [num_heads] learned sink logits (None: none).
     check:        run :func:`check_decode_launch` first (~20-40 us of Python). Pass False
                   only for arguments of shapes already checked (e.g. every layer after the
                   first of a step): the kernels then still stay inside their tensors
@@ -348,6 +350,7 @@ def paged_decode(
         v_cache,
         k_scale if k_scale is not None else ws.part_lse,  # unused unless KV_SCALED
         v_scale if v_scale is not None else ws.part_lse,
+        sinks if sinks is not None else ws.part_lse,  # unused unless SINKS
         block_tables,
         items,
         out,
@@ -382,6 +385,7 @@ def paged_decode(
         FUSED_COMBINE=config.fused_combine,
         MERGE_CHUNKS=_MERGE_CHUNKS,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -390,6 +394,7 @@ def paged_decode(
             rows,
             ws.part_o,
             ws.part_lse,
+            sinks if sinks is not None else ws.part_lse,
             out,
             rows.shape[0],
             num_q_tokens,
@@ -400,6 +405,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             MERGE_CHUNKS=_MERGE_CHUNKS,
+            SINKS=sinks is not None,
             num_warps=config.combine_num_warps,
         )
     return out

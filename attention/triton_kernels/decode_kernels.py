@@ -28,6 +28,8 @@ from attention.triton_kernels.paging import soft_cap, tile_mask, tile_token_offs
 
 __all__ = ["decode_combine_kernel", "decode_items_kernel"]
 
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _tile_pages(  # type: ignore[no-untyped-def]
@@ -84,6 +86,7 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):  # type: ig
 def _merge_head(  # type: ignore[no-untyped-def]
     part_o_ptr,
     part_lse_ptr,
+    sinks_ptr,
     first,
     count,
     head,
@@ -94,8 +97,10 @@ def _merge_head(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """out[head] = sum_c 2^lse_c o_c / sum_c 2^lse_c over partial slots first .. first+count-1.
+    """out[head] = sum_c 2^lse_c o_c / sum_c 2^lse_c over partial slots first .. first+count-1
+    (with SINKS, the denominator gains 2^sink, the head's sink logit in log2 units).
 
     part_o: fp32 [num_partial_slots, NUM_HEADS, HEAD_DIM]; part_lse: fp32
     [num_partial_slots, NUM_HEADS] (log2 domain, -inf for an empty chunk). Chunks are read
@@ -127,6 +132,12 @@ def _merge_head(  # type: ignore[no-untyped-def]
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         l_run = l_run * alpha + tl.sum(w, 0)
         m_run = m_new
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2E
+        m_f = tl.maximum(m_run, sink)
+        alpha = tl.exp2(m_run - m_f)
+        acc = acc * alpha
+        l_run = l_run * alpha + tl.exp2(sink - m_f)
     result = acc / tl.where(l_run > 0.0, l_run, 1.0)
     tl.store(dst_ptr + d, result.to(dst_ptr.dtype.element_ty), mask=tl.where(store_ok, d < HEAD_DIM, False))
 
@@ -150,6 +161,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     block_tables_ptr,
     items_ptr,
     out_ptr,
@@ -184,6 +196,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     FUSED_COMBINE: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Program (kv_head, i): item i of int32 items [num_item_slots, 8] = (d, kv_start,
     kv_end, partial_slot, table_row, q_token, num_chunks, first_partial); d < 0 is padding.
@@ -193,7 +206,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     dequantised with per-KV-head fp32 scales, k_scale folded into the score scale and
     v_scale applied to the output (both constant over the head, so the same as scaling
     every element). SOFTCAP: scores are capped, ``softcap * tanh(s / softcap)`` with
-    ``softcap`` in the same log2 units as ``qk_scale``.
+    ``softcap`` in the same log2 units as ``qk_scale``. SINKS: each head's learned sink logit
+    (``sinks_ptr``, natural units of the scaled scores) joins the softmax's denominator once:
+    here for a row of one chunk, at the merge for a split row.
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
@@ -266,6 +281,13 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     if KV_SCALED:
         o = o * tl.load(v_scale_ptr + kvh)
     if slot < 0:
+        if SINKS:  # the whole row is here: the sink term joins this denominator
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * _LOG2E
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            o = acc * (alpha / (l_i * alpha + tl.exp2(sink - m_f)))[:, None]
+            if KV_SCALED:
+                o = o * tl.load(v_scale_ptr + kvh)
         dst = out_ptr + token64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
@@ -289,6 +311,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                         _merge_head(
                             part_o_ptr,
                             part_lse_ptr,
+                            sinks_ptr,
                             first_partial,
                             num_chunks,
                             head,
@@ -299,6 +322,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                             HEAD_DIM,
                             D_PAD,
                             MERGE_CHUNKS,
+                            SINKS,
                         )
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
@@ -308,6 +332,7 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
     rows_ptr,
     part_o_ptr,
     part_lse_ptr,
+    sinks_ptr,
     out_ptr,
     num_row_slots,
     num_q_tokens,
@@ -318,6 +343,7 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Program (head, r): merge the partials of decode row r for one query head, from int32
     rows [num_row_slots, 4] = (table_row, q_token, num_chunks, first_partial). Rows with one
@@ -338,6 +364,7 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
     _merge_head(
         part_o_ptr,
         part_lse_ptr,
+        sinks_ptr,
         first_partial,
         num_chunks,
         h,
@@ -348,4 +375,5 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
         HEAD_DIM,
         D_PAD,
         MERGE_CHUNKS,
+        SINKS,
     )

@@ -196,6 +196,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     qk_scale,
     softcap,
     window,
@@ -222,6 +223,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     DEQUANT: tl.constexpr,
     PERSISTENT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One work item is (tile-index entry, query head). Without PERSISTENT, program ``pid``
     takes item ``pid`` (the grid is the step's tiles x heads). With PERSISTENT (a fixed grid,
@@ -234,17 +236,18 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         for item in range(tl.program_id(0), work, tl.num_programs(0)):
             _prefill_item(
                 item, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, softcap, window, num_blocks, num_tokens,
-                table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS, NUM_KV_HEADS, GROUP,
-                HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW, DEQUANT, SOFTCAP,
+                tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap, window, num_blocks,
+                num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
+                NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
+                DEQUANT, SOFTCAP, SINKS,
             )  # fmt: skip
     else:
         _prefill_item(
             tl.program_id(0), q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-            query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, softcap, window,
-            num_blocks, num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
-            NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
-            DEQUANT, SOFTCAP,
+            query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap,
+            window, num_blocks, num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+            NUM_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION,
+            HAS_WINDOW, DEQUANT, SOFTCAP, SINKS,
         )  # fmt: skip
 
 
@@ -261,6 +264,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     out_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     qk_scale,
     softcap,
     window,
@@ -285,13 +289,15 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     HAS_WINDOW: tl.constexpr,
     DEQUANT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Item (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
     keys p - window < k <= p, and key tiles wholly left of every query's window are skipped.
     A tile-index entry with row -1 (padding of a fixed grid) computes and writes nothing.
     SOFTCAP: raw scores are capped before the masks, ``softcap * tanh(qk / softcap)``, with
-    ``softcap`` the cap divided by the softmax scale (the scale applies after)."""
+    ``softcap`` the cap divided by the softmax scale (the scale applies after). SINKS: the
+    head's sink logit ``sinks[h]`` joins the denominator at the end."""
     h = item % NUM_HEADS
     entry = tile_index_ptr + 2 * (item // NUM_HEADS)  # < 2**31: the index is sized by tokens
     row = tl.load(entry)
@@ -411,6 +417,12 @@ def _prefill_item(  # type: ignore[no-untyped-def]
             qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
             m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
+    if SINKS:  # one more term in the denominator: 2^(sink - m), with the max taken over it too
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_f)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + tok_q[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -437,6 +449,7 @@ def paged_prefill(
     tile_count: torch.Tensor | None = None,
     programs: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``.
 
@@ -456,6 +469,7 @@ def paged_prefill(
                      ``num_tiles``) of a padded ``tile_index``. The launch then depends only
                      on the shapes and ``programs``, never on the step's lengths.
     softcap:         cap scaled scores s to ``softcap * tanh(s / softcap)`` (None: no cap).
+    sinks:           fp32 [num_heads] learned sink logits (None: none).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, kv_heads, _ = k_cache.shape
@@ -481,6 +495,7 @@ def paged_prefill(
         out,
         k_scale if k_scale is not None else seq_lens,  # unused unless DEQUANT
         v_scale if v_scale is not None else seq_lens,
+        sinks if sinks is not None else seq_lens,  # unused unless SINKS
         softmax_scale * _LOG2E,
         (softcap or 1.0) / softmax_scale,  # the cap in raw q.k units
         window or 0,
@@ -507,6 +522,7 @@ def paged_prefill(
         DEQUANT=k_scale is not None,
         PERSISTENT=programs is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

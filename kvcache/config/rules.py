@@ -202,6 +202,7 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         kv_cache_dtype=_name(values, "cache.dtype", DTYPES),
         sliding_window=window is not None and (pattern is None or any(pattern)),
         logit_softcap=values.get("model.logit_softcap") is not None,
+        attention_sinks=values.get("model.attention_sinks") is True,
     )
     paths = {
         "block_size": "cache.block_size",
@@ -211,6 +212,7 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         "device": "cache.device",
         "sliding_window": "model.sliding_window",
         "logit_softcap": "model.logit_softcap",
+        "attention_sinks": "model.attention_sinks",
     }
     judged = {
         "block_size": block_size is not None,

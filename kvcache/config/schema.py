@@ -155,6 +155,9 @@ class ModelSection(BaseModel):
     logit_softcap: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
     """Cap c of the attention scores: scaled scores s become c * tanh(s / c) before the softmax
     (Gemma-2's attn_logit_softcapping, 50.0). Default: no cap."""
+    attention_sinks: bool = False
+    """Every layer has learned per-head sink logits in the softmax's denominator (gpt-oss);
+    the engine passes them to attend(sinks=...). Not every backend has them."""
 
     @field_validator("head_dim")
     @classmethod
@@ -378,6 +381,7 @@ class KVCacheConfig(BaseModel):
             sliding_window=m.sliding_window,
             window_layers=m.window_pattern,
             logit_softcap=m.logit_softcap,
+            attention_sinks=m.attention_sinks,
         )
         if tp is None:
             return spec
