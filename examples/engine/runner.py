@@ -105,11 +105,15 @@ class ModelRunner:
         self.builder = MetadataBuilder(
             cache.device, capacity=capacity, backend=backend, num_cache_blocks=cache.num_blocks
         )
-        info = backend.info
-        tokens = default_token_buckets(capacity.max_tokens) if info.mixed_cuda_graphs else []
-        #: The buckets steps are padded to (None: the backend is never captured; no padding).
-        self.shapes = StepBuckets(capacity.max_rows, capacity.max_tokens, tokens=tokens) if info.cuda_graphs else None
-        self.graphs = StepGraphs(self.builder, self._forward, token_buckets=tokens) if use_graphs else None
+        self.graphs = StepGraphs(self.builder, self._forward) if use_graphs else None
+        #: The buckets steps are padded to (None: the backend is never captured; no padding):
+        #: the graphs' own, so an eager step computes what its graph would.
+        self.shapes: StepBuckets | None = None
+        if self.graphs is not None:
+            self.shapes = self.graphs.shapes
+        elif backend.info.cuda_graphs:
+            tokens = default_token_buckets(capacity.max_tokens) if backend.info.mixed_cuda_graphs else []
+            self.shapes = StepBuckets(capacity.max_rows, capacity.max_tokens, tokens=tokens)
         # The rotary table for the longest sequence, built before any graph reads it.
         model.rotary_table(capacity.max_blocks_per_seq * manager.block_size, cache.device)
         pin = cache.device.type == "cuda"

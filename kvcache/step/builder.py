@@ -178,9 +178,10 @@ class MetadataBuilder:
         graph bucket): each padding row brings one token (a decode bucket), or, with
         ``pad_tokens``, none, and the step's tokens are padded to ``pad_tokens`` (a bucket with
         room for prefill rows; it needs ``pad_to``). ``token_ids``: the step's input tokens
-        (all rows' new tokens in row order), staged too and read back with :meth:`input_ids`. ``feed``: per row, -1 or
-        the index ``j`` of a sampling row of the previous step: then that row's last input
-        token is ``sampled[j]``, read on the device (its entry in ``token_ids`` is ignored).
+        (all rows' new tokens in row order), staged too and read back with :meth:`input_ids`.
+        ``feed``: per row, -1 or the index ``j`` of a sampling row of the previous step: then
+        that row's last input token is ``sampled[j]``, read on the device (its entry in
+        ``token_ids`` is ignored).
         Changes nothing in ``manager``. Raises MetadataError naming the row when a row asks
         for positions outside the sequence's held tokens, UnknownSequenceError for an unknown
         id, and InvalidArgumentError when the step does not fit a fixed capacity or its
