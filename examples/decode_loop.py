@@ -28,26 +28,26 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from attention.capabilities import BACKEND_NAMES
 from attention.dtypes import torch_dtype
 from attention.errors import RankDivergenceError
-from examples.engine.distributed import ParallelRun, start_parallel, stop_parallel
-from examples.engine.loop import RunReport, format_summary, run_requests
-from examples.engine.parts import engine_for
-from examples.engine.scheduler import Scheduler, make_preemption
-from examples.engine.workload import make_workload
-from examples.model.llama import Llama, random_llama
-from examples.model.shape import shape_for_cache
 from kvcache import KVCacheConfig, KVCacheError, load_config, resolve_device
+
+from .engine.distributed import ParallelRun, start_parallel, stop_parallel
+from .engine.loop import RunReport, format_summary, run_requests
+from .engine.parts import engine_for
+from .engine.scheduler import Scheduler, make_preemption
+from .engine.workload import make_workload
+from .model.llama import Llama, random_llama
+from .model.shape import shape_for_cache
 
 __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests"]
 
-#: The repository's tiny CPU config, found from this file so any working directory works.
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
+#: A bundled config, found by name in a checkout and in an installed project alike.
+DEFAULT_CONFIG = "tiny-cpu"
 #: Example-only model sizes: the cache config describes attention only (and forbids extra keys).
 VOCAB_SIZE = 256
 
@@ -66,8 +66,8 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.decode_loop", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="cache config YAML (default configs/tiny-cpu.yaml)")
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.decode_loop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="a cache config YAML, or a bundled name (default tiny-cpu)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="overrides cache.device")
     p.add_argument(
         "--backend",
@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         dtype_name = config.attention_spec().dtype
         model: Llama | None = None
         if args.checkpoint:
-            from examples.model.checkpoints import load_checkpoint
+            from .model.checkpoints import load_checkpoint
 
             model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device, tp=tp)
             shape = model.shape

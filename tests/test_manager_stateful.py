@@ -12,6 +12,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable
 
 import hypothesis.strategies as st
@@ -281,6 +282,58 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pending.pop(seq, None)
         assert collect_stats(self.m, self.swap).preemptions_recompute == before + 1
         self.m.check_new_id(seq)  # a recomputed sequence can be admitted again at once
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def detach_and_attach(self, data: st.DataObject) -> None:
+        """An engine's own swap: detach a sequence, move its K/V aside, attach the record back
+        (under its id or a new one) and write the K/V into the fresh blocks. Refused for want
+        of blocks, the manager is as after the detach, and the sequence is gone."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens.pop(seq)
+        pending = self.pending.pop(seq, [])
+        kv = None
+        if self.cache is not None:
+            kv = self.cache.storage.view(2, -1)[:, self.m.slots(seq, 0, len(tokens))].clone()
+        record = self.m.detach(seq)
+        target = data.draw(st.sampled_from([seq, self.next_id]))
+        if self._refused(self.m.attach, target, record):
+            return
+        if target == self.next_id:
+            self.next_id += 1
+        self.tokens[target], self.pending[target] = tokens, pending
+        if kv is not None and self.cache is not None:
+            self.cache.storage.view(2, -1)[:, self.m.slots(target, 0, len(tokens))] = kv
+        self.m.mark_computed(target, self.m.num_computed(target))  # re-index its full blocks
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def attach_contradictory_record(self, data: st.DataObject) -> None:
+        """A record whose counts contradict its blocks or token ids, or an id in use: refused
+        at the call with a typed error, nothing changed."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        r = self.m.sequence(seq)
+        bs = self.m.block_size
+        bad = [
+            dataclasses.replace(r, num_computed=r.num_tokens + 1),
+            dataclasses.replace(r, num_computed=-1),
+            dataclasses.replace(r, num_tokens=r.num_tokens + bs),
+            dataclasses.replace(r, blocks=[*r.blocks, r.blocks[-1]]),
+            dataclasses.replace(r, num_pending=r.num_tokens + 1),
+            dataclasses.replace(r, num_released=len(r.blocks) + 1),
+            dataclasses.replace(r, keys=[None] * (r.num_tokens // bs + 1)),  # keys for more blocks than are full
+        ]
+        if r.token_ids is not None:
+            bad.append(dataclasses.replace(r, token_ids=[*r.token_ids, 0]))
+            bad.append(dataclasses.replace(r, token_base=-bs))
+            bad.append(dataclasses.replace(r, token_base=(len(r.keys) + 1) * bs, token_ids=r.token_ids[bs:]))
+        record = data.draw(st.sampled_from(bad))
+        before = snapshot(self.m, self.swap)
+        with pytest.raises(InvalidArgumentError, match="record: "):
+            self.m.attach(self.next_id, record)
+        with pytest.raises(SequenceExistsError):
+            self.m.attach(seq, r)
+        assert same_state(before, snapshot(self.m, self.swap))
 
     @rule(data=st.data())
     def invalid_call(self, data: st.DataObject) -> None:

@@ -43,8 +43,10 @@ def test_packages_listed_in_pyproject_are_the_tree() -> None:
 
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = find_packages(where=str(ROOT), include=["kvcache*", "attention*"])
-    assert sorted(setuptools["packages"]) == sorted([*found, "kvcache.configs"])
-    assert setuptools["package-dir"] == {"kvcache.configs": "configs"}
+    examples = find_packages(where=str(ROOT), include=["examples*"])
+    shipped_examples = {name.replace("examples", "kvcache_examples", 1): name.replace(".", "/") for name in examples}
+    assert sorted(setuptools["packages"]) == sorted([*found, "kvcache.configs", *shipped_examples])
+    assert setuptools["package-dir"] == {"kvcache.configs": "configs", **shipped_examples}
     assert setuptools["package-data"]["kvcache.configs"] == ["*.yaml"]
 
 
@@ -84,7 +86,7 @@ def test_wheel_install_carries_the_configs(tmp_path: Path) -> None:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("kvcache", "attention", "configs"):
+    for name in ("kvcache", "attention", "configs", "examples"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
@@ -94,9 +96,18 @@ def test_wheel_install_carries_the_configs(tmp_path: Path) -> None:
     assert sorted(p.name for p in (target / "kvcache" / "configs").glob("*.yaml")) == sorted(
         p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert not (target / "configs").exists()  # no top-level "configs" package in site-packages
+    assert not (target / "examples").exists()  # nor "examples": it ships as kvcache_examples
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     result = _run([sys.executable, "-c", PROBE], elsewhere, str(target))
     assert result.returncode == 0, result.stderr
     package, configs = result.stdout.split()
     assert Path(package).is_relative_to(target) and Path(configs) == target / "kvcache" / "configs"
+    # The example program runs from there too, under its installed name and as the script.
+    example = [sys.executable, "-m", "kvcache_examples.decode_loop", "--requests", "3", "--quiet"]
+    ran = _run(example, elsewhere, str(target))
+    assert ran.returncode == 0 and "requests: 3 (3 finished" in ran.stdout, ran.stderr[-2000:]
+    script = target / "bin" / "kvcache-example"
+    assert script.is_file()
+    ran = _run([sys.executable, str(script), "--requests", "2", "--quiet"], elsewhere, str(target))
+    assert ran.returncode == 0 and "requests: 2 (2 finished" in ran.stdout, ran.stderr[-2000:]

@@ -13,6 +13,6 @@ The names of ``parts`` are also found here (``from examples.engine import engine
 they were when the engine was one module.
 """
 
-from examples.engine.parts import Engine, cache_config_for, engine_for
+from .parts import Engine, cache_config_for, engine_for
 
 __all__ = ["Engine", "cache_config_for", "engine_for"]

@@ -44,6 +44,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: The example program's module: examples.decode_loop in a checkout, kvcache_examples.decode_loop
+#: when installed.
+_PROGRAM = f"{(__package__ or 'examples.engine').rpartition('.')[0]}.decode_loop"
+
+
 def start_parallel(tp_size: int, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelRun:
     """Join the tensor-parallel group of ``tp_size`` ranks torchrun started.
 
@@ -56,7 +61,7 @@ def start_parallel(tp_size: int, device: torch.device, *, timeout_s: float = DEF
         if world == 1:
             raise InvalidArgumentError(
                 f"--tp {tp_size}: this is one process; start {tp_size} with "
-                f"torchrun --nproc-per-node {tp_size} -m examples.decode_loop --tp {tp_size}"
+                f"torchrun --nproc-per-node {tp_size} -m {_PROGRAM} --tp {tp_size}"
             )
         raise InvalidArgumentError(f"--tp {tp_size}: torchrun started {world} processes; pass --tp {world}")
     if world == 1:

@@ -23,12 +23,13 @@ import torch
 
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
-from examples.engine.runner import LaunchedStep, ModelRunner, WarmupReport
-from examples.engine.scheduler import Preemption, Request, Scheduler, StepBatch
-from examples.model.llama import Llama
 from kvcache import BlockManager, KVCacheTensors
 from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
+
+from ..model.llama import Llama
+from .runner import LaunchedStep, ModelRunner, WarmupReport
+from .scheduler import Preemption, Request, Scheduler, StepBatch
 
 __all__ = ["ProgressHook", "RunReport", "StepPipeline", "format_summary", "run_requests"]
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from attention import AttentionBackend, AttentionSpec, choose_backend
-from examples.model import LlamaShape
 from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, resolve_device
 from kvcache.memory.cache_tensors import free_device_memory, num_blocks_for
 from kvcache.parallel.collective import Collective, SingleProcess
 from kvcache.parallel.heads import TensorParallel
+
+from ..model import LlamaShape
 
 __all__ = ["Engine", "cache_config_for", "engine_for"]
 

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from attention import AttentionBackend, StepCapacity, StepPlan
-from examples.model import Llama
 from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
 from kvcache.step.buckets import StepBuckets, StepShape, default_token_buckets
 from kvcache.step.graphs import StepGraphs
+
+from ..model import Llama
 
 __all__ = ["LaunchedStep", "ModelRunner", "WarmupReport"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from examples.engine.scheduler import Request
+from .scheduler import Request
 
 __all__ = ["make_workload"]
 

@@ -12,7 +12,7 @@
 | ``checkpoints`` | safetensors checkpoints and transformers models into :class:`Llama` |
 """
 
-from examples.model.checkpoints import (
+from .checkpoints import (
     checkpoint_files,
     from_transformers,
     load_checkpoint,
@@ -20,12 +20,12 @@ from examples.model.checkpoints import (
     read_config,
     transformers_names,
 )
-from examples.model.hf_config import SUPPORTED_MODEL_TYPES, attention_spec_for, model_section_for, shape_from_config
-from examples.model.layers import MLP, Attention, Block, RMSNorm, RowParallelLinear
-from examples.model.llama import Llama, empty_llama, init_random_, random_llama
-from examples.model.rotary import rope_inv_freq
-from examples.model.shape import LlamaShape, RopeScaling, shape_for_cache
-from examples.model.sharding import param_parts, shard_parameter
+from .hf_config import SUPPORTED_MODEL_TYPES, attention_spec_for, model_section_for, shape_from_config
+from .layers import MLP, Attention, Block, RMSNorm, RowParallelLinear
+from .llama import Llama, empty_llama, init_random_, random_llama
+from .rotary import rope_inv_freq
+from .shape import LlamaShape, RopeScaling, shape_for_cache
+from .sharding import param_parts, shard_parameter
 
 __all__ = [
     "MLP",

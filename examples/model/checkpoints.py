@@ -36,11 +36,12 @@ import torch
 from torch import nn
 
 from attention.dtypes import torch_dtype
-from examples.model.hf_config import shape_from_config
-from examples.model.llama import Llama, empty_llama
-from examples.model.shape import LlamaShape
-from examples.model.sharding import Part, param_parts
 from kvcache.parallel.heads import TensorParallel
+
+from .hf_config import shape_from_config
+from .llama import Llama, empty_llama
+from .shape import LlamaShape
+from .sharding import Part, param_parts
 
 __all__ = [
     "checkpoint_files",

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention import AttentionSpec
-from examples.model.shape import LlamaShape, RopeScaling
 from kvcache.config.schema import ModelSection
+
+from .shape import LlamaShape, RopeScaling
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "attention_spec_for", "model_section_for", "shape_from_config"]
 

@@ -15,9 +15,10 @@ from torch import nn
 
 from attention import AttentionBackend, LayerCache, StepPlan
 from attention.rotary import RotaryTable
-from examples.model.ops import add_rms_norm, rms_norm, silu_mul
-from examples.model.shape import LlamaShape
 from kvcache.parallel.heads import TensorParallel
+
+from .ops import add_rms_norm, rms_norm, silu_mul
+from .shape import LlamaShape
 
 __all__ = ["MLP", "AllReduce", "Attention", "Block", "RMSNorm", "RowParallelLinear"]
 

@@ -44,13 +44,14 @@ from attention import AttentionBackend, StepPlan
 from attention.checks import same_device
 from attention.errors import InvalidArgumentError
 from attention.rotary import RotaryTable
-from examples.model.layers import Block, RMSNorm, RowParallelLinear
-from examples.model.rotary import rope_inv_freq
-from examples.model.shape import LlamaShape
-from examples.model.sharding import shard_parameter
 from kvcache import KVCacheTensors
 from kvcache.parallel.collective import Collective
 from kvcache.parallel.heads import TensorParallel
+
+from .layers import Block, RMSNorm, RowParallelLinear
+from .rotary import rope_inv_freq
+from .shape import LlamaShape
+from .sharding import shard_parameter
 
 __all__ = ["Llama", "empty_llama", "init_random_", "random_llama"]
 

@@ -38,7 +38,7 @@ def fused_ops_available(device: torch.device) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, dim], weight: [dim] (x's dtype) -> [T, dim]."""
     if fused_ops_available(x.device):
-        from examples.model import triton_ops
+        from . import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps)
     x32 = x.float()
@@ -51,7 +51,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, dim] -> (rms_norm(x + residual), x + residual), both [T, dim]."""
     if fused_ops_available(x.device):
-        from examples.model import triton_ops
+        from . import triton_ops
 
         return triton_ops.add_rms_norm(x, residual, weight, eps)
     total = x + residual
@@ -61,7 +61,7 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 * width] (gate, then up) -> silu(gate) * up: [T, width]."""
     if fused_ops_available(gate_up.device):
-        from examples.model import triton_ops
+        from . import triton_ops
 
         return triton_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from examples.model.shape import RopeScaling
+from .shape import RopeScaling
 
 __all__ = ["rope_inv_freq"]
 

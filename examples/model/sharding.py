@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from examples.model.shape import LlamaShape
 from kvcache.parallel.heads import TensorParallel
+
+from .shape import LlamaShape
 
 __all__ = ["Part", "param_parts", "shard_parameter"]
 

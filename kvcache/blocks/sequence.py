@@ -138,6 +138,15 @@ class SequenceBlocks:
             found.append(f"sequence {name}: {self.num_pending} pending token ids of {self.num_tokens} tokens")
         if not 0 <= self.num_computed <= self.num_tokens:
             found.append(f"sequence {name}: {self.num_computed} computed of {self.num_tokens} tokens")
+        if self.num_released * block_size > self.num_computed:
+            found.append(f"sequence {name}: {self.num_released} blocks released, {self.num_computed} tokens computed")
+        full = self.num_tokens // block_size
+        if len(self.keys) > full:
+            found.append(f"sequence {name}: {len(self.keys)} block keys for {full} full blocks")
+        if self.token_ids is not None and not 0 <= self.token_base <= len(self.keys) * block_size:
+            found.append(
+                f"sequence {name}: token ids from position {self.token_base}, but only {len(self.keys)} blocks keyed"
+            )
         return found
 
 
