@@ -285,6 +285,31 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Take back trailing tokens (rejected drafts): the block copies it returns are
+        performed, and every sequence still reads its own K/V; later appends rewrite the cut
+        positions without touching what others share or what the prefix index serves."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[seq]
+        n = data.draw(st.integers(1, len(tokens)))
+        expect = self.m.can_truncate(seq, n)
+        result: list[list[tuple[int, int]]] = []
+        refused = self._refused(lambda: result.append(self.m.truncate(seq, n)))
+        assert refused != expect, "can_truncate disagreed with truncate"
+        if refused:
+            return
+        if self.cache is not None:
+            self.cache.copy_blocks(result[0])
+        pending = self.pending.get(seq, [])
+        known = len(tokens) - len(pending)
+        self.tokens[seq] = tokens[:n]
+        self.pending[seq] = pending[: max(0, n - known)]
+        record = self.m.sequence(seq)
+        assert record.num_tokens == n and record.num_computed <= n and len(record.blocks) == -(-n // BLOCK_SIZE)
+        assert record.num_pending == len(self.pending[seq])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def detach_and_attach(self, data: st.DataObject) -> None:
         """An engine's own swap: detach a sequence, move its K/V aside, attach the record back
         (under its id or a new one) and write the K/V into the fresh blocks. Refused for want
@@ -515,6 +540,20 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq, tokens in self.tokens.items():
             assert self.m.num_tokens(seq) == len(tokens)
             assert len(set(self.m.slots(seq, 0, len(tokens)))) == len(tokens), "two tokens share a slot"
+
+    @invariant()
+    def records_hold_the_tokens_given(self) -> None:
+        """A prefix-cached record's keys and kept token ids are exactly the sequence's ids
+        (after appends, deferred ids, forks, swaps and truncation alike)."""
+        if not self.prefix_caching:
+            return
+        bs = BLOCK_SIZE
+        for seq, tokens in self.tokens.items():
+            r = self.m.sequence(seq)
+            known = len(tokens) - len(self.pending.get(seq, []))
+            assert r.token_ids == tokens[r.token_base : known], f"sequence {seq}: token ids differ"
+            for j, key in enumerate(r.keys):
+                assert list(key.tokens) == tokens[j * bs : (j + 1) * bs], f"sequence {seq}: key {j} differs"
 
     @invariant()
     def private_slots_are_not_shared(self) -> None:

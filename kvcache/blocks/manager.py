@@ -7,7 +7,8 @@ as it was.
 
 Invariant that keeps appends simple: a block shared by several owners is always *full*. Forks
 copy a partly filled last block at once (the copy is returned for the caller to perform) and
-prefix-cache hits are full blocks, so an append never writes into a shared block.
+prefix-cache hits are full blocks, so an append never writes into a shared block; a
+:meth:`BlockManager.truncate` that ends inside a shared block copies it first.
 
 With a sliding window (every layer windowed), blocks that no future query can see are
 released as soon as :meth:`commit` passes them; their table entries become ``PAD_BLOCK``
@@ -32,6 +33,7 @@ from kvcache.blocks.release import release_blocks
 from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable, checked_record
 from kvcache.blocks.tokens import appended_ids, token_list
+from kvcache.blocks.truncation import cut_token_ids, plan_truncation
 from kvcache.blocks.window import release_behind_window
 
 __all__ = ["BlockCopy", "BlockManager", "FreeReason"]
@@ -106,6 +108,14 @@ class BlockManager(SequenceTable):
         """Whether ``fork(parent_id, ...)`` would succeed. Changes nothing."""
         seq = self.sequence(parent_id)
         return seq.num_tokens % self.block_size == 0 or self.allocator.num_free >= 1
+
+    def can_truncate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """Whether ``truncate(seq_id, num_tokens)`` would succeed (it needs one free block
+        when the new last block is shared). Changes nothing; raises the same argument errors
+        as ``truncate``."""
+        seq = self.sequence(seq_id)
+        plan = plan_truncation(seq, seq_id, num_tokens, self.block_size, self.allocator)
+        return self.allocator.num_free >= plan.blocks_needed
 
     # ---- actions (all or nothing) ------------------------------------------------------
 
@@ -206,6 +216,43 @@ class BlockManager(SequenceTable):
             raise OutOfBlocksError(1, self.allocator.num_free, f"fork {parent_id!r:.60}")
         blocks, copies = share_blocks(self.allocator, parent.blocks, parent.num_tokens % self.block_size != 0)
         self._seqs[child_id] = parent.copy_onto(blocks, keep_keys=True)
+        return copies
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[BlockCopy]:
+        """Shorten ``seq_id`` to its first ``num_tokens`` tokens (take back rejected draft
+        tokens): blocks past the new end are released, block keys of blocks no longer full
+        are dropped, and the computed count is clamped (:mod:`kvcache.blocks.truncation`).
+
+        Returns the block copies to perform before the next write, as :meth:`fork` does: a
+        new last block that others share is replaced by a fresh copy. ``num_tokens`` equal to
+        the current length changes nothing. Raises UnknownSequenceError, OutOfBlocksError (a
+        copy is needed and no block is free) or an argument error (``num_tokens`` not in
+        ``[1, length]``, or inside blocks released behind the sliding window); changes
+        nothing then.
+        """
+        seq = self.sequence(seq_id)
+        plan = plan_truncation(seq, seq_id, num_tokens, self.block_size, self.allocator)
+        if plan.blocks_needed > self.allocator.num_free:
+            raise OutOfBlocksError(plan.blocks_needed, self.allocator.num_free, f"truncate {seq_id!r:.60}")
+        if plan.num_tokens == seq.num_tokens:
+            return []
+        copies: list[BlockCopy] = []
+        if plan.rewrite is not None:
+            if plan.copy:
+                (fresh,) = self.allocator.allocate(1)
+                copies.append((plan.rewrite, fresh))
+                self._release_blocks([plan.rewrite])
+                seq.blocks[plan.keep_blocks - 1] = fresh
+            elif self.prefix_cache is not None:
+                self.prefix_cache.forget(plan.rewrite, evicted=False)  # its tail will be rewritten
+        self._release_blocks(seq.blocks[plan.keep_blocks :])
+        del seq.blocks[plan.keep_blocks :]
+        cut_token_ids(seq, plan, self.block_size)
+        del seq.keys[plan.keep_keys :]
+        seq.num_tokens = plan.num_tokens
+        seq.num_computed = min(seq.num_computed, plan.num_tokens)
+        seq.num_planned = min(seq.num_planned, plan.num_tokens)
+        seq.epoch += 1
         return copies
 
     def free(self, seq_id: Hashable, *, reason: FreeReason = "finished") -> None:

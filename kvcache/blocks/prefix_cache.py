@@ -176,15 +176,20 @@ class PrefixCache:
             if key is not None:
                 self._drop_duplicate(key, block)
 
-    def forget(self, block: int) -> None:
+    def forget(self, block: int, *, evicted: bool = True) -> None:
         """Drop ``block`` from the index: it is being refilled with other content. Counts an
-        eviction if it held a key; a live duplicate of that key takes over."""
+        eviction if it held a key (unless ``evicted`` is False: its owner rewrites it, as a
+        truncated sequence does); a live duplicate of that key takes over. A duplicate
+        ``block`` just stops being one."""
         key = self._key_of.pop(block, None)
         if key is None:
+            dupe_of = self._duplicate_key.pop(block, None)
+            if dupe_of is not None:
+                self._drop_duplicate(dupe_of, block)
             return
         self.version += 1
         del self._holder[key]
-        self.evictions += 1
+        self.evictions += evicted
         dupes = self._duplicates.get(key)
         if dupes:
             heir = dupes.pop()
