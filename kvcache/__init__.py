@@ -72,6 +72,24 @@ if TYPE_CHECKING:
     from kvcache.blocks.allocator import (
         BlockAllocator as BlockAllocator,
     )
+    from kvcache.blocks.digest import (
+        block_digests as block_digests,
+    )
+    from kvcache.blocks.events import (
+        AllCleared as AllCleared,
+    )
+    from kvcache.blocks.events import (
+        BlockRemoved as BlockRemoved,
+    )
+    from kvcache.blocks.events import (
+        BlockStored as BlockStored,
+    )
+    from kvcache.blocks.events import (
+        KVEvent as KVEvent,
+    )
+    from kvcache.blocks.events import (
+        Subscription as Subscription,
+    )
     from kvcache.blocks.manager import (
         BlockManager as BlockManager,
     )
@@ -186,6 +204,9 @@ _HOME = {
     "load_config": "kvcache.config.loading",
     "parse_config": "kvcache.config.loading",
     "BlockManager": "kvcache.blocks.manager",
+    "block_digests": "kvcache.blocks.digest",
+    **{name: "kvcache.blocks.events" for name in ("AllCleared", "BlockRemoved", "BlockStored", "KVEvent")},
+    "Subscription": "kvcache.blocks.events",
     "CacheStats": "kvcache.metrics",
     "PrometheusExporter": "kvcache.metrics",
     "collect_stats": "kvcache.metrics",

@@ -24,9 +24,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvcache import (
     ArgumentTypeError,
     BlockManager,
+    BlockRemoved,
+    BlockStored,
     InvalidArgumentError,
     KVCacheError,
     KVCacheTensors,
+    KVEvent,
     MetadataBuilder,
     MetadataError,
     OutOfBlocksError,
@@ -84,6 +87,21 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.with_swap:
             self.cache = KVCacheTensors(torch.full((1, 2, NUM_BLOCKS, BLOCK_SIZE, 1, 1), float("nan")))
             self.swap = SwapSpace(self.m, self.cache, HOST_BLOCKS)
+        #: What a router knows from the KV events: the digests the device tier holds.
+        self.mirror: set[bytes] = set()
+        self.last_event = 0
+        self.m.kv_events.subscribe(self._on_event)
+
+    def _on_event(self, event: KVEvent) -> None:
+        assert event.seq == self.last_event + 1, "event numbers skip or repeat"
+        self.last_event = event.seq
+        if isinstance(event, BlockStored):
+            assert event.digest not in self.mirror, "a block stored twice without a removal"
+            self.mirror.add(event.digest)
+        elif isinstance(event, BlockRemoved):
+            self.mirror.remove(event.digest)
+        else:
+            self.mirror.clear()
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -554,6 +572,18 @@ class ManagerMachine(RuleBasedStateMachine):
             assert r.token_ids == tokens[r.token_base : known], f"sequence {seq}: token ids differ"
             for j, key in enumerate(r.keys):
                 assert list(key.tokens) == tokens[j * bs : (j + 1) * bs], f"sequence {seq}: key {j} differs"
+
+    @invariant()
+    def events_mirror_the_index(self) -> None:
+        """A consumer of the KV events knows exactly what the prefix index holds; a late
+        subscriber's replay says the same."""
+        held = set() if self.m.prefix_cache is None else {key.digest for key in self.m.prefix_cache.held_keys()}
+        assert self.mirror == held
+        late = self.m.kv_events.subscribe()
+        replay = late.poll()
+        late.close()
+        assert {e.digest for e in replay if isinstance(e, BlockStored)} == held
+        assert all(e.replayed and e.seq == self.last_event for e in replay)  # type: ignore[union-attr]
 
     @invariant()
     def private_slots_are_not_shared(self) -> None:

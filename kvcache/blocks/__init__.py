@@ -9,9 +9,12 @@
 | ``rows`` | what a step schedules for one sequence (:class:`ScheduledRow`) |
 | ``admission`` | what admitting a prompt takes: prefix hits and new blocks (check = act) |
 | ``window`` | releasing blocks behind a sliding window |
+| ``digest`` | stable BLAKE2b digests of full blocks and canonical salts (names outside the process) |
 | ``prefix_cache`` | content keys of full blocks, chained over the prefix; eviction hooks |
+| ``events`` | KV events: blocks stored, removed, all cleared, per tier, for routers |
 | ``release`` | giving blocks back: tail first, the prefix index kept right |
 | ``fork`` | sharing a table's blocks with a new owner, copying a partial last block |
+| ``truncation`` | shortening a sequence (rejected draft tokens), copying a shared last block |
 | ``holds`` | blocks kept alive outside any table (a copy in flight) |
 | ``parking`` | ids of swapped-out sequences, reserved until attached or dropped |
 | ``integrity`` | recounting every invariant from scratch |

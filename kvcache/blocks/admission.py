@@ -10,6 +10,7 @@ from typing import NamedTuple
 from attention.checks import cdiv
 from attention.errors import ArgumentTypeError
 from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.digest import encode_salt
 from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 from kvcache.blocks.tokens import prompt_length
 
@@ -48,10 +49,12 @@ def plan_admission(
         hash(extra_key)
     except TypeError:
         raise ArgumentTypeError(f"extra_key: {type(extra_key).__name__} is not hashable") from None
+    if prefix_cache is not None:
+        encode_salt(extra_key)  # refuses a salt without a stable encoding, naming extra_key
     hits: list[int] = []
     keys: list[BlockKey] = []
     if prefix_cache is not None and tokens:
         # Match over all tokens but the last: its logits are needed, so it is always computed.
         hits, keys = prefix_cache.match(tokens, extra_key, limit=len(tokens) - 1)
-    revived = sum(1 for block in hits if allocator.is_free(block))
+    revived = allocator.count_free(hits)
     return Admission(length, tokens, hits, keys, cdiv(length, block_size) - len(hits) + revived)

@@ -91,6 +91,23 @@ class BlockAllocator:
             raise InvalidArgumentError(f"block {block}: incref on a free block; revive it instead")
         self._ref[block] += 1
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more owner for each of ``blocks``, ids the caller guarantees are valid and
+        distinct (prefix-cache hits): a free one is taken out of the free queue with its
+        content, an owned one gets another owner. No checks (admission's hot path)."""
+        ref = self._ref
+        for block in blocks:
+            if ref[block]:
+                ref[block] += 1
+            else:
+                self._free.remove(block)
+                ref[block] = 1
+
+    def count_free(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` (valid ids, as :meth:`share` takes) are free."""
+        ref = self._ref
+        return sum(1 for block in blocks if not ref[block])
+
     def decref(self, block: int, keep_cached: bool = False) -> None:
         """One owner fewer. At zero the block is free: reused last when its K/V is worth
         keeping, else first. Raises InvalidArgumentError (nothing changed) on a double free."""

@@ -25,10 +25,11 @@ from attention.errors import ArgumentTypeError, IntegrityError, InvalidArgumentE
 from attention.metadata import PAD_BLOCK
 from kvcache.blocks.admission import plan_admission
 from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.events import DEVICE_TIER, KVEventStream
 from kvcache.blocks.fork import share_blocks
 from kvcache.blocks.holds import BlockHolds
 from kvcache.blocks.integrity import integrity_problems
-from kvcache.blocks.prefix_cache import PrefixCache
+from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 from kvcache.blocks.release import release_blocks
 from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable, checked_record
@@ -74,6 +75,11 @@ class BlockManager(SequenceTable):
         #: Sequences given up to make room, by how (``free(reason="preempted")`` counts
         #: "recompute"; a swap-out counts "swap").
         self.preemptions: dict[str, int] = {"recompute": 0, "swap": 0}
+        #: What the prefix cache stores and removes, for routers (:mod:`kvcache.blocks.events`;
+        #: nothing is published without prefix caching).
+        self.kv_events = KVEventStream(self._tier_contents)
+        if self.prefix_cache is not None:
+            self.prefix_cache.events = self.kv_events
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -140,11 +146,7 @@ class BlockManager(SequenceTable):
         )
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
-        for block in hits:
-            if self.allocator.is_free(block):
-                self.allocator.revive(block)
-            else:
-                self.allocator.incref(block)
+        self.allocator.share(hits)  # holder blocks from the index: valid and distinct
         blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
         cached = len(hits) * self.block_size
         if self.prefix_cache is not None and tokens is not None:
@@ -321,6 +323,10 @@ class BlockManager(SequenceTable):
         if self.prefix_cache is None:
             return 0
         return self.prefix_cache.reset()
+
+    def _tier_contents(self) -> dict[str, list[BlockKey]]:
+        """The keys each tier holds now (a replay for a new event subscriber)."""
+        return {DEVICE_TIER: [] if self.prefix_cache is None else self.prefix_cache.held_keys()}
 
     # ---- checks ------------------------------------------------------------------------
 

@@ -6,8 +6,10 @@ stands for the whole prefix up to and including its block, whichever physical bl
 that prefix. Two requests sharing a system prompt therefore key their later blocks alike even
 when they were admitted in the same step and computed the prompt twice.
 
-Lookups hash (a digest of the chain, precomputed per key), but equality compares tokens and
-extra keys exactly, link by link, so a hash collision can never hand out the wrong K/V.
+Lookups hash the chain with a per-process seeded hash (computed once per key), but equality
+compares tokens and extra keys exactly, link by link, so a hash collision can never hand out
+the wrong K/V. Each key also has a stable digest (BLAKE2b, :mod:`kvcache.blocks.digest`), the
+same in every process, by which events and lower tiers name blocks.
 
 The cache only indexes blocks; the allocator owns them. A cached block with no owner waits in
 the allocator's free queue (least recently freed first) until it is revived by a hit or
@@ -18,21 +20,47 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Iterable, Sequence
 
+from kvcache.blocks.digest import ROOT_DIGEST, block_digest, encode_salt, pack_ids
+from kvcache.blocks.events import DEVICE_TIER, KVEventStream
+
 __all__ = ["BlockKey", "PrefixCache"]
 
 
 class BlockKey:
     """The content of one full block and of every block before it (see the module docstring).
-    Immutable; hashed once at construction."""
+    Immutable.
 
-    __slots__ = ("_hash", "extra", "parent", "tokens")
+    Its hash, computed at construction, mixes the parent's hash with Python's seeded hash of
+    the token ids' bytes (SipHash, keyed per process), so clients cannot craft prompts whose
+    blocks collide in the index. Its :attr:`digest`, the stable name of the block outside this
+    process (:mod:`kvcache.blocks.digest`), is computed the first time it is asked for (events,
+    lower tiers) and kept. ``extra`` must have a stable encoding
+    (:func:`kvcache.blocks.digest.encode_salt`)."""
+
+    __slots__ = ("_digest", "_hash", "extra", "parent", "tokens")
     _hash: int
+    _digest: bytes | None
 
     def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable):
         self.parent = parent
         self.tokens = tokens
         self.extra = extra
-        self._hash = hash((0 if parent is None else parent._hash, tokens, extra))
+        self._digest = None
+        self._hash = hash((0 if parent is None else parent._hash, hash(pack_ids(tokens)), extra))
+
+    @property
+    def digest(self) -> bytes:
+        """The stable digest of this block and its whole prefix (16 bytes)."""
+        if self._digest is None:
+            chain: list[BlockKey] = []
+            key: BlockKey | None = self
+            while key is not None and key._digest is None:  # a loop: chains can be long
+                chain.append(key)
+                key = key.parent
+            parent = ROOT_DIGEST if key is None or key._digest is None else key._digest
+            for link in reversed(chain):
+                parent = link._digest = block_digest(parent, link.tokens, encode_salt(link.extra))
+        return self._digest  # type: ignore[return-value]
 
     def __hash__(self) -> int:
         return self._hash
@@ -73,6 +101,8 @@ class PrefixCache:
         self.evictions = 0
         #: Grows whenever the index changes (a memoised lookup is stale then).
         self.version = 0
+        #: Where stored and removed keys are published (the manager's ``kv_events``).
+        self.events: KVEventStream | None = None
         self._memo: tuple[int, int, Hashable, list[int], tuple[int, ...], tuple[BlockKey, ...]] | None = None
 
     def __len__(self) -> int:
@@ -152,6 +182,8 @@ class PrefixCache:
                 self._holder[key] = block
                 self._key_of[block] = key
                 self.version += 1
+                if self.events is not None:
+                    self.events.stored(DEVICE_TIER, key)
             else:
                 key = self._key_of[holder]
                 if holder != block:
@@ -198,6 +230,8 @@ class PrefixCache:
                 del self._duplicates[key]
             self._holder[key] = heir
             self._key_of[heir] = key
+        elif self.events is not None:
+            self.events.removed(DEVICE_TIER, key)
 
     def reset(self) -> int:
         """Forget every key (blocks in use keep their K/V). Returns how many were dropped."""
@@ -207,7 +241,13 @@ class PrefixCache:
         self._key_of.clear()
         self._duplicates.clear()
         self._duplicate_key.clear()
+        if self.events is not None:
+            self.events.cleared(DEVICE_TIER)
         return dropped
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every key held (one holder block each)."""
+        return list(self._holder)
 
     def integrity_problems(self) -> list[str]:
         found = []

@@ -90,14 +90,29 @@ def token_count(token_ids: object, name: str = "token_ids") -> int:
     return len(token_ids)
 
 
+#: The last prompt list ``prompt_length`` checked, and a copy of what it held then. A scheduler
+#: asks ``can_allocate`` and then ``allocate`` with the same list: while the list holds what
+#: it held, its ids need no second check (a list comparison instead of a type and range scan,
+#: 5 us instead of 50 for 2k tokens). The copy is what is used then, so an element replaced in
+#: place by an equal value of another type (1.0 for 1) cannot get in. Nothing mutates the copy.
+_last_prompt: tuple[list[int], list[int]] | None = None
+
+
 def prompt_length(num_tokens: object, token_ids: object, *, keep: bool) -> tuple[int, list[int] | None]:
     """A prompt given as a count and/or its token ids: ``(length, ids)``, the ids as a list
     when ``keep`` (prefix caching reads them), else None. Raises InvalidArgumentError /
     ArgumentTypeError naming the argument."""
+    global _last_prompt
     tokens = None
     if token_ids is not None:
         if keep:
-            tokens = token_list(token_ids)
+            last = _last_prompt
+            if last is not None and token_ids is last[0] and token_ids == last[1]:
+                tokens = last[1]  # our checked copy, equal to the list (can_allocate, then allocate)
+            else:
+                tokens = token_list(token_ids)
+                if tokens is token_ids:
+                    _last_prompt = (tokens, tokens[:])
             length = len(tokens)
         else:
             length = token_count(token_ids)
