@@ -35,6 +35,7 @@ from attention.capabilities import BACKEND_NAMES
 from attention.dtypes import torch_dtype
 from attention.errors import RankDivergenceError
 from kvcache import KVCacheConfig, KVCacheError, load_config, resolve_device
+from kvcache.config.sizes import parse_bytes
 
 from .engine.distributed import ParallelRun, start_parallel, stop_parallel
 from .engine.loop import RunReport, format_summary, run_requests
@@ -65,6 +66,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """A byte size such as 64MiB (or a plain byte count)."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {__package__}.decode_loop", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="a cache config YAML, or a bundled name (default tiny-cpu)")
@@ -81,7 +92,14 @@ def _parser() -> argparse.ArgumentParser:
         default="recompute",
         help="what a preempted request loses",
     )
-    p.add_argument("--workload", choices=("default", "shared-prefix"), default="default")
+    p.add_argument("--workload", choices=("default", "shared-prefix", "multi-turn"), default="default")
+    p.add_argument(
+        "--host-cache",
+        metavar="SIZE",
+        type=_size,
+        help="overrides cache.host_cache_space: host memory for prefix blocks the device evicts "
+        "(e.g. 64MiB; turns prefix caching on; 0: no host tier)",
+    )
     p.add_argument("--requests", type=_positive, default=20, help="number of requests (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)")
@@ -150,8 +168,13 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             # Tiny matrices: one thread is fastest, and torch's default of one per core is
             # dozens of times slower when another process shares the cores.
             torch.set_num_threads(1)
-        # The shared-prefix workload exists to show prefix caching: turn it on for it.
-        turned_on = args.workload == "shared-prefix" and not config.cache.enable_prefix_caching
+        # The shared-prefix and multi-turn workloads exist to show prefix caching: turn it on for them.
+        turned_on = args.workload in ("shared-prefix", "multi-turn") and not config.cache.enable_prefix_caching
+        if turned_on or args.host_cache is not None:
+            cache_section = {**config.cache.model_dump(), "enable_prefix_caching": True}
+            if args.host_cache is not None:
+                cache_section["host_cache_space"] = args.host_cache
+            config = KVCacheConfig.model_validate({**config.model_dump(), "cache": cache_section}, strict=False)
         engine = engine_for(
             config,
             shape,

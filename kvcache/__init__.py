@@ -120,6 +120,12 @@ if TYPE_CHECKING:
     from kvcache.memory.cache_tensors import (
         resolve_device as resolve_device,
     )
+    from kvcache.memory.host_tier import (
+        HostPrefixTier as HostPrefixTier,
+    )
+    from kvcache.memory.host_tier import (
+        HostTierStats as HostTierStats,
+    )
     from kvcache.memory.preemption import (
         preempt as preempt,
     )
@@ -219,6 +225,8 @@ _HOME = {
     "backend_for": "kvcache.setup",
     "manager_for": "kvcache.setup",
     "SwapSpace": "kvcache.memory.swap",
+    "HostPrefixTier": "kvcache.memory.host_tier",
+    "HostTierStats": "kvcache.memory.host_tier",
 }
 
 __all__ = sorted(_HOME)

@@ -17,19 +17,25 @@ __all__ = ["backend_for", "manager_for"]
 
 def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching: bool | None = None) -> BlockManager:
     """A block manager over ``cache``'s blocks, with the config's block size, prefix caching
-    (``prefix_caching`` overrides ``cache.enable_prefix_caching``), and sliding-window block
-    release when every layer is windowed.
+    (``prefix_caching`` overrides ``cache.enable_prefix_caching``) and its host tier
+    (``cache.host_cache_space``: ``manager.lower_tier``), and sliding-window block release when
+    every layer is windowed.
 
     Under tensor parallelism every rank builds the same manager (same block count, same
     settings): block ids are shared by all ranks, each rank's blocks hold its own KV heads."""
     spec = config.attention_spec()
     release_window = spec.sliding_window if not spec.has_full_layers else None
-    return BlockManager(
+    manager = BlockManager(
         cache.num_blocks,
         config.cache.block_size,
         enable_prefix_caching=config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching,
         sliding_window=release_window,
     )
+    if config.cache.host_cache_space and manager.prefix_cache is not None:
+        from kvcache.memory.host_tier import HostPrefixTier
+
+        HostPrefixTier.for_bytes(manager, cache, config.cache.host_cache_space)  # manager.lower_tier
+    return manager
 
 
 def backend_for(

@@ -9,8 +9,10 @@ and logits equal up to summation order.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,3 +253,26 @@ def test_cli_too_few_blocks_is_one_line_naming_the_option(capsys: pytest.Capture
 def test_cli_summary_says_whether_steps_replayed_graphs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--quiet", "--requests", "4"]) == 0
     assert "\n  CUDA graphs: off\n" in capsys.readouterr().out  # a CPU run has none
+
+
+def test_cli_multi_turn_host_tier_saves_prefill_with_the_same_tokens(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Conversations whose earlier turns a small pool evicts: with a host tier they come back
+    from host memory instead of being recomputed, and every token is the same as with a pool
+    large enough to keep them all."""
+    runs = {}
+    for name, args in {
+        "roomy": ["--num-blocks", "96"],
+        "small": ["--num-blocks", "16"],
+        "tiered": ["--num-blocks", "16", "--host-cache", "200KiB"],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        assert main(["--quiet", "--workload", "multi-turn", "--requests", "24", "--tokens-out", str(out), *args]) == 0
+        runs[name] = (_summary(capsys.readouterr().out), json.loads(out.read_text())["tokens"])
+    assert runs["tiered"][1] == runs["small"][1] == runs["roomy"][1]
+    host = re.match(r"(\d+) blocks hit, (\d+) offloaded", runs["tiered"][0]["host tier"])
+    assert host is not None and int(host[1]) > 0 and int(host[2]) > 0
+    computed = {name: int(summary["tokens computed"].split()[0]) for name, (summary, _) in runs.items()}
+    assert computed["roomy"] <= computed["tiered"] < computed["small"]
+    assert "host tier" not in runs["small"][0]

@@ -40,6 +40,7 @@ from kvcache import (
     collect_stats,
     preempt,
 )
+from kvcache.memory.host_tier import HostPrefixTier
 from tests.manager_state import snapshot as manager_snapshot
 
 BLOCK_SIZE = 4
@@ -49,15 +50,17 @@ PIECES = ([7, 3, 5, 1], [2, 8, 6, 4], [0, 1, 0, 1])
 
 
 def snapshot(m: BlockManager, swap: SwapSpace | None) -> tuple[object, ...]:
-    return (manager_snapshot(m, swap), None if swap is None else swap.host.clone())
+    tier = m.lower_tier
+    held = None if tier is None else [(k.tokens, k.extra, tier.lookup(k)) for k in tier.held_keys()]
+    return (manager_snapshot(m, swap), held, None if swap is None else swap.host.clone())
 
 
 def same_state(before: tuple[object, ...], after: tuple[object, ...]) -> bool:
-    if before[0] != after[0]:
+    if before[:2] != after[:2]:
         return False
-    if before[1] is None:
+    if before[2] is None:
         return True
-    return torch.equal(before[1].nan_to_num(-1), after[1].nan_to_num(-1))  # type: ignore[union-attr]
+    return torch.equal(before[2].nan_to_num(-1), after[2].nan_to_num(-1))  # type: ignore[union-attr]
 
 
 #: What an invalid call may raise: the project's typed errors only.
@@ -72,6 +75,7 @@ def prefix_value(tokens: list[int]) -> float:
 class ManagerMachine(RuleBasedStateMachine):
     prefix_caching = False
     with_swap = False
+    with_host_tier = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,21 +91,26 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.with_swap:
             self.cache = KVCacheTensors(torch.full((1, 2, NUM_BLOCKS, BLOCK_SIZE, 1, 1), float("nan")))
             self.swap = SwapSpace(self.m, self.cache, HOST_BLOCKS)
-        #: What a router knows from the KV events: the digests the device tier holds.
-        self.mirror: set[bytes] = set()
+        self.tier: HostPrefixTier | None = None
+        if self.with_host_tier:
+            assert self.cache is not None
+            self.tier = HostPrefixTier(self.m, self.cache, HOST_BLOCKS)
+        #: What a router knows from the KV events: the digests each tier holds.
+        self.mirror: dict[str, set[bytes]] = {"device": set(), "host": set()}
         self.last_event = 0
         self.m.kv_events.subscribe(self._on_event)
 
     def _on_event(self, event: KVEvent) -> None:
         assert event.seq == self.last_event + 1, "event numbers skip or repeat"
         self.last_event = event.seq
+        mirror = self.mirror[event.tier]
         if isinstance(event, BlockStored):
-            assert event.digest not in self.mirror, "a block stored twice without a removal"
-            self.mirror.add(event.digest)
+            assert event.digest not in mirror, "a block stored twice in a tier without a removal"
+            mirror.add(event.digest)
         elif isinstance(event, BlockRemoved):
-            self.mirror.remove(event.digest)
+            mirror.remove(event.digest)
         else:
-            self.mirror.clear()
+            mirror.clear()
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -555,6 +564,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         if self.swap is not None:
             assert self.swap.integrity_problems() == []
+        if self.tier is not None:
+            assert self.tier.integrity_problems() == []
         for seq, tokens in self.tokens.items():
             assert self.m.num_tokens(seq) == len(tokens)
             assert len(set(self.m.slots(seq, 0, len(tokens)))) == len(tokens), "two tokens share a slot"
@@ -577,12 +588,16 @@ class ManagerMachine(RuleBasedStateMachine):
     def events_mirror_the_index(self) -> None:
         """A consumer of the KV events knows exactly what the prefix index holds; a late
         subscriber's replay says the same."""
-        held = set() if self.m.prefix_cache is None else {key.digest for key in self.m.prefix_cache.held_keys()}
+        held = {
+            "device": set() if self.m.prefix_cache is None else {key.digest for key in self.m.prefix_cache.held_keys()},
+            "host": set() if self.tier is None else {key.digest for key in self.tier.held_keys()},
+        }
         assert self.mirror == held
         late = self.m.kv_events.subscribe()
         replay = late.poll()
         late.close()
-        assert {e.digest for e in replay if isinstance(e, BlockStored)} == held
+        for tier, digests in held.items():
+            assert {e.digest for e in replay if isinstance(e, BlockStored) and e.tier == tier} == digests
         assert all(e.replayed and e.seq == self.last_event for e in replay)  # type: ignore[union-attr]
 
     @invariant()
@@ -634,6 +649,15 @@ class SwapMachine(ManagerMachine):
     with_swap = True
 
 
+class HostTierMachine(ManagerMachine):
+    """Prefix caching over a host tier: evicted cached blocks come back from the host, and
+    every sequence must still read exactly its own K/V."""
+
+    prefix_caching = True
+    with_swap = True
+    with_host_tier = True
+
+
 # No shrink phase: shrinking a failing 40-step run takes Hypothesis up to 5 minutes per
 # machine on a 2-core box; the unshrunk failing steps are printed and are short enough to read.
 _SETTINGS = settings(
@@ -648,3 +672,5 @@ TestPrefixCachingStateful = PrefixCachingMachine.TestCase
 TestPrefixCachingStateful.settings = _SETTINGS
 TestSwapStateful = SwapMachine.TestCase
 TestSwapStateful.settings = _SETTINGS
+TestHostTierStateful = HostTierMachine.TestCase
+TestHostTierStateful.settings = _SETTINGS

@@ -24,6 +24,7 @@ import torch
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
 from kvcache import BlockManager, KVCacheTensors
+from kvcache.memory.host_tier import HostPrefixTier, HostTierStats
 from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
 
@@ -67,6 +68,8 @@ class RunReport:
     fed_rows: int = 0
     #: Steps replayed from CUDA graphs, by kind ("decode", "mixed"); empty without graphs.
     graph_replays: dict[str, int] = field(default_factory=dict)
+    #: The prefix cache's host tier, when there is one.
+    host_tier: HostTierStats | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -251,6 +254,7 @@ def run_requests(
         computed_tokens=computed,
         prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
+        host_tier=_host_tier_stats(manager),
         logits=logits_of if record_logits else {},
         warmup=report,
         margins=margins_of if record_margins else {},
@@ -260,6 +264,14 @@ def run_requests(
         fed_rows=fed_rows,
         graph_replays=dict(runner.graphs.replays) if runner.graphs is not None else {},
     )
+
+
+def _host_tier_stats(manager: BlockManager) -> HostTierStats | None:
+    tier = manager.lower_tier
+    if not isinstance(tier, HostPrefixTier):
+        return None
+    tier.synchronize()
+    return tier.stats()
 
 
 def _swapped_blocks(preemption: Preemption) -> tuple[int, int]:
@@ -300,5 +312,12 @@ def format_summary(report: RunReport) -> list[str]:
         lines.append(
             f"prefix cache hits: {report.prefix_hit_tokens} / {report.prefix_query_tokens} tokens "
             f"({rate:.1%}); prefill tokens saved: {report.prefix_hit_tokens}"
+        )
+    if report.host_tier is not None:
+        h = report.host_tier
+        lines.append(
+            f"host tier: {h.hit_blocks} blocks hit, {h.offloaded_blocks} offloaded, {h.dropped_blocks} dropped; "
+            f"{h.blocks_used} / {h.blocks_total} blocks held; {(h.bytes_to_host + h.bytes_to_device) / 2**20:.1f} MiB "
+            f"copied in {h.copy_seconds * 1e3:.1f} ms"
         )
     return lines

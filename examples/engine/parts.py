@@ -26,6 +26,7 @@ import torch
 from attention import AttentionBackend, AttentionSpec, choose_backend
 from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, resolve_device
 from kvcache.memory.cache_tensors import free_device_memory, num_blocks_for
+from kvcache.memory.host_tier import HostPrefixTier
 from kvcache.parallel.collective import Collective, SingleProcess
 from kvcache.parallel.heads import TensorParallel
 
@@ -148,4 +149,6 @@ def engine_for(
         enable_prefix_caching=config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching,
         sliding_window=release,
     )
+    if config.cache.host_cache_space and manager.prefix_cache is not None:
+        HostPrefixTier.for_bytes(manager, cache, config.cache.host_cache_space)  # manager.lower_tier
     return Engine(config, spec, chosen, reason, cache, manager, tp)

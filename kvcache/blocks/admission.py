@@ -12,6 +12,7 @@ from attention.errors import ArgumentTypeError
 from kvcache.blocks.allocator import BlockAllocator
 from kvcache.blocks.digest import encode_salt
 from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
+from kvcache.blocks.tiers import LowerTier
 from kvcache.blocks.tokens import prompt_length
 
 __all__ = ["Admission", "plan_admission"]
@@ -24,7 +25,10 @@ class Admission(NamedTuple):
     token_ids:  its ids as a list, kept when prefix caching will key its blocks (else None).
     hits:       cached full blocks it shares, in order from its first block.
     keys:       the prefix-cache keys of ``hits``.
-    needed:     free blocks it takes: its new blocks, plus hits waiting in the free queue.
+    needed:     free blocks it takes: its new blocks (lower-tier hits included), plus hits
+                waiting in the free queue.
+    lower_keys: the keys of the blocks after ``hits`` that a lower tier holds, in order.
+    lower:      their handles in that tier.
     """
 
     num_tokens: int
@@ -32,6 +36,8 @@ class Admission(NamedTuple):
     hits: list[int]
     keys: list[BlockKey]
     needed: int
+    lower_keys: list[BlockKey]
+    lower: list[int]
 
 
 def plan_admission(
@@ -41,6 +47,7 @@ def plan_admission(
     num_tokens: object,
     token_ids: object,
     extra_key: Hashable,
+    lower_tier: LowerTier | None = None,
 ) -> Admission:
     """Check a prompt given as a count and/or its ids and find its prefix hits. Raises
     InvalidArgumentError / ArgumentTypeError naming the argument; changes nothing."""
@@ -56,5 +63,17 @@ def plan_admission(
     if prefix_cache is not None and tokens:
         # Match over all tokens but the last: its logits are needed, so it is always computed.
         hits, keys = prefix_cache.match(tokens, extra_key, limit=len(tokens) - 1)
+    lower_keys: list[BlockKey] = []
+    lower: list[int] = []
+    if lower_tier is not None and tokens:
+        parent = keys[-1] if keys else None
+        for i in range(len(hits), (len(tokens) - 1) // block_size):
+            key = BlockKey(parent, tuple(tokens[i * block_size : (i + 1) * block_size]), extra_key)
+            handle = lower_tier.lookup(key)
+            if handle is None:
+                break
+            lower_keys.append(key)
+            lower.append(handle)
+            parent = key
     revived = allocator.count_free(hits)
-    return Admission(length, tokens, hits, keys, cdiv(length, block_size) - len(hits) + revived)
+    return Admission(length, tokens, hits, keys, cdiv(length, block_size) - len(hits) + revived, lower_keys, lower)

@@ -33,6 +33,7 @@ from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 from kvcache.blocks.release import release_blocks
 from kvcache.blocks.rows import ScheduledRow, checked_computed, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks, SequenceTable, checked_record
+from kvcache.blocks.tiers import LowerTier
 from kvcache.blocks.tokens import appended_ids, token_list
 from kvcache.blocks.truncation import cut_token_ids, plan_truncation
 from kvcache.blocks.window import release_behind_window
@@ -80,6 +81,8 @@ class BlockManager(SequenceTable):
         self.kv_events = KVEventStream(self._tier_contents)
         if self.prefix_cache is not None:
             self.prefix_cache.events = self.kv_events
+        #: Where evicted cached blocks go and admission looks next (:meth:`attach_tier`).
+        self.lower_tier: LowerTier | None = None
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -100,7 +103,9 @@ class BlockManager(SequenceTable):
     ) -> bool:
         """Whether ``allocate`` with these arguments would succeed (for a new id). Changes
         nothing; raises the same argument errors as ``allocate``."""
-        admission = plan_admission(self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key)
+        admission = plan_admission(
+            self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key, self.lower_tier
+        )
         return self.allocator.num_free >= admission.needed
 
     def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
@@ -136,18 +141,30 @@ class BlockManager(SequenceTable):
         """Create ``seq_id`` with room for ``num_tokens`` tokens (or ``len(token_ids)``).
 
         With prefix caching and ``token_ids``, the longest run of cached full blocks is shared
-        instead of allocated; the last token is never taken from the cache (its logits are
+        instead of allocated, and continued from a lower tier (:meth:`attach_tier`) into fresh
+        blocks the tier fills; the last token is never taken from the cache (its logits are
         needed). Returns how many leading tokens are already computed (0 without a hit).
         Raises SequenceExistsError, OutOfBlocksError or an argument error; changes nothing then.
         """
         self.check_new_id(seq_id)
-        num_tokens, tokens, hits, keys, needed = plan_admission(
-            self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key
+        num_tokens, tokens, hits, keys, needed, lower_keys, lower = plan_admission(
+            self.allocator, self.prefix_cache, self.block_size, num_tokens, token_ids, extra_key, self.lower_tier
         )
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
         self.allocator.share(hits)  # holder blocks from the index: valid and distinct
-        blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
+        if lower and self.lower_tier is not None and self.prefix_cache is not None:
+            # Taking fresh blocks may evict device blocks into the tier: keep our hits there.
+            self.lower_tier.pin(lower)
+            fresh = self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
+            self.lower_tier.unpin(lower)
+            filled = fresh[: len(lower)]
+            self.lower_tier.load(list(zip(lower, filled, strict=True)))
+            keys = keys + [self.prefix_cache.adopt(key, block) for key, block in zip(lower_keys, filled, strict=True)]
+            hits = hits + filled
+            blocks = hits + fresh[len(lower) :]
+        else:
+            blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
         cached = len(hits) * self.block_size
         if self.prefix_cache is not None and tokens is not None:
             self.prefix_cache.record_query(num_tokens, cached)
@@ -324,9 +341,24 @@ class BlockManager(SequenceTable):
             return 0
         return self.prefix_cache.reset()
 
+    def attach_tier(self, tier: LowerTier) -> None:
+        """Give the prefix cache a lower tier (:mod:`kvcache.blocks.tiers`): cached blocks the
+        device pool evicts are offered to it, and admission continues a prompt's cached run
+        there. One tier per manager. Raises InvalidArgumentError without prefix caching or
+        when a tier is attached already."""
+        if self.prefix_cache is None:
+            raise InvalidArgumentError("tier: a lower prefix-cache tier needs enable_prefix_caching=True")
+        if self.lower_tier is not None:
+            raise InvalidArgumentError(f"tier: this manager has a {self.lower_tier.name} tier already")
+        self.lower_tier = tier
+        self.prefix_cache.demote = tier.offload
+
     def _tier_contents(self) -> dict[str, list[BlockKey]]:
         """The keys each tier holds now (a replay for a new event subscriber)."""
-        return {DEVICE_TIER: [] if self.prefix_cache is None else self.prefix_cache.held_keys()}
+        contents = {DEVICE_TIER: [] if self.prefix_cache is None else self.prefix_cache.held_keys()}
+        if self.lower_tier is not None:
+            contents[self.lower_tier.name] = self.lower_tier.held_keys()
+        return contents
 
     # ---- checks ------------------------------------------------------------------------
 

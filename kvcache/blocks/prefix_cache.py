@@ -18,7 +18,7 @@ evicted by an allocation, at which point :meth:`PrefixCache.forget` drops it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 
 from kvcache.blocks.digest import ROOT_DIGEST, block_digest, encode_salt, pack_ids
 from kvcache.blocks.events import DEVICE_TIER, KVEventStream
@@ -103,6 +103,9 @@ class PrefixCache:
         self.version = 0
         #: Where stored and removed keys are published (the manager's ``kv_events``).
         self.events: KVEventStream | None = None
+        #: Called with ``(key, block)`` when an eviction drops a key's last device copy (a
+        #: lower tier keeps it: :mod:`kvcache.blocks.tiers`).
+        self.demote: Callable[[BlockKey, int], None] | None = None
         self._memo: tuple[int, int, Hashable, list[int], tuple[int, ...], tuple[BlockKey, ...]] | None = None
 
     def __len__(self) -> int:
@@ -200,6 +203,26 @@ class PrefixCache:
     def has_duplicates(self) -> bool:
         return bool(self._duplicate_key)
 
+    def adopt(self, key: BlockKey, block: int) -> BlockKey:
+        """Index ``block``, just filled from a lower tier with ``key``'s K/V; returns the stored
+        key (another block's, when one holds it already: ``block`` is a duplicate then)."""
+        holder = self._holder.get(key)
+        if holder is None:
+            self._holder[key] = block
+            self._key_of[block] = key
+            self.version += 1
+            if self.events is not None:
+                self.events.stored(DEVICE_TIER, key)
+            return key
+        stored = self._key_of[holder]
+        self._duplicates.setdefault(stored, set()).add(block)
+        self._duplicate_key[block] = stored
+        return stored
+
+    def holds_key(self, key: BlockKey) -> bool:
+        """Whether a device block holds ``key`` (a lookup can return it)."""
+        return key in self._holder
+
     def drop_duplicates(self, blocks: Iterable[int]) -> None:
         """Called before ``blocks`` lose their last owner: a duplicate among them is forgotten
         (nothing can look it up, so its K/V is not worth keeping)."""
@@ -230,8 +253,11 @@ class PrefixCache:
                 del self._duplicates[key]
             self._holder[key] = heir
             self._key_of[heir] = key
-        elif self.events is not None:
-            self.events.removed(DEVICE_TIER, key)
+        else:
+            if evicted and self.demote is not None:
+                self.demote(key, block)
+            if self.events is not None:
+                self.events.removed(DEVICE_TIER, key)
 
     def reset(self) -> int:
         """Forget every key (blocks in use keep their K/V). Returns how many were dropped."""

@@ -42,6 +42,7 @@ class CapacityPlan:
     query_heads: int = 0
     kv_heads: int = 0
     kv_replicas: int = 1
+    host_blocks: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -122,6 +123,14 @@ class CapacityPlan:
                     f"{_heads(self.kv_heads, 'KV')} per rank{replicated}",
                 ),
             )
+        if self.host_blocks:
+            rows.append(
+                (
+                    "prefix cache, host tier",
+                    f"{self.host_blocks:,} blocks, {self.host_blocks * self.block_size:,} tokens, "
+                    f"{format_bytes(self.host_blocks * self.bytes_per_block)} pinned host memory{each}",
+                )
+            )
         if self.max_seq_len is not None:
             rows.append(
                 (
@@ -173,6 +182,7 @@ def plan_capacity(
         query_heads=m.num_heads // tp_size,
         kv_heads=tp.kv_heads_per_rank(m.num_kv_heads),
         kv_replicas=tp.kv_replicas(m.num_kv_heads),
+        host_blocks=config.cache.host_cache_space // config.bytes_per_block_per_rank(tp),
     )
 
 

@@ -69,6 +69,7 @@ def cross_field_problems(values: Values) -> list[ConfigProblem]:
         _compute_dtype_given,
         _window_pattern,
         _backend_supports,
+        _host_tier_needs_prefix_caching,
     )
     return [problem for rule in rules for problem in rule(values)]
 
@@ -96,6 +97,19 @@ def _bools(values: Values, path: str) -> tuple[bool, ...] | None:
     if isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value):
         return tuple(value)
     return None
+
+
+def _host_tier_needs_prefix_caching(values: Values) -> list[ConfigProblem]:
+    space = _any_int(values, "cache.host_cache_space")
+    if space is None or space <= 0 or values.get("cache.enable_prefix_caching") is True:
+        return []
+    return [
+        ConfigProblem(
+            "cache.host_cache_space",
+            f"{space} bytes for a host tier of the prefix cache, but cache.enable_prefix_caching is off; "
+            f"turn it on, or set host_cache_space to 0",
+        )
+    ]
 
 
 def _heads_divide(values: Values) -> list[ConfigProblem]:

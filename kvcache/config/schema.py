@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from attention.capabilities import BACKEND_NAMES, MultipleOf
 from attention.dtypes import DTYPES
@@ -209,6 +209,7 @@ class MemoryBudget:
 
 _BUDGET_FIX = "write a fraction such as 0.9, or a size with a unit such as 40GiB"
 _SWAP_FIX = "write a size such as 4GiB, or 0 for no swap"
+_HOST_CACHE_FIX = "write a size such as 16GiB, or 0 for no host tier"
 
 
 class CacheSection(BaseModel):
@@ -234,6 +235,10 @@ class CacheSection(BaseModel):
     swap_space: Annotated[int, _SWAP_SCHEMA] = 0
     """Pinned host memory for swapped-out blocks: a size such as 4GiB, or a byte count, at most
     1 PiB (0: no swap)."""
+    host_cache_space: Annotated[int, _SWAP_SCHEMA] = 0
+    """Pinned host memory for the prefix cache's host tier: cached blocks the device pool evicts
+    are kept there and come back on a hit (a size such as 16GiB, or a byte count, at most 1 PiB;
+    0: no host tier). Needs enable_prefix_caching."""
     kv_scale: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
     """For an fp8 cache (dtype float8_e4m3): the dequantization scale every layer and KV head
     starts with (a stored value times the scale is the real K/V; float8_e4m3 holds up to 448
@@ -260,17 +265,18 @@ class CacheSection(BaseModel):
             raise ValueError(f"{quote(value)} is not a fraction in (0, 1]; {_BUDGET_FIX}")
         raise ValueError(f"{quote(value)} is not a budget; {_BUDGET_FIX}")
 
-    @field_validator("swap_space", mode="before")
+    @field_validator("swap_space", "host_cache_space", mode="before")
     @classmethod
-    def _parse_swap(cls, value: Any) -> Any:
+    def _parse_host_size(cls, value: Any, info: ValidationInfo) -> Any:
+        fix = _SWAP_FIX if info.field_name == "swap_space" else _HOST_CACHE_FIX
         if isinstance(value, str):
             return parse_bytes(value)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{quote(value)} is not a size; {_SWAP_FIX}")
+            raise ValueError(f"{quote(value)} is not a size; {fix}")
         if value < 0:
-            raise ValueError(f"{quote(value)} is negative; {_SWAP_FIX}")
+            raise ValueError(f"{quote(value)} is negative; {fix}")
         if value > MAX_BYTES:
-            raise ValueError(f"{quote(value)} bytes is more than {format_bytes(MAX_BYTES)}; {_SWAP_FIX}")
+            raise ValueError(f"{quote(value)} bytes is more than {format_bytes(MAX_BYTES)}; {fix}")
         return value
 
     @field_validator("device")

@@ -1,0 +1,47 @@
+"""Lower tiers of the prefix cache: where a cached block's K/V goes when the device pool evicts
+it, and where admission looks once the device index has no more of a prompt.
+
+The block core stays free of torch: it names blocks by :class:`BlockKey` and tells a tier
+which device block to read from or fill; the tier (:class:`kvcache.memory.host_tier.HostPrefixTier`)
+owns its memory and performs the copies, ordered on the device so that a block is read before
+its new owner writes it, and written before a step reads it.
+
+Admission takes the device's cached run first, then continues the same chain in the tier:
+a prompt whose head is on the device and whose next blocks were evicted to the host gets both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvcache.blocks.prefix_cache import BlockKey
+
+__all__ = ["LowerTier"]
+
+
+class LowerTier(Protocol):
+    """What the block manager asks of a lower tier (handles are the tier's own block ids)."""
+
+    #: The tier's name in events and statistics ("host", "disk").
+    name: str
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The handle of the K/V held under ``key``, or None. Changes nothing."""
+
+    def pin(self, handles: Sequence[int]) -> None:
+        """Keep ``handles`` from being evicted until :meth:`unpin` (between lookup and load)."""
+
+    def unpin(self, handles: Sequence[int]) -> None:
+        """Undo :meth:`pin`."""
+
+    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each ``(handle, device block)``'s K/V into the device block, before any step
+        queued later reads it."""
+
+    def offload(self, key: BlockKey, block: int) -> None:
+        """The device pool is evicting ``block``, which holds ``key``'s K/V: keep a copy if
+        there is room (read before the block's new owner writes it)."""
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every key the tier holds (for event replays)."""
