@@ -71,6 +71,7 @@ def cache_config_for(
     backend: str = "auto",
     prefix_caching: bool = False,
     swap_space: int | str = 0,
+    host_cache_space: int | str = 0,
 ) -> KVCacheConfig:
     """A validated cache config whose ``model`` section is ``shape``'s (give ``num_blocks``
     or ``memory_budget``). Raises pydantic's ValidationError naming the field."""
@@ -80,6 +81,7 @@ def cache_config_for(
         "device": device,
         "enable_prefix_caching": prefix_caching,
         "swap_space": swap_space,
+        "host_cache_space": host_cache_space,
     }
     if num_blocks is not None:
         cache["num_blocks"] = num_blocks

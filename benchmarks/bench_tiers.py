@@ -1,0 +1,325 @@
+"""Multi-turn chat over a small device pool, with and without the prefix cache's host tier.
+
+Workload: ``--conversations`` conversations of ``--turns`` turns over one shared system
+prompt of ``--system`` tokens. Each turn's prompt is the previous turn's prompt, the model's
+reply to it (``--new-tokens`` greedy tokens) and a new user message (``--user`` tokens, seeded
+random ids); the next turn of a conversation is submitted when its previous turn finishes
+(closed loop, no think time). Conversations start together. The device pool holds
+``--pool-fraction`` of the working set (the system prompt plus every conversation's last
+context), so by a conversation's next turn most of its history has been evicted.
+
+Runs, each on a fresh engine with the same weights:
+- ``no_tier``: the evicted history is recomputed;
+- ``host_tier``: evicted cached blocks go to pinned host memory (``--host-fraction`` of the
+  working set) and come back on a hit;
+- ``roomy``: a pool holding the whole working set (every hit on the device): the reference the
+  tiered run's tokens are compared with.
+
+Reported per run: time to first token (median, p90) from each turn's submission, turns/s,
+tokens run through the model (prefill, recomputation after preemption, decode), prefix hits,
+host tier hits / offloads / drops, bytes moved and the copies' GPU time, against the pinned
+host<->device copy bandwidth measured in the same run.
+Tokens: the fraction of turns whose greedy tokens equal the roomy run's (and of all tokens).
+
+Run (from the project root, on the GPU machine; ../shared/device/stage.sh first):
+    source .device-extras/activate.sh && python3 benchmarks/bench_tiers.py --out tiers.json
+    python benchmarks/bench_tiers.py --device cpu --tiny       # the same code path, tiny model, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from bench_e2e import LLAMA3_8B, TINY, Timer, percentile, sync  # noqa: E402
+from common import package_version  # noqa: E402
+
+from attention import StepCapacity  # noqa: E402
+from attention.checks import cdiv  # noqa: E402
+from attention.dtypes import torch_dtype  # noqa: E402
+from examples.engine import cache_config_for, engine_for  # noqa: E402
+from examples.engine.loop import StepPipeline  # noqa: E402
+from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
+from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
+from examples.model import Llama, LlamaShape, random_llama  # noqa: E402
+from kvcache import HostPrefixTier, collect_stats  # noqa: E402
+
+
+def pinned_bandwidth(device: str) -> dict[str, float]:
+    """Host<->device copy bandwidth of one pinned 1 GiB buffer (median of 5), GB/s each way."""
+    if not device.startswith("cuda"):
+        return {}
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    out = {}
+    for name, (dst, src) in {"h2d_gb_per_s": (dev, host), "d2h_gb_per_s": (host, dev)}.items():
+        timer, times = Timer(device), []
+        for i in range(7):
+            timer.start()
+            dst.copy_(src, non_blocking=True)
+            t = timer.stop()
+            if i >= 2:
+                times.append(t)
+        out[name] = n / statistics.median(times) / 1e9
+    return out
+
+
+class Conversations:
+    """The closed-loop multi-turn workload: the next turn of a conversation once its last ends."""
+
+    def __init__(self, args: argparse.Namespace, vocab: int):
+        self.rng = random.Random(args.seed)
+        self.turns, self.user, self.new_tokens = args.turns, args.user, args.new_tokens
+        self.vocab = vocab
+        system = self._ids(args.system)
+        self.first = [system + self._ids(args.user) for _ in range(args.conversations)]
+        self.users = [[self._ids(args.user) for _ in range(args.turns)] for _ in range(args.conversations)]
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def request(self, conv: int, turn: int, prev: Request | None) -> Request:
+        prompt = self.first[conv] if prev is None else prev.prompt + prev.output + self.users[conv][turn]
+        return Request(conv * self.turns + turn, list(prompt), self.new_tokens)
+
+    def working_set_tokens(self, system: int) -> int:
+        last = system + self.turns * (self.user + self.new_tokens)
+        return system + len(self.first) * (last - system)
+
+
+def build(model: Llama, args: argparse.Namespace, num_blocks: int, host_bytes: int) -> ModelRunner:
+    config = cache_config_for(
+        model.shape,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        num_blocks=num_blocks,
+        device=args.device,
+        backend=args.backend,
+        prefix_caching=True,
+        host_cache_space=host_bytes,
+    )
+    engine = engine_for(config, model.shape)
+    longest = args.system + args.turns * (args.user + args.new_tokens)
+    capacity = StepCapacity(
+        max_rows=args.max_running, max_tokens=args.token_budget, max_blocks_per_seq=cdiv(longest, args.block_size)
+    )
+    runner = ModelRunner(
+        model, engine.cache, engine.manager, engine.backend, capacity, use_graphs=args.graphs and engine.graphs_allowed
+    )
+    runner.warmup(eager=True)
+    return runner
+
+
+def serve(runner: ModelRunner, convs: Conversations, args: argparse.Namespace) -> dict[str, Any]:
+    manager = runner.manager
+    scheduler = Scheduler(
+        manager, [], make_preemption("recompute", manager, runner.cache),
+        token_budget=args.token_budget, max_running=args.max_running,
+    )  # fmt: skip
+    submitted: dict[int, float] = {}
+    first_token: dict[int, float] = {}
+    outputs: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+
+    def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
+        now = time.perf_counter() - t0
+        for i in launched.plan.metadata.sampling_rows_host:
+            first_token.setdefault(batch.requests[i].req_id, now)
+
+    pipeline = StepPipeline(runner, scheduler, overlap=args.overlap, on_result=record)
+    ready: deque[Request] = deque(convs.request(c, 0, None) for c in range(len(convs.first)))
+    seen_finished = 0
+    step = computed = 0
+    sync(args.device)
+    t0 = time.perf_counter()
+    while ready or not scheduler.done:
+        while ready:
+            req = ready.popleft()
+            submitted[req.req_id] = time.perf_counter() - t0
+            scheduler.submit(req)
+        batch = scheduler.schedule(step)
+        if batch is None:
+            if pipeline.busy:
+                pipeline.drain()
+            elif not ready:
+                break
+        else:
+            pipeline.submit(batch)
+            computed += len(batch.token_ids)
+            step += 1
+        for req in scheduler.finished[seen_finished:]:
+            outputs[req.req_id] = list(req.output)
+            conv, turn = divmod(req.req_id, convs.turns)
+            if turn + 1 < convs.turns:
+                ready.append(convs.request(conv, turn + 1, req))
+        seen_finished = len(scheduler.finished)
+    pipeline.drain()
+    for req in scheduler.finished[seen_finished:]:
+        outputs[req.req_id] = list(req.output)
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    manager.check_integrity()
+    ttft = [first_token[r] - submitted[r] for r in submitted if r in first_token]
+    stats = collect_stats(manager)
+    out: dict[str, Any] = {
+        "turns": len(outputs),
+        "wall_s": wall,
+        "turns_per_s": len(outputs) / wall,
+        "ttft_median_s": statistics.median(ttft) if ttft else None,
+        "ttft_p90_s": percentile(ttft, 90),
+        "tokens_computed": computed,
+        "prefix_hit_tokens": stats.prefix_cache_hits,
+        "preemptions": scheduler.num_preemptions,
+        "num_blocks": manager.num_blocks,
+        "outputs": outputs,
+    }
+    tier = manager.lower_tier
+    if isinstance(tier, HostPrefixTier):
+        tier.synchronize()
+        h = tier.stats()
+        out["host_tier"] = {
+            "blocks_total": h.blocks_total,
+            "hit_blocks": h.hit_blocks,
+            "offloaded_blocks": h.offloaded_blocks,
+            "dropped_blocks": h.dropped_blocks,
+            "bytes_to_host": h.bytes_to_host,
+            "bytes_to_device": h.bytes_to_device,
+            "copy_seconds": h.copy_seconds,
+            "copy_gb_per_s": (h.bytes_to_host + h.bytes_to_device) / h.copy_seconds / 1e9 if h.copy_seconds else None,
+        }
+    return out
+
+
+def agreement(ours: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[str, float]:
+    same_turns = sum(ours.get(k) == v for k, v in ref.items())
+    same_tokens = sum(a == b for k, v in ref.items() for a, b in zip(ours.get(k, []), v, strict=False))
+    total = max(sum(map(len, ref.values())), 1)
+    return {"identical_turns": same_turns / max(len(ref), 1), "identical_tokens": same_tokens / total}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system", type=int, default=2048, help="shared system prompt tokens")
+    p.add_argument("--user", type=int, default=128, help="tokens per user message")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--pool-fraction", type=float, default=0.25, help="device pool / working set")
+    p.add_argument("--host-fraction", type=float, default=1.5, help="host tier / working set")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--backend", default=None)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--sequential", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", default="roomy,no_tier,host_tier")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _parser().parse_args(argv)
+    on_cuda = args.device.startswith("cuda")
+    args.backend = args.backend or ("triton" if on_cuda else "reference")
+    args.dtype = "bfloat16" if on_cuda else "float32"
+    args.graphs = on_cuda and not args.eager
+    args.overlap = not args.sequential
+    shape: LlamaShape = TINY if args.tiny else LLAMA3_8B
+    if args.tiny:
+        args.conversations, args.turns, args.system, args.user, args.new_tokens = 6, 3, 64, 16, 8
+        args.token_budget, args.max_running = 128, 4
+    if not on_cuda:
+        torch.set_num_threads(1)
+    model = random_llama(shape, seed=args.seed, dtype=torch_dtype(args.dtype), device=args.device)
+    convs = Conversations(args, shape.vocab_size)
+    working = convs.working_set_tokens(args.system)
+    bs = args.block_size
+    longest = args.system + args.turns * (args.user + args.new_tokens)
+    per_block = 2 * shape.num_layers * bs * shape.num_kv_heads * shape.head_dim * torch_dtype(args.dtype).itemsize
+    floor = cdiv(longest, bs) + 2  # the longest turn must fit (the scheduler preempts the rest)
+    small = max(int(args.pool_fraction * cdiv(working, bs)), floor)
+    host_bytes = int(args.host_fraction * cdiv(working, bs)) * per_block
+    sizes = {
+        "roomy": (cdiv(working, bs) + args.max_running * 2 + 8, 0),
+        "no_tier": (small, 0),
+        "host_tier": (small, host_bytes),
+    }
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "shape": "tiny" if args.tiny else "llama3-8b",
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "working_set_tokens": working,
+        "bytes_per_block": per_block,
+        "pinned_copy": pinned_bandwidth(args.device),
+    }
+    results: dict[str, Any] = {"header": header, "runs": {}}
+    for name in args.runs.split(","):
+        num_blocks, host_bytes = sizes[name]
+        print(f"{name}: {num_blocks} device blocks, host tier {host_bytes / 2**30:.1f} GiB", flush=True)
+        runner = build(model, args, num_blocks, host_bytes)
+        results["runs"][name] = serve(runner, convs, args)
+        del runner
+        if on_cuda:
+            torch.cuda.empty_cache()
+    ref = results["runs"].get("roomy", {}).get("outputs")
+    for r in results["runs"].values():
+        if ref is not None:
+            r["agreement_with_roomy"] = agreement(r["outputs"], ref)
+    no, tiered = results["runs"].get("no_tier"), results["runs"].get("host_tier")
+    if no and tiered and no["ttft_median_s"] and tiered["ttft_median_s"]:
+        results["ttft_median_ratio_no_tier_over_tier"] = no["ttft_median_s"] / tiered["ttft_median_s"]
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"{'run':10} {'blocks':>7} {'TTFT med ms':>12} {'p90 ms':>8} {'turns/s':>8} {'computed tok':>12} "
+             f"{'host hit/off/drop':>18} {'copy GB/s':>10} {'same turns':>10}"]  # fmt: skip
+    for name, r in results["runs"].items():
+        h = r.get("host_tier")
+        host = f"{h['hit_blocks']}/{h['offloaded_blocks']}/{h['dropped_blocks']}" if h else "-"
+        gbps = f"{h['copy_gb_per_s']:.1f}" if h and h["copy_gb_per_s"] else "-"
+        same = r.get("agreement_with_roomy", {}).get("identical_turns")
+        lines.append(
+            f"{name:10} {r['num_blocks']:7d} {r['ttft_median_s'] * 1e3:12.1f} {(r['ttft_p90_s'] or 0) * 1e3:8.1f} "
+            f"{r['turns_per_s']:8.2f} {r['tokens_computed']:12d} {host:>18} {gbps:>10} "
+            f"{'-' if same is None else f'{same:.0%}':>10}"
+        )
+    pinned = results["header"]["pinned_copy"]
+    if pinned:
+        lines.append(
+            f"pinned copy: host->device {pinned['h2d_gb_per_s']:.1f} GB/s, "
+            f"device->host {pinned['d2h_gb_per_s']:.1f} GB/s"
+        )
+    ratio = results.get("ttft_median_ratio_no_tier_over_tier")
+    if ratio:
+        lines.append(f"TTFT median, no tier / host tier: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run()

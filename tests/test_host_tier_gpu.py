@@ -1,0 +1,48 @@
+"""The prefix cache's host tier on a CUDA cache: an offload reads the block after the work
+already queued has written it and before its new owner overwrites it; a load lands before the
+step that reads it; the round trip is bit-identical. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import BlockManager, HostPrefixTier, KVCacheTensors
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BS = 32
+
+
+def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical() -> None:
+    m = BlockManager(16, BS, enable_prefix_caching=True)
+    cache = KVCacheTensors(torch.zeros(4, 2, 16, BS, 8, 128, device="cuda", dtype=torch.bfloat16))
+    tier = HostPrefixTier(m, cache, 32)
+    assert tier.host.is_pinned()
+    prompt = list(range(1000, 1000 + 4 * BS + 3))  # 4 full blocks
+    m.allocate("a", token_ids=prompt)
+    blocks = m.block_table("a")[:4]
+    # Queued behind a busy stream, not yet run when the blocks are evicted: the offload must
+    # read these values, not the zeros before them.
+    values = torch.randn(4, 2, 4, BS, 8, 128, device="cuda").to(torch.bfloat16)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):
+        busy = busy @ busy / 64
+    cache.storage[:, :, blocks] = values + 0 * busy.sum().to(torch.bfloat16)
+    m.mark_computed("a", len(prompt))
+    m.free("a")
+    m.allocate("b", 16 * BS)  # every block: a's four cached blocks are offloaded, then reused
+    cache.storage.fill_(float("nan"))  # b's writes, queued right after the offload
+    assert tier.stats().offloaded_blocks == 4
+    m.free("b")
+    assert m.allocate("c", token_ids=prompt) == 4 * BS  # from the host
+    got = cache.storage[:, :, m.block_table("c")[:4]]  # read on the compute stream, after the load
+    assert torch.equal(got, values)
+    tier.synchronize()
+    stats = tier.stats()
+    assert stats.hit_blocks == 4 and stats.copy_seconds > 0
+    m.check_integrity()
+    assert tier.integrity_problems() == []
