@@ -3,8 +3,8 @@
 Workload: ``--conversations`` conversations of ``--turns`` turns over one shared system
 prompt of ``--system`` tokens. Each turn's prompt is the previous turn's prompt, the model's
 reply to it (``--new-tokens`` greedy tokens) and a new user message (``--user`` tokens, seeded
-random ids); the next turn of a conversation is submitted when its previous turn finishes
-(closed loop, no think time). Conversations start together. The device pool holds
+random ids); the next turn of a conversation is submitted a think time (exponential, mean
+``--think-s``, seeded) after its previous turn finishes. Conversations start together. The device pool holds
 ``--pool-fraction`` of the working set (the system prompt plus every conversation's last
 context), so by a conversation's next turn most of its history has been evicted.
 
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import heapq
 import json
 import random
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -143,21 +143,26 @@ def serve(runner: ModelRunner, convs: Conversations, args: argparse.Namespace) -
             first_token.setdefault(batch.requests[i].req_id, now)
 
     pipeline = StepPipeline(runner, scheduler, overlap=args.overlap, on_result=record)
-    ready: deque[Request] = deque(convs.request(c, 0, None) for c in range(len(convs.first)))
+    think = random.Random(args.seed + 1)
+    # (due time, tie-break, request): first turns at 0, later ones a think time after the last.
+    pending: list[tuple[float, int, Request]] = [(0.0, c, convs.request(c, 0, None)) for c in range(len(convs.first))]
     seen_finished = 0
     step = computed = 0
     sync(args.device)
     t0 = time.perf_counter()
-    while ready or not scheduler.done:
-        while ready:
-            req = ready.popleft()
-            submitted[req.req_id] = time.perf_counter() - t0
+    while pending or not scheduler.done:
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            due, _, req = heapq.heappop(pending)
+            submitted[req.req_id] = due
             scheduler.submit(req)
         batch = scheduler.schedule(step)
         if batch is None:
             if pipeline.busy:
                 pipeline.drain()
-            elif not ready:
+            elif pending:
+                time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
+            else:
                 break
         else:
             pipeline.submit(batch)
@@ -167,7 +172,8 @@ def serve(runner: ModelRunner, convs: Conversations, args: argparse.Namespace) -
             outputs[req.req_id] = list(req.output)
             conv, turn = divmod(req.req_id, convs.turns)
             if turn + 1 < convs.turns:
-                ready.append(convs.request(conv, turn + 1, req))
+                due = time.perf_counter() - t0 + (think.expovariate(1 / args.think_s) if args.think_s > 0 else 0.0)
+                heapq.heappush(pending, (due, req.req_id, convs.request(conv, turn + 1, req)))
         seen_finished = len(scheduler.finished)
     pipeline.drain()
     for req in scheduler.finished[seen_finished:]:
@@ -222,6 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system", type=int, default=2048, help="shared system prompt tokens")
     p.add_argument("--user", type=int, default=128, help="tokens per user message")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--think-s", type=float, default=1.0, help="mean user think time between turns (exponential)")
     p.add_argument("--pool-fraction", type=float, default=0.25, help="device pool / working set")
     p.add_argument("--host-fraction", type=float, default=1.5, help="host tier / working set")
     p.add_argument("--block-size", type=int, default=32)
@@ -246,6 +253,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     shape: LlamaShape = TINY if args.tiny else LLAMA3_8B
     if args.tiny:
         args.conversations, args.turns, args.system, args.user, args.new_tokens = 6, 3, 64, 16, 8
+        args.think_s = 0.01
         args.token_budget, args.max_running = 128, 4
     if not on_cuda:
         torch.set_num_threads(1)

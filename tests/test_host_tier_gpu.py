@@ -30,8 +30,8 @@ def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical(
     values = torch.randn(4, 2, 4, BS, 8, 128, device="cuda").to(torch.bfloat16)
     busy = torch.randn(4096, 4096, device="cuda")
     for _ in range(30):
-        busy = busy @ busy / 64
-    cache.storage[:, :, blocks] = values + 0 * busy.sum().to(torch.bfloat16)
+        busy = torch.tanh(busy @ busy)  # bounded: stays finite
+    cache.storage[:, :, blocks] = values + (busy[0, 0] * 0).to(torch.bfloat16)
     m.mark_computed("a", len(prompt))
     m.free("a")
     m.allocate("b", 16 * BS)  # every block: a's four cached blocks are offloaded, then reused
