@@ -1,6 +1,6 @@
-"""Cache metrics: a snapshot of the block pool, the prefix cache, swaps and preemptions, and
-an optional Prometheus exporter whose names follow vLLM's (``kv_cache_usage_perc``,
-``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions``).
+"""Cache metrics: a snapshot of the block pool, the prefix cache and its host tier, swaps and
+preemptions, and an optional Prometheus exporter whose names follow vLLM's
+(``kv_cache_usage_perc``, ``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
+from kvcache.memory.host_tier import HostPrefixTier
 from kvcache.memory.swap import SwapSpace
 
 __all__ = ["CacheStats", "PrometheusExporter", "collect_stats"]
@@ -37,6 +38,17 @@ class CacheStats:
     host_blocks_used: int
     sequences_running: int
     sequences_swapped: int
+    #: The prefix cache's host tier (zeros without one): its blocks, blocks admission took from
+    #: it, evicted device blocks copied in, host blocks dropped for room, bytes each way, and the
+    #: copies' time (GPU time of completed copies on CUDA).
+    prefix_host_blocks_total: int = 0
+    prefix_host_blocks_used: int = 0
+    prefix_host_hit_blocks: int = 0
+    prefix_host_offloaded_blocks: int = 0
+    prefix_host_dropped_blocks: int = 0
+    prefix_host_bytes_to_host: int = 0
+    prefix_host_bytes_to_device: int = 0
+    prefix_host_copy_seconds: float = 0.0
 
     @property
     def usage(self) -> float:
@@ -71,6 +83,8 @@ def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) ->
             raise InvalidArgumentError("swap_space: it belongs to another manager; pass that manager's swap space")
     cache = manager.prefix_cache
     alloc = manager.allocator
+    tier = manager.lower_tier
+    host = tier.stats() if isinstance(tier, HostPrefixTier) else None
     return CacheStats(
         blocks_total=alloc.num_blocks,
         blocks_used=alloc.num_used,
@@ -88,6 +102,14 @@ def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) ->
         host_blocks_used=swap_space.allocator.num_used if swap_space else 0,
         sequences_running=manager.num_sequences,
         sequences_swapped=swap_space.num_swapped if swap_space else 0,
+        prefix_host_blocks_total=host.blocks_total if host else 0,
+        prefix_host_blocks_used=host.blocks_used if host else 0,
+        prefix_host_hit_blocks=host.hit_blocks if host else 0,
+        prefix_host_offloaded_blocks=host.offloaded_blocks if host else 0,
+        prefix_host_dropped_blocks=host.dropped_blocks if host else 0,
+        prefix_host_bytes_to_host=host.bytes_to_host if host else 0,
+        prefix_host_bytes_to_device=host.bytes_to_device if host else 0,
+        prefix_host_copy_seconds=host.copy_seconds if host else 0.0,
     )
 
 
@@ -113,6 +135,22 @@ class PrometheusExporter:
         self.evictions = prom.Counter("prefix_cache_evictions", "Cached blocks evicted for reuse.", **kw)
         self.preemptions = prom.Counter("num_preemptions", "Sequences preempted, by mode.", ["mode"], **kw)
         self.swapped = prom.Counter("swapped_blocks", "Blocks copied by swap, by direction.", ["direction"], **kw)
+        tiered = ["tier"]
+        self.tier_blocks = prom.Gauge(
+            "prefix_cache_tier_blocks", "Blocks of a lower prefix-cache tier.", [*tiered, "state"], **kw
+        )
+        self.tier_hits = prom.Counter(
+            "prefix_cache_tier_hit_blocks", "Blocks admission took from a lower tier.", tiered, **kw
+        )
+        self.tier_blocks_moved = prom.Counter(
+            "prefix_cache_tier_blocks_moved", "Blocks a lower tier took in or dropped.", [*tiered, "event"], **kw
+        )
+        self.tier_bytes = prom.Counter(
+            "prefix_cache_tier_bytes", "K/V bytes copied to or from a lower tier.", ["tier", "direction"], **kw
+        )
+        self.tier_copy_seconds = prom.Counter(
+            "prefix_cache_tier_copy_seconds", "Time the copies of a lower tier took.", ["tier"], **kw
+        )
         self._last: CacheStats | None = None
 
     def update(self, stats: CacheStats) -> None:
@@ -137,4 +175,14 @@ class PrometheusExporter:
         self.preemptions.labels(mode="swap").inc(delta("preemptions_swap"))
         self.swapped.labels(direction="out").inc(delta("swapped_out_blocks"))
         self.swapped.labels(direction="in").inc(delta("swapped_in_blocks"))
+        if stats.prefix_host_blocks_total:
+            self.tier_blocks.labels(tier="host", state="total").set(stats.prefix_host_blocks_total)
+            self.tier_blocks.labels(tier="host", state="used").set(stats.prefix_host_blocks_used)
+        self.tier_hits.labels(tier="host").inc(delta("prefix_host_hit_blocks"))
+        self.tier_blocks_moved.labels(tier="host", event="offloaded").inc(delta("prefix_host_offloaded_blocks"))
+        self.tier_blocks_moved.labels(tier="host", event="dropped").inc(delta("prefix_host_dropped_blocks"))
+        self.tier_bytes.labels(tier="host", direction="to_host").inc(delta("prefix_host_bytes_to_host"))
+        self.tier_bytes.labels(tier="host", direction="to_device").inc(delta("prefix_host_bytes_to_device"))
+        now_s, last_s = stats.prefix_host_copy_seconds, last.prefix_host_copy_seconds if last is not None else 0.0
+        self.tier_copy_seconds.labels(tier="host").inc(max(0.0, now_s - last_s))
         self._last = stats

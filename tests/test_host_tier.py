@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import BlockManager, BlockRemoved, BlockStored, InvalidArgumentError, KVCacheTensors, OutOfBlocksError
+from kvcache import (
+    BlockManager,
+    BlockRemoved,
+    BlockStored,
+    InvalidArgumentError,
+    KVCacheTensors,
+    OutOfBlocksError,
+    PrometheusExporter,
+    collect_stats,
+)
 from kvcache.memory.host_tier import HostPrefixTier
 from tests.manager_state import snapshot
 
@@ -150,3 +159,27 @@ def test_construction_is_checked() -> None:
     HostPrefixTier(m, cache, 2)
     with pytest.raises(InvalidArgumentError, match="tier already"):
         HostPrefixTier(m, cache, 2)
+
+
+def test_collect_stats_and_prometheus_report_the_host_tier() -> None:
+    m, cache, _ = setup(device_blocks=4, host_blocks=8)
+    prompt = list(range(9))
+    computed(m, cache, "a", prompt)
+    m.free("a")
+    m.allocate("b", 16)
+    m.free("b")
+    m.allocate("c", token_ids=prompt)
+    stats = collect_stats(m)
+    assert (stats.prefix_host_blocks_total, stats.prefix_host_blocks_used) == (8, 2)
+    assert (stats.prefix_host_offloaded_blocks, stats.prefix_host_hit_blocks) == (2, 2)
+    assert stats.prefix_host_bytes_to_device == 2 * cache.bytes_per_block
+    prom = pytest.importorskip("prometheus_client")
+    registry = prom.CollectorRegistry()
+    PrometheusExporter(registry=registry).update(stats)
+    value = registry.get_sample_value
+    assert value("kvcache_prefix_cache_tier_hit_blocks_total", {"tier": "host"}) == 2
+    assert value("kvcache_prefix_cache_tier_bytes_total", {"tier": "host", "direction": "to_host"}) == (
+        2 * cache.bytes_per_block
+    )
+    assert value("kvcache_prefix_cache_tier_blocks", {"tier": "host", "state": "used"}) == 2
+    assert collect_stats(BlockManager(4, BS)).prefix_host_blocks_total == 0
