@@ -156,8 +156,10 @@ class BlockManager(SequenceTable):
         if lower and self.lower_tier is not None and self.prefix_cache is not None:
             # Taking fresh blocks may evict device blocks into the tier: keep our hits there.
             self.lower_tier.pin(lower)
-            fresh = self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
-            self.lower_tier.unpin(lower)
+            try:
+                fresh = self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
+            finally:
+                self.lower_tier.unpin(lower)
             filled = fresh[: len(lower)]
             self.lower_tier.load(list(zip(lower, filled, strict=True)))
             keys = keys + [self.prefix_cache.adopt(key, block) for key, block in zip(lower_keys, filled, strict=True)]
