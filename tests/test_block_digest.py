@@ -61,9 +61,13 @@ def test_a_long_chain_digests_without_recursion() -> None:
     assert key is not None and key.digest == block_digests([i for i in range(5000) for _ in range(4)], BS)[-1]
 
 
-@pytest.mark.parametrize("salt", [1.5, True, object(), frozenset({1}), ((((((((((1,),),),),),),),),),)])
+@pytest.mark.parametrize(
+    "salt", [1.5, True, object(), frozenset({1}), ((((((((((1,),),),),),),),),),), ("lora", True), (1.0,)]
+)
 def test_salts_without_a_stable_encoding_are_refused_naming_extra_key(salt: object) -> None:
     m = BlockManager(8, BS, enable_prefix_caching=True)
+    encode_salt(("lora", 1))  # an equal salt just before must not stand in for it
+    encode_salt((1,))
     with pytest.raises(ArgumentTypeError, match="extra_key"):
         m.allocate("a", token_ids=list(range(9)), extra_key=salt)
     with pytest.raises(ArgumentTypeError, match="extra_key"):

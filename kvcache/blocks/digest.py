@@ -37,7 +37,9 @@ def encode_salt(extra_key: Hashable) -> bytes:
     if extra_key is None:
         return b"n"
     last, encoded = _last_salt
-    if type(extra_key) is type(last) and extra_key == last:  # a request's blocks share one salt
+    # A request's blocks share one salt. Only a str, bytes or int equal to the last salt (and of
+    # its type) is surely the same salt: tuples compare equal across types, (1,) == (True,).
+    if type(extra_key) is type(last) and type(extra_key) in (str, bytes, int) and extra_key == last:
         return encoded
     encoded = bytes(_encode(extra_key, depth=0))
     _last_salt = (extra_key, encoded)
