@@ -176,6 +176,11 @@ def run_requests(
     connected to it). Every rank calls this with the same requests; before each step's
     forward pass the ranks compare a digest of what their managers decided, and at the end
     the outputs, raising RankDivergenceError on every rank at the first difference."""
+    if overlap and any(r.forced is not None for r in requests):
+        raise ValueError("overlap: teacher-forced requests (Request.forced) need overlap=False")
+    for r in requests:
+        if r.forced is not None and len(r.forced) < r.max_new_tokens:
+            raise ValueError(f"request {r.req_id}: {len(r.forced)} forced tokens for {r.max_new_tokens} new tokens")
     agreement = RankAgreement(collective) if collective is not None and collective.size > 1 else None
     if agreement is not None:
         agreement.check(

@@ -72,9 +72,11 @@ def cache_config_for(
     prefix_caching: bool = False,
     swap_space: int | str = 0,
     host_cache_space: int | str = 0,
+    compute_dtype: str | None = None,
 ) -> KVCacheConfig:
     """A validated cache config whose ``model`` section is ``shape``'s (give ``num_blocks``
-    or ``memory_budget``). Raises pydantic's ValidationError naming the field."""
+    or ``memory_budget``); ``compute_dtype`` is ``model.dtype`` (required for an fp8
+    ``dtype``). Raises pydantic's ValidationError naming the field."""
     cache: dict[str, object] = {
         "block_size": block_size,
         "dtype": dtype,
@@ -87,8 +89,11 @@ def cache_config_for(
         cache["num_blocks"] = num_blocks
     if memory_budget is not None:
         cache["memory_budget"] = memory_budget
+    model = shape.model_section().model_dump()
+    if compute_dtype is not None:
+        model["dtype"] = compute_dtype
     return KVCacheConfig.model_validate(
-        {"model": shape.model_section().model_dump(), "cache": cache, "attention": {"backend": backend}},
+        {"model": model, "cache": cache, "attention": {"backend": backend}},
         strict=False,
     )
 
@@ -124,7 +129,7 @@ def engine_for(
     if (collective.rank, collective.size) != (tp.rank, tp.size) and collective.size > 1:
         raise ValueError(f"collective: rank {collective.rank} of {collective.size}, but tp is {tp}")
     dev = resolve_device(str(device) if device is not None else config.cache.device)
-    spec = shape.attention_spec(config.cache.dtype, tp=tp)
+    spec = shape.attention_spec(config.compute_dtype, config.cache.dtype, tp=tp)
     if isinstance(backend, AttentionBackend):
         if backend.spec != spec:
             raise ValueError(f"backend: built for {backend.spec}, but the model needs {spec}")

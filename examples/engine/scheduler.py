@@ -81,6 +81,11 @@ class Request:
     #: Prompt tokens the prefix cache supplied, summed over admissions.
     cached_tokens: int = 0
     finish_step: int | None = None
+    #: Teacher forcing: the tokens to append instead of the sampled ones (the logits are still
+    #: the model's own at each position), e.g. another run's output, to compare distributions
+    #: position by position. Needs the sequential loop (``overlap=False``): an overlapped step
+    #: feeds the sampled token on the device.
+    forced: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -385,7 +390,7 @@ class Scheduler:
         done = []
         for i, req in enumerate(batch.requests):
             if batch.sampling[i]:
-                token = int(next_tokens[i])
+                token = int(next_tokens[i]) if req.forced is None else req.forced[len(req.output)]
                 req.output.append(token)
                 req.in_flight -= 1
                 if req.deferred_slot:

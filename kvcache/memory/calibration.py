@@ -1,0 +1,49 @@
+"""fp8 cache scales that fit the data: per-(layer, KV head) scales from the K/V a model
+actually writes.
+
+A single static scale for every layer and head does not fit a real model: on
+SmolLM2-135M-Instruct a scale of 1.0 saturates some heads and wastes the range of others
+(`benchmarks/fp8_real_model.py`). :func:`scales_from_cache` reads the largest magnitude each
+layer's K and each layer's V reach per KV head in a higher-precision cache that a calibration
+pass filled (for example the first prompts, prefilled into a bf16 cache), and turns it into
+scales that map that magnitude, times ``margin``, onto float8_e4m3's largest finite value. The
+scales are then fixed (:meth:`KVCacheTensors.set_scales`), so every later write and read uses
+them, as vLLM's and TensorRT-LLM's calibrated per-head KV scales are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.errors import InvalidArgumentError
+from attention.quantize import FP8_MAX
+from kvcache.memory.cache_tensors import KVCacheTensors
+
+__all__ = ["apply_scales", "scales_from_cache"]
+
+
+def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6) -> torch.Tensor:
+    """fp32 ``[num_layers, 2, num_kv_heads]`` dequantization scales: per layer, K (0) and V
+    (1), each KV head's largest magnitude in ``cache`` times ``margin``, over 448. ``cache``
+    holds the calibration K/V in a 16- or 32-bit dtype; slots never written must hold zeros
+    (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. Raises
+    InvalidArgumentError for an fp8 cache, a margin below 1 or a non-finite value."""
+    if cache.scales is not None:
+        raise InvalidArgumentError("cache: calibrate from a 16- or 32-bit cache, not an fp8 one")
+    if not (isinstance(margin, (int, float)) and 1.0 <= margin <= 1e3):
+        raise InvalidArgumentError(f"margin: {margin!r} must be a number in [1, 1000]")
+    storage = cache.storage  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    amax = storage.abs().amax(dim=(2, 3, 5)).float()  # [layers, 2, kv_heads]
+    if not bool(torch.isfinite(amax).all()):
+        raise InvalidArgumentError("cache: holds a non-finite value; fill it with zeros before calibrating")
+    return (amax * margin / FP8_MAX).clamp_min(floor)
+
+
+def apply_scales(cache: KVCacheTensors, scales: torch.Tensor) -> None:
+    """Set every layer's scales of fp8 ``cache`` from ``scales`` ``[num_layers, 2,
+    num_kv_heads]`` (as :func:`scales_from_cache` returns). Set them before the first write."""
+    if cache.scales is None or scales.shape != cache.scales.shape:
+        want = None if cache.scales is None else list(cache.scales.shape)
+        raise InvalidArgumentError(f"scales: expected shape {want} for an fp8 cache, got {list(scales.shape)}")
+    for layer in range(cache.num_layers):
+        cache.set_scales(layer, scales[layer, 0].to(cache.scales.device), scales[layer, 1].to(cache.scales.device))
