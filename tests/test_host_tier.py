@@ -126,7 +126,8 @@ def test_a_refused_admission_changes_nothing_in_either_tier() -> None:
     assert not m.can_allocate(token_ids=prompt)
     with pytest.raises(OutOfBlocksError):
         m.allocate("c", token_ids=prompt)
-    assert snapshot(m, None) == before and torch.equal(tier.host, host_before) and tier.held_keys() == held
+    assert snapshot(m, None) == before and tier.held_keys() == held
+    assert torch.equal(tier.host.view(torch.uint8), host_before.view(torch.uint8))  # bit for bit: NaN != NaN
     assert tier._pinned == {}
 
 

@@ -179,20 +179,7 @@ class PrefixCache:
         bs = self.block_size
         for i in range(len(keys), num_full):
             key = BlockKey(keys[-1] if keys else None, tuple(token_ids[i * bs - base : (i + 1) * bs - base]), extra)
-            block = blocks[i]
-            holder = self._holder.get(key)
-            if holder is None:
-                self._holder[key] = block
-                self._key_of[block] = key
-                self.version += 1
-                if self.events is not None:
-                    self.events.stored(DEVICE_TIER, key)
-            else:
-                key = self._key_of[holder]
-                if holder != block:
-                    self._duplicates.setdefault(key, set()).add(block)
-                    self._duplicate_key[block] = key
-            keys.append(key)
+            keys.append(self.adopt(key, blocks[i]))
 
     @property
     def holders(self) -> Container[int]:
@@ -204,8 +191,9 @@ class PrefixCache:
         return bool(self._duplicate_key)
 
     def adopt(self, key: BlockKey, block: int) -> BlockKey:
-        """Index ``block``, just filled from a lower tier with ``key``'s K/V; returns the stored
-        key (another block's, when one holds it already: ``block`` is a duplicate then)."""
+        """Index ``block``, which holds ``key``'s K/V (computed, or filled from a lower tier);
+        returns the stored key: ``key``, or the equal key another block holds already (``block``
+        is a duplicate of that holder then)."""
         holder = self._holder.get(key)
         if holder is None:
             self._holder[key] = block
@@ -215,8 +203,9 @@ class PrefixCache:
                 self.events.stored(DEVICE_TIER, key)
             return key
         stored = self._key_of[holder]
-        self._duplicates.setdefault(stored, set()).add(block)
-        self._duplicate_key[block] = stored
+        if holder != block:
+            self._duplicates.setdefault(stored, set()).add(block)
+            self._duplicate_key[block] = stored
         return stored
 
     def holds_key(self, key: BlockKey) -> bool:

@@ -38,6 +38,7 @@ from attention.errors import InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.prefix_cache import BlockKey
 from kvcache.memory.cache_tensors import KVCacheTensors
+from kvcache.memory.host_pool import check_cache_serves, host_block_pool
 
 __all__ = ["HostPrefixTier", "HostTierStats"]
 
@@ -77,21 +78,15 @@ class HostPrefixTier:
             raise InvalidArgumentError(
                 f"num_host_blocks: {num_host_blocks} must be at least 1 (cache.host_cache_space is too small)"
             )
-        if cache.num_blocks < manager.num_blocks or cache.block_size != manager.block_size:
-            raise InvalidArgumentError(
-                f"cache: {cache.num_blocks} blocks of {cache.block_size} tokens, but the manager hands out "
-                f"{manager.num_blocks} blocks of {manager.block_size}; build both from the same config"
-            )
+        check_cache_serves(manager, cache)
         if manager.prefix_cache is None:
             raise InvalidArgumentError("manager: the host tier extends the prefix cache; enable_prefix_caching=True")
         if manager.lower_tier is not None:
             raise InvalidArgumentError(f"manager: it has a {manager.lower_tier.name} tier already")
         self.manager = manager
         self.cache = cache
-        on_cuda = cache.device.type == "cuda"
-        s = cache.storage.shape
-        self.host = torch.empty((num_host_blocks, s[0], 2, *s[3:]), dtype=cache.dtype, pin_memory=on_cuda)
-        self._stream = torch.cuda.Stream(cache.device) if on_cuda else None
+        self.host = host_block_pool(cache, num_host_blocks)
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         #: key -> host block, least recently used first.
         self._index: OrderedDict[BlockKey, int] = OrderedDict()
         self._key_at: dict[int, BlockKey] = {}

@@ -30,6 +30,7 @@ from kvcache.blocks.allocator import BlockAllocator
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.sequence import SequenceBlocks
 from kvcache.memory.cache_tensors import KVCacheTensors
+from kvcache.memory.host_pool import check_cache_serves, host_block_pool
 
 __all__ = ["SwapSpace"]
 
@@ -51,18 +52,12 @@ class SwapSpace:
             raise InvalidArgumentError(
                 f"num_host_blocks: {num_host_blocks} must be at least 1 (cache.swap_space is too small)"
             )
-        if cache.num_blocks < manager.num_blocks or cache.block_size != manager.block_size:
-            raise InvalidArgumentError(
-                f"cache: {cache.num_blocks} blocks of {cache.block_size} tokens, but the manager hands out "
-                f"{manager.num_blocks} blocks of {manager.block_size}; build both from the same config"
-            )
+        check_cache_serves(manager, cache)
         self.manager = manager
         self.cache = cache
         self.allocator = BlockAllocator(num_host_blocks)
-        on_cuda = cache.device.type == "cuda"
-        s = cache.storage.shape
-        self.host = torch.empty((num_host_blocks, s[0], 2, *s[3:]), dtype=cache.dtype, pin_memory=on_cuda)
-        self._stream = torch.cuda.Stream(cache.device) if on_cuda else None
+        self.host = host_block_pool(cache, num_host_blocks)
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         self._swapped: dict[Hashable, _Swapped] = {}
         self._in_flight: list[tuple[torch.cuda.Event, list[int]]] = []
         self.swapped_out_blocks = 0
