@@ -41,6 +41,13 @@ def computed(m: BlockManager, cache: KVCacheTensors, seq: str, ids: list[int], s
     return hit
 
 
+def evict_all(m: BlockManager) -> None:
+    """Take every device block and give them back: each cached block left the device (to the
+    host tier, room permitting)."""
+    m.allocate("filler", m.num_blocks * BS)
+    m.free("filler")
+
+
 def kv(m: BlockManager, cache: KVCacheTensors, seq: str, n: int) -> torch.Tensor:
     return cache.storage.view(2, 2, -1, 3)[:, :, m.slots(seq, 0, n)].clone()
 
@@ -86,11 +93,10 @@ def test_the_host_pool_is_lru_and_publishes_removals() -> None:
     sub = m.kv_events.subscribe()
     computed(m, cache, "a", list(range(9)))  # 2 full blocks
     m.free("a")
-    m.allocate("b", 16)  # evicts both to the host
-    m.free("b")
+    evict_all(m)  # both to the host
     computed(m, cache, "c", list(range(50, 59)))
     m.free("c")
-    m.allocate("d", 16)  # evicts c's two: the host drops a's (least recently used)
+    m.allocate("d", 16)  # c's two to the host, which drops a's (least recently used)
     events = sub.poll()
     host = [e for e in events if e.tier == "host"]
     assert [type(e) for e in host] == [BlockStored, BlockStored, BlockRemoved, BlockStored, BlockRemoved, BlockStored]
@@ -106,8 +112,7 @@ def test_a_tenant_gets_no_hit_on_another_tenants_host_blocks() -> None:
     prompt = list(range(9))
     computed(m, cache, "a", prompt, salt="tenant-a")
     m.free("a")
-    m.allocate("b", 16)
-    m.free("b")
+    evict_all(m)
     assert tier.stats().blocks_used == 2
     assert m.allocate("other", token_ids=prompt, extra_key="tenant-b") == 0
     m.free("other")
@@ -119,8 +124,7 @@ def test_a_refused_admission_changes_nothing_in_either_tier() -> None:
     prompt = list(range(9))
     computed(m, cache, "a", prompt)
     m.free("a")
-    m.allocate("b", 16)
-    m.free("b")
+    evict_all(m)
     m.allocate("hog", 12)  # one device block left; the prompt needs three
     before, host_before, held = snapshot(m, None), tier.host.clone(), tier.held_keys()
     assert not m.can_allocate(token_ids=prompt)
@@ -137,8 +141,7 @@ def test_an_admission_keeps_its_own_host_hits_while_it_evicts_into_a_full_host()
     computed(m, cache, "p", p)
     want = kv(m, cache, "p", 8)
     m.free("p")
-    m.allocate("evict-p", 16)
-    m.free("evict-p")  # p's two blocks are on the host, which is now full
+    evict_all(m)  # p's two blocks are on the host, which is now full
     computed(m, cache, "q", list(range(60, 73)))  # three cached blocks of q on the device
     m.free("q")
     # Admitting p takes three fresh blocks, evicting q's cached ones: the host has no room
@@ -167,8 +170,7 @@ def test_collect_stats_and_prometheus_report_the_host_tier() -> None:
     prompt = list(range(9))
     computed(m, cache, "a", prompt)
     m.free("a")
-    m.allocate("b", 16)
-    m.free("b")
+    evict_all(m)
     m.allocate("c", token_ids=prompt)
     stats = collect_stats(m)
     assert (stats.prefix_host_blocks_total, stats.prefix_host_blocks_used) == (8, 2)
