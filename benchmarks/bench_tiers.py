@@ -12,8 +12,12 @@ Runs, each on a fresh engine with the same weights:
 - ``no_tier``: the evicted history is recomputed;
 - ``host_tier``: evicted cached blocks go to pinned host memory (``--host-fraction`` of the
   working set) and come back on a hit;
+- ``disk_tier``: a small host tier (``--disk-host-fraction``) over a disk tier
+  (``--disk-fraction``, files under ``--disk-dir`` or a temporary folder); with
+  ``--corrupt-every N``, every Nth block file is damaged right after it is written (one byte
+  flipped): such a block must be recomputed, never served;
 - ``roomy``: a pool holding the whole working set (every hit on the device): the reference the
-  tiered run's tokens are compared with.
+  tiered runs' tokens are compared with.
 
 Reported per run: time to first token (median, p90) from each turn's submission, turns/s,
 tokens run through the model (prefill, recomputation after preemption, decode), prefix hits,
@@ -29,12 +33,14 @@ Run (from the project root, on the GPU machine; ../shared/device/stage.sh first)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import heapq
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,7 +63,7 @@ from examples.engine.loop import StepPipeline  # noqa: E402
 from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
 from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
 from examples.model import Llama, LlamaShape, random_llama  # noqa: E402
-from kvcache import HostPrefixTier, collect_stats  # noqa: E402
+from kvcache import BlockStored, HostPrefixTier, KVEvent, collect_stats  # noqa: E402
 
 
 def pinned_bandwidth(device: str) -> dict[str, float]:
@@ -103,7 +109,14 @@ class Conversations:
         return system + len(self.first) * (last - system)
 
 
-def build(model: Llama, args: argparse.Namespace, num_blocks: int, host_bytes: int) -> ModelRunner:
+def build(
+    model: Llama,
+    args: argparse.Namespace,
+    num_blocks: int,
+    host_bytes: int,
+    disk_bytes: int = 0,
+    disk_dir: str | None = None,
+) -> ModelRunner:
     config = cache_config_for(
         model.shape,
         block_size=args.block_size,
@@ -113,6 +126,8 @@ def build(model: Llama, args: argparse.Namespace, num_blocks: int, host_bytes: i
         backend=args.backend,
         prefix_caching=True,
         host_cache_space=host_bytes,
+        disk_cache_space=disk_bytes,
+        disk_cache_dir=disk_dir if disk_bytes else None,
     )
     engine = engine_for(config, model.shape)
     longest = args.system + args.turns * (args.user + args.new_tokens)
@@ -208,8 +223,38 @@ def serve(runner: ModelRunner, convs: Conversations, args: argparse.Namespace) -
             "bytes_to_device": h.bytes_to_device,
             "copy_seconds": h.copy_seconds,
             "copy_gb_per_s": (h.bytes_to_host + h.bytes_to_device) / h.copy_seconds / 1e9 if h.copy_seconds else None,
+            "to_host_gb_per_s": h.bytes_to_host / h.to_host_seconds / 1e9 if h.to_host_seconds else None,
+            "to_device_gb_per_s": h.bytes_to_device / h.to_device_seconds / 1e9 if h.to_device_seconds else None,
         }
+        if h.disk is not None:
+            out["disk_tier"] = dataclasses.asdict(h.disk)
     return out
+
+
+class Corrupter:
+    """Damages every ``every``-th block file the disk tier writes, right after it is written
+    (a KV-event callback): one payload byte flipped."""
+
+    def __init__(self, runner: ModelRunner, every: int):
+        self.every, self.seen, self.damaged = every, 0, 0
+        tier = runner.manager.lower_tier
+        assert isinstance(tier, HostPrefixTier) and tier.disk is not None
+        self.disk = tier.disk
+        runner.manager.kv_events.subscribe(self, replay=False)
+
+    def __call__(self, event: KVEvent) -> None:
+        if not isinstance(event, BlockStored) or event.tier != "disk":
+            return
+        self.seen += 1
+        if self.seen % self.every:
+            return
+        path = self.disk.folder / (event.digest.hex() + ".kv")
+        with open(path, "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 0xFF]))
+        self.damaged += 1
 
 
 def agreement(ours: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[str, float]:
@@ -231,6 +276,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--think-s", type=float, default=1.0, help="mean user think time between turns (exponential)")
     p.add_argument("--pool-fraction", type=float, default=0.25, help="device pool / working set")
     p.add_argument("--host-fraction", type=float, default=1.5, help="host tier / working set")
+    p.add_argument("--disk-host-fraction", type=float, default=0.1, help="the disk_tier run's host tier / working set")
+    p.add_argument("--disk-fraction", type=float, default=1.5, help="disk tier / working set")
+    p.add_argument("--disk-dir", default=None, help="folder of the block files (default: a temporary folder)")
+    p.add_argument("--corrupt-every", type=int, default=0, help="damage every Nth block file written (0: none)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--max-running", type=int, default=64)
@@ -266,10 +315,13 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     floor = cdiv(longest, bs) + 2  # the longest turn must fit (the scheduler preempts the rest)
     small = max(int(args.pool_fraction * cdiv(working, bs)), floor)
     host_bytes = int(args.host_fraction * cdiv(working, bs)) * per_block
+    disk_host_bytes = max(1, int(args.disk_host_fraction * cdiv(working, bs))) * per_block
+    disk_bytes = int(args.disk_fraction * cdiv(working, bs)) * (per_block + 4096)  # files have headers
     sizes = {
-        "roomy": (cdiv(working, bs) + args.max_running * 2 + 8, 0),
-        "no_tier": (small, 0),
-        "host_tier": (small, host_bytes),
+        "roomy": (cdiv(working, bs) + args.max_running * 2 + 8, 0, 0),
+        "no_tier": (small, 0, 0),
+        "host_tier": (small, host_bytes, 0),
+        "disk_tier": (small, disk_host_bytes, disk_bytes),
     }
     header = {
         "date": datetime.date.today().isoformat(),
@@ -284,11 +336,19 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     results: dict[str, Any] = {"header": header, "runs": {}}
     for name in args.runs.split(","):
-        num_blocks, host_bytes = sizes[name]
-        print(f"{name}: {num_blocks} device blocks, host tier {host_bytes / 2**30:.1f} GiB", flush=True)
-        runner = build(model, args, num_blocks, host_bytes)
-        results["runs"][name] = serve(runner, convs, args)
-        del runner
+        num_blocks, host_bytes, disk_bytes = sizes[name]
+        print(
+            f"{name}: {num_blocks} device blocks, host tier {host_bytes / 2**30:.2f} GiB, "
+            f"disk tier {disk_bytes / 2**30:.2f} GiB",
+            flush=True,
+        )
+        with tempfile.TemporaryDirectory(dir=args.disk_dir) as folder:
+            runner = build(model, args, num_blocks, host_bytes, disk_bytes, folder)
+            corrupter = Corrupter(runner, args.corrupt_every) if disk_bytes and args.corrupt_every > 0 else None
+            results["runs"][name] = serve(runner, convs, args)
+            if corrupter is not None:
+                results["runs"][name]["files_damaged"] = corrupter.damaged
+            del runner, corrupter
         if on_cuda:
             torch.cuda.empty_cache()
     ref = results["runs"].get("roomy", {}).get("outputs")
@@ -307,16 +367,29 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     lines = [f"{'run':10} {'blocks':>7} {'TTFT med ms':>12} {'p90 ms':>8} {'turns/s':>8} {'computed tok':>12} "
              f"{'host hit/off/drop':>18} {'copy GB/s':>10} {'same turns':>10}"]  # fmt: skip
+    notes: list[str] = []
     for name, r in results["runs"].items():
         h = r.get("host_tier")
         host = f"{h['hit_blocks']}/{h['offloaded_blocks']}/{h['dropped_blocks']}" if h else "-"
         gbps = f"{h['copy_gb_per_s']:.1f}" if h and h["copy_gb_per_s"] else "-"
         same = r.get("agreement_with_roomy", {}).get("identical_turns")
+        if r.get("disk_tier"):
+            d = r["disk_tier"]
+            notes.append(
+                f"{name}: disk tier {d['hit_blocks']} blocks read back, {d['written_blocks']} written, "
+                f"{d['corrupt_blocks']} damaged files detected and recomputed ({r.get('files_damaged', 0)} damaged)"
+            )
+        if h and h.get("to_host_gb_per_s") and h.get("to_device_gb_per_s"):
+            notes.append(
+                f"{name}: copies device->host {h['to_host_gb_per_s']:.1f} GB/s, "
+                f"host->device {h['to_device_gb_per_s']:.1f} GB/s"
+            )
         lines.append(
             f"{name:10} {r['num_blocks']:7d} {r['ttft_median_s'] * 1e3:12.1f} {(r['ttft_p90_s'] or 0) * 1e3:8.1f} "
             f"{r['turns_per_s']:8.2f} {r['tokens_computed']:12d} {host:>18} {gbps:>10} "
             f"{'-' if same is None else f'{same:.0%}':>10}"
         )
+    lines += notes
     pinned = results["header"]["pinned_copy"]
     if pinned:
         lines.append(

@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         help="overrides cache.host_cache_space: host memory for prefix blocks the device evicts "
         "(e.g. 64MiB; turns prefix caching on; 0: no host tier)",
     )
+    p.add_argument(
+        "--disk-cache",
+        nargs=2,
+        metavar=("DIR", "SIZE"),
+        help="overrides cache.disk_cache_dir and cache.disk_cache_space: block files for prefix blocks the "
+        "host tier evicts (e.g. /tmp/kv 256MiB; needs a host tier)",
+    )
     p.add_argument("--requests", type=_positive, default=20, help="number of requests (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)")
@@ -170,10 +177,12 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             torch.set_num_threads(1)
         # The shared-prefix and multi-turn workloads exist to show prefix caching: turn it on for them.
         turned_on = args.workload in ("shared-prefix", "multi-turn") and not config.cache.enable_prefix_caching
-        if turned_on or args.host_cache is not None:
+        if turned_on or args.host_cache is not None or args.disk_cache is not None:
             cache_section = {**config.cache.model_dump(), "enable_prefix_caching": True}
             if args.host_cache is not None:
                 cache_section["host_cache_space"] = args.host_cache
+            if args.disk_cache is not None:
+                cache_section["disk_cache_dir"], cache_section["disk_cache_space"] = args.disk_cache
             config = KVCacheConfig.model_validate({**config.model_dump(), "cache": cache_section}, strict=False)
         engine = engine_for(
             config,

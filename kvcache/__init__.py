@@ -120,6 +120,12 @@ if TYPE_CHECKING:
     from kvcache.memory.cache_tensors import (
         resolve_device as resolve_device,
     )
+    from kvcache.memory.disk_tier import (
+        DiskPrefixTier as DiskPrefixTier,
+    )
+    from kvcache.memory.disk_tier import (
+        DiskTierStats as DiskTierStats,
+    )
     from kvcache.memory.host_tier import (
         HostPrefixTier as HostPrefixTier,
     )
@@ -225,6 +231,8 @@ _HOME = {
     "backend_for": "kvcache.setup",
     "manager_for": "kvcache.setup",
     "SwapSpace": "kvcache.memory.swap",
+    "DiskPrefixTier": "kvcache.memory.disk_tier",
+    "DiskTierStats": "kvcache.memory.disk_tier",
     "HostPrefixTier": "kvcache.memory.host_tier",
     "HostTierStats": "kvcache.memory.host_tier",
 }

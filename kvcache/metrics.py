@@ -10,6 +10,7 @@ from typing import Any
 
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
+from kvcache.memory.disk_tier import DiskTierStats
 from kvcache.memory.host_tier import HostPrefixTier
 from kvcache.memory.swap import SwapSpace
 
@@ -49,6 +50,17 @@ class CacheStats:
     prefix_host_bytes_to_host: int = 0
     prefix_host_bytes_to_device: int = 0
     prefix_host_copy_seconds: float = 0.0
+    #: The disk tier below it (zeros without one): its files' blocks (the bound and in use),
+    #: blocks read back, written, deleted for room, and found damaged (recomputed), payload
+    #: bytes each way.
+    prefix_disk_blocks_total: int = 0
+    prefix_disk_blocks_used: int = 0
+    prefix_disk_hit_blocks: int = 0
+    prefix_disk_written_blocks: int = 0
+    prefix_disk_dropped_blocks: int = 0
+    prefix_disk_corrupt_blocks: int = 0
+    prefix_disk_bytes_read: int = 0
+    prefix_disk_bytes_written: int = 0
 
     @property
     def usage(self) -> float:
@@ -110,7 +122,23 @@ def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) ->
         prefix_host_bytes_to_host=host.bytes_to_host if host else 0,
         prefix_host_bytes_to_device=host.bytes_to_device if host else 0,
         prefix_host_copy_seconds=host.copy_seconds if host else 0.0,
+        **_disk_fields(host.disk if host else None),
     )
+
+
+def _disk_fields(disk: DiskTierStats | None) -> dict[str, int]:
+    if disk is None:
+        return {}
+    return {
+        "prefix_disk_blocks_total": disk.blocks_total,
+        "prefix_disk_blocks_used": disk.files,
+        "prefix_disk_hit_blocks": disk.hit_blocks,
+        "prefix_disk_written_blocks": disk.written_blocks,
+        "prefix_disk_dropped_blocks": disk.dropped_blocks,
+        "prefix_disk_corrupt_blocks": disk.corrupt_blocks,
+        "prefix_disk_bytes_read": disk.bytes_read,
+        "prefix_disk_bytes_written": disk.bytes_written,
+    }
 
 
 class PrometheusExporter:
@@ -183,6 +211,15 @@ class PrometheusExporter:
         self.tier_blocks_moved.labels(tier="host", event="dropped").inc(delta("prefix_host_dropped_blocks"))
         self.tier_bytes.labels(tier="host", direction="to_host").inc(delta("prefix_host_bytes_to_host"))
         self.tier_bytes.labels(tier="host", direction="to_device").inc(delta("prefix_host_bytes_to_device"))
+        if stats.prefix_disk_blocks_total:
+            self.tier_blocks.labels(tier="disk", state="total").set(stats.prefix_disk_blocks_total)
+            self.tier_blocks.labels(tier="disk", state="used").set(stats.prefix_disk_blocks_used)
+        self.tier_hits.labels(tier="disk").inc(delta("prefix_disk_hit_blocks"))
+        self.tier_blocks_moved.labels(tier="disk", event="written").inc(delta("prefix_disk_written_blocks"))
+        self.tier_blocks_moved.labels(tier="disk", event="dropped").inc(delta("prefix_disk_dropped_blocks"))
+        self.tier_blocks_moved.labels(tier="disk", event="corrupt").inc(delta("prefix_disk_corrupt_blocks"))
+        self.tier_bytes.labels(tier="disk", direction="to_disk").inc(delta("prefix_disk_bytes_written"))
+        self.tier_bytes.labels(tier="disk", direction="from_disk").inc(delta("prefix_disk_bytes_read"))
         now_s, last_s = stats.prefix_host_copy_seconds, last.prefix_host_copy_seconds if last is not None else 0.0
         self.tier_copy_seconds.labels(tier="host").inc(max(0.0, now_s - last_s))
         self._last = stats

@@ -18,7 +18,8 @@ __all__ = ["backend_for", "manager_for"]
 def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching: bool | None = None) -> BlockManager:
     """A block manager over ``cache``'s blocks, with the config's block size, prefix caching
     (``prefix_caching`` overrides ``cache.enable_prefix_caching``) and its host tier
-    (``cache.host_cache_space``: ``manager.lower_tier``), and sliding-window block release when
+    (``cache.host_cache_space``: ``manager.lower_tier``) with its disk tier
+    (``cache.disk_cache_dir``, ``cache.disk_cache_space``), and sliding-window block release when
     every layer is windowed.
 
     Under tensor parallelism every rank builds the same manager (same block count, same
@@ -34,7 +35,13 @@ def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching:
     if config.cache.host_cache_space and manager.prefix_cache is not None:
         from kvcache.memory.host_tier import HostPrefixTier
 
-        HostPrefixTier.for_bytes(manager, cache, config.cache.host_cache_space)  # manager.lower_tier
+        HostPrefixTier.for_bytes(  # manager.lower_tier
+            manager,
+            cache,
+            config.cache.host_cache_space,
+            disk_dir=config.cache.disk_cache_dir,
+            disk_bytes=config.cache.disk_cache_space,
+        )
     return manager
 
 

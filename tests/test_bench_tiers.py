@@ -8,13 +8,14 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_tiny_cpu_run_saves_prefill_with_the_same_tokens(tmp_path: Path) -> None:
+def load_bench() -> object:
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location("bench_tiers", BENCH / "bench_tiers.py")
@@ -22,6 +23,11 @@ def test_tiny_cpu_run_saves_prefill_with_the_same_tokens(tmp_path: Path) -> None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_cpu_run_saves_prefill_with_the_same_tokens(tmp_path: Path) -> None:
+    module: Any = load_bench()
     out = tmp_path / "tiers.json"
     threads = torch.get_num_threads()
     try:
@@ -36,3 +42,24 @@ def test_tiny_cpu_run_saves_prefill_with_the_same_tokens(tmp_path: Path) -> None
     host = runs["host_tier"]["host_tier"]
     assert host["hit_blocks"] > 0 and host["offloaded_blocks"] > 0
     assert runs["host_tier"]["tokens_computed"] < runs["no_tier"]["tokens_computed"]
+
+
+def test_damaged_disk_files_cost_no_wrong_token(tmp_path: Path) -> None:
+    """A tiny host tier over a disk tier, every third block file damaged after it is written:
+    the blocks read back from disk and the damaged ones recomputed, every turn's tokens equal the
+    roomy run's."""
+    module: Any = load_bench()
+    threads = torch.get_num_threads()
+    try:
+        doc = module.run(
+            ["--device", "cpu", "--tiny", "--runs", "roomy,disk_tier", "--corrupt-every", "3",
+             "--disk-host-fraction", "0.02", "--disk-dir", str(tmp_path)]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    run = doc["runs"]["disk_tier"]
+    disk = run["disk_tier"]
+    assert run["files_damaged"] >= 1 and disk["corrupt_blocks"] >= 1  # damaged files were read and refused
+    assert disk["hit_blocks"] >= 1 and disk["written_blocks"] >= 3
+    assert run["agreement_with_roomy"]["identical_turns"] == 1.0
+    assert list(tmp_path.iterdir()) == []  # the run's folder is gone

@@ -4,6 +4,8 @@ step that reads it; the round trip is bit-identical. Skipped without a CUDA devi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +48,28 @@ def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical(
     assert stats.hit_blocks == 4 and stats.copy_seconds > 0
     m.check_integrity()
     assert tier.integrity_problems() == []
+
+
+def test_blocks_spilled_to_disk_come_back_bit_identical(tmp_path: Path) -> None:
+    m = BlockManager(8, BS, enable_prefix_caching=True)
+    cache = KVCacheTensors(torch.zeros(4, 2, 8, BS, 8, 128, device="cuda", dtype=torch.bfloat16))
+    tier = HostPrefixTier(m, cache, 2, disk_dir=tmp_path, disk_bytes=1 << 30)
+    prompt = list(range(2000, 2000 + 4 * BS + 5))  # 4 full blocks
+    m.allocate("a", token_ids=prompt)
+    blocks = m.block_table("a")[:4]
+    values = torch.randn(4, 2, 4, BS, 8, 128, device="cuda").to(torch.bfloat16)
+    cache.storage[:, :, blocks] = values
+    m.mark_computed("a", len(prompt))
+    m.free("a")
+    for i in range(3):  # evict a's blocks to the host, then push them on to disk
+        m.allocate(("other", i), token_ids=[50_000 + 1000 * i + j for j in range(8 * BS)])
+        m.mark_computed(("other", i), 8 * BS)
+        m.free(("other", i))
+    assert tier.disk is not None and tier.disk.stats().written_blocks >= 4
+    cache.storage.fill_(float("nan"))
+    assert m.allocate("c", token_ids=prompt) == 4 * BS  # every block from disk
+    got = cache.storage[:, :, m.block_table("c")[:4]]
+    assert torch.equal(got, values)
+    m.free("c")
+    m.check_integrity()
+    assert tier.integrity_problems() == [] and tier.disk.stats().hit_blocks == 4

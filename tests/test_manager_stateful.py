@@ -13,6 +13,8 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from collections.abc import Callable, Hashable
 
 import hypothesis.strategies as st
@@ -40,6 +42,7 @@ from kvcache import (
     collect_stats,
     preempt,
 )
+from kvcache.blocks.prefix_cache import BlockKey
 from kvcache.memory.host_tier import HostPrefixTier
 from tests.manager_state import snapshot as manager_snapshot
 
@@ -76,6 +79,7 @@ class ManagerMachine(RuleBasedStateMachine):
     prefix_caching = False
     with_swap = False
     with_host_tier = False
+    with_disk_tier = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -94,9 +98,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tier: HostPrefixTier | None = None
         if self.with_host_tier:
             assert self.cache is not None
-            self.tier = HostPrefixTier(self.m, self.cache, HOST_BLOCKS)
+            self.folder = tempfile.mkdtemp(prefix="kv-disk-tier-") if self.with_disk_tier else None
+            disk_bytes = 8 * (48 + 2 * BLOCK_SIZE * 4) if self.with_disk_tier else 0  # 8 files (48-byte headers)
+            host_blocks = 2 if self.with_disk_tier else HOST_BLOCKS
+            self.tier = HostPrefixTier(self.m, self.cache, host_blocks, disk_dir=self.folder, disk_bytes=disk_bytes)
         #: What a router knows from the KV events: the digests each tier holds.
-        self.mirror: dict[str, set[bytes]] = {"device": set(), "host": set()}
+        self.mirror: dict[str, set[bytes]] = {"device": set(), "host": set(), "disk": set()}
         self.last_event = 0
         self.m.kv_events.subscribe(self._on_event)
 
@@ -148,7 +155,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 3 * BLOCK_SIZE + 1), data=st.data())
     def allocate(self, n: int, data: st.DataObject) -> None:
-        tokens = self._draw_tokens(data, n)
+        self._admit(self._draw_tokens(data, n))
+
+    def _admit(self, tokens: list[int]) -> None:
+        n = len(tokens)
         seq = self.next_id
         expect = self.m.can_allocate(n, token_ids=self._token_arg(tokens))
         before = collect_stats(self.m).prefix_cache_hits
@@ -557,6 +567,18 @@ class ManagerMachine(RuleBasedStateMachine):
             record = self.m.sequence(seq)
             self.m.mark_computed(seq, record.num_computed)  # re-index its full blocks
 
+    @precondition(lambda self: self.tier is not None and self.tier.disk is not None and self.tier.disk.held_keys())
+    @rule(data=st.data())
+    def damage_a_disk_file(self, data: st.DataObject) -> None:
+        """Flip a bit of one stored block's K: reading it back must refuse the file (the
+        ``every_sequence_reads_its_own_kv`` invariant catches a served one)."""
+        assert self.tier is not None and self.tier.disk is not None
+        key = data.draw(st.sampled_from(self.tier.disk.held_keys()))
+        path = self.tier.disk.path_of(key)
+        raw = bytearray(path.read_bytes())
+        raw[48 + data.draw(st.integers(0, BLOCK_SIZE * 4 - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        path.write_bytes(bytes(raw))
+
     # ---- invariants ----------------------------------------------------------------------
 
     @invariant()
@@ -588,9 +610,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def events_mirror_the_index(self) -> None:
         """A consumer of the KV events knows exactly what the prefix index holds; a late
         subscriber's replay says the same."""
+        disk = None if self.tier is None else self.tier.disk
         held = {
             "device": set() if self.m.prefix_cache is None else {key.digest for key in self.m.prefix_cache.held_keys()},
             "host": set() if self.tier is None else {key.digest for key in self.tier.held_keys()},
+            "disk": set() if disk is None else {key.digest for key in disk.held_keys()},
         }
         assert self.mirror == held
         late = self.m.kv_events.subscribe()
@@ -630,6 +654,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.num_free_blocks == NUM_BLOCKS, "device blocks leaked"
         if self.swap is not None:
             assert self.swap.allocator.num_free == HOST_BLOCKS, "host blocks leaked"
+        if getattr(self, "folder", None):
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _can_take_id(m: BlockManager, seq: Hashable) -> bool:
@@ -658,6 +684,40 @@ class HostTierMachine(ManagerMachine):
     with_host_tier = True
 
 
+class DiskTierMachine(HostTierMachine):
+    """A two-block host tier over a disk tier of eight files, some damaged on the way: blocks
+    come back from disk, damaged ones are recomputed, and every sequence still reads exactly
+    its own K/V."""
+
+    with_disk_tier = True
+
+    @precondition(lambda self: self.m.num_free_blocks > 0)
+    @rule()
+    def evict_the_free_blocks(self) -> None:
+        """Take every free block and give it back: cached free blocks move down a tier (the
+        host's oldest to disk), so later admissions find their prompts there."""
+        filler = ("filler", self.next_id)
+        self.next_id += 1
+        self.m.allocate(filler, self.m.num_free_blocks * BLOCK_SIZE)
+        self.m.free(filler)
+
+    @precondition(lambda self: self.tier is not None and self.tier.disk is not None and self.tier.disk.held_keys())
+    @rule(data=st.data())
+    def readmit_a_prompt_from_disk(self, data: st.DataObject) -> None:
+        """Admit the prompt of a block held on disk (its whole chain, one more token), half of
+        the time after damaging a file: its run continues from disk wherever the device and
+        the host have no more of it, up to a damaged file."""
+        assert self.tier is not None and self.tier.disk is not None
+        key: BlockKey | None = data.draw(st.sampled_from(self.tier.disk.held_keys()))
+        if data.draw(st.booleans()):
+            self.damage_a_disk_file(data)
+        chain: list[tuple[int, ...]] = []
+        while key is not None:
+            chain.append(key.tokens)
+            key = key.parent
+        self._admit([t for block in reversed(chain) for t in block] + [data.draw(st.integers(0, 1))])
+
+
 # No shrink phase: shrinking a failing 40-step run takes Hypothesis up to 5 minutes per
 # machine on a 2-core box; the unshrunk failing steps are printed and are short enough to read.
 _SETTINGS = settings(
@@ -674,3 +734,5 @@ TestSwapStateful = SwapMachine.TestCase
 TestSwapStateful.settings = _SETTINGS
 TestHostTierStateful = HostTierMachine.TestCase
 TestHostTierStateful.settings = _SETTINGS
+TestDiskTierStateful = DiskTierMachine.TestCase
+TestDiskTierStateful.settings = _SETTINGS

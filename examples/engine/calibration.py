@@ -40,7 +40,9 @@ def calibrate_kv_scales(
     bs = config.cache.block_size
     blocks = sum(-(-(len(p) + 1) // bs) for p in prompts) + 2
     section = {**config.cache.model_dump(), "dtype": compute, "num_blocks": blocks, "memory_budget": None}
-    section.update(enable_prefix_caching=False, host_cache_space=0, swap_space=0)
+    section.update(
+        enable_prefix_caching=False, host_cache_space=0, swap_space=0, disk_cache_space=0, disk_cache_dir=None
+    )
     scratch = KVCacheConfig.model_validate({**config.model_dump(), "cache": section}, strict=False)
     engine = engine_for(scratch, model.shape, device=fp8_cache.device, backend=backend, fill=0.0)
     requests = [Request(i, list(p), 1) for i, p in enumerate(prompts)]

@@ -325,4 +325,10 @@ def format_summary(report: RunReport) -> list[str]:
             f"{h.blocks_used} / {h.blocks_total} blocks held; {(h.bytes_to_host + h.bytes_to_device) / 2**20:.1f} MiB "
             f"copied in {h.copy_seconds * 1e3:.1f} ms"
         )
+        if h.disk is not None:
+            d = h.disk
+            lines.append(
+                f"disk tier: {d.hit_blocks} blocks read back, {d.written_blocks} written, {d.dropped_blocks} deleted "
+                f"for room, {d.corrupt_blocks} damaged (recomputed); {d.files} / {d.blocks_total} files held"
+            )
     return lines

@@ -73,6 +73,8 @@ def cache_config_for(
     swap_space: int | str = 0,
     host_cache_space: int | str = 0,
     compute_dtype: str | None = None,
+    disk_cache_dir: str | None = None,
+    disk_cache_space: int | str = 0,
 ) -> KVCacheConfig:
     """A validated cache config whose ``model`` section is ``shape``'s (give ``num_blocks``
     or ``memory_budget``); ``compute_dtype`` is ``model.dtype`` (required for an fp8
@@ -84,6 +86,8 @@ def cache_config_for(
         "enable_prefix_caching": prefix_caching,
         "swap_space": swap_space,
         "host_cache_space": host_cache_space,
+        "disk_cache_space": disk_cache_space,
+        "disk_cache_dir": disk_cache_dir,
     }
     if num_blocks is not None:
         cache["num_blocks"] = num_blocks
@@ -157,5 +161,11 @@ def engine_for(
         sliding_window=release,
     )
     if config.cache.host_cache_space and manager.prefix_cache is not None:
-        HostPrefixTier.for_bytes(manager, cache, config.cache.host_cache_space)  # manager.lower_tier
+        HostPrefixTier.for_bytes(  # manager.lower_tier
+            manager,
+            cache,
+            config.cache.host_cache_space,
+            disk_dir=config.cache.disk_cache_dir,
+            disk_bytes=config.cache.disk_cache_space,
+        )
     return Engine(config, spec, chosen, reason, cache, manager, tp)

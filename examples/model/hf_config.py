@@ -72,7 +72,7 @@ def _size(get: Any, key: str, default: object = _MISSING, *, minimum: int = 1) -
 
 def _number(get: Any, key: str, default: float, *, where: Mapping[str, Any] | None = None) -> float:
     """A positive finite float (from ``where`` when given, else the config)."""
-    value = (where.get(key, None) if where is not None else get(key, None))
+    value = where.get(key, None) if where is not None else get(key, None)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
@@ -150,6 +150,7 @@ def _rope(get: Any) -> dict[str, Any]:
         raise _refuse("partial_rotary_factor", partial, "it rotates every channel (1.0)")
     if kind == "default":
         return {"rope_theta": theta, "rope_scaling": None}
+
     def factor(key: str) -> float:
         if key not in params:
             raise ValueError(f"rope_parameters.{key}: missing for rope_type {kind!r}")

@@ -36,6 +36,7 @@ _SHARDED: dict[str, tuple[int, tuple[Split, ...]]] = {
     "mlp.w_down": (1, ("mlp",)),
 }
 
+
 @dataclass(frozen=True)
 class Part:
     """One part of a parameter and a rank's share of it.

@@ -33,6 +33,9 @@ class BlockAllocator:
         (the prefix cache drops what it knew about the block's old content)."""
         self.num_blocks = require_int("num_blocks", num_blocks, minimum=1, maximum=MAX_BLOCKS)
         self.on_evict = on_evict
+        #: Called once after an allocation that evicted cached blocks (after every
+        #: ``on_evict``): a lower tier copies the evicted blocks out as one batch.
+        self.after_evict: Callable[[], None] | None = None
         self._ref = [0] * self.num_blocks
         self._free = FreeBlockQueue(self.num_blocks)
 
@@ -70,6 +73,8 @@ class BlockAllocator:
         if evicted and self.on_evict is not None:
             for block in evicted:
                 self.on_evict(block)
+            if self.after_evict is not None:
+                self.after_evict()
         return blocks
 
     def revive(self, block: int) -> None:

@@ -161,10 +161,13 @@ class BlockManager(SequenceTable):
             finally:
                 self.lower_tier.unpin(lower)
             filled = fresh[: len(lower)]
-            self.lower_tier.load(list(zip(lower, filled, strict=True)))
-            keys = keys + [self.prefix_cache.adopt(key, block) for key, block in zip(lower_keys, filled, strict=True)]
-            hits = hits + filled
-            blocks = hits + fresh[len(lower) :]
+            # A block the tier cannot serve (a corrupt disk file) ends the run: it and the
+            # blocks after it are computed again, in the fresh blocks they already have.
+            loaded = self.lower_tier.load(lower_keys, lower, filled)
+            adopt = self.prefix_cache.adopt
+            keys = keys + [adopt(key, block) for key, block in zip(lower_keys[:loaded], filled[:loaded], strict=True)]
+            blocks = hits + fresh
+            hits = hits + filled[:loaded]
         else:
             blocks = hits + self.allocator.allocate(self.blocks_for(num_tokens) - len(hits))
         cached = len(hits) * self.block_size
@@ -354,12 +357,13 @@ class BlockManager(SequenceTable):
             raise InvalidArgumentError(f"tier: this manager has a {self.lower_tier.name} tier already")
         self.lower_tier = tier
         self.prefix_cache.demote = tier.offload
+        self.allocator.after_evict = tier.flush
 
     def _tier_contents(self) -> dict[str, list[BlockKey]]:
         """The keys each tier holds now (a replay for a new event subscriber)."""
         contents = {DEVICE_TIER: [] if self.prefix_cache is None else self.prefix_cache.held_keys()}
         if self.lower_tier is not None:
-            contents[self.lower_tier.name] = self.lower_tier.held_keys()
+            contents.update(self.lower_tier.tier_contents())
         return contents
 
     # ---- checks ------------------------------------------------------------------------

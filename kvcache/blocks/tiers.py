@@ -8,6 +8,8 @@ its new owner writes it, and written before a step reads it.
 
 Admission takes the device's cached run first, then continues the same chain in the tier:
 a prompt whose head is on the device and whose next blocks were evicted to the host gets both.
+A tier may have its own lower level (the host tier spills to an optional disk tier,
+:mod:`kvcache.memory.disk_tier`); the manager sees one tier either way.
 """
 
 from __future__ import annotations
@@ -35,13 +37,20 @@ class LowerTier(Protocol):
     def unpin(self, handles: Sequence[int]) -> None:
         """Undo :meth:`pin`."""
 
-    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy each ``(handle, device block)``'s K/V into the device block, before any step
-        queued later reads it."""
+    def load(self, keys: Sequence[BlockKey], handles: Sequence[int], blocks: Sequence[int]) -> int:
+        """Copy the K/V held under ``keys[i]`` (found as ``handles[i]``) into device block
+        ``blocks[i]``, before any step queued later reads it, in order; return how many leading
+        blocks were filled. A tier that finds a block unusable (a disk file that fails its
+        checksum) stops there: the caller recomputes that block and every later one."""
 
     def offload(self, key: BlockKey, block: int) -> None:
         """The device pool is evicting ``block``, which holds ``key``'s K/V: keep a copy if
-        there is room (read before the block's new owner writes it)."""
+        there is room (read before the block's new owner writes it). The copy may wait for
+        :meth:`flush`."""
 
-    def held_keys(self) -> list[BlockKey]:
-        """Every key the tier holds (for event replays)."""
+    def flush(self) -> None:
+        """Start the copies of the blocks offered since the last flush (the allocator calls it
+        once per allocation that evicted blocks, before the blocks' new owners can write them)."""
+
+    def tier_contents(self) -> dict[str, list[BlockKey]]:
+        """Every key the tier (and any tier below it) holds, by tier name (event replays)."""

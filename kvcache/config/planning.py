@@ -43,6 +43,8 @@ class CapacityPlan:
     kv_heads: int = 0
     kv_replicas: int = 1
     host_blocks: int = 0
+    disk_blocks: int = 0
+    disk_dir: str | None = None
 
     @property
     def token_capacity(self) -> int:
@@ -131,6 +133,14 @@ class CapacityPlan:
                     f"{format_bytes(self.host_blocks * self.bytes_per_block)} pinned host memory{each}",
                 )
             )
+        if self.disk_blocks:
+            rows.append(
+                (
+                    "prefix cache, disk tier",
+                    f"{self.disk_blocks:,} blocks, {self.disk_blocks * self.block_size:,} tokens, "
+                    f"{format_bytes(self.disk_blocks * self.bytes_per_block)} of files under {self.disk_dir}{each}",
+                )
+            )
         if self.max_seq_len is not None:
             rows.append(
                 (
@@ -183,6 +193,8 @@ def plan_capacity(
         kv_heads=tp.kv_heads_per_rank(m.num_kv_heads),
         kv_replicas=tp.kv_replicas(m.num_kv_heads),
         host_blocks=config.cache.host_cache_space // config.bytes_per_block_per_rank(tp),
+        disk_blocks=config.cache.disk_cache_space // config.bytes_per_block_per_rank(tp),
+        disk_dir=config.cache.disk_cache_dir,
     )
 
 

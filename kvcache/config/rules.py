@@ -70,6 +70,7 @@ def cross_field_problems(values: Values) -> list[ConfigProblem]:
         _window_pattern,
         _backend_supports,
         _host_tier_needs_prefix_caching,
+        _disk_tier_needs,
     )
     return [problem for rule in rules for problem in rule(values)]
 
@@ -110,6 +111,39 @@ def _host_tier_needs_prefix_caching(values: Values) -> list[ConfigProblem]:
             f"turn it on, or set host_cache_space to 0",
         )
     ]
+
+
+def _disk_tier_needs(values: Values) -> list[ConfigProblem]:
+    space = _any_int(values, "cache.disk_cache_space")
+    directory = values.get("cache.disk_cache_dir")
+    if not space and directory is None:
+        return []
+    if not space:
+        return [
+            ConfigProblem(
+                "cache.disk_cache_dir",
+                "is given without cache.disk_cache_space; set disk_cache_space (e.g. 200GiB) or remove disk_cache_dir",
+            )
+        ]
+    found = []
+    if directory is None:
+        found.append(
+            ConfigProblem(
+                "cache.disk_cache_space",
+                f"{space} bytes for a disk tier, but cache.disk_cache_dir is not set; name a directory "
+                f"(e.g. /mnt/nvme/kvcache), or set disk_cache_space to 0",
+            )
+        )
+    host = _any_int(values, "cache.host_cache_space")
+    if not host:
+        found.append(
+            ConfigProblem(
+                "cache.disk_cache_space",
+                f"{space} bytes for a disk tier, but there is no host tier to feed it (cache.host_cache_space is "
+                f"0); set host_cache_space (e.g. 16GiB), or set disk_cache_space to 0",
+            )
+        )
+    return found
 
 
 def _heads_divide(values: Values) -> list[ConfigProblem]:

@@ -210,6 +210,9 @@ class MemoryBudget:
 _BUDGET_FIX = "write a fraction such as 0.9, or a size with a unit such as 40GiB"
 _SWAP_FIX = "write a size such as 4GiB, or 0 for no swap"
 _HOST_CACHE_FIX = "write a size such as 16GiB, or 0 for no host tier"
+_DISK_CACHE_FIX = "write a size such as 200GiB, or 0 for no disk tier"
+#: The longest disk_cache_dir taken (Linux's PATH_MAX).
+MAX_PATH_CHARS = 4096
 
 
 class CacheSection(BaseModel):
@@ -239,6 +242,14 @@ class CacheSection(BaseModel):
     """Pinned host memory for the prefix cache's host tier: cached blocks the device pool evicts
     are kept there and come back on a hit (a size such as 16GiB, or a byte count, at most 1 PiB;
     0: no host tier). Needs enable_prefix_caching."""
+    disk_cache_space: Annotated[int, _SWAP_SCHEMA] = 0
+    """Disk space for the prefix cache's disk tier: blocks the host tier evicts are written to
+    files under disk_cache_dir (each with a checksum: a damaged file is recomputed, never
+    served) and come back on a hit (a size such as 200GiB, or a byte count, at most 1 PiB; 0: no
+    disk tier). Needs host_cache_space and disk_cache_dir."""
+    disk_cache_dir: str | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS)
+    """Directory of the disk tier's block files (created if missing; the files of an earlier
+    run of the same layout are deleted at start). Use a local disk; give disk_cache_space too."""
     kv_scale: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False)
     """For an fp8 cache (dtype float8_e4m3): the dequantization scale every layer and KV head
     starts with (a stored value times the scale is the real K/V; float8_e4m3 holds up to 448
@@ -265,10 +276,10 @@ class CacheSection(BaseModel):
             raise ValueError(f"{quote(value)} is not a fraction in (0, 1]; {_BUDGET_FIX}")
         raise ValueError(f"{quote(value)} is not a budget; {_BUDGET_FIX}")
 
-    @field_validator("swap_space", "host_cache_space", mode="before")
+    @field_validator("swap_space", "host_cache_space", "disk_cache_space", mode="before")
     @classmethod
     def _parse_host_size(cls, value: Any, info: ValidationInfo) -> Any:
-        fix = _SWAP_FIX if info.field_name == "swap_space" else _HOST_CACHE_FIX
+        fix = {"swap_space": _SWAP_FIX, "host_cache_space": _HOST_CACHE_FIX}.get(info.field_name or "", _DISK_CACHE_FIX)
         if isinstance(value, str):
             return parse_bytes(value)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -277,6 +288,13 @@ class CacheSection(BaseModel):
             raise ValueError(f"{quote(value)} is negative; {fix}")
         if value > MAX_BYTES:
             raise ValueError(f"{quote(value)} bytes is more than {format_bytes(MAX_BYTES)}; {fix}")
+        return value
+
+    @field_validator("disk_cache_dir")
+    @classmethod
+    def _directory_form(cls, value: str | None) -> str | None:
+        if value is not None and ("\x00" in value or not value.strip()):
+            raise ValueError(f"{quote(value)} is not a directory path; write a path such as /mnt/nvme/kvcache")
         return value
 
     @field_validator("device")

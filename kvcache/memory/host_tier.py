@@ -22,10 +22,21 @@ The host side needs no synchronisation: the side stream runs every copy in order
 block reused after an eviction is written only after earlier loads have read it. Salts are part
 of every key, so a tenant never hits another tenant's blocks here either. Events: the
 manager's ``kv_events`` publish ``tier="host"`` stored and removed events.
+
+Copies move in batches: the blocks one allocation evicts are gathered into one staging tensor
+on the device and leave in one copy per run of consecutive host blocks (:meth:`flush`); the
+blocks one admission loads arrive the same way. Host blocks are handed out in order, so a
+conversation's history, evicted together, usually sits in one run.
+
+With a disk tier (:mod:`kvcache.memory.disk_tier`), a block the host pool drops is written to
+a file first, and admission continues a prompt's run there once the host has no more of it: the
+file is read and checked whole before its block counts as computed; an unusable file ends the
+run, and the rest of the prompt is computed again.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,9 +49,13 @@ from attention.errors import InvalidArgumentError
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.prefix_cache import BlockKey
 from kvcache.memory.cache_tensors import KVCacheTensors
+from kvcache.memory.disk_tier import DiskPrefixTier, DiskTierStats
 from kvcache.memory.host_pool import check_cache_serves, host_block_pool
 
-__all__ = ["HostPrefixTier", "HostTierStats"]
+__all__ = ["ON_DISK", "HostPrefixTier", "HostTierStats"]
+
+#: The handle :meth:`HostPrefixTier.lookup` returns for a block held by the disk tier.
+ON_DISK = -1
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,9 @@ class HostTierStats:
     offloaded_blocks: evicted device blocks copied to the host.
     dropped_blocks:   host blocks evicted to make room (their K/V is gone).
     bytes_to_host / bytes_to_device: K/V bytes copied each way.
-    copy_seconds:     time the copies took: GPU time on CUDA (completed copies), wall time on CPU.
+    copy_seconds:     time the copies took: GPU time on CUDA (completed copies), wall time on CPU;
+                      ``to_host_seconds`` and ``to_device_seconds`` split it by direction.
+    disk:             the disk tier's figures (None without one).
     """
 
     blocks_total: int
@@ -62,6 +79,9 @@ class HostTierStats:
     bytes_to_host: int
     bytes_to_device: int
     copy_seconds: float
+    disk: DiskTierStats | None = None
+    to_host_seconds: float = 0.0
+    to_device_seconds: float = 0.0
 
 
 class HostPrefixTier:
@@ -70,9 +90,19 @@ class HostPrefixTier:
 
     name = "host"
 
-    def __init__(self, manager: BlockManager, cache: KVCacheTensors, num_host_blocks: int):
-        """Raises InvalidArgumentError (allocating nothing) for a pool of no block, a cache
-        that does not match the manager, or a manager without prefix caching or with a tier."""
+    def __init__(
+        self,
+        manager: BlockManager,
+        cache: KVCacheTensors,
+        num_host_blocks: int,
+        *,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
+    ):
+        """``disk_dir``, ``disk_bytes``: a disk tier below this one (both or neither). Raises
+        InvalidArgumentError (allocating nothing) for a pool of no block, a cache that does not
+        match the manager, a manager without prefix caching or with a tier, or a disk bound
+        that holds no block."""
         num_host_blocks = require_int("num_host_blocks", num_host_blocks)
         if num_host_blocks < 1:
             raise InvalidArgumentError(
@@ -83,6 +113,17 @@ class HostPrefixTier:
             raise InvalidArgumentError("manager: the host tier extends the prefix cache; enable_prefix_caching=True")
         if manager.lower_tier is not None:
             raise InvalidArgumentError(f"manager: it has a {manager.lower_tier.name} tier already")
+        if (disk_dir is None) != (not disk_bytes):
+            raise InvalidArgumentError(
+                f"disk_dir, disk_bytes: a disk tier needs both a directory and a size (got {disk_dir!r:.80} and "
+                f"{disk_bytes!r:.20}); give both, or neither"
+            )
+        s = cache.storage.shape
+        self.disk = (
+            None
+            if disk_dir is None
+            else DiskPrefixTier(disk_dir, disk_bytes, (s[0], 2, *s[3:]), cache.dtype, manager.kv_events)
+        )
         self.manager = manager
         self.cache = cache
         self.host = host_block_pool(cache, num_host_blocks)
@@ -92,18 +133,32 @@ class HostPrefixTier:
         self._key_at: dict[int, BlockKey] = {}
         self._free = list(range(num_host_blocks - 1, -1, -1))
         self._pinned: dict[int, int] = {}
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._copy_seconds = 0.0
+        self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._seconds = {"to_host": 0.0, "to_device": 0.0}
         self.hit_blocks = 0
         self.offloaded_blocks = 0
         self.dropped_blocks = 0
         self._bytes_per_block = cache.bytes_per_block
+        #: Offloads waiting for :meth:`flush`: (device block, host block).
+        self._pending: list[tuple[int, int]] = []
+        #: The copy that last wrote each host block (read on the host before a disk write).
+        self._written: dict[int, torch.cuda.Event] = {}
         manager.attach_tier(self)
 
     @classmethod
-    def for_bytes(cls, manager: BlockManager, cache: KVCacheTensors, num_bytes: int) -> HostPrefixTier:
-        """A pool of ``num_bytes`` (``cache.host_cache_space``), in whole blocks."""
-        return cls(manager, cache, require_int("num_bytes", num_bytes, minimum=0) // cache.bytes_per_block)
+    def for_bytes(
+        cls,
+        manager: BlockManager,
+        cache: KVCacheTensors,
+        num_bytes: int,
+        *,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
+    ) -> HostPrefixTier:
+        """A pool of ``num_bytes`` (``cache.host_cache_space``), in whole blocks, over an
+        optional disk tier (``cache.disk_cache_dir``, ``cache.disk_cache_space``)."""
+        num_host_blocks = require_int("num_bytes", num_bytes, minimum=0) // cache.bytes_per_block
+        return cls(manager, cache, num_host_blocks, disk_dir=disk_dir, disk_bytes=disk_bytes)
 
     @property
     def num_host_blocks(self) -> int:
@@ -112,27 +167,46 @@ class HostPrefixTier:
     # ---- the LowerTier protocol ----------------------------------------------------------
 
     def lookup(self, key: BlockKey) -> int | None:
-        return self._index.get(key)
+        h = self._index.get(key)
+        if h is None and self.disk is not None and self.disk.holds(key):
+            return ON_DISK
+        return h
 
     def pin(self, handles: Sequence[int]) -> None:
         for h in handles:
-            self._pinned[h] = self._pinned.get(h, 0) + 1
+            if h != ON_DISK:
+                self._pinned[h] = self._pinned.get(h, 0) + 1
 
     def unpin(self, handles: Sequence[int]) -> None:
         for h in handles:
+            if h == ON_DISK:
+                continue
             count = self._pinned[h] - 1
             if count:
                 self._pinned[h] = count
             else:
                 del self._pinned[h]
 
-    def load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        for h, _ in pairs:
-            self._index.move_to_end(self._key_at[h])
-        self._copy_to_device([h for h, _ in pairs], [b for _, b in pairs])
-        self.hit_blocks += len(pairs)
+    def load(self, keys: Sequence[BlockKey], handles: Sequence[int], blocks: Sequence[int]) -> int:
+        from_host: list[tuple[int, int]] = []
+        from_disk: list[tuple[torch.Tensor, int]] = []
+        loaded = 0
+        for key, h, block in zip(keys, handles, blocks, strict=True):
+            if h == ON_DISK:
+                data = None if self.disk is None else self.disk.read(key)
+                if data is None:  # unusable: this block and the rest are computed again
+                    break
+                from_disk.append((data, block))
+            else:
+                self._index.move_to_end(self._key_at[h])
+                from_host.append((h, block))
+            loaded += 1
+        if from_host:
+            self._copy_to_device([h for h, _ in from_host], [b for _, b in from_host])
+            self.hit_blocks += len(from_host)
+        if from_disk:
+            self._copy_disk_blocks(from_disk)
+        return loaded
 
     def offload(self, key: BlockKey, block: int) -> None:
         if key in self._index:
@@ -141,14 +215,29 @@ class HostPrefixTier:
         h = self._take_block()
         if h is None:  # every host block is pinned by an admission in progress
             return
-        self._copy_to_host(block, h)
+        self._pending.append((block, h))
         self._index[key] = h
         self._key_at[h] = key
         self.offloaded_blocks += 1
         self.manager.kv_events.stored(self.name, key)
 
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        # A block evicted twice in one batch (taken, freed, taken again) ends in its last host
+        # block only; the copies run in order, so the last one wins either way.
+        self._copy_to_host([b for b, _ in pending], [h for _, h in pending])
+
     def held_keys(self) -> list[BlockKey]:
+        """The keys the host pool holds, least recently used first."""
         return list(self._index)
+
+    def tier_contents(self) -> dict[str, list[BlockKey]]:
+        contents = {self.name: list(self._index)}
+        if self.disk is not None:
+            contents[self.disk.name] = self.disk.held_keys()
+        return contents
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -163,7 +252,10 @@ class HostPrefixTier:
             dropped_blocks=self.dropped_blocks,
             bytes_to_host=self.offloaded_blocks * self._bytes_per_block,
             bytes_to_device=self.hit_blocks * self._bytes_per_block,
-            copy_seconds=self._copy_seconds,
+            copy_seconds=self._seconds["to_host"] + self._seconds["to_device"],
+            disk=None if self.disk is None else self.disk.stats(),
+            to_host_seconds=self._seconds["to_host"],
+            to_device_seconds=self._seconds["to_device"],
         )
 
     def synchronize(self) -> None:
@@ -183,16 +275,23 @@ class HostPrefixTier:
             found.append("host tier: the block -> key map disagrees with the index")
         if len(held) + len(self._free) != self.num_host_blocks:
             found.append(f"host tier: {len(held)} held + {len(self._free)} free != {self.num_host_blocks} blocks")
+        if self._pending:
+            found.append(f"host tier: {len(self._pending)} offloads were never flushed")
+        if self.disk is not None:
+            found += self.disk.integrity_problems()
         return found
 
     # ---- internals ----------------------------------------------------------------------
 
     def _take_block(self) -> int | None:
-        """A free host block, evicting the least recently used unpinned key if need be."""
+        """A free host block, evicting the least recently used unpinned key if need be (to
+        the disk tier, when there is one)."""
         if self._free:
             return self._free.pop()
         for key, h in self._index.items():
             if h not in self._pinned:
+                if self.disk is not None:
+                    self.disk.store(key, self._host_block_now(h))
                 del self._index[key]
                 del self._key_at[h]
                 self.dropped_blocks += 1
@@ -200,29 +299,56 @@ class HostPrefixTier:
                 return h
         return None
 
-    def _copy_to_host(self, block: int, h: int) -> None:
+    def _host_block_now(self, h: int) -> torch.Tensor:
+        """Host block ``h`` once every copy into it has landed."""
+        if any(host == h for _, host in self._pending):
+            self.flush()
+        written = self._written.pop(h, None)
+        if written is not None:
+            written.synchronize()
+        return self.host[h]
+
+    @staticmethod
+    def _runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
+        """``(first index, first host block, length)`` of each run of consecutive host blocks."""
+        runs: list[tuple[int, int, int]] = []
+        for i, h in enumerate(host_blocks):
+            if runs and runs[-1][1] + runs[-1][2] == h and runs[-1][0] + runs[-1][2] == i:
+                first, start, length = runs[-1]
+                runs[-1] = (first, start, length + 1)
+            else:
+                runs.append((i, h, 1))
+        return runs
+
+    def _copy_to_host(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         storage = self.cache.storage
         if self._stream is None:
             start = time.perf_counter()
-            self.host[h].copy_(storage[:, :, block])
-            self._copy_seconds += time.perf_counter() - start
+            for b, h in zip(device_blocks, host_blocks, strict=True):
+                self.host[h].copy_(storage[:, :, b])
+            self._seconds["to_host"] += time.perf_counter() - start
             return
         compute = torch.cuda.current_stream(storage.device)
-        self._stream.wait_stream(compute)  # the block's last writes may still be queued
+        self._stream.wait_stream(compute)  # the blocks' last writes may still be queued
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
-            self.host[h].copy_(storage[:, :, block].contiguous(), non_blocking=True)
+            index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
+            staged = storage.index_select(2, index).movedim(2, 0).contiguous()  # block-major, as the host
+            for first, h, n in self._runs(host_blocks):
+                self.host[h : h + n].copy_(staged[first : first + n], non_blocking=True)
             done.record(self._stream)
-        compute.wait_event(done)  # its new owner writes only after the copy has read it
-        self._timings.append((begin, done))
+        compute.wait_event(done)  # their new owners write only after the copy has read them
+        self._timings.append(("to_host", begin, done))
+        for h in host_blocks:
+            self._written[h] = done
 
     def _copy_to_device(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         storage = self.cache.storage
         if self._stream is None:
             start = time.perf_counter()
             storage[:, :, device_blocks] = self.host[host_blocks].movedim(0, 2)
-            self._copy_seconds += time.perf_counter() - start
+            self._seconds["to_device"] += time.perf_counter() - start
             return
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the fresh blocks may still be read by queued work
@@ -230,19 +356,38 @@ class HostPrefixTier:
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
             staged = torch.empty((len(host_blocks), *self.host.shape[1:]), dtype=storage.dtype, device=storage.device)
-            for i, h in enumerate(host_blocks):
-                staged[i].copy_(self.host[h], non_blocking=True)
-            index = torch.tensor(device_blocks, device=storage.device)
+            for first, h, n in self._runs(host_blocks):
+                staged[first : first + n].copy_(self.host[h : h + n], non_blocking=True)
+            index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
             storage.index_copy_(2, index, staged.movedim(0, 2))
             done.record(self._stream)
         compute.wait_event(done)  # the step that reads the prefix sees it whole
-        self._timings.append((begin, done))
+        self._timings.append(("to_device", begin, done))
+
+    def _copy_disk_blocks(self, pairs: list[tuple[torch.Tensor, int]]) -> None:
+        """Device blocks from blocks read off disk (host tensors, checked whole), ordered as
+        :meth:`_copy_to_device` orders host loads."""
+        storage = self.cache.storage
+        data = torch.stack([d for d, _ in pairs])  # [n, num_layers, 2, block_size, heads, dim]
+        index = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+        if self._stream is None:
+            storage.index_copy_(2, index, data.movedim(0, 2))
+            return
+        data = data.pin_memory()  # the host allocator keeps it until the copy has read it
+        compute = torch.cuda.current_stream(storage.device)
+        self._stream.wait_stream(compute)  # the fresh blocks may still be read by queued work
+        with torch.cuda.stream(self._stream):
+            staged = data.to(storage.device, non_blocking=True)
+            storage.index_copy_(2, index.to(storage.device, non_blocking=True), staged.movedim(0, 2))
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        compute.wait_event(done)  # the step that reads the prefix sees it whole
 
     def _collect_timings(self) -> None:
         still = []
-        for begin, done in self._timings:
+        for direction, begin, done in self._timings:
             if done.query():
-                self._copy_seconds += begin.elapsed_time(done) / 1000
+                self._seconds[direction] += begin.elapsed_time(done) / 1000
             else:
-                still.append((begin, done))
+                still.append((direction, begin, done))
         self._timings = still

@@ -1,0 +1,250 @@
+"""The disk tier of the prefix cache: blocks the host tier evicts are kept as files.
+
+One file per block, named by the block's stable digest (:mod:`kvcache.blocks.digest`), under
+``directory/<layout>/``, where ``<layout>`` names the cache layout (layers, block size, KV
+heads, head dim, dtype): a file is only ever read back into a cache of the same layout. A file
+holds a header and the block's K/V (every layer's K and V, the host pool's block layout)::
+
+    magic (8 bytes) | digest (16) | payload bytes (8, little-endian) | BLAKE2b-128 of the payload (16) | payload
+
+Reading checks every field: a file that is missing, short, or whose digest or checksum does not
+match is deleted and reported as unusable, and the caller recomputes the block; no byte of it
+reaches the device. Writes go to a temporary file renamed into place, so a reader never sees a
+half-written file under a block's name.
+
+The tier is bounded by ``max_bytes``: the least recently used files are deleted to make room.
+Files are written synchronously when the host tier evicts a block (a write takes about a
+millisecond per 4 MiB block from the page cache). Files left by an earlier process under the
+same layout are deleted at start: the digest covers the tokens and the salt, not the model's
+weights, so a file from another run could hold another model's K/V.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attention.checks import require_int
+from attention.errors import InvalidArgumentError
+from kvcache.blocks.events import KVEventStream
+from kvcache.blocks.prefix_cache import BlockKey
+
+__all__ = ["DiskPrefixTier", "DiskTierStats", "layout_name"]
+
+_MAGIC = b"PKVBLK01"
+_HEADER = struct.Struct("<8s16sQ16s")
+_SUFFIX = ".kv"
+
+
+@dataclass(frozen=True)
+class DiskTierStats:
+    """What the disk tier holds and has moved.
+
+    files / bytes_used: files held now and their size (headers included); bytes_total: the bound.
+    blocks_total:   files the bound holds.
+    hit_blocks:     blocks read back whole (each saved a block of prefill).
+    written_blocks: blocks written.
+    dropped_blocks: files deleted to make room.
+    corrupt_blocks: files found unusable when read (missing, short, wrong digest or checksum),
+                    deleted and recomputed.
+    bytes_read / bytes_written: payload bytes each way.
+    """
+
+    files: int
+    bytes_used: int
+    bytes_total: int
+    blocks_total: int
+    hit_blocks: int
+    written_blocks: int
+    dropped_blocks: int
+    corrupt_blocks: int
+    bytes_read: int
+    bytes_written: int
+
+
+def layout_name(block_shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    """The folder name of a cache layout: ``[num_layers, 2, block_size, kv_heads, head_dim]``
+    and the dtype, e.g. ``L32-bs32-h8-d128-bfloat16``."""
+    layers, _, block_size, heads, head_dim = block_shape
+    return f"L{layers}-bs{block_size}-h{heads}-d{head_dim}-{str(dtype).removeprefix('torch.')}"
+
+
+class DiskPrefixTier:
+    """Block files under ``directory`` for blocks of shape ``block_shape`` (``[num_layers, 2,
+    block_size, kv_heads, head_dim]``) in ``dtype``, at most ``max_bytes`` on disk.
+
+    The host tier (:class:`kvcache.memory.host_tier.HostPrefixTier`) owns it: it stores blocks
+    it evicts and reads blocks admission finds here. ``events``: where ``tier="disk"`` stored
+    and removed events are published (the manager's ``kv_events``)."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        events: KVEventStream | None = None,
+    ):
+        """Raises InvalidArgumentError (creating nothing) for a bound smaller than one block,
+        and OSError when the folder cannot be created."""
+        self.max_bytes = require_int("max_bytes", max_bytes, minimum=0)
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        numel = 1
+        for n in self.block_shape:
+            numel *= n
+        self.payload_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.file_bytes = _HEADER.size + self.payload_bytes
+        if self.max_bytes < self.file_bytes:
+            raise InvalidArgumentError(
+                f"disk_cache_space: {self.max_bytes} bytes holds no block file of {self.file_bytes} bytes; "
+                f"give at least that (or 0 for no disk tier)"
+            )
+        self.folder = Path(directory) / layout_name(self.block_shape, dtype)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(f"*{_SUFFIX}"):  # another run's files: not ours to trust
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        self.events = events
+        #: digest -> key, least recently used first.
+        self._index: OrderedDict[bytes, BlockKey] = OrderedDict()
+        self.hit_blocks = 0
+        self.written_blocks = 0
+        self.dropped_blocks = 0
+        self.corrupt_blocks = 0
+
+    # ---- lookups (change nothing) ----------------------------------------------------------
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a file was written for ``key`` (reading it may still find it unusable)."""
+        return key.digest in self._index
+
+    def held_keys(self) -> list[BlockKey]:
+        return list(self._index.values())
+
+    def path_of(self, key: BlockKey) -> Path:
+        """The file of ``key``'s block."""
+        return self.folder / (key.digest.hex() + _SUFFIX)
+
+    def stats(self) -> DiskTierStats:
+        return DiskTierStats(
+            files=len(self._index),
+            bytes_used=len(self._index) * self.file_bytes,
+            bytes_total=self.max_bytes,
+            blocks_total=self.max_bytes // self.file_bytes,
+            hit_blocks=self.hit_blocks,
+            written_blocks=self.written_blocks,
+            dropped_blocks=self.dropped_blocks,
+            corrupt_blocks=self.corrupt_blocks,
+            bytes_read=self.hit_blocks * self.payload_bytes,
+            bytes_written=self.written_blocks * self.payload_bytes,
+        )
+
+    # ---- actions -----------------------------------------------------------------------------
+
+    def store(self, key: BlockKey, block: torch.Tensor) -> None:
+        """Write ``block`` (a CPU tensor of ``block_shape``, the K/V of ``key``) to its file,
+        deleting the least recently used files to stay within the bound. A key held already
+        is only marked used. An OSError (disk full) leaves the block unwritten."""
+        digest = key.digest
+        if digest in self._index:
+            self._index.move_to_end(digest)
+            return
+        while self._index and (len(self._index) + 1) * self.file_bytes > self.max_bytes:
+            self._drop(next(iter(self._index)))
+        block = block.contiguous()  # kept alive while its bytes are written
+        payload = _bytes_of(block)
+        if len(payload) != self.payload_bytes:
+            raise InvalidArgumentError(
+                f"block: {len(payload)} bytes, but a block of this tier has {self.payload_bytes}"
+            )
+        header = _HEADER.pack(_MAGIC, digest, len(payload), hashlib.blake2b(payload, digest_size=16).digest())
+        path = self.path_of(key)
+        temporary = path.with_suffix(".tmp")
+        try:
+            with open(temporary, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(temporary, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            return
+        self._index[digest] = key
+        self.written_blocks += 1
+        if self.events is not None:
+            self.events.stored(self.name, key)
+
+    def read(self, key: BlockKey) -> torch.Tensor | None:
+        """``key``'s block as a CPU tensor of ``block_shape``, checked whole; None (the file
+        deleted, the key forgotten, ``corrupt_blocks`` counted) when the file is missing or any
+        field or the checksum does not match."""
+        digest = key.digest
+        if digest not in self._index:
+            return None
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.file_bytes + 1)
+        except OSError:
+            data = b""
+        payload = self._checked_payload(data, digest)
+        if payload is None:
+            self.corrupt_blocks += 1
+            self._drop(digest, dropped=False)
+            return None
+        self._index.move_to_end(digest)
+        self.hit_blocks += 1
+        return torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape)
+
+    def clear(self) -> None:
+        """Delete every file of this tier."""
+        for digest in list(self._index):
+            self._drop(digest, dropped=False)
+
+    def integrity_problems(self) -> list[str]:
+        found = []
+        for digest, key in self._index.items():
+            if key.digest != digest:
+                found.append(f"disk tier: file {digest.hex()} is indexed under another key")
+        if len(self._index) * self.file_bytes > self.max_bytes:
+            found.append(f"disk tier: {len(self._index)} files exceed the bound of {self.max_bytes} bytes")
+        return found
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _checked_payload(self, data: bytes, digest: bytes) -> memoryview | None:
+        if len(data) != self.file_bytes:
+            return None
+        magic, stored_digest, length, checksum = _HEADER.unpack_from(data)
+        if magic != _MAGIC or stored_digest != digest or length != self.payload_bytes:
+            return None
+        payload = memoryview(data)[_HEADER.size :]
+        if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+            return None
+        return payload
+
+    def _drop(self, digest: bytes, *, dropped: bool = True) -> None:
+        key = self._index.pop(digest)
+        with contextlib.suppress(OSError):
+            self.path_of(key).unlink()
+        self.dropped_blocks += dropped
+        if self.events is not None:
+            self.events.removed(self.name, key)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (no numpy needed); valid while
+    ``tensor`` lives."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
