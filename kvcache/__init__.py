@@ -90,6 +90,18 @@ if TYPE_CHECKING:
     from kvcache.blocks.events import (
         Subscription as Subscription,
     )
+    from kvcache.blocks.groups import (
+        KVGroup as KVGroup,
+    )
+    from kvcache.blocks.groups import (
+        KVGroupLayout as KVGroupLayout,
+    )
+    from kvcache.blocks.groups import (
+        group_layout as group_layout,
+    )
+    from kvcache.blocks.hybrid import (
+        HybridBlockManager as HybridBlockManager,
+    )
     from kvcache.blocks.manager import (
         BlockManager as BlockManager,
     )
@@ -216,6 +228,10 @@ _HOME = {
     "load_config": "kvcache.config.loading",
     "parse_config": "kvcache.config.loading",
     "BlockManager": "kvcache.blocks.manager",
+    "HybridBlockManager": "kvcache.blocks.hybrid",
+    "KVGroup": "kvcache.blocks.groups",
+    "KVGroupLayout": "kvcache.blocks.groups",
+    "group_layout": "kvcache.blocks.groups",
     "block_digests": "kvcache.blocks.digest",
     **{name: "kvcache.blocks.events" for name in ("AllCleared", "BlockRemoved", "BlockStored", "KVEvent")},
     "Subscription": "kvcache.blocks.events",

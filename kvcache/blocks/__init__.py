@@ -19,4 +19,6 @@
 | ``parking`` | ids of swapped-out sequences, reserved until attached or dropped |
 | ``integrity`` | recounting every invariant from scratch |
 | ``manager`` | :class:`BlockManager`: the check/act API over all of the above |
+| ``groups`` | KV groups: layers of one attention type (full, a window) sharing block tables |
+| ``hybrid`` | :class:`HybridBlockManager`: one manager per KV group over one pool, all or nothing |
 """

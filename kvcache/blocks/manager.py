@@ -59,7 +59,11 @@ class BlockManager(SequenceTable):
         enable_prefix_caching: bool = False,
         *,
         sliding_window: int | None = None,
+        allocator: BlockAllocator | None = None,
     ):
+        """``allocator``: a pool shared with other managers (the KV groups of a hybrid model,
+        :mod:`kvcache.blocks.hybrid`), of ``num_blocks`` blocks; its owner routes evictions to
+        this manager's prefix cache. Default: a pool of its own."""
         self.block_size = require_int("block_size", block_size, minimum=1, maximum=1 << 20)
         if not isinstance(enable_prefix_caching, bool):
             raise ArgumentTypeError(
@@ -69,7 +73,13 @@ class BlockManager(SequenceTable):
             None if sliding_window is None else require_int("sliding_window", sliding_window, minimum=1)
         )
         self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
-        self.allocator = BlockAllocator(num_blocks, None if self.prefix_cache is None else self.prefix_cache.forget)
+        if allocator is None:
+            allocator = BlockAllocator(num_blocks, None if self.prefix_cache is None else self.prefix_cache.forget)
+        elif not isinstance(allocator, BlockAllocator) or allocator.num_blocks != num_blocks:
+            raise InvalidArgumentError(
+                f"allocator: expected a BlockAllocator of {num_blocks} blocks, got {allocator!r:.80}"
+            )
+        self.allocator = allocator
         super().__init__()
         #: Blocks kept alive by someone other than a block table (a swap-out copy in flight).
         self.holds = BlockHolds(self.allocator)
