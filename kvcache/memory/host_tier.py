@@ -225,8 +225,6 @@ class HostPrefixTier:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        # A block evicted twice in one batch (taken, freed, taken again) ends in its last host
-        # block only; the copies run in order, so the last one wins either way.
         self._copy_to_host([b for b, _ in pending], [h for _, h in pending])
 
     def held_keys(self) -> list[BlockKey]:
