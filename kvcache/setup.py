@@ -9,22 +9,29 @@ from kvcache.blocks.manager import BlockManager
 from kvcache.config.schema import KVCacheConfig
 
 if TYPE_CHECKING:
+    from attention.spec import AttentionSpec
     from kvcache.memory.cache_tensors import KVCacheTensors
     from kvcache.parallel.heads import TensorParallel
 
 __all__ = ["backend_for", "manager_for"]
 
 
-def manager_for(config: KVCacheConfig, cache: KVCacheTensors, *, prefix_caching: bool | None = None) -> BlockManager:
+def manager_for(
+    config: KVCacheConfig,
+    cache: KVCacheTensors,
+    *,
+    prefix_caching: bool | None = None,
+    spec: AttentionSpec | None = None,
+) -> BlockManager:
     """A block manager over ``cache``'s blocks, with the config's block size, prefix caching
     (``prefix_caching`` overrides ``cache.enable_prefix_caching``) and its host tier
     (``cache.host_cache_space``: ``manager.lower_tier``) with its disk tier
     (``cache.disk_cache_dir``, ``cache.disk_cache_space``), and sliding-window block release when
-    every layer is windowed.
+    every layer is windowed (in ``spec``, the model's attention; default: the config's).
 
     Under tensor parallelism every rank builds the same manager (same block count, same
     settings): block ids are shared by all ranks, each rank's blocks hold its own KV heads."""
-    spec = config.attention_spec()
+    spec = spec or config.attention_spec()
     release_window = spec.sliding_window if not spec.has_full_layers else None
     manager = BlockManager(
         cache.num_blocks,

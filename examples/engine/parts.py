@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attention import AttentionBackend, AttentionSpec, choose_backend
-from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, resolve_device
+from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, manager_for, resolve_device
 from kvcache.memory.cache_tensors import free_device_memory, num_blocks_for
-from kvcache.memory.host_tier import HostPrefixTier
 from kvcache.parallel.collective import Collective, SingleProcess
 from kvcache.parallel.heads import TensorParallel
 
@@ -152,20 +151,5 @@ def engine_for(
         # Free memory differs between devices: every rank takes the smallest count.
         num_blocks = collective.min_int(num_blocks_for(config, free_device_memory(dev), tp))
     cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp)
-    # Blocks behind the window are released only when every layer is windowed.
-    release = spec.sliding_window if not spec.has_full_layers else None
-    manager = BlockManager(
-        cache.num_blocks,
-        config.cache.block_size,
-        enable_prefix_caching=config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching,
-        sliding_window=release,
-    )
-    if config.cache.host_cache_space and manager.prefix_cache is not None:
-        HostPrefixTier.for_bytes(  # manager.lower_tier
-            manager,
-            cache,
-            config.cache.host_cache_space,
-            disk_dir=config.cache.disk_cache_dir,
-            disk_bytes=config.cache.disk_cache_space,
-        )
+    manager = manager_for(config, cache, prefix_caching=prefix_caching, spec=spec)  # with its tiers
     return Engine(config, spec, chosen, reason, cache, manager, tp)
