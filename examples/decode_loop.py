@@ -66,6 +66,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _draft(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 8] (0: no drafting)")
+    return value
+
+
 def _size(text: str) -> int:
     """A byte size such as 64MiB (or a plain byte count)."""
     if text.isdigit():
@@ -116,6 +123,14 @@ def _parser() -> argparse.ArgumentParser:
         "--sequential",
         action="store_true",
         help="no overlap: apply each step's tokens before scheduling the next (same tokens, slower)",
+    )
+    p.add_argument(
+        "--draft",
+        type=_draft,
+        default=0,
+        metavar="K",
+        help="prompt-lookup decoding: up to K draft tokens per decode row (1-8), verified exactly, so the "
+        "tokens are plain greedy decoding's; implies --sequential",
     )
     p.add_argument(
         "--checkpoint",
@@ -265,8 +280,9 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             preemption=preemption,
             token_budget=args.token_budget,
             use_graphs=use_graphs,
-            overlap=not args.sequential,
+            overlap=not (args.sequential or args.draft),
             record_margins=args.tokens_out is not None,
+            draft_tokens=args.draft,
             on_step=progress,
             on_warmup=lambda report: say(report.line()),
             collective=run.collective,

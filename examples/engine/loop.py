@@ -70,6 +70,16 @@ class RunReport:
     graph_replays: dict[str, int] = field(default_factory=dict)
     #: The prefix cache's host tier, when there is one.
     host_tier: HostTierStats | None = None
+    #: Prompt-lookup drafting: draft tokens per decode row (0: off), proposed and accepted.
+    draft_tokens: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.requests)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.requests)
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,7 +135,13 @@ class StepPipeline:
     def submit(self, batch: StepBatch) -> LaunchedStep:
         """Queue ``batch``; apply the step before it (overlap) or this one (no overlap)."""
         started = time.perf_counter()
-        launched = self.runner.launch(batch.rows, batch.token_ids, batch.feed, keep_logits=self.keep_logits)
+        if batch.has_drafts:
+            if self.overlap:
+                raise ValueError("overlap: a step with draft tokens needs overlap=False")
+            draft_rows = [i for i, d in enumerate(batch.drafts) if d]
+            launched = self.runner.verify(batch.rows, batch.token_ids, draft_rows)
+        else:
+            launched = self.runner.launch(batch.rows, batch.token_ids, batch.feed, keep_logits=self.keep_logits)
         self.launch_seconds = time.perf_counter() - started
         if self.overlap:
             self.drain()
@@ -144,8 +160,9 @@ class StepPipeline:
         if self.on_result is not None:
             self.on_result(batch, launched, tokens)
         rows = launched.plan.metadata.sampling_rows_host
-        self.scheduler.finish_step(batch, dict(zip(rows, tokens, strict=True)))
-        self.generated += len(tokens)
+        before = sum(len(r.output) for r in batch.requests)
+        self.scheduler.finish_step(batch, dict(zip(rows, tokens, strict=True)), launched.verified)
+        self.generated += sum(len(r.output) for r in batch.requests) - before
 
 
 def run_requests(
@@ -165,6 +182,7 @@ def run_requests(
     on_step: ProgressHook | None = None,
     on_warmup: Callable[[WarmupReport], None] | None = None,
     collective: Collective | None = None,
+    draft_tokens: int = 0,
 ) -> RunReport:
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
     ``request.output``). The model, cache and metadata all live on ``cache.device``.
@@ -175,7 +193,13 @@ def run_requests(
     ``collective``: the tensor-parallel group this rank belongs to (the model already
     connected to it). Every rank calls this with the same requests; before each step's
     forward pass the ranks compare a digest of what their managers decided, and at the end
-    the outputs, raising RankDivergenceError on every rank at the first difference."""
+    the outputs, raising RankDivergenceError on every rank at the first difference.
+
+    ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`), verified
+    exactly, so the tokens equal plain greedy decoding's; needs ``overlap=False`` and neither
+    recorded logits nor margins."""
+    if draft_tokens and (overlap or record_logits or record_margins):
+        raise ValueError("draft_tokens: drafting needs overlap=False and no recorded logits or margins")
     if overlap and any(r.forced is not None for r in requests):
         raise ValueError("overlap: teacher-forced requests (Request.forced) need overlap=False")
     for r in requests:
@@ -189,7 +213,15 @@ def run_requests(
             manager.block_size,
             [(r.req_id, r.prompt, r.max_new_tokens, r.arrival_step) for r in requests],
         )
-    scheduler = Scheduler(manager, requests, preemption, token_budget=token_budget, max_running=max_running)
+    scheduler = Scheduler(
+        manager,
+        requests,
+        preemption,
+        token_budget=token_budget,
+        max_running=max_running,
+        draft_tokens=draft_tokens,
+        copy_blocks=cache.copy_blocks,
+    )
     longest = max((r.peak_tokens for r in requests), default=1)
     capacity = StepCapacity(
         max_rows=max_running,
@@ -260,6 +292,7 @@ def run_requests(
         prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
         host_tier=_host_tier_stats(manager),
+        draft_tokens=draft_tokens,
         logits=logits_of if record_logits else {},
         warmup=report,
         margins=margins_of if record_margins else {},
@@ -317,6 +350,13 @@ def format_summary(report: RunReport) -> list[str]:
         lines.append(
             f"prefix cache hits: {report.prefix_hit_tokens} / {report.prefix_query_tokens} tokens "
             f"({rate:.1%}); prefill tokens saved: {report.prefix_hit_tokens}"
+        )
+    if report.draft_tokens:
+        rate = report.accepted / max(report.drafted, 1)
+        lines.append(
+            f"prompt lookup: up to {report.draft_tokens} drafts per decode row; {report.accepted} of "
+            f"{report.drafted} drafts accepted ({rate:.0%}); {report.generated_tokens / max(report.steps, 1):.2f} "
+            f"tokens per step"
         )
     if report.host_tier is not None:
         h = report.host_tier

@@ -62,6 +62,8 @@ class LaunchedStep:
     """A step queued on the device.
 
     plan:    the step's plan (``plan.metadata.sampling_rows_host[j]`` is the row of sample j).
+    verified: for a step whose rows carry draft tokens (:meth:`ModelRunner.verify`), the
+             greedy token after each position of each such row.
     samples: int64 [k] host tensor (pinned on CUDA) that the step's greedy tokens are copied
              into, valid once :meth:`tokens` returns.
     logits:  float32 [k, vocab] device copy of the sampled rows' logits (when asked for).
@@ -71,6 +73,8 @@ class LaunchedStep:
     samples: torch.Tensor
     done: torch.cuda.Event | None
     logits: torch.Tensor | None = None
+    #: A step with draft rows: per such row, the greedy token after each of its positions.
+    verified: dict[int, list[int]] | None = None
 
     def tokens(self) -> list[int]:
         """The step's sampled token ids, in sampling-row order (waits for the device)."""
@@ -250,6 +254,39 @@ class ModelRunner:
         kept = logits[:k].float().clone() if keep_logits else None
         return LaunchedStep(plan, host, done, kept)
 
-    def _forward(self, token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def verify(self, rows: Sequence[ScheduledRow], token_ids: Sequence[int], draft_rows: Sequence[int]) -> LaunchedStep:
+        """Run a step whose rows ``draft_rows`` carry draft tokens, eagerly (no graph, no
+        feed), and wait for it: the greedy token after every position of those rows (the
+        verification), and after the last token of every other sampling row. Every draft row
+        must be a sampling row (it reaches the end of its sequence)."""
+        plan = self._plan(rows, token_ids, None, None)
+        meta = plan.metadata
+        starts = [0]
+        for row in rows:
+            starts.append(starts[-1] + row.num_new)
+        picks: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        drafted = set(draft_rows)
+        for i in meta.sampling_rows_host:
+            if i in drafted:
+                spans[i] = (len(picks), rows[i].num_new)
+                picks += range(starts[i], starts[i + 1])
+            else:
+                spans[i] = (len(picks), 1)
+                picks.append(starts[i + 1] - 1)
+        if not drafted <= set(spans):
+            raise ValueError(f"draft_rows: {sorted(drafted - set(spans))} are not sampling rows of the step")
+        index = torch.tensor(picks, dtype=torch.int64, device=meta.positions.device)
+        logits = self._forward(self.builder.input_ids(meta.num_tokens), plan, index)
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        verified = {i: greedy[first : first + n] for i, (first, n) in spans.items() if i in drafted}
+        last = torch.tensor([greedy[first + n - 1] for first, n in spans.values()], dtype=torch.int64)
+        k = len(meta.sampling_rows_host)
+        self.builder.sampled[:k].copy_(last)
+        return LaunchedStep(plan, last, None, None, verified)
+
+    def _forward(
+        self, token_ids: torch.Tensor, plan: StepPlan, logits_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(token_ids, self.cache, self.backend, plan)
+            return self.model(token_ids, self.cache, self.backend, plan, logits_rows)

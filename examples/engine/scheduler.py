@@ -43,6 +43,8 @@ from typing import ClassVar
 
 from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
+from .drafting import NgramIndex, accepted_tokens
+
 __all__ = [
     "PREEMPTION_MODES",
     "Preemption",
@@ -86,6 +88,13 @@ class Request:
     #: position by position. Needs the sequential loop (``overlap=False``): an overlapped step
     #: feeds the sampled token on the device.
     forced: list[int] | None = None
+    #: Prompt lookup (a scheduler with ``draft_tokens``): the n-grams of its text, and the
+    #: drafts its row in the step being run carries after its last sampled token.
+    ngrams: NgramIndex | None = None
+    drafts: list[int] = field(default_factory=list)
+    #: Draft tokens proposed and accepted so far.
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -261,6 +270,8 @@ class StepBatch:
 
     feed:     per row, -1 or the previous step's sampling row whose token is this row's
               input (``MetadataBuilder.plan(feed=...)``).
+    drafts:   per row, the draft tokens it carries after its last sampled token (empty for
+              most rows): the step needs the model's greedy token at each of its positions.
     sampling: per row, whether it reaches the end of its sequence, so its logits give the
               next token (a prompt chunk short of the end does not); sampling rows come in
               row order, as the metadata's ``sampling_rows_host``.
@@ -272,6 +283,11 @@ class StepBatch:
     token_ids: list[int]
     feed: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
 
 
 class Scheduler:
@@ -285,13 +301,22 @@ class Scheduler:
         *,
         token_budget: int = 64,
         max_running: int = 16,
+        draft_tokens: int = 0,
+        copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
     ):
         """``token_budget``: most tokens in one step; ``max_running``: most rows in one step.
+        ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`; 0: none);
+        the loop must apply each step before scheduling the next (no overlap), and
+        ``copy_blocks`` performs the block copies a rollback may return.
 
         Raises ValueError for a request that could never fit in the whole pool.
         """
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be at least 1")
+        if not 0 <= draft_tokens <= 8:
+            raise ValueError(f"draft_tokens: {draft_tokens} must be in [0, 8]")
+        self.draft_tokens = draft_tokens
+        self.copy_blocks = copy_blocks
         self.manager = manager
         self.preemption = preemption
         self.token_budget = token_budget
@@ -349,6 +374,12 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             reserved = self.manager.num_tokens(req.req_id)
             extra = req.num_computed + n - reserved  # decode: the sampled token needs a slot
+            drafts = self._drafts(req, n, budget, extra)
+            if drafts:
+                known = req.tokens_at(reserved, req.num_tokens)
+                self.manager.append_slots(req.req_id, len(known) + len(drafts), token_ids=known + drafts)
+                budget -= self._add(batch, req, n + len(drafts), drafts)
+                continue
             if extra > 0:
                 if not self._make_room(req, extra):
                     continue
@@ -382,34 +413,100 @@ class Scheduler:
         self.peak_blocks = max(self.peak_blocks, self.manager.allocator.num_used)
         return batch if batch.rows else None
 
-    def finish_step(self, batch: StepBatch, next_tokens: Mapping[int, int]) -> list[Request]:
+    def finish_step(
+        self,
+        batch: StepBatch,
+        next_tokens: Mapping[int, int],
+        verified: Mapping[int, list[int]] | None = None,
+    ) -> list[Request]:
         """Record that ``batch`` ran: ``manager.commit`` marks exactly the tokens each row
-        computed. ``next_tokens[i]`` is row i's sampled token (only rows that sample have one).
-        Returns the requests that finished."""
+        computed. ``next_tokens[i]`` is row i's sampled token (only rows that sample have one);
+        ``verified[i]``, for a row carrying drafts, the model's greedy token after each of its
+        positions. Returns the requests that finished."""
         self.manager.commit(batch.rows)
-        done = []
+        done: list[Request] = []
         for i, req in enumerate(batch.requests):
             if batch.sampling[i]:
+                drafts = batch.drafts[i] if batch.drafts else []
+                if drafts:
+                    if verified is None or i not in verified:
+                        raise ValueError(f"verified: row {i} carries drafts but has no greedy tokens")
+                    self._take_back(req, batch.rows[i], drafts, verified[i])
+                    if req.is_finished:
+                        self._finish(req, batch, done)
+                    continue
                 token = int(next_tokens[i]) if req.forced is None else req.forced[len(req.output)]
                 req.output.append(token)
+                if req.ngrams is not None:
+                    req.ngrams.extend([token])
                 req.in_flight -= 1
                 if req.deferred_slot:
                     self.manager.fill_token_ids(req.req_id, [token])
                     req.deferred_slot = False
                 if req.is_finished:
-                    self.manager.free(req.req_id)
-                    self.running.remove(req)
-                    req.finish_step = batch.step
-                    self.finished.append(req)
-                    done.append(req)
+                    self._finish(req, batch, done)
         return done
+
+    def _finish(self, req: Request, batch: StepBatch, done: list[Request]) -> None:
+        self.manager.free(req.req_id)
+        self.running.remove(req)
+        req.finish_step = batch.step
+        self.finished.append(req)
+        done.append(req)
+
+    def _drafts(self, req: Request, n: int, budget: int, extra: int) -> list[int]:
+        """Prompt-lookup drafts for ``req``'s decode row of ``n`` tokens, if any fit: the
+        budget, its remaining tokens and the free blocks (a draft never preempts anyone)."""
+        if not self.draft_tokens or n != 1 or req.in_flight or req.forced is not None or req.deferred_slot:
+            return []
+        room = min(self.draft_tokens, budget - 1, req.max_new_tokens - len(req.output) - 1)
+        if room <= 0:
+            return []
+        if req.ngrams is None:
+            req.ngrams = NgramIndex()
+            req.ngrams.extend(req.tokens)
+        drafts = req.ngrams.propose(room)
+        if drafts and not self.manager.can_append(req.req_id, max(extra, 0) + len(drafts)):
+            return []
+        return drafts
+
+    def _take_back(self, req: Request, row: ScheduledRow, drafts: list[int], greedy: list[int]) -> None:
+        """Apply a verified row: append the drafts the model agrees with and its own next
+        token; take the other drafts' slots back (the K/V past the last agreed draft)."""
+        new = accepted_tokens(drafts, greedy)
+        req.drafted += len(drafts)
+        req.accepted += len(new) - 1
+        new = new[: req.max_new_tokens - len(req.output)]
+        start = row.start if row.start is not None else req.num_computed - row.num_new
+        keep = start + len(new)  # the last sampled token and the agreed drafts have K/V
+        copies = self.manager.truncate(req.req_id, keep)
+        if copies:  # only when the new last block is shared (a prefix hit or a fork)
+            if self.copy_blocks is None:
+                raise RuntimeError("a rollback returned block copies; give the scheduler copy_blocks")
+            self.copy_blocks(copies)
+        req.output.extend(new)
+        if req.ngrams is not None:
+            req.ngrams.extend(new)
+        req.in_flight -= 1
+        req.num_computed = keep
+        req.drafts = []
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _add(self, batch: StepBatch, req: Request, n: int) -> int:
+    def _add(self, batch: StepBatch, req: Request, n: int, drafts: list[int] | None = None) -> int:
         start = req.num_computed
         batch.rows.append(ScheduledRow(req.req_id, n, start=start))
         batch.requests.append(req)
+        batch.drafts.append(drafts or [])
+        req.drafts = drafts or []
+        if drafts:  # the last sampled token (known: no overlap with drafting), then the drafts
+            batch.token_ids.extend(req.tokens_at(start, start + n - len(drafts)) + drafts)
+            batch.feed.append(-1)
+            req.sample_row = sum(batch.sampling)
+            req.in_flight += 1
+            batch.sampling.append(True)
+            req.num_computed = start + n
+            return n
         known = req.tokens_at(start, start + n)
         fed = len(known) < n  # the last token is in flight: read it from the device
         batch.token_ids.extend(known + [0] * (n - len(known)))

@@ -103,6 +103,7 @@ class Llama(nn.Module):
         cache: KVCacheTensors,
         backend: AttentionBackend,
         plan: StepPlan,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step; return the logits the step needs.
 
@@ -111,7 +112,9 @@ class Llama(nn.Module):
         plan:      ``backend.plan(metadata)`` for this step, shared by every layer.
         Returns float [len(metadata.logits_indices), vocab_size]: row
         ``metadata.sampling_rows_host[j]``'s next-token logits are row j (then padding rows);
-        the full vocabulary, the same on every tensor-parallel rank.
+        the full vocabulary, the same on every tensor-parallel rank. ``logits_rows`` (int64
+        [k], token rows): return those rows' logits instead (a verifier needs every position
+        of a row carrying draft tokens).
         """
         meta = plan.metadata
         rotary = self.rotary_table(max(meta.seq_lens_host, default=1), meta.positions.device)
@@ -119,7 +122,7 @@ class Llama(nn.Module):
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             delta, residual = layer(delta, residual, cache.layer(index), backend, plan, rotary)
-        rows = meta.logits_indices
+        rows = meta.logits_indices if logits_rows is None else logits_rows
         if delta is None:  # no layers
             return self.lm_head(self.norm(residual[rows]))
         return self.lm_head(self.norm.add(delta[rows], residual[rows])[0])

@@ -1,0 +1,133 @@
+"""Prompt-lookup decoding in the example engine (``examples.engine.drafting``): the n-gram
+index proposes what a brute-force search would, a verified row appends exactly the agreed
+drafts and the model's own next token, and a whole run with drafting gives transformers'
+greedy tokens, with prefix caching and preemption (drafts taken back with ``truncate``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attention import get_backend  # noqa: E402
+from examples.engine.drafting import NgramIndex, accepted_tokens  # noqa: E402
+from examples.engine.loop import run_requests  # noqa: E402
+from examples.engine.scheduler import Request, make_preemption  # noqa: E402
+from examples.model import Llama  # noqa: E402
+from kvcache import BlockManager, allocate_kv_cache  # noqa: E402
+from tests.test_decode_loop import BLOCK_SIZE, Case, _cache_config, _hf_generate, hf_model, our_model  # noqa: E402
+
+__all__ = ["hf_model", "our_model"]  # fixtures, shared with test_decode_loop
+
+
+def brute_force(tokens: list[int], k: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_the_index_proposes_what_a_search_finds() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(0, 40))]
+        index = NgramIndex(max_n=3)
+        cut = rng.randint(0, len(tokens))
+        index.extend(tokens[:cut])
+        index.extend(tokens[cut:])  # in two pieces, as a request grows
+        k = rng.randint(1, 6)
+        assert index.propose(k) == brute_force(tokens, k, 3), tokens
+    assert NgramIndex().propose(3) == []
+
+
+def test_a_verified_row_appends_the_agreed_drafts_and_the_models_token() -> None:
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all agreed, plus a bonus
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # stops at the first disagreement
+    assert accepted_tokens([5], [4, 1]) == [4]
+    with pytest.raises(ValueError, match="expected one more"):
+        accepted_tokens([5, 6], [5, 6])
+
+
+def repetitive_cases(n: int) -> list[Case]:
+    """Prompts that repeat a phrase: a model that continues them finds drafts in them."""
+    rng = random.Random(7)
+    cases = []
+    for i in range(n):
+        phrase = [rng.randrange(128) for _ in range(rng.randint(3, 9))]
+        prompt = (phrase * 12)[: rng.randint(10, 80)]
+        cases.append(Case(prompt, rng.randint(8, 40), i // 2))
+    return cases
+
+
+def ours_with_drafts(
+    model: Llama, cases: list[Case], *, num_blocks: int, prefix_caching: bool, draft: int
+) -> tuple[list[Request], object]:
+    config = _cache_config(num_blocks)
+    cache = allocate_kv_cache(config, device="cpu", fill=float("nan"))
+    manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+    requests = [Request(i, c.prompt, c.max_new_tokens, c.arrival_step) for i, c in enumerate(cases)]
+    report = run_requests(
+        model,
+        requests,
+        manager=manager,
+        cache=cache,
+        backend=get_backend("reference", config.attention_spec()),
+        preemption=make_preemption("recompute", manager, cache),
+        token_budget=48,
+        max_running=6,
+        overlap=False,
+        draft_tokens=draft,
+    )
+    return requests, report
+
+
+@pytest.mark.parametrize(("num_blocks", "prefix_caching"), [(64, False), (10, True)])
+def test_drafting_gives_transformers_greedy_tokens(
+    hf_model: torch.nn.Module, our_model: Llama, num_blocks: int, prefix_caching: bool
+) -> None:
+    cases = repetitive_cases(10)
+    requests, report = ours_with_drafts(our_model, cases, num_blocks=num_blocks, prefix_caching=prefix_caching, draft=4)
+    for case, req in zip(cases, requests, strict=True):
+        tokens, _ = _hf_generate(hf_model, case)
+        assert req.output == tokens, f"request {req.req_id}: ours {req.output} vs transformers {tokens}"
+    drafted = sum(r.drafted for r in requests)
+    accepted = sum(r.accepted for r in requests)
+    assert 0 < accepted < drafted  # drafts were both kept and taken back
+    assert report.steps < sum(c.max_new_tokens for c in cases)  # fewer steps than tokens  # type: ignore[attr-defined]
+
+
+def test_drafting_needs_the_sequential_loop(our_model: Llama) -> None:
+    with pytest.raises(ValueError, match="overlap=False"):
+        config = _cache_config(8)
+        cache = allocate_kv_cache(config, device="cpu")
+        manager = BlockManager(8, BLOCK_SIZE)
+        run_requests(
+            our_model,
+            [Request(0, [1, 2, 3], 4)],
+            manager=manager,
+            cache=cache,
+            backend=get_backend("reference", config.attention_spec()),
+            preemption=make_preemption("recompute", manager, cache),
+            draft_tokens=2,
+        )
+
+
+def test_cli_reports_prompt_lookup(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.decode_loop import main
+
+    assert main(["--draft", "4", "--quiet", "--requests", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "overlap: off" in out and "prompt lookup: up to 4 drafts per decode row" in out
+
+
+def test_cli_refuses_a_draft_count_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.decode_loop import main
+
+    with pytest.raises(SystemExit):
+        main(["--draft", "9"])
+    assert "--draft: 9 must be in [0, 8]" in capsys.readouterr().err
