@@ -248,6 +248,7 @@ class Corrupter:
         self.seen += 1
         if self.seen % self.every:
             return
+        self.disk.flush()  # the file is written by the tier's background thread
         path = self.disk.folder / (event.digest.hex() + ".kv")
         with open(path, "r+b") as f:
             f.seek(-1, 2)

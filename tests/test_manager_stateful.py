@@ -569,12 +569,18 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tier is not None and self.tier.disk is not None and self.tier.disk.held_keys())
     @rule(data=st.data())
-    def damage_a_disk_file(self, data: st.DataObject) -> None:
-        """Flip a bit of one stored block's K: reading it back must refuse the file (the
-        ``every_sequence_reads_its_own_kv`` invariant catches a served one)."""
+    def damage_a_disk_file(self, data: st.DataObject, among: list[BlockKey] | None = None) -> None:
+        """Flip a bit of one stored block's K (one of ``among``, when given): reading it back
+        must refuse the file (the ``every_sequence_reads_its_own_kv`` invariant catches a
+        served one)."""
         assert self.tier is not None and self.tier.disk is not None
-        key = data.draw(st.sampled_from(self.tier.disk.held_keys()))
-        path = self.tier.disk.path_of(key)
+        disk = self.tier.disk
+        disk.flush()
+        held = [k for k in (among or disk.held_keys()) if disk.holds(k)]
+        if not held:
+            return
+        key = data.draw(st.sampled_from(held))
+        path = disk.path_of(key)
         raw = bytearray(path.read_bytes())
         raw[48 + data.draw(st.integers(0, BLOCK_SIZE * 4 - 1))] ^= 1 << data.draw(st.integers(0, 7))
         path.write_bytes(bytes(raw))
@@ -709,12 +715,13 @@ class DiskTierMachine(HostTierMachine):
         the host have no more of it, up to a damaged file."""
         assert self.tier is not None and self.tier.disk is not None
         key: BlockKey | None = data.draw(st.sampled_from(self.tier.disk.held_keys()))
-        if data.draw(st.booleans()):
-            self.damage_a_disk_file(data)
-        chain: list[tuple[int, ...]] = []
+        links: list[BlockKey] = []
         while key is not None:
-            chain.append(key.tokens)
+            links.append(key)
             key = key.parent
+        if data.draw(st.booleans()):
+            self.damage_a_disk_file(data, among=links)
+        chain = [link.tokens for link in links]
         self._admit([t for block in reversed(chain) for t in block] + [data.draw(st.integers(0, 1))])
 
 

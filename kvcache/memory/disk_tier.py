@@ -13,9 +13,11 @@ reaches the device. Writes go to a temporary file renamed into place, so a reade
 half-written file under a block's name.
 
 The tier is bounded by ``max_bytes``: the least recently used files are deleted to make room.
-Files are written synchronously when the host tier evicts a block (a write takes about a
-millisecond per 4 MiB block from the page cache). Files left by an earlier process under the
-same layout are deleted at start: the digest covers the tokens and the salt, not the model's
+Files are written by a background thread: storing a block copies its bytes into a queue of at
+most ``max_pending_bytes`` (a block that does not fit is not stored, and counted), so the
+serving loop never waits for the disk; a block still in the queue is read back from memory.
+Reads happen in admission, synchronously. Files left by an earlier process under the same
+layout are deleted at start: the digest covers the tokens and the salt, not the model's
 weights, so a file from another run could hold another model's K/V.
 """
 
@@ -25,7 +27,9 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import queue
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +59,7 @@ class DiskTierStats:
     dropped_blocks: files deleted to make room.
     corrupt_blocks: files found unusable when read (missing, short, wrong digest or checksum),
                     deleted and recomputed.
+    skipped_blocks: blocks not stored because the write queue was full (or the write failed).
     bytes_read / bytes_written: payload bytes each way.
     """
 
@@ -68,6 +73,7 @@ class DiskTierStats:
     corrupt_blocks: int
     bytes_read: int
     bytes_written: int
+    skipped_blocks: int = 0
 
 
 def layout_name(block_shape: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -94,9 +100,12 @@ class DiskPrefixTier:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         events: KVEventStream | None = None,
+        *,
+        max_pending_bytes: int = 256 << 20,
     ):
-        """Raises InvalidArgumentError (creating nothing) for a bound smaller than one block,
-        and OSError when the folder cannot be created."""
+        """``max_pending_bytes``: most block bytes waiting for the writer thread. Raises
+        InvalidArgumentError (creating nothing) for a bound smaller than one block, and OSError
+        when the folder cannot be created."""
         self.max_bytes = require_int("max_bytes", max_bytes, minimum=0)
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -122,6 +131,16 @@ class DiskPrefixTier:
         self.written_blocks = 0
         self.dropped_blocks = 0
         self.corrupt_blocks = 0
+        self.skipped_blocks = 0
+        self.max_pending = max(1, require_int("max_pending_bytes", max_pending_bytes, minimum=0) // self.payload_bytes)
+        #: digest -> bytes not yet written (shared with the writer thread, under ``_lock``).
+        self._pending: dict[bytes, bytes] = {}
+        #: Digests whose write failed (the writer reports; the serving thread forgets them).
+        self._failed: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, Path]] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier-writer", daemon=True)
+        self._writer.start()
 
     # ---- lookups (change nothing) ----------------------------------------------------------
 
@@ -148,50 +167,59 @@ class DiskPrefixTier:
             corrupt_blocks=self.corrupt_blocks,
             bytes_read=self.hit_blocks * self.payload_bytes,
             bytes_written=self.written_blocks * self.payload_bytes,
+            skipped_blocks=self.skipped_blocks,
         )
 
     # ---- actions -----------------------------------------------------------------------------
 
     def store(self, key: BlockKey, block: torch.Tensor) -> None:
-        """Write ``block`` (a CPU tensor of ``block_shape``, the K/V of ``key``) to its file,
-        deleting the least recently used files to stay within the bound. A key held already
-        is only marked used. An OSError (disk full) leaves the block unwritten."""
+        """Queue ``block`` (a CPU tensor of ``block_shape``, the K/V of ``key``) for its file,
+        deleting the least recently used files to stay within the bound; its bytes are copied,
+        so ``block`` may be reused at once. A key held already is only marked used. A block is
+        skipped (``skipped_blocks``) when the queue is full."""
+        self._forget_failed()
         digest = key.digest
         if digest in self._index:
             self._index.move_to_end(digest)
             return
+        block = block.contiguous()
+        view = _bytes_of(block)
+        if len(view) != self.payload_bytes:
+            raise InvalidArgumentError(f"block: {len(view)} bytes, but a block of this tier has {self.payload_bytes}")
+        with self._lock:
+            full = len(self._pending) >= self.max_pending
+            if not full:
+                self._pending[digest] = bytes(view)
+        if full:
+            self.skipped_blocks += 1
+            return
         while self._index and (len(self._index) + 1) * self.file_bytes > self.max_bytes:
             self._drop(next(iter(self._index)))
-        block = block.contiguous()  # kept alive while its bytes are written
-        payload = _bytes_of(block)
-        if len(payload) != self.payload_bytes:
-            raise InvalidArgumentError(
-                f"block: {len(payload)} bytes, but a block of this tier has {self.payload_bytes}"
-            )
-        header = _HEADER.pack(_MAGIC, digest, len(payload), hashlib.blake2b(payload, digest_size=16).digest())
-        path = self.path_of(key)
-        temporary = path.with_suffix(".tmp")
-        try:
-            with open(temporary, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(temporary, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
-            return
         self._index[digest] = key
         self.written_blocks += 1
+        self._queue.put((digest, self.path_of(key)))
         if self.events is not None:
             self.events.stored(self.name, key)
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests; a clean shutdown)."""
+        self._queue.join()
+        self._forget_failed()
 
     def read(self, key: BlockKey) -> torch.Tensor | None:
         """``key``'s block as a CPU tensor of ``block_shape``, checked whole; None (the file
         deleted, the key forgotten, ``corrupt_blocks`` counted) when the file is missing or any
         field or the checksum does not match."""
+        self._forget_failed()
         digest = key.digest
         if digest not in self._index:
             return None
+        with self._lock:
+            waiting = self._pending.get(digest)
+        if waiting is not None:  # not on disk yet: its bytes are in memory, as stored
+            self._index.move_to_end(digest)
+            self.hit_blocks += 1
+            return torch.frombuffer(bytearray(waiting), dtype=self.dtype).view(self.block_shape)
         path = self.path_of(key)
         try:
             with open(path, "rb") as f:
@@ -223,6 +251,41 @@ class DiskPrefixTier:
 
     # ---- internals ---------------------------------------------------------------------------
 
+    def _write_loop(self) -> None:
+        """The writer thread: each queued block to its file, unless dropped meanwhile."""
+        while True:
+            digest, path = self._queue.get()
+            try:
+                with self._lock:
+                    payload = self._pending.get(digest)
+                if payload is None:  # dropped before its turn
+                    continue
+                try:
+                    _write_file(path, digest, payload)
+                except OSError:
+                    with self._lock:
+                        self._pending.pop(digest, None)
+                        self._failed.add(digest)
+                    continue
+                with self._lock:
+                    if self._pending.pop(digest, None) is None:  # dropped while being written
+                        with contextlib.suppress(OSError):
+                            path.unlink()
+            finally:
+                self._queue.task_done()
+
+    def _forget_failed(self) -> None:
+        """Forget blocks whose write failed (the disk is full or gone): they were never stored."""
+        if not self._failed:
+            return
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        for digest in failed:
+            if digest in self._index:
+                self.written_blocks -= 1
+                self.skipped_blocks += 1
+                self._drop(digest, dropped=False)
+
     def _checked_payload(self, data: bytes, digest: bytes) -> memoryview | None:
         if len(data) != self.file_bytes:
             return None
@@ -236,11 +299,28 @@ class DiskPrefixTier:
 
     def _drop(self, digest: bytes, *, dropped: bool = True) -> None:
         key = self._index.pop(digest)
-        with contextlib.suppress(OSError):
-            self.path_of(key).unlink()
+        with self._lock:  # a queued write is skipped; a write under way deletes its own file
+            self._pending.pop(digest, None)
+            with contextlib.suppress(OSError):
+                self.path_of(key).unlink()
         self.dropped_blocks += dropped
         if self.events is not None:
             self.events.removed(self.name, key)
+
+
+def _write_file(path: Path, digest: bytes, payload: bytes) -> None:
+    """Header and payload into a temporary file, renamed to ``path``. Raises OSError."""
+    header = _HEADER.pack(_MAGIC, digest, len(payload), hashlib.blake2b(payload, digest_size=16).digest())
+    temporary = path.with_suffix(".tmp")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

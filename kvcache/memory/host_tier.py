@@ -127,7 +127,9 @@ class HostPrefixTier:
         self.manager = manager
         self.cache = cache
         self.host = host_block_pool(cache, num_host_blocks)
-        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        # High priority: its gather and scatter kernels start as soon as SMs free up, so the
+        # copies behind them are not held up by a long step.
+        self._stream = torch.cuda.Stream(cache.device, priority=-1) if cache.device.type == "cuda" else None
         #: key -> host block, least recently used first.
         self._index: OrderedDict[BlockKey, int] = OrderedDict()
         self._key_at: dict[int, BlockKey] = {}
