@@ -333,8 +333,7 @@ class HostPrefixTier:
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
-            index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
-            staged = storage.index_select(2, index).movedim(2, 0).contiguous()  # block-major, as the host
+            staged = torch.stack([storage[:, :, b] for b in device_blocks])  # block-major, as the host; one kernel
             for first, h, n in self._runs(host_blocks):
                 self.host[h : h + n].copy_(staged[first : first + n], non_blocking=True)
             done.record(self._stream)
