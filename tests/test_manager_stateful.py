@@ -43,6 +43,7 @@ from kvcache import (
     preempt,
 )
 from kvcache.blocks.prefix_cache import BlockKey
+from kvcache.memory.disk_tier import HEADER_BYTES
 from kvcache.memory.host_tier import HostPrefixTier
 from tests.manager_state import snapshot as manager_snapshot
 
@@ -99,7 +100,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.with_host_tier:
             assert self.cache is not None
             self.folder = tempfile.mkdtemp(prefix="kv-disk-tier-") if self.with_disk_tier else None
-            disk_bytes = 8 * (48 + 2 * BLOCK_SIZE * 4) if self.with_disk_tier else 0  # 8 files (48-byte headers)
+            disk_bytes = 8 * (HEADER_BYTES + 2 * BLOCK_SIZE * 4) if self.with_disk_tier else 0  # 8 files
             host_blocks = 2 if self.with_disk_tier else HOST_BLOCKS
             self.tier = HostPrefixTier(self.m, self.cache, host_blocks, disk_dir=self.folder, disk_bytes=disk_bytes)
         #: What a router knows from the KV events: the digests each tier holds.
@@ -582,7 +583,7 @@ class ManagerMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(held))
         path = disk.path_of(key)
         raw = bytearray(path.read_bytes())
-        raw[48 + data.draw(st.integers(0, BLOCK_SIZE * 4 - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        raw[HEADER_BYTES + data.draw(st.integers(0, BLOCK_SIZE * 4 - 1))] ^= 1 << data.draw(st.integers(0, 7))
         path.write_bytes(bytes(raw))
 
     # ---- invariants ----------------------------------------------------------------------

@@ -5,12 +5,15 @@ One file per block, named by the block's stable digest (:mod:`kvcache.blocks.dig
 heads, head dim, dtype): a file is only ever read back into a cache of the same layout. A file
 holds a header and the block's K/V (every layer's K and V, the host pool's block layout)::
 
-    magic (8 bytes) | digest (16) | payload bytes (8, little-endian) | BLAKE2b-128 of the payload (16) | payload
+    magic (8 bytes) | digest (16) | payload bytes (8, little-endian) | CRC-32 of the payload (4) | payload
 
 Reading checks every field: a file that is missing, short, or whose digest or checksum does not
 match is deleted and reported as unusable, and the caller recomputes the block; no byte of it
-reaches the device. Writes go to a temporary file renamed into place, so a reader never sees a
-half-written file under a block's name.
+reaches the device. The checksum is CRC-32 (zlib's, about 5 GB/s on one core, against 1 GB/s
+for BLAKE2b: every block read back is checked on the admission path): it catches any damage of
+up to 32 consecutive bits and misses random damage with probability 2**-32. It guards against
+a bad disk, not against someone who can write to the directory. Writes go to a temporary file
+renamed into place, so a reader never sees a half-written file under a block's name.
 
 The tier is bounded by ``max_bytes``: the least recently used files are deleted to make room.
 Files are written by a background thread: storing a block copies its bytes into a queue of at
@@ -25,11 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import queue
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +44,12 @@ from attention.errors import InvalidArgumentError
 from kvcache.blocks.events import KVEventStream
 from kvcache.blocks.prefix_cache import BlockKey
 
-__all__ = ["DiskPrefixTier", "DiskTierStats", "layout_name"]
+__all__ = ["HEADER_BYTES", "DiskPrefixTier", "DiskTierStats", "layout_name"]
 
-_MAGIC = b"PKVBLK01"
-_HEADER = struct.Struct("<8s16sQ16s")
+_MAGIC = b"PKVBLK02"
+_HEADER = struct.Struct("<8s16sQI")
+#: Bytes before a file's payload.
+HEADER_BYTES = _HEADER.size
 _SUFFIX = ".kv"
 
 
@@ -293,7 +298,7 @@ class DiskPrefixTier:
         if magic != _MAGIC or stored_digest != digest or length != self.payload_bytes:
             return None
         payload = memoryview(data)[_HEADER.size :]
-        if hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+        if zlib.crc32(payload) != checksum:
             return None
         return payload
 
@@ -310,7 +315,7 @@ class DiskPrefixTier:
 
 def _write_file(path: Path, digest: bytes, payload: bytes) -> None:
     """Header and payload into a temporary file, renamed to ``path``. Raises OSError."""
-    header = _HEADER.pack(_MAGIC, digest, len(payload), hashlib.blake2b(payload, digest_size=16).digest())
+    header = _HEADER.pack(_MAGIC, digest, len(payload), zlib.crc32(payload))
     temporary = path.with_suffix(".tmp")
     try:
         with open(temporary, "wb") as f:

@@ -331,10 +331,12 @@ class HostPrefixTier:
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the blocks' last writes may still be queued
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        views = [storage[:, :, b] for b in device_blocks]
+        runs = self._runs(host_blocks)  # host work first: the timing covers the device's work
         with torch.cuda.stream(self._stream):
             begin.record(self._stream)
-            staged = torch.stack([storage[:, :, b] for b in device_blocks])  # block-major, as the host; one kernel
-            for first, h, n in self._runs(host_blocks):
+            staged = torch.stack(views)  # block-major, as the host pool: one kernel
+            for first, h, n in runs:
                 self.host[h : h + n].copy_(staged[first : first + n], non_blocking=True)
             done.record(self._stream)
         compute.wait_event(done)  # their new owners write only after the copy has read them
@@ -352,12 +354,14 @@ class HostPrefixTier:
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the fresh blocks may still be read by queued work
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        runs = self._runs(host_blocks)
         with torch.cuda.stream(self._stream):
-            begin.record(self._stream)
+            # Host work and the small index copy first: the timing covers the block copies.
             staged = torch.empty((len(host_blocks), *self.host.shape[1:]), dtype=storage.dtype, device=storage.device)
-            for first, h, n in self._runs(host_blocks):
-                staged[first : first + n].copy_(self.host[h : h + n], non_blocking=True)
             index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
+            begin.record(self._stream)
+            for first, h, n in runs:
+                staged[first : first + n].copy_(self.host[h : h + n], non_blocking=True)
             storage.index_copy_(2, index, staged.movedim(0, 2))
             done.record(self._stream)
         compute.wait_event(done)  # the step that reads the prefix sees it whole
