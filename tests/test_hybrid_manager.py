@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from attention.metadata import PAD_BLOCK
 from kvcache import BlockManager, InvalidArgumentError, OutOfBlocksError, ScheduledRow
 from kvcache.blocks.groups import group_layout
 from kvcache.blocks.hybrid import HybridBlockManager
@@ -123,23 +124,41 @@ def test_actions_are_all_or_nothing_across_groups() -> None:
     m.check_integrity()
 
 
-def test_prefix_hits_are_common_to_every_group() -> None:
-    layout = group_layout(4, 64, (True, False, True, False))
+def evict(m: HybridBlockManager, group: int, block: int) -> None:
+    """Take a cached free block of one group out of the index (as an eviction does)."""
+    cache = m.groups[group].prefix_cache
+    assert cache is not None and m.allocator.is_free(block)
+    m.allocator.revive(block)
+    cache.forget(block)
+    m.allocator.decref(block)
+
+
+def test_prefix_hits_are_common_to_every_group_and_windows_need_only_their_window() -> None:
+    layout = group_layout(4, 64, (True, False, True, False))  # group 1: window 64 (two blocks)
     m = HybridBlockManager(layout, 64, BS, enable_prefix_caching=True)
     prompt = list(range(1000, 1000 + 6 * BS + 3))
     m.allocate("a", token_ids=prompt)
     m.commit([ScheduledRow("a", len(prompt), 0)])
     m.free("a")
     assert m.allocate("b", token_ids=prompt) == 6 * BS  # every group still holds every block
+    full_b, window_b = m.block_tables("b")
+    assert all(x >= 0 for x in full_b) and window_b[:4] == [PAD_BLOCK] * 4  # the window needs blocks 4, 5
     m.free("b")
-    # Evict the windowed group's first block only: the common run ends before it.
-    window = m.groups[1]
-    first = window.prefix_cache.match(prompt, None)[0][0] if window.prefix_cache else None
-    assert first is not None
-    m.allocator.revive(first)
-    window.prefix_cache.forget(first) if window.prefix_cache else None
-    m.allocator.decref(first)
-    assert m.allocate("c", token_ids=prompt) == 0
+    window = m.groups[1].prefix_cache
+    assert window is not None
+    blocks = window.match(prompt, None)[0]
+    evict(m, 1, blocks[0])  # behind the window of a 6-block hit: costs nothing
+    assert m.allocate("c", token_ids=prompt) == 6 * BS
+    m.free("c")
+    evict(m, 1, blocks[5])  # the window's last block: the run ends before it
+    assert m.allocate("d", token_ids=prompt) == 5 * BS
+    m.free("d")
+    full = m.groups[0].prefix_cache
+    assert full is not None
+    evict(m, 0, full.match(prompt, None)[0][2])  # the full group needs every block: at most 2
+    # A run of 2 blocks (64 tokens) would need the window's blocks 0 and 1; block 0 is gone.
+    assert m.allocate("e", token_ids=prompt) == 0
+    m.commit([ScheduledRow("e", len(prompt), 0)])
     m.check_integrity()
 
 

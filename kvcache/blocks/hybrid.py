@@ -6,29 +6,46 @@ across groups: the ``can_*`` checks add up what each group needs from the shared
 action changes no group unless every group can follow.
 
 Prefix caching: each group indexes its own blocks (the same content has one block per group).
-A prompt's cached run is the shortest of the groups' runs, so every group starts computing at
-the same token; hits are taken out of the free queue in every group before any group takes
-fresh blocks, so one group's allocation never evicts another group's hit.
+A prompt's cached run is the longest that every group can serve, so every group starts
+computing at the same token: a full group needs the run's every block; a windowed group only
+the blocks its first new query can see (the run's last window, as vLLM's hybrid manager
+rules), its earlier entries are ``PAD_BLOCK`` as if released behind the window. A windowed
+group's early blocks, released and evicted first, then cost no hits. Hits are taken out of
+the free queue in every group before any group takes fresh blocks, so one group's allocation
+never evicts another group's hit.
 
-Not here yet: lower tiers, swap and holds (a hybrid manager has none), and vLLM's windowed-hit
-rule (a windowed group needs only its last window's blocks of a hit; here it needs them all).
+Not here yet: lower tiers, swap and holds (a hybrid manager has none).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 from attention.checks import cdiv, require_int
 from attention.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
-from kvcache.blocks.admission import Admission, plan_admission
+from attention.metadata import PAD_BLOCK
+from kvcache.blocks.admission import plan_admission
 from kvcache.blocks.allocator import BlockAllocator
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.blocks.integrity import integrity_problems
 from kvcache.blocks.manager import BlockManager, FreeReason
+from kvcache.blocks.prefix_cache import BlockKey
 from kvcache.blocks.rows import ScheduledRow, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks
 
 __all__ = ["HybridBlockManager"]
+
+
+class _HybridAdmission(NamedTuple):
+    """A checked prompt and what it takes from every group (changes nothing until acted on)."""
+
+    num_tokens: int
+    token_ids: list[int] | None
+    run: int  # cached blocks, the same in every group
+    hits: list[list[int]]  # per group: its blocks of the run (PAD_BLOCK behind a window)
+    keys: list[list[BlockKey]]  # per group: the run's keys
+    needed: int
 
 
 class HybridBlockManager:
@@ -96,7 +113,7 @@ class HybridBlockManager:
     ) -> bool:
         """Whether ``allocate`` with these arguments would succeed (for a new id). Changes
         nothing; raises the same argument errors as ``allocate``."""
-        return self.allocator.num_free >= self._admission(num_tokens, token_ids, extra_key)[2]
+        return self.allocator.num_free >= self._admission(num_tokens, token_ids, extra_key).needed
 
     def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
         """Whether ``append_slots(seq_id, n)`` would succeed. Changes nothing."""
@@ -118,21 +135,22 @@ class HybridBlockManager:
         extra_key: Hashable = None,
     ) -> int:
         """Create ``seq_id`` in every group; returns how many leading tokens are cached (the
-        shortest cached run of the groups). Raises SequenceExistsError, OutOfBlocksError or an
+        longest run every group serves). Raises SequenceExistsError, OutOfBlocksError or an
         argument error; changes nothing then."""
         self.groups[0].check_new_id(seq_id)
-        plans, common, needed = self._admission(num_tokens, token_ids, extra_key)
-        if needed > self.allocator.num_free:
-            raise OutOfBlocksError(needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
-        length, tokens = plans[0].num_tokens, plans[0].token_ids
-        for plan in plans:  # every group's hits leave the free queue before any fresh block is taken
-            self.allocator.share(plan.hits[:common])
-        cached = common * self.block_size
-        for group, plan in zip(self.groups, plans, strict=True):
-            fresh = self.allocator.allocate(cdiv(length, self.block_size) - common)
+        admission = self._admission(num_tokens, token_ids, extra_key)
+        if admission.needed > self.allocator.num_free:
+            raise OutOfBlocksError(admission.needed, self.allocator.num_free, f"allocate sequence {seq_id!r:.60}")
+        length, tokens, run = admission.num_tokens, admission.token_ids, admission.run
+        for hits in admission.hits:  # every group's hits leave the free queue before any fresh block is taken
+            self.allocator.share([b for b in hits if b != PAD_BLOCK])
+        cached = run * self.block_size
+        for group, hits, keys in zip(self.groups, admission.hits, admission.keys, strict=True):
+            fresh = self.allocator.allocate(cdiv(length, self.block_size) - run)
             stored = tokens[:] if tokens is not None else None
+            released = hits.count(PAD_BLOCK)
             group._seqs[seq_id] = SequenceBlocks(
-                plan.hits[:common] + fresh, length, stored, extra_key, cached, plan.keys[:common]
+                hits + fresh, length, stored, extra_key, cached, list(keys), num_released=released
             )
             if group.prefix_cache is not None and tokens is not None:
                 group.prefix_cache.record_query(length, cached)
@@ -211,19 +229,54 @@ class HybridBlockManager:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _admission(
-        self, num_tokens: object, token_ids: object, extra_key: Hashable
-    ) -> tuple[list[Admission], int, int]:
-        """Each group's admission plan, the common cached run (blocks) and the free blocks
-        the admission takes from the shared pool."""
-        plans = [
-            plan_admission(self.allocator, group.prefix_cache, self.block_size, num_tokens, token_ids, extra_key)
-            for group in self.groups
-        ]
-        common = min(len(plan.hits) for plan in plans)
-        blocks = cdiv(plans[0].num_tokens, self.block_size)
-        needed = sum(blocks - common + self.allocator.count_free(plan.hits[:common]) for plan in plans)
-        return plans, common, needed
+    def _admission(self, num_tokens: object, token_ids: object, extra_key: Hashable) -> _HybridAdmission:
+        """The longest cached run every group serves, each group's hits for it (``PAD_BLOCK``
+        before a windowed group's window), and the free blocks the admission takes."""
+        first = self.groups[0]
+        plan = plan_admission(self.allocator, first.prefix_cache, self.block_size, num_tokens, token_ids, extra_key)
+        length, tokens = plan.num_tokens, plan.token_ids
+        blocks = cdiv(length, self.block_size)
+        if first.prefix_cache is None or not tokens:
+            empty: list[list[int]] = [[] for _ in self.groups]
+            return _HybridAdmission(length, tokens, 0, empty, [[] for _ in self.groups], blocks * len(self.groups))
+        bs = self.block_size
+        limit = (len(tokens) - 1) // bs  # the last token is always computed
+        keys: list[BlockKey] = []
+        parent: BlockKey | None = None
+        for i in range(limit):
+            parent = BlockKey(parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_key)
+            keys.append(parent)
+        held = [self._held(group, keys) for group in self.groups]
+        run = limit
+        while run > 0 and not all(
+            self._serves(group, found, run) for group, found in zip(self.groups, held, strict=True)
+        ):
+            run -= 1
+        hits: list[list[int]] = []
+        stored: list[list[BlockKey]] = []
+        needed = 0
+        for group, found in zip(self.groups, held, strict=True):
+            start = self._window_start(group, run)
+            group_hits = [PAD_BLOCK] * start + [found[i][0] for i in range(start, run)]  # type: ignore[index]
+            hits.append(group_hits)
+            stored.append(keys[:start] + [found[i][1] for i in range(start, run)])  # type: ignore[index]
+            needed += blocks - run + self.allocator.count_free(group_hits[start:])
+        return _HybridAdmission(length, tokens, run, hits, stored, needed)
+
+    @staticmethod
+    def _held(group: BlockManager, keys: list[BlockKey]) -> list[tuple[int, BlockKey] | None]:
+        cache = group.prefix_cache
+        return [None if cache is None else cache.holder_of(key) for key in keys]
+
+    def _window_start(self, group: BlockManager, run: int) -> int:
+        """The first of a run's blocks that a windowed group's first new query can see."""
+        window = group.sliding_window
+        if window is None:
+            return 0
+        return min(run, max(0, run * self.block_size - window + 1) // self.block_size)
+
+    def _serves(self, group: BlockManager, found: list[tuple[int, BlockKey] | None], run: int) -> bool:
+        return all(found[i] is not None for i in range(self._window_start(group, run), run))
 
     def _append_need(self, seq_id: Hashable, n: int) -> int:
         n = require_int("n", n, minimum=1)

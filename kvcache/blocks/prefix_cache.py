@@ -212,6 +212,11 @@ class PrefixCache:
         """Whether a device block holds ``key`` (a lookup can return it)."""
         return key in self._holder
 
+    def holder_of(self, key: BlockKey) -> tuple[int, BlockKey] | None:
+        """The block holding ``key`` and the stored key, or None. Changes nothing."""
+        block = self._holder.get(key)
+        return None if block is None else (block, self._key_of[block])
+
     def drop_duplicates(self, blocks: Iterable[int]) -> None:
         """Called before ``blocks`` lose their last owner: a duplicate among them is forgotten
         (nothing can look it up, so its K/V is not worth keeping)."""
