@@ -356,7 +356,7 @@ def format_summary(report: RunReport) -> list[str]:
         lines.append(
             f"prompt lookup: up to {report.draft_tokens} drafts per decode row; {report.accepted} of "
             f"{report.drafted} drafts accepted ({rate:.0%}); {report.generated_tokens / max(report.steps, 1):.2f} "
-            f"tokens per step"
+            f"generated tokens per step (every row)"
         )
     if report.host_tier is not None:
         h = report.host_tier
