@@ -248,6 +248,9 @@ class HybridBlockManager:
             keys.append(parent)
         held = [self._held(group, keys) for group in self.groups]
         run = limit
+        for group, found in zip(self.groups, held, strict=True):
+            if group.sliding_window is None:  # a full group serves its leading run, no more
+                run = min(run, next((i for i, f in enumerate(found) if f is None), len(found)))
         while run > 0 and not all(
             self._serves(group, found, run) for group, found in zip(self.groups, held, strict=True)
         ):
