@@ -15,7 +15,7 @@ from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 from kvcache.blocks.tiers import LowerTier
 from kvcache.blocks.tokens import prompt_length
 
-__all__ = ["Admission", "plan_admission"]
+__all__ = ["Admission", "checked_prompt", "plan_admission"]
 
 
 class Admission(NamedTuple):
@@ -40,6 +40,22 @@ class Admission(NamedTuple):
     lower: list[int]
 
 
+def checked_prompt(
+    num_tokens: object, token_ids: object, extra_key: Hashable, *, cached: bool
+) -> tuple[int, list[int] | None]:
+    """A prompt's length and (when ``cached``: prefix caching keys its blocks) its ids as a
+    list, its salt checked. Raises InvalidArgumentError / ArgumentTypeError naming the
+    argument."""
+    length, tokens = prompt_length(num_tokens, token_ids, keep=cached)
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise ArgumentTypeError(f"extra_key: {type(extra_key).__name__} is not hashable") from None
+    if cached:
+        encode_salt(extra_key)  # refuses a salt without a stable encoding, naming extra_key
+    return length, tokens
+
+
 def plan_admission(
     allocator: BlockAllocator,
     prefix_cache: PrefixCache | None,
@@ -51,13 +67,7 @@ def plan_admission(
 ) -> Admission:
     """Check a prompt given as a count and/or its ids and find its prefix hits. Raises
     InvalidArgumentError / ArgumentTypeError naming the argument; changes nothing."""
-    length, tokens = prompt_length(num_tokens, token_ids, keep=prefix_cache is not None)
-    try:
-        hash(extra_key)
-    except TypeError:
-        raise ArgumentTypeError(f"extra_key: {type(extra_key).__name__} is not hashable") from None
-    if prefix_cache is not None:
-        encode_salt(extra_key)  # refuses a salt without a stable encoding, naming extra_key
+    length, tokens = checked_prompt(num_tokens, token_ids, extra_key, cached=prefix_cache is not None)
     hits: list[int] = []
     keys: list[BlockKey] = []
     if prefix_cache is not None and tokens:

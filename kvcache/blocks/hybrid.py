@@ -25,7 +25,7 @@ from typing import NamedTuple
 from attention.checks import cdiv, require_int
 from attention.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
 from attention.metadata import PAD_BLOCK
-from kvcache.blocks.admission import plan_admission
+from kvcache.blocks.admission import checked_prompt
 from kvcache.blocks.allocator import BlockAllocator
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.blocks.integrity import integrity_problems
@@ -232,11 +232,10 @@ class HybridBlockManager:
     def _admission(self, num_tokens: object, token_ids: object, extra_key: Hashable) -> _HybridAdmission:
         """The longest cached run every group serves, each group's hits for it (``PAD_BLOCK``
         before a windowed group's window), and the free blocks the admission takes."""
-        first = self.groups[0]
-        plan = plan_admission(self.allocator, first.prefix_cache, self.block_size, num_tokens, token_ids, extra_key)
-        length, tokens = plan.num_tokens, plan.token_ids
+        caching = self.groups[0].prefix_cache is not None
+        length, tokens = checked_prompt(num_tokens, token_ids, extra_key, cached=caching)
         blocks = cdiv(length, self.block_size)
-        if first.prefix_cache is None or not tokens:
+        if not caching or not tokens:
             empty: list[list[int]] = [[] for _ in self.groups]
             return _HybridAdmission(length, tokens, 0, empty, [[] for _ in self.groups], blocks * len(self.groups))
         bs = self.block_size
