@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcache import BlockManager, HostPrefixTier, KVCacheTensors
+from kvcache.memory.host_tier import MIN_PITCHED_LOAD_ROW_BYTES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,10 +20,25 @@ pytestmark = [
 BS = 32
 
 
-def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical() -> None:
+#: Both copy paths: rows on the copy engines (the default), and the staged gather.
+COPY_PATHS = pytest.mark.parametrize("pitched", [True, False], ids=["pitched", "staged"])
+
+
+def _tier(
+    m: BlockManager, cache: KVCacheTensors, num_host_blocks: int, pitched: bool, **disk: object
+) -> HostPrefixTier:
+    tier = HostPrefixTier(m, cache, num_host_blocks, **disk)  # type: ignore[arg-type]
+    assert tier.pitched_offloads, "cudaMemcpy2DAsync was not found in torch's CUDA runtime"
+    assert tier.pitched_loads == (cache.bytes_per_block // (2 * cache.num_layers) >= MIN_PITCHED_LOAD_ROW_BYTES)
+    tier.pitched_offloads = tier.pitched_loads = pitched
+    return tier
+
+
+@COPY_PATHS
+def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical(pitched: bool) -> None:
     m = BlockManager(16, BS, enable_prefix_caching=True)
     cache = KVCacheTensors(torch.zeros(4, 2, 16, BS, 8, 128, device="cuda", dtype=torch.bfloat16))
-    tier = HostPrefixTier(m, cache, 32)
+    tier = _tier(m, cache, 32, pitched)
     assert tier.host.is_pinned()
     prompt = list(range(1000, 1000 + 4 * BS + 3))  # 4 full blocks
     m.allocate("a", token_ids=prompt)
@@ -50,10 +66,11 @@ def test_offload_and_load_are_ordered_with_the_compute_stream_and_bit_identical(
     assert tier.integrity_problems() == []
 
 
-def test_blocks_spilled_to_disk_come_back_bit_identical(tmp_path: Path) -> None:
+@COPY_PATHS
+def test_blocks_spilled_to_disk_come_back_bit_identical(tmp_path: Path, pitched: bool) -> None:
     m = BlockManager(8, BS, enable_prefix_caching=True)
     cache = KVCacheTensors(torch.zeros(4, 2, 8, BS, 8, 128, device="cuda", dtype=torch.bfloat16))
-    tier = HostPrefixTier(m, cache, 2, disk_dir=tmp_path, disk_bytes=1 << 30)
+    tier = _tier(m, cache, 2, pitched, disk_dir=tmp_path, disk_bytes=1 << 30)
     prompt = list(range(2000, 2000 + 4 * BS + 5))  # 4 full blocks
     m.allocate("a", token_ids=prompt)
     blocks = m.block_table("a")[:4]

@@ -23,10 +23,15 @@ block reused after an eviction is written only after earlier loads have read it.
 of every key, so a tenant never hits another tenant's blocks here either. Events: the
 manager's ``kv_events`` publish ``tier="host"`` stored and removed events.
 
-Copies move in batches: the blocks one allocation evicts are gathered into one staging tensor
-on the device and leave in one copy per run of consecutive host blocks (:meth:`flush`); the
-blocks one admission loads arrive the same way. Host blocks are handed out in order, so a
-conversation's history, evicted together, usually sits in one run.
+Copies move in batches: the blocks one allocation evicts leave together (:meth:`flush`), the
+blocks one admission loads arrive together. On CUDA an offloaded block is one ``cudaMemcpy2DAsync``
+of its ``2 * num_layers`` rows (:mod:`kvcache.memory.pitched_copy`): the copy engines move it
+while the step's kernels run, with no gather kernel that would wait for free SMs. Loads go the
+same way when rows are at least :data:`MIN_PITCHED_LOAD_ROW_BYTES`; below that the copy
+engines move short rows slowly, and one contiguous copy into a staging tensor, then a scatter
+kernel, is faster. Where the runtime call is not available, both directions are staged (one
+copy per run of consecutive host blocks). :attr:`HostPrefixTier.pitched_offloads` and
+:attr:`~HostPrefixTier.pitched_loads` say which path runs.
 
 With a disk tier (:mod:`kvcache.memory.disk_tier`), a block the host pool drops is written to
 a file first, and admission continues a prompt's run there once the host has no more of it: the
@@ -51,8 +56,16 @@ from kvcache.blocks.prefix_cache import BlockKey
 from kvcache.memory.cache_tensors import KVCacheTensors
 from kvcache.memory.disk_tier import DiskPrefixTier, DiskTierStats
 from kvcache.memory.host_pool import check_cache_serves, host_block_pool
+from kvcache.memory.pitched_copy import copy_rows, pitched_copies_available
 
-__all__ = ["ON_DISK", "HostPrefixTier", "HostTierStats"]
+__all__ = ["MIN_PITCHED_LOAD_ROW_BYTES", "ON_DISK", "HostPrefixTier", "HostTierStats"]
+
+#: Loads move blocks row by row on the copy engines from this row size up (one layer's K or V
+#: of a block). On the H200, 64 blocks with the GPU busy (benchmarks/results/
+#: tier-copies-rows-2026-12-03.json): rows of 32 KiB arrive at 50.5 GB/s idle / 41.5 busy row
+#: by row against 46.8 / 43.0 staged, 64 KiB rows at 52.6 / 52.1 against 49.2 / 33.4; rows of
+#: 8-16 KiB at 15-30 GB/s row by row against 42-45 GB/s staged on an idle GPU.
+MIN_PITCHED_LOAD_ROW_BYTES = 32 * 1024
 
 #: The handle :meth:`HostPrefixTier.lookup` returns for a block held by the disk tier.
 ON_DISK = -1
@@ -130,6 +143,16 @@ class HostPrefixTier:
         # High priority: its gather and scatter kernels start as soon as SMs free up, so the
         # copies behind them are not held up by a long step.
         self._stream = torch.cuda.Stream(cache.device, priority=-1) if cache.device.type == "cuda" else None
+        #: Whether blocks move as rows (``[2 * num_layers, block_size, kv_heads, head_dim]`` each)
+        #: on the copy engines, with no kernel (:mod:`kvcache.memory.pitched_copy`): offloads
+        #: whenever the runtime allows, loads when rows are long enough to stream.
+        self.pitched_offloads = self._stream is not None and pitched_copies_available()
+        row_bytes = cache.bytes_per_block // (2 * cache.num_layers)
+        self.pitched_loads = self.pitched_offloads and row_bytes >= MIN_PITCHED_LOAD_ROW_BYTES
+        self._device_rows = cache.storage.flatten(0, 1)  # [2 * num_layers, num_blocks, ...]
+        self._host_rows = self.host.flatten(1, 2)  # [num_host_blocks, 2 * num_layers, ...]
+        #: Host tensors a queued copy still reads, until its event completes.
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         #: key -> host block, least recently used first.
         self._index: OrderedDict[BlockKey, int] = OrderedDict()
         self._key_at: dict[int, BlockKey] = {}
@@ -328,16 +351,22 @@ class HostPrefixTier:
                 self.host[h].copy_(storage[:, :, b])
             self._seconds["to_host"] += time.perf_counter() - start
             return
+        self._collect_timings()
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the blocks' last writes may still be queued
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        views = [storage[:, :, b] for b in device_blocks]
-        runs = self._runs(host_blocks)  # host work first: the timing covers the device's work
         with torch.cuda.stream(self._stream):
-            begin.record(self._stream)
-            staged = torch.stack(views)  # block-major, as the host pool: one kernel
-            for first, h, n in runs:
-                self.host[h : h + n].copy_(staged[first : first + n], non_blocking=True)
+            if self.pitched_offloads:
+                begin.record(self._stream)
+                for b, h in zip(device_blocks, host_blocks, strict=True):
+                    copy_rows(self._host_rows[h], self._device_rows[:, b], self._stream)
+            else:
+                views = [storage[:, :, b] for b in device_blocks]
+                runs = self._runs(host_blocks)  # host work first: the timing covers the device's work
+                begin.record(self._stream)
+                staged = torch.stack(views)  # block-major, as the host pool: one kernel
+                for first, h, n in runs:
+                    self.host[h : h + n].copy_(staged[first : first + n], non_blocking=True)
             done.record(self._stream)
         compute.wait_event(done)  # their new owners write only after the copy has read them
         self._timings.append(("to_host", begin, done))
@@ -351,18 +380,25 @@ class HostPrefixTier:
             storage[:, :, device_blocks] = self.host[host_blocks].movedim(0, 2)
             self._seconds["to_device"] += time.perf_counter() - start
             return
+        self._collect_timings()
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the fresh blocks may still be read by queued work
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        runs = self._runs(host_blocks)
         with torch.cuda.stream(self._stream):
-            # Host work and the small index copy first: the timing covers the block copies.
-            staged = torch.empty((len(host_blocks), *self.host.shape[1:]), dtype=storage.dtype, device=storage.device)
-            index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
-            begin.record(self._stream)
-            for first, h, n in runs:
-                staged[first : first + n].copy_(self.host[h : h + n], non_blocking=True)
-            storage.index_copy_(2, index, staged.movedim(0, 2))
+            if self.pitched_loads:
+                begin.record(self._stream)
+                for h, b in zip(host_blocks, device_blocks, strict=True):
+                    copy_rows(self._device_rows[:, b], self._host_rows[h], self._stream)
+            else:
+                runs = self._runs(host_blocks)
+                # Host work and the small index copy first: the timing covers the block copies.
+                shape = (len(host_blocks), *self.host.shape[1:])
+                staged = torch.empty(shape, dtype=storage.dtype, device=storage.device)
+                index = torch.tensor(device_blocks, dtype=torch.int64).to(storage.device, non_blocking=True)
+                begin.record(self._stream)
+                for first, h, n in runs:
+                    staged[first : first + n].copy_(self.host[h : h + n], non_blocking=True)
+                storage.index_copy_(2, index, staged.movedim(0, 2))
             done.record(self._stream)
         compute.wait_event(done)  # the step that reads the prefix sees it whole
         self._timings.append(("to_device", begin, done))
@@ -372,21 +408,30 @@ class HostPrefixTier:
         :meth:`_copy_to_device` orders host loads."""
         storage = self.cache.storage
         data = torch.stack([d for d, _ in pairs])  # [n, num_layers, 2, block_size, heads, dim]
-        index = torch.tensor([b for _, b in pairs], dtype=torch.int64)
         if self._stream is None:
+            index = torch.tensor([b for _, b in pairs], dtype=torch.int64)
             storage.index_copy_(2, index, data.movedim(0, 2))
             return
-        data = data.pin_memory()  # the host allocator keeps it until the copy has read it
+        data = data.pin_memory()
+        self._collect_timings()
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)  # the fresh blocks may still be read by queued work
+        done = torch.cuda.Event()
         with torch.cuda.stream(self._stream):
-            staged = data.to(storage.device, non_blocking=True)
-            storage.index_copy_(2, index.to(storage.device, non_blocking=True), staged.movedim(0, 2))
-            done = torch.cuda.Event()
+            if self.pitched_loads:
+                rows = data.flatten(1, 2)
+                for i, (_, b) in enumerate(pairs):
+                    copy_rows(self._device_rows[:, b], rows[i], self._stream)
+            else:
+                staged = data.to(storage.device, non_blocking=True)
+                index = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=storage.device)
+                storage.index_copy_(2, index, staged.movedim(0, 2))
             done.record(self._stream)
+        self._in_flight.append((done, data))  # the copies read it after this returns
         compute.wait_event(done)  # the step that reads the prefix sees it whole
 
     def _collect_timings(self) -> None:
+        self._in_flight = [(done, data) for done, data in self._in_flight if not done.query()]
         still = []
         for direction, begin, done in self._timings:
             if done.query():
