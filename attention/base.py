@@ -106,6 +106,17 @@ class AttentionBackend(ABC):
                  with ``mixed_cuda_graphs`` only).
         """
         metadata.check()
+        if metadata.tree_masks is not None:
+            if not self.info.tree_masks:
+                raise UnsupportedSettingError(
+                    f"metadata.tree_masks: backend {self.name} has no draft-tree masks; "
+                    "use the triton or reference backend"
+                )
+            if self.spec.sliding_window is not None:
+                raise UnsupportedSettingError(
+                    "metadata.tree_masks: not with a sliding window (a tree token's position is its depth, not its "
+                    "index); verify drafts as a chain (tree_masks=None)"
+                )
         if graph:
             self.check_graph_bucket(metadata.padded_batch, metadata.num_tokens, prefill_rows=metadata.max_query_len > 1)
         return self._plan(metadata, staging or DirectStaging(metadata.device), graph)

@@ -80,6 +80,8 @@ class BackendInfo:
     sliding_window: whether it runs sliding-window attention.
     logit_softcap: whether it caps attention scores (``cap * tanh(s / cap)``, Gemma-2).
     attention_sinks: whether it takes learned per-head sink logits (gpt-oss).
+    tree_masks:   whether it takes per-token ancestor masks over a row's new tokens
+                  (``AttentionMetadata.tree_masks``: draft trees of speculative decoding).
     cuda_graphs:  whether its per-layer calls can be captured in a CUDA graph (no host sync,
                   launch parameters fixed per batch bucket) for pure decode steps.
     mixed_cuda_graphs: whether steps with prefill rows can be captured too (launch
@@ -105,6 +107,7 @@ class BackendInfo:
     sliding_window: bool
     logit_softcap: bool
     attention_sinks: bool
+    tree_masks: bool
     cuda_graphs: bool
     mixed_cuda_graphs: bool
     fused_rotary: bool
@@ -224,6 +227,7 @@ BACKENDS: dict[str, BackendInfo] = {
             sliding_window=True,
             logit_softcap=True,
             attention_sinks=True,
+            tree_masks=True,
             cuda_graphs=False,
             mixed_cuda_graphs=False,
             fused_rotary=False,
@@ -248,6 +252,7 @@ BACKENDS: dict[str, BackendInfo] = {
             sliding_window=True,
             logit_softcap=True,
             attention_sinks=True,
+            tree_masks=True,
             cuda_graphs=True,
             mixed_cuda_graphs=True,
             fused_rotary=True,
@@ -269,6 +274,7 @@ BACKENDS: dict[str, BackendInfo] = {
             sliding_window=True,
             logit_softcap=True,
             attention_sinks=False,
+            tree_masks=False,
             cuda_graphs=True,
             mixed_cuda_graphs=False,
             fused_rotary=False,

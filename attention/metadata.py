@@ -51,6 +51,11 @@ class AttentionMetadata:
                        row, the last chunk of a prompt), in row order; then, in a padded batch,
                        padding entries (any token; their logits are not used) up to at most
                        padded_batch entries in all.
+      tree_masks:      int32 [num_tokens] or None. None: new tokens see each other causally.
+                       Given (draft trees): new token t of a row sees the row's cached tokens
+                       and the row's new tokens j whose bit j is set in tree_masks[t] (its own
+                       bit among them); rows bring at most 31 new tokens. Backends declare
+                       support (``tree_masks`` in the backend table).
     Host values (no device sync needed to read them):
       seq_lens_host, query_lens_host: the real rows' lengths.
       sampling_rows_host: the real rows that have an entry in logits_indices, in order.
@@ -66,6 +71,7 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     query_lens_host: tuple[int, ...]
     sampling_rows_host: tuple[int, ...]
+    tree_masks: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -132,6 +138,21 @@ class AttentionMetadata:
             raise MetadataError(
                 f"metadata: block_tables has {self.block_tables.shape[0]} rows, seq_lens {pb}, "
                 f"query_start_loc {self.query_start_loc.shape[0]} entries; expected >= {b} rows and rows + 1 starts"
+            )
+        tree = self.tree_masks
+        if tree is not None and (not isinstance(tree, torch.Tensor) or tree.dtype != torch.int32 or tree.dim() != 1):
+            kind = type(tree).__name__
+            if isinstance(tree, torch.Tensor):
+                kind = f"{tree.dtype} with shape {tuple(tree.shape)}"
+            raise MetadataError(f"metadata.tree_masks: expected int32 [num_tokens] or None, got {kind}")
+        if tree is not None and (tree.shape[0] != self.num_tokens or tree.device != self.device):
+            raise MetadataError(
+                f"metadata.tree_masks: {tree.shape[0]} entries on {tree.device}, expected {self.num_tokens} "
+                f"on {self.device}"
+            )
+        if tree is not None and self.max_query_len > 31:
+            raise MetadataError(
+                f"metadata.tree_masks: a row brings {self.max_query_len} new tokens; an int32 mask covers at most 31"
             )
         if self.positions.shape[0] != self.num_tokens:
             raise MetadataError(f"metadata.positions: {self.positions.shape[0]} entries for {self.num_tokens} tokens")

@@ -77,8 +77,9 @@ class ReferenceBackend(AttentionBackend):
             k = k_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]  # [seq_len - skip, kvh, d]
             v = v_cache[blocks].reshape(-1, kvh, d)[: seq_len - skip]
             q = query[start : start + q_len]  # [q_len, heads, d]
+            tree = None if meta.tree_masks is None else meta.tree_masks[start : start + q_len]
             result[start : start + q_len] = _causal_attention(
-                q, k, v, self.spec.group_size, self.spec.scale, self.math_dtype, window, skip, spec.logit_softcap, sinks
+                q, k, v, spec.group_size, spec.scale, self.math_dtype, window, skip, spec.logit_softcap, sinks, tree
             ).to(query.dtype)
             start += q_len
         return result
@@ -154,12 +155,14 @@ def _causal_attention(
     skip: int = 0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [q_len, heads, d] (the last q_len positions); k, v: [seq_len - skip, kv_heads, d],
     the keys from position ``skip`` on. A query at position p sees keys at positions
     p - window < k <= p (every k <= p without window). ``softcap``: scaled scores s become
     ``softcap * tanh(s / softcap)`` before the softmax. ``sinks``: [heads] logits that join
-    each head's softmax as a key with a zero value."""
+    each head's softmax as a key with a zero value. ``tree``: int32 [q_len] ancestor masks:
+    new token t sees the keys before the new tokens and new token j iff bit j of tree[t]."""
     q_len, seq_len = q.shape[0], k.shape[0] + skip
     k = k.to(dtype).repeat_interleave(group, dim=1)
     v = v.to(dtype).repeat_interleave(group, dim=1)
@@ -169,6 +172,10 @@ def _causal_attention(
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     k_pos = torch.arange(skip, seq_len, device=q.device)
     hidden = k_pos[None, :] > q_pos[:, None]
+    if tree is not None:
+        j = (k_pos - (seq_len - q_len)).clamp(min=0)  # index among the new tokens
+        bits = (tree.to(torch.int64)[:, None] >> j[None, :]) & 1
+        hidden = (k_pos[None, :] >= seq_len - q_len) & (bits == 0)
     if window is not None:
         hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
     scores = scores.masked_fill(hidden, float("-inf"))

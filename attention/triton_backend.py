@@ -1,8 +1,9 @@
 """The ``triton`` backend: our own paged-attention kernels (:mod:`attention.triton_kernels`).
 
-Plan once per step: :meth:`TritonBackend.plan` sends every one-token row to the split-KV
-decode kernel and every longer row to the prefill kernel (a mixed batch runs both, on disjoint
-output rows) and decides everything they need -- split counts, the decode row index, the
+Plan once per step: :meth:`TritonBackend.plan` sends every row of at most
+``max_decode_query_len`` new tokens (8: one token, or a row verifying draft tokens) to the
+split-KV decode kernel and every longer row to the prefill kernel (a mixed batch runs both, on
+disjoint output rows) and decides everything they need -- split counts, the decode row index, the
 prefill tile index, kernel configurations -- from host-side lengths and the attention spec.
 Per-layer calls only launch, so no layer call waits on the device and a step can be captured
 in a CUDA graph: a decode step per batch bucket, a mixed step (prefill rows beside decode
@@ -22,7 +23,7 @@ import torch
 
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import cdiv
-from attention.errors import UnsupportedSettingError
+from attention.errors import MetadataError, UnsupportedSettingError
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.rotary import RotaryTable
@@ -30,6 +31,7 @@ from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, PlanStaging, StepCapacity
 from attention.synthetic import scratch_layer, synthetic_metadata
 from attention.triton_kernels import (
+    MAX_DECODE_QUERY_LEN,
     DecodeConfig,
     DecodePolicy,
     DecodeSchedule,
@@ -109,7 +111,8 @@ class PrefillLaunch:
 class TritonStepPlan(StepPlan):
     """One step's plan for the Triton kernels (every field decided by ``plan``).
 
-    decode_rows:  batch rows with one new token (the decode kernel takes them).
+    decode_rows:  batch rows of at most ``max_decode_query_len`` new tokens (the decode kernel
+                  takes them).
     prefill_rows: the other rows (the prefill kernel takes them).
     decode:       one launch per distinct window among the layers (full, windowed, or both).
     workspace:    the decode kernels' partial outputs and counters (shared by the launches:
@@ -138,7 +141,9 @@ class TritonBackend(AttentionBackend):
       decode_config / prefill_config: fixed launch parameters instead of the per-shape defaults;
       decode_policy:    how decode rows are cut into chunks (see DecodePolicy);
       decode_chunk_len: force this chunk length (tests, sweeps);
-      num_sms:          plan as if the GPU had this many SMs.
+      num_sms:          plan as if the GPU had this many SMs;
+      max_decode_query_len: rows of up to this many new tokens (1 .. 8, a power of two) go to
+                        the decode kernel; 1 sends every multi-token row to the prefill kernel.
     """
 
     name = "triton"
@@ -152,10 +157,17 @@ class TritonBackend(AttentionBackend):
         decode_policy: DecodePolicy | None = None,
         decode_chunk_len: int | None = None,
         num_sms: int | None = None,
+        max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
     ):
         super().__init__(spec)
         if decode_chunk_len is not None and decode_chunk_len < 1:
             raise UnsupportedSettingError(f"decode_chunk_len: {decode_chunk_len} must be >= 1 (or None to choose)")
+        q = max_decode_query_len
+        if not isinstance(q, int) or not 1 <= q <= MAX_DECODE_QUERY_LEN or q & (q - 1):
+            raise UnsupportedSettingError(
+                f"max_decode_query_len: {q!r} must be a power of two in [1, {MAX_DECODE_QUERY_LEN}]"
+            )
+        self.max_decode_query_len = q
         self.decode_config = decode_config or default_decode_config(
             spec.head_dim, self.compute_dtype, self.cache_dtype if spec.quantized_cache else None
         )
@@ -176,12 +188,18 @@ class TritonBackend(AttentionBackend):
 
     # ---- plan --------------------------------------------------------------------------
 
+    def _graph_query_len(self, padded_batch: int, num_tokens: int) -> int:
+        """New tokens per decode row a CUDA-graph bucket is compiled for: 1 in a decode bucket
+        (as many tokens as rows), else ``max_decode_query_len`` (rows verifying drafts)."""
+        return 1 if num_tokens <= padded_batch else self.max_decode_query_len
+
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
         rows = capacity.max_rows
         sms = self._sms(None)
         kvh, heads, d = self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
         items = max_decode_items(rows, kvh, sms, self.decode_policy)
-        partials = max(1, max_decode_partials(rows, kvh, sms, self.decode_policy))
+        q = self._graph_query_len(rows, capacity.max_tokens)
+        partials = max(1, max_decode_partials(rows, kvh, sms, self.decode_policy, max_query_len=q))
         tiles = max_prefill_tiles(capacity.max_rows, capacity.max_tokens, _MIN_BLOCK_M)
         found = [
             BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True),
@@ -208,9 +226,15 @@ class TritonBackend(AttentionBackend):
         """On a graph step both kernels' launches depend only on the bucket: the decode grid on
         its rows; the prefill launch exists when the bucket has more tokens than rows (room
         for prefill rows), with a fixed grid over a padded tile index."""
-        q_lens = metadata.query_lens_host
-        decode_rows = tuple(r for r, q in enumerate(q_lens) if q == 1)
-        prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > 1)
+        q_lens, most = metadata.query_lens_host, self.max_decode_query_len
+        decode_rows = tuple(r for r, q in enumerate(q_lens) if q <= most)
+        prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > most)
+        if metadata.tree_masks is not None and prefill_rows:
+            r = prefill_rows[0]
+            raise MetadataError(
+                f"metadata.tree_masks: row {r} brings {q_lens[r]} new tokens; this backend verifies draft trees of "
+                f"at most max_decode_query_len = {most} tokens per row"
+            )
         fixed_prefill = graph and metadata.num_tokens > metadata.padded_batch  # checked: see check_graph_bucket
         decode: tuple[DecodeLaunch, ...] = ()
         workspace = None
@@ -245,14 +269,19 @@ class TritonBackend(AttentionBackend):
     ) -> tuple[tuple[DecodeLaunch, ...], DecodeWorkspace]:
         """One schedule per window. On a CUDA-graph step the grid comes from the bucket (the
         padded batch) alone, so every replay of the bucket launches exactly what was captured."""
-        s_lens, sms, kvh = meta.seq_lens_host, self._sms(meta.device), self.spec.num_kv_heads
-        starts = _starts(meta.query_lens_host)
+        s_lens, q_lens = meta.seq_lens_host, meta.query_lens_host
+        sms, kvh = self._sms(meta.device), self.spec.num_kv_heads
+        starts = _starts(q_lens)
         max_rows = meta.padded_batch if graph else None
         max_items = max_decode_items(meta.padded_batch, kvh, sms, self.decode_policy) if graph else None
+        max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
         launches = []
         partials = 1
         for window in self.windows:
-            ranges = [(0 if window is None else max(0, s_lens[r] - window), s_lens[r]) for r in rows]
+            # A row's first new token sees the most: its window starts the range.
+            ranges = [
+                (0 if window is None else max(0, s_lens[r] - q_lens[r] + 1 - window), s_lens[r]) for r in rows
+            ]
             schedule = schedule_decode(
                 ranges,
                 num_kv_heads=kvh,
@@ -264,13 +293,16 @@ class TritonBackend(AttentionBackend):
                 chunk_len=self.decode_chunk_len,
                 table_rows=rows,
                 q_tokens=[starts[r] for r in rows],
+                q_lens=[q_lens[r] for r in rows],
+                max_query_len=max_query_len,
             )
             items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
             row_arr = staging.stage(f"decode_rows_{window}", schedule.rows).view(-1, ROW_FIELDS)
             launches.append(DecodeLaunch(window, schedule, row_arr, items))
             partials = max(partials, schedule.num_partials)
         if graph:
-            partials = max(1, max_decode_partials(meta.padded_batch, kvh, sms, self.decode_policy))
+            q = max_query_len or 1
+            partials = max(1, max_decode_partials(meta.padded_batch, kvh, sms, self.decode_policy, max_query_len=q))
         heads, d = self.spec.num_heads, self.spec.head_dim
         counter_rows = max(1, max(launch.schedule.grid_rows for launch in launches))
         workspace = DecodeWorkspace(
@@ -348,6 +380,8 @@ class TritonBackend(AttentionBackend):
                 check=False,
                 softcap=self.spec.logit_softcap,
                 sinks=sinks,
+                window=window,
+                tree_masks=meta.tree_masks,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -386,6 +420,11 @@ class TritonBackend(AttentionBackend):
         decode_lengths = sorted({min(64, longest), longest})  # one chunk; several chunks
         heights = sorted({min(q, capacity.max_tokens, longest) for q in (9, 17, 33, 129)} - {1})
         steps = [[(n, 1)] for n in decode_lengths] + [[(q, q)] for q in heights]
+        # Rows verifying drafts: each power of two of new tokens per row the decode kernel takes.
+        q = 2
+        while q <= min(self.max_decode_query_len, capacity.max_tokens, longest):
+            steps.append([(longest, q)])
+            q *= 2
         blocks = max(sum(cdiv(n, block_size) for n, _ in rows) for rows in steps)
         variants: set[tuple[object, ...]] = set()
         rotary = RotaryTable(torch.zeros(longest, self.spec.head_dim, dtype=torch.float32, device=device))
@@ -407,7 +446,7 @@ class TritonBackend(AttentionBackend):
                 self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
                 for launch in plan.decode:
-                    variants.add(("decode", window))
+                    variants.add(("decode", window, launch.schedule.query_len))
                     if launch.schedule.needs_combine and not self.decode_config.fused_combine:
                         variants.add(("combine",))
                 if plan.prefill is not None:

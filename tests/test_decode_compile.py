@@ -22,22 +22,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 
-def items_kernel(block_size, fused, softcap=False, sinks=False):
+def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False):
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_scale_ptr": "*fp32",
-           "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "block_tables_ptr": "*i32", "items_ptr": "*i32",
-           "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
-           "qk_scale": "fp32", "softcap": "fp32"}
+           "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
+           "items_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "counters_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "window": "i32"}
     for name in ("num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
                  "num_partial_slots", "num_counter_rows", "stride_qt", "stride_qh", "stride_bt",
                  "stride_ot", "stride_oh"):
         sig[name] = "i32"
-    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128,
-                  BLOCK_SIZE=block_size, BLOCK_N=64, KV_SCALED=False, UPCAST=False, DOT_PRECISION="tf32",
-                  FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks)
+    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, G_PAD=4, Q_PAD=q_pad, M_PAD=max(16, 4 * q_pad),
+                  HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=64, KV_SCALED=False, UPCAST=False,
+                  DOT_PRECISION="tf32", FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks,
+                  TREE=tree)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    # What a launch specialises on: 16-byte aligned pointers (0-11) and strides divisible by
+    # What a launch specialises on: 16-byte aligned pointers (0-12) and strides divisible by
     # 16 (stride_qt, stride_qh, stride_ot, stride_oh); without it no load is vectorised.
-    aligned = [*range(12), 21, 22, 24, 25]
+    aligned = [*range(13), 23, 24, 26, 27]
     return ASTSource(decode_items_kernel, sig, constexprs=consts,
                      attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
 
@@ -45,7 +46,7 @@ def combine_kernel(sinks=False):
     sig = {"rows_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
            "num_row_slots": "i32", "num_q_tokens": "i32", "num_partial_slots": "i32", "stride_ot": "i32",
            "stride_oh": "i32"}
-    consts = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, MERGE_CHUNKS=32, SINKS=sinks)
+    consts = dict(NUM_HEADS=32, HEAD_DIM=128, D_PAD=128, MERGE_CHUNKS=32, SINKS=sinks, Q_PAD=1)
     sig.update(dict.fromkeys(consts, "constexpr"))
     return ASTSource(decode_combine_kernel, sig, constexprs=consts,
                      attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9)})
@@ -54,7 +55,9 @@ target = GPUTarget("cuda", 90, 32)
 report = {}
 for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused", items_kernel(32, True)),
                   ("items-bs256-softcap", items_kernel(256, False, True)),
-                  ("items-bs32-fused-sinks", items_kernel(32, True, False, True)), ("combine", combine_kernel()),
+                  ("items-bs32-fused-sinks", items_kernel(32, True, False, True)),
+                  ("items-bs32-fused-q8-tree", items_kernel(32, True, q_pad=8, tree=True)),
+                  ("items-bs256-q4", items_kernel(256, False, q_pad=4)), ("combine", combine_kernel()),
                   ("combine-sinks", combine_kernel(True))):
     k = triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
     ptx = k.asm["ptx"]
@@ -67,7 +70,9 @@ print(json.dumps(report))
 
 def test_decode_kernels_compile_for_sm90() -> None:
     report = compile_report(_SCRIPT)
-    for name in ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks"):
+    kernels = ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks",
+               "items-bs32-fused-q8-tree", "items-bs256-q4")  # fmt: skip
+    for name in kernels:
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"
     assert report["items-bs32-fused"]["acq_rel_atomic"], report

@@ -29,6 +29,7 @@ from attention.triton_kernels import (
     paged_decode,
     schedule_decode,
 )
+from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.paging import kernels_interpreted
 from tests.paged_case import TOLERANCE, PagedCase, make_case, make_spec, reference_output, rel_err
 
@@ -226,6 +227,136 @@ def test_fused_combine_counters_reset_across_launches() -> None:
     _check(first, reference_output(case), torch.float32)
 
 
+def _multi_case(rows: list[tuple[int, int]], dtype: torch.dtype, **spec_kw: object) -> PagedCase:
+    """Rows of (context, new tokens), the new tokens' K/V written by the reference backend;
+    8 query heads over 2 KV heads, head_dim 32, block 32, caches wrapped in NaN blocks."""
+    spec = make_spec(8, 2, 32, dtype, **spec_kw)
+    case = make_case(rows, spec, block_size=32, device=DEVICE, spare_blocks=2, seed=len(rows))
+    writer = ReferenceBackend(spec)
+    writer.write_kv(case.new_key, case.new_value, case.layer, writer.plan(case.meta))
+    return case
+
+
+def _multi_launch(case: PagedCase, window: int | None = None, **schedule_args: object) -> Launch:
+    s_lens, q_lens = case.meta.seq_lens_host, case.meta.query_lens_host
+    starts = case.meta.query_start_loc.tolist()[: case.meta.batch]
+    w = window or 10**9
+    ranges = [(max(0, s - q + 1 - w), s) for s, q in zip(s_lens, q_lens, strict=True)]
+    return _prepare(case, 16, kv_ranges=ranges, q_lens=list(q_lens), q_tokens=starts, **schedule_args)
+
+
+MULTI_ROWS = [(30, 4), (96, 1), (64, 8), (5, 3), (0, 2), (47, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [16, None], ids=["split-rows", "policy"])
+@COMBINE
+def test_rows_of_several_new_tokens_match_float64_reference(dtype: torch.dtype, chunk: int | None, fused: bool) -> None:
+    """Rows verifying drafts (2-8 new tokens, causal among themselves) beside one-token rows,
+    the chunks cut through the new tokens: each new token sees exactly its prefix."""
+    case = _multi_case(MULTI_ROWS, dtype)
+    launch = _multi_launch(case, chunk_len=chunk)
+    assert launch.schedule.query_len == 8
+    if chunk:
+        assert launch.schedule.num_partials > 0, "the case should split some row"
+    out = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused))
+    _check(out, reference_output(case), dtype)
+    assert not launch.workspace.counters.any(), "fused counters must be back at 0"
+
+
+@COMBINE
+def test_fixed_grid_for_eight_tokens_serves_shorter_rows(fused: bool) -> None:
+    """A bucket compiled for 8 tokens per row (a CUDA graph's fixed choice) running rows of
+    1-3 tokens, on a padded grid: the same outputs, and no other token written."""
+    case = _multi_case([(40, 1), (17, 3), (80, 2)], torch.float32)
+    launch = _multi_launch(
+        case, chunk_len=32, num_sms=16, max_items=max_decode_items(5, 2, 16), max_rows=5, max_query_len=8
+    )
+    assert launch.schedule.query_len == 8 and launch.schedule.grid_items > launch.schedule.num_items
+    out = torch.full((case.query.shape[0] + 3, *case.query.shape[1:]), 7.0, device=DEVICE)
+    _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused), out)
+    n = case.meta.num_real_tokens
+    _check(out[:n], reference_output(case), torch.float32)
+    assert torch.equal(out[n:], torch.full_like(out[n:], 7.0))
+
+
+@COMBINE
+def test_rows_of_several_new_tokens_under_a_sliding_window(fused: bool) -> None:
+    """Each new token sees only the last ``window`` positions up to its own; the positions
+    before the first token's window are NaN, so a read of them shows."""
+    window = 20
+    case = _multi_case([(50, 6), (13, 4), (70, 1)], torch.float32, sliding_window=window)
+    ref = reference_output(case)  # before the poison: the oracle multiplies every value by its weight
+    bs, kvh, d = case.layer.key.shape[1:]
+    for row, (s, q) in enumerate(zip(case.meta.seq_lens_host, case.meta.query_lens_host, strict=True)):
+        start = max(0, s - q + 1 - window)
+        pos = torch.arange(start, device=case.layer.key.device)
+        slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        case.layer.key.view(-1, kvh, d)[slots] = float("nan")
+        case.layer.value.view(-1, kvh, d)[slots] = float("nan")
+    launch = _multi_launch(case, window=window, chunk_len=16)
+    out = torch.zeros_like(case.query)
+    paged_decode(
+        case.query, case.layer.key, case.layer.value, case.meta.block_tables, launch.rows, launch.items,
+        launch.schedule, launch.workspace, softmax_scale=1.0 / math.sqrt(d), out=out,
+        config=DecodeConfig(block_n=16, fused_combine=fused), window=window,
+    )  # fmt: skip
+    _check(out, ref, torch.float32)
+
+
+def _tree_reference(case: PagedCase, masks: list[int], scale: float) -> torch.Tensor:
+    """float64 [tokens, heads, d]: each new token over its row's context and the new tokens
+    its mask names."""
+    bs, kvh = case.layer.block_size, case.layer.key.shape[2]
+    heads = case.query.shape[1]
+    k_all, v_all = case.layer.key.double().flatten(0, 1), case.layer.value.double().flatten(0, 1)
+    outs = []
+    starts = case.meta.query_start_loc.tolist()
+    for row, (s, q) in enumerate(zip(case.meta.seq_lens_host, case.meta.query_lens_host, strict=True)):
+        for t in range(q):
+            token = starts[row] + t
+            seen = list(range(s - q)) + [s - q + j for j in range(q) if masks[token] >> j & 1]
+            pos = torch.tensor(seen, device=case.layer.key.device)
+            slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+            k = k_all[slots].repeat_interleave(heads // kvh, dim=1)
+            v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
+            outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+@COMBINE
+def test_draft_tree_masks(fused: bool) -> None:
+    """A tree of 6 draft tokens (root; two children; a grandchild under each; one more under
+    the first) and a chain of 3: each token sees the context and exactly its ancestors."""
+    case = _multi_case([(37, 7), (20, 3)], torch.float32)
+    # Row 0: token 0 the verified root, 1 and 2 its children, 3 under 1, 4 under 2, 5 under 3,
+    # 6 a third child of the root.
+    parents = [None, 0, 0, 1, 2, 3, 0]
+    masks = []
+    for t, _ in enumerate(parents):
+        bits, node = 0, t
+        while node is not None:
+            bits |= 1 << node
+            node = parents[node]
+        masks.append(bits)
+    masks += [0b1, 0b11, 0b111]  # row 1: a chain (the causal case)
+    tree = torch.tensor(masks, dtype=torch.int32, device=DEVICE)
+    launch = _multi_launch(case, chunk_len=16)
+    out = torch.zeros_like(case.query)
+    d = case.query.shape[2]
+    paged_decode(
+        case.query, case.layer.key, case.layer.value, case.meta.block_tables, launch.rows, launch.items,
+        launch.schedule, launch.workspace, softmax_scale=1.0 / math.sqrt(d), out=out,
+        config=DecodeConfig(block_n=16, fused_combine=fused), tree_masks=tree,
+    )  # fmt: skip
+    _check(out, _tree_reference(case, masks, 1.0 / math.sqrt(d)), torch.float32)
+    # The chain row equals plain causal decoding.
+    causal = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused))
+    torch.testing.assert_close(out[7:10], causal[7:10], rtol=0, atol=1e-6)
+    assert (out[:7] - causal[:7]).abs().max() > 1e-3, "the tree changed nothing"
+
+
 def _canaried(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(storage, view): ``view`` of ``shape`` sits inside ``storage`` with one filled slab
     on each side along dim 0."""
@@ -360,8 +491,8 @@ def test_decode_graph_replays_later_steps_on_a_fixed_grid(fused: bool) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bucket, config = 8, DecodeConfig(block_n=64, fused_combine=fused)
     cap_items = max_decode_items(bucket, kvh, sms)
-    rows_buf = torch.zeros((bucket, 4), dtype=torch.int32, device="cuda")
-    items_buf = torch.zeros((cap_items, 8), dtype=torch.int32, device="cuda")
+    rows_buf = torch.zeros((bucket, ROW_FIELDS), dtype=torch.int32, device="cuda")
+    items_buf = torch.zeros((cap_items, ITEM_FIELDS), dtype=torch.int32, device="cuda")
     workspace = allocate_decode_workspace(
         max_rows=bucket,
         max_partials=max_decode_partials(bucket, kvh, sms),

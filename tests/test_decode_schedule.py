@@ -29,17 +29,23 @@ def _lognormal(n: int, median: int, sigma: float, cap: int, seed: int = 0) -> li
     return [max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
-def _check_invariants(s: DecodeSchedule, ranges: list[tuple[int, int]], policy: DecodePolicy) -> None:
+def _check_invariants(
+    s: DecodeSchedule, ranges: list[tuple[int, int]], policy: DecodePolicy, q_lens: list[int] | None = None
+) -> None:
     """Every token of every row in exactly one item; items heaviest first; partial slots
-    unique, contiguous per split row, and absent for one-chunk rows; padding in place."""
+    unique, contiguous per split row (one run of chunks per new token), and absent for
+    one-chunk rows; padding in place."""
+    q_lens = q_lens or [1] * len(ranges)
     assert s.chunk_len % s.block_n == 0
     assert s.num_items <= s.grid_items and s.num_rows == len(ranges) <= s.grid_rows
+    assert s.query_len >= max(q_lens, default=1) and s.query_len & (s.query_len - 1) == 0
     covered: dict[int, list[tuple[int, int]]] = {d: [] for d in range(len(ranges))}
     slots: list[int] = []
     sizes = []
     for i in range(s.num_items):
-        d, a, b, slot, table_row, q_token, n, first = s.item(i)
-        assert s.row(d) == (table_row, q_token, n, first)
+        d, a, b, slot, table_row, q_token, n, first, q_len, row_end = s.item(i)
+        assert s.row(d) == (table_row, q_token, n, first, q_len)
+        assert q_len == q_lens[d] and row_end == ranges[d][1]
         assert a < b and b - a <= s.chunk_len
         assert a // s.chunk_len == (b - 1) // s.chunk_len, "an item crosses a chunk boundary"
         covered[d].append((a, b))
@@ -48,7 +54,7 @@ def _check_invariants(s: DecodeSchedule, ranges: list[tuple[int, int]], policy: 
             assert slot == -1 and first == -1
         else:
             assert first <= slot < first + n
-            slots.append(slot)
+            slots += [slot + t * n for t in range(q_len)]
     assert sizes == sorted(sizes, reverse=True), "items are not heaviest first"
     for d, (start, end) in enumerate(ranges):
         pieces = sorted(covered[d])
@@ -76,6 +82,8 @@ lengths = st.lists(
     block_n=st.sampled_from([16, 32, 64, 128]),
     policy=st.sampled_from([DecodePolicy(), DecodePolicy(4, 1.0, 128, 32), DecodePolicy(1, 0.3, 512, 512)]),
     windowed=st.booleans(),
+    queries=st.lists(st.integers(1, 8), min_size=40, max_size=40),
+    multi=st.booleans(),
 )
 def test_schedule_invariants_and_fixed_grid_bounds(
     lens: list[int],
@@ -85,10 +93,17 @@ def test_schedule_invariants_and_fixed_grid_bounds(
     block_n: int,
     policy: DecodePolicy,
     windowed: bool,
+    queries: list[int],
+    multi: bool,
 ) -> None:
     ranges = [(starts[i] if windowed else 0, (starts[i] if windowed else 0) + n) for i, n in enumerate(lens)]
-    free = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, policy=policy)
-    _check_invariants(free, ranges, policy)
+    q_lens = [min(q, n) if multi else 1 for q, n in zip(queries, lens, strict=False)]
+    # Rows of several new tokens own consecutive query tokens.
+    tokens = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    common = {"q_lens": q_lens, "q_tokens": tokens}
+    free = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, policy=policy, **common)
+    _check_invariants(free, ranges, policy, q_lens)
+    assert free.max_q_token == sum(q_lens) - 1
     # Fixed grid of a bucket with more rows than this step: the same items, padded.
     bucket = len(ranges) + 3
     cap_items = max_decode_items(bucket, kv_heads, sms, policy)
@@ -100,14 +115,20 @@ def test_schedule_invariants_and_fixed_grid_bounds(
         policy=policy,
         max_items=cap_items,
         max_rows=bucket,
+        max_query_len=8,
+        **common,
     )
-    _check_invariants(fixed, ranges, policy)
-    assert fixed.grid_items == cap_items and fixed.grid_rows == bucket
-    assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
+    _check_invariants(fixed, ranges, policy, q_lens)
+    assert fixed.grid_items == cap_items and fixed.grid_rows == bucket and fixed.query_len == 8
+    assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy, max_query_len=8)
+    if not multi:
+        assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
     assert free.num_items <= max_decode_items(len(ranges), kv_heads, sms, policy)
     # A tight grid (one item per row) never splits; the chunk grows until the items fit.
-    tight = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, max_items=len(ranges))
-    _check_invariants(tight, ranges, policy)
+    tight = schedule_decode(
+        ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, max_items=len(ranges), **common
+    )
+    _check_invariants(tight, ranges, policy, q_lens)
     assert tight.num_items == len(ranges) and tight.num_partials == 0
     if ranges and not windowed:
         # Chunks respect the floor, or the small-batch floor when the batch cannot give every
@@ -179,7 +200,7 @@ def test_window_chunks_sit_on_absolute_boundaries() -> None:
     assert s.chunk_len == 256
     pieces = sorted(s.item(i)[:3] for i in range(s.num_items))
     assert pieces == [(0, 100, 256), (0, 256, 512), (0, 512, 700), (1, 5, 6)]
-    assert s.row(0)[2:] == (3, 0) and s.row(1)[2:] == (1, -1)
+    assert s.row(0)[2:4] == (3, 0) and s.row(1)[2:4] == (1, -1)
 
 
 def test_per_row_table_rows_and_tokens() -> None:
@@ -199,6 +220,12 @@ def test_per_row_table_rows_and_tokens() -> None:
         ({"q_tokens": [0, -2]}, "q_tokens: entries must be >= 0"),
         ({"block_n": 0}, "block_n: 0 must be >= 1"),
         ({"chunk_len": 0}, "chunk_len: 0 must be >= 1"),
+        ({"q_lens": [1, 9]}, r"q_lens\[1\]: 9 must be in \[1, 8\]"),
+        ({"q_lens": [6, 1]}, r"q_lens\[0\]: 6 must be in \[1, 8\] and within its kv range \(0, 5\)"),
+        ({"q_lens": [0, 1]}, r"q_lens: entries must be >= 0|q_lens\[0\]: 0 must be"),
+        ({"q_lens": [3, 3], "max_query_len": 2}, r"max_query_len: 2 must be a power of two in \[3"),
+        ({"q_lens": [3, 3], "max_query_len": 6}, "max_query_len: 6 must be a power of two"),
+        ({"max_query_len": 16}, "max_query_len: 16 must be a power of two in"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict[str, object], message: str) -> None:
@@ -206,6 +233,18 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, object], message: str
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         schedule_decode(**args)  # type: ignore[arg-type]
+
+
+def test_multi_token_rows_own_a_run_of_slots_per_token() -> None:
+    """A split row of 3 new tokens over 3 chunks owns 9 slots: token t's chunks at first + 3t."""
+    s = schedule_decode(
+        [(0, 700), (0, 40)], num_kv_heads=1, num_sms=8, block_n=64, chunk_len=256, q_lens=[3, 2], q_tokens=[0, 3]
+    )
+    assert s.query_len == 4 and s.num_partials == 9 and s.max_q_token == 4
+    assert s.row(0) == (0, 0, 3, 0, 3) and s.row(1) == (1, 3, 1, -1, 2)
+    firsts = sorted(s.item(i)[3] for i in range(s.num_items) if s.item(i)[0] == 0)
+    assert firsts == [0, 1, 2]  # chunk j of token 0; token t adds t * 3
+    assert all(s.item(i)[9] == (700 if s.item(i)[0] == 0 else 40) for i in range(s.num_items))
 
 
 def test_policy_checks_its_fields() -> None:

@@ -165,21 +165,30 @@ def test_prefill_tile_shrinks_to_short_rows() -> None:
 
 
 def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
-    """One-token rows go to the decode kernel, at their query tokens; the rest to prefill, in
-    a tile index of the step's tile height, heaviest first."""
+    """Rows of up to max_decode_query_len new tokens go to the decode kernel, at their query
+    tokens; the rest to prefill, in a tile index of the step's tile height, heaviest first."""
     spec = make_spec(2, 1, 16, torch.float32)
-    case = _case([(10, 5), (3, 1), (0, 2), (7, 1)], spec, 32, triton_device)
+    case = _case([(10, 5), (3, 1), (0, 12), (7, 1)], spec, 32, triton_device)
     plan = TritonBackend(spec).plan(case.meta)
     assert isinstance(plan, TritonStepPlan) and not plan.use_decode
-    assert plan.decode_rows == (1, 3) and plan.prefill_rows == (0, 2)
+    assert plan.decode_rows == (0, 1, 3) and plan.prefill_rows == (2,)
     (launch,) = plan.decode
-    # Decode row d reads table row decode_rows[d] and owns its query token.
-    assert [launch.schedule.row(d)[:2] for d in range(2)] == [(1, 5), (3, 8)]
+    assert launch.schedule.query_len == 8
+    # Decode row d reads table row decode_rows[d] and owns its query tokens.
+    assert [launch.schedule.row(d)[:2] for d in range(3)] == [(0, 0), (1, 5), (3, 18)]
+    assert [launch.schedule.row(d)[4] for d in range(3)] == [5, 1, 1]
     assert plan.prefill is not None
     config = plan.prefill.config
-    assert config == default_prefill_config(16, torch.float32, 5) and config.block_m == 16
-    expect = prefill_tile_index((15, 4, 2, 8), (5, 1, 2, 1), config.block_m, rows=(0, 2))
-    assert plan.prefill.tile_index.tolist() == [list(p) for p in expect] == [[0, 0], [2, 0]]
+    assert config == default_prefill_config(16, torch.float32, 12) and config.block_m == 16
+    expect = prefill_tile_index((15, 4, 12, 8), (5, 1, 12, 1), config.block_m, rows=(2,))
+    assert plan.prefill.tile_index.tolist() == [list(p) for p in expect] == [[2, 0]]
+    # With max_decode_query_len 1 only one-token rows go to the decode kernel.
+    one = TritonBackend(spec, max_decode_query_len=1).plan(case.meta)
+    assert isinstance(one, TritonStepPlan) and one.decode_rows == (1, 3) and one.prefill_rows == (0, 2)
+    assert one.decode[0].schedule.query_len == 1
+    for bad in (0, 3, 16):
+        with pytest.raises(UnsupportedSettingError, match="max_decode_query_len"):
+            TritonBackend(spec, max_decode_query_len=bad)
     pure = TritonBackend(spec).plan(_case([(5, 1)], spec, 32, triton_device).meta)
     assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.prefill is None
     assert pure.decode[0].schedule.row(0)[:2] == (0, 0)

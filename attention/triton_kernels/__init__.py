@@ -30,6 +30,7 @@ from attention.triton_kernels.decode import (
     paged_decode,
 )
 from attention.triton_kernels.decode_schedule import (
+    MAX_DECODE_QUERY_LEN,
     DecodePolicy,
     DecodeSchedule,
     max_decode_items,
@@ -51,6 +52,7 @@ from attention.triton_kernels.rotary_write import rotary_write_kv
 __all__ = [
     "DECODE_SWEEP",
     "FP8_KV_DTYPES",
+    "MAX_DECODE_QUERY_LEN",
     "PAD_TILE",
     "PREFILL_SWEEP",
     "DecodeConfig",

@@ -1,14 +1,15 @@
 """Paged decode attention, balanced by tokens: launch parameters, workspace, launcher.
 
-A decode step attends rows that bring exactly one new token. :func:`~.decode_schedule.
+A decode step attends rows that bring one new token, or a few (up to 8: a row verifying
+draft tokens), causal among themselves or under a per-token ancestor mask (a draft tree). :func:`~.decode_schedule.
 schedule_decode` cuts every row into chunks of one length (long rows get more chunks), and
 the kernel (:mod:`.decode_kernels`) runs one program per (chunk, KV head), all query heads of
 the KV group at once. Rows of one chunk write their output directly; rows of several write
 fp32 partials that a small combine kernel (or, with ``DecodeConfig.fused_combine``, the
 last chunk program of the row) merges. With no split row there is a single launch.
 
-CUDA graphs, per bucket of B rows: persistent buffers rows int32 [B, 4] and items int32
-[max_decode_items(B, ...), 8], a workspace of max_decode_partials(B, ...) slots and B counter
+CUDA graphs, per bucket of B rows: persistent buffers rows int32 [B, 5] and items int32
+[max_decode_items(B, ...), 10], a workspace of max_decode_partials(B, ...) slots and B counter
 rows, all allocated once; every step's schedule made with ``max_items=max_decode_items(B,
 ...)``, ``max_rows=B`` and the config's block_n, and copied into the buffers with
 :func:`decode_metadata` (``rows_out`` / ``items_out``). A launch captured with any such
@@ -186,8 +187,8 @@ def decode_metadata(
     rows_out: torch.Tensor | None = None,
     items_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The schedule's arrays on ``device``: (rows int32 [grid_rows, 4], items int32
-    [grid_items, 8]), or written into the first rows of the persistent buffers ``rows_out`` /
+    """The schedule's arrays on ``device``: (rows int32 [grid_rows, 5], items int32
+    [grid_items, 10]), or written into the first rows of the persistent buffers ``rows_out`` /
     ``items_out`` (which are returned). Never waits for the device."""
     device = torch.device(device)
     rows = _copy_into("rows_out", _host_int32(schedule.rows, ROW_FIELDS), rows_out, device)
@@ -216,11 +217,26 @@ def check_decode_launch(
     out: torch.Tensor,
     config: DecodeConfig,
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    tree_masks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """The host checks of :func:`paged_decode` (same arguments; ``scales`` = (k_scale,
     v_scale)): shapes, dtypes, devices and the schedule's maxima against the tensors. O(1),
     no sync; raises ValueError naming the argument. A caller that runs these once for a
     step (every layer passes tensors of the same shapes) may launch with ``check=False``."""
+    if tree_masks is not None and (
+        tree_masks.dtype != torch.int32 or tree_masks.dim() != 1 or tree_masks.device != k_cache.device
+    ):
+        raise ValueError(
+            f"tree_masks: expected int32 [num_tokens] on {k_cache.device}, got {tree_masks.dtype} "
+            f"{tuple(tree_masks.shape)} on {tree_masks.device}"
+        )
+    if tree_masks is not None and tree_masks.shape[0] <= schedule.max_q_token:
+        raise ValueError(f"tree_masks: {tree_masks.shape[0]} entries, the schedule names token {schedule.max_q_token}")
+    if tree_masks is not None and window:
+        raise ValueError("tree_masks: not with a sliding window (a tree token's position is its depth, not its index)")
+    if window is not None and window < 1:
+        raise ValueError(f"window: {window} must be >= 1 (or None)")
     if query.dtype not in _QUERY_DTYPES:
         raise ValueError(f"query: dtype {query.dtype} is not one of {_QUERY_DTYPES}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -307,23 +323,31 @@ def paged_decode(
     check: bool = True,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    window: int | None = None,
+    tree_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of the schedule's rows; writes their tokens of ``out``, returns it.
 
     query:        [num_tokens, num_heads, head_dim] fp16/bf16/fp32 (any strides but a unit
-                  last one is fastest); row d's query is token ``q_tokens[d]``.
+                  last one is fastest); row d's queries are tokens ``q_tokens[d]`` ..
+                  ``q_tokens[d] + q_lens[d] - 1``.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the
                   query's dtype, or fp8 (FP8_KV_DTYPES) with ``k_scale`` / ``v_scale``: fp32
                   [num_kv_heads] dequantisation scales (K = k_scale[h] * k_fp8).
     block_tables: int32 [table_rows, max_blocks]; row d reads table row ``table_rows[d]``
                   (a persistent table may have more rows than the step).
-    rows, items:  int32 [>= grid_rows, 4] and [>= grid_items, 8] from :func:`decode_metadata`.
+    rows, items:  int32 [>= grid_rows, 5] and [>= grid_items, 10] from :func:`decode_metadata`.
     schedule:     the host schedule those were made from (grid sizes; made for
                   ``config.block_n``). workspace: from :func:`allocate_decode_workspace`.
     out:          [>= num_tokens, num_heads, head_dim], the query's dtype, unit last stride;
                   tokens no row names are left untouched.
     softcap:      cap scaled scores s to ``softcap * tanh(s / softcap)`` (None: no cap).
     sinks:        fp32 [num_heads] learned sink logits (None: none).
+    window:       the sliding window the schedule's ranges were made for (None: none); rows
+                  of several new tokens need it for each token's own lower bound.
+    tree_masks:   int32 [num_tokens]: per new token of a multi-token row, the bitmask of the
+                  row's new tokens it sees (bit j: the row's j-th new token; its own bit set);
+                  None: causal. Not with a window.
     check:        run :func:`check_decode_launch` first (~20-40 us of Python). Pass False
                   only for arguments of shapes already checked (e.g. every layer after the
                   first of a step): the kernels then still stay inside their tensors
@@ -333,8 +357,9 @@ def paged_decode(
     if check:
         scales = (k_scale, v_scale)
         check_decode_launch(
-            query, k_cache, v_cache, block_tables, rows, items, schedule, workspace, out, config, scales
-        )
+            query, k_cache, v_cache, block_tables, rows, items, schedule, workspace, out, config, scales,
+            tree_masks, window,
+        )  # fmt: skip
     if schedule.grid_items == 0:
         return out
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -344,6 +369,7 @@ def paged_decode(
     scaled = k_cache.dtype in FP8_KV_DTYPES
     ws = workspace
     num_q_tokens = min(query.shape[0], out.shape[0])
+    g_pad = next_power_of_2(group)
     decode_items_kernel[(kv_heads, schedule.grid_items)](
         query,
         k_cache,
@@ -351,6 +377,7 @@ def paged_decode(
         k_scale if k_scale is not None else ws.part_lse,  # unused unless KV_SCALED
         v_scale if v_scale is not None else ws.part_lse,
         sinks if sinks is not None else ws.part_lse,  # unused unless SINKS
+        tree_masks if tree_masks is not None else ws.counters,  # unused unless TREE
         block_tables,
         items,
         out,
@@ -359,6 +386,7 @@ def paged_decode(
         ws.counters,
         softmax_scale * _LOG2E,
         (softcap or 1.0) * _LOG2E,  # the scores' log2 units
+        window or 0,
         items.shape[0],
         block_tables.shape[0],
         block_tables.shape[1],
@@ -374,7 +402,9 @@ def paged_decode(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=kv_heads,
         GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
+        G_PAD=g_pad,
+        Q_PAD=schedule.query_len,
+        M_PAD=max(16, schedule.query_len * g_pad),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
@@ -386,6 +416,7 @@ def paged_decode(
         MERGE_CHUNKS=_MERGE_CHUNKS,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        TREE=tree_masks is not None and schedule.query_len > 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -406,6 +437,7 @@ def paged_decode(
             D_PAD=d_pad,
             MERGE_CHUNKS=_MERGE_CHUNKS,
             SINKS=sinks is not None,
+            Q_PAD=schedule.query_len,
             num_warps=config.combine_num_warps,
         )
     return out

@@ -2,8 +2,9 @@
 
 Program (kv_head, i) of :func:`decode_items_kernel` takes item i of the step's schedule
 (:mod:`.decode_schedule`): one chunk ``[kv_start, kv_end)`` of one decode row, for all query
-heads of one KV group (the group padded to >= 16 rows so ``tl.dot`` runs on tensor cores; each
-K/V token is read once per KV head, not once per query head). A row with one chunk writes
+heads of one KV group and all of the row's new tokens (up to 8, for verifying draft tokens;
+the tokens x heads padded to >= 16 rows so ``tl.dot`` runs on tensor cores; each K/V token is
+read once per KV head, not once per query head or new token). A row with one chunk writes
 its output directly; a row with several writes an fp32 partial output and log-sum-exp per
 chunk, merged either by :func:`decode_combine_kernel` or, with FUSED_COMBINE, by the last of
 the row's chunk programs to finish (an int32 counter per (row, kv_head), incremented with an
@@ -153,6 +154,7 @@ def _merge_head(  # type: ignore[no-untyped-def]
         "num_partial_slots",
         "num_counter_rows",
         "stride_bt",
+        "window",
     ]
 )
 def decode_items_kernel(  # type: ignore[no-untyped-def]
@@ -162,6 +164,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     k_scale_ptr,
     v_scale_ptr,
     sinks_ptr,
+    tree_ptr,
     block_tables_ptr,
     items_ptr,
     out_ptr,
@@ -170,6 +173,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     counters_ptr,
     qk_scale,
     softcap,
+    window,
     num_item_slots,
     num_table_rows,
     table_width,
@@ -185,7 +189,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    Q_PAD: tl.constexpr,
+    M_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -197,9 +203,20 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     MERGE_CHUNKS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    TREE: tl.constexpr,
 ):
-    """Program (kv_head, i): item i of int32 items [num_item_slots, 8] = (d, kv_start,
-    kv_end, partial_slot, table_row, q_token, num_chunks, first_partial); d < 0 is padding.
+    """Program (kv_head, i): item i of int32 items [num_item_slots, 10] = (d, kv_start,
+    kv_end, partial_slot, table_row, q_token, num_chunks, first_partial, q_len, row_end);
+    d < 0 is padding.
+
+    The tile's M_PAD rows are (new token t, query head g of the group): row m = t * G_PAD + g,
+    for t < Q_PAD (the launch's tokens per row) and g < G_PAD (the group, padded to a power of
+    two); M_PAD >= 16 so ``tl.dot`` runs on tensor cores. A row's q_len new tokens are query
+    tokens q_token .. q_token + q_len - 1 at positions row_end - q_len .. row_end - 1; token t
+    sees keys up to its own position (with TREE, the keys before the new tokens and the new
+    tokens j whose bit j is set in ``tree_ptr[q_token + t]``, an int32 ancestor mask), and
+    with a ``window`` > 0 only the last ``window`` positions up to its own. With Q_PAD = 1
+    none of these masks is compiled: the item's range is the row's.
 
     K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous (compile-time
     strides). KV_SCALED (an fp8 cache): K and V are converted to the query's dtype and
@@ -214,8 +231,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     i = tl.program_id(1)
     if i >= num_item_slots:
         return
-    # All fields first: they share one 32-byte line, so this is one memory latency.
-    item = items_ptr + i.to(tl.int64) * 8
+    # All fields first: they share one or two 32-byte sectors, so this is one memory latency.
+    item = items_ptr + i.to(tl.int64) * 10
     d = tl.load(item)
     kv_start = tl.load(item + 1)
     kv_end = tl.load(item + 2)
@@ -224,33 +241,41 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     q_token = tl.load(item + 5)
     num_chunks = tl.load(item + 6)
     first_partial = tl.load(item + 7)
+    q_len = tl.load(item + 8)
+    row_end = tl.load(item + 9)
     if d < 0:
         return  # padding of a fixed (CUDA-graph) grid
 
     kv_start = tl.maximum(kv_start, 0)
     kv_end = tl.minimum(kv_end, table_width * BLOCK_SIZE)
     row_ok = (table_row >= 0) & (table_row < num_table_rows)
-    q_ok = (q_token >= 0) & (q_token < num_q_tokens)
     table_ptr = block_tables_ptr + tl.where(row_ok, table_row, 0).to(tl.int64) * stride_bt
-    token64 = tl.where(q_ok, q_token, 0).to(tl.int64)
 
-    g = tl.arange(0, GROUP_PAD)
-    dd = tl.arange(0, D_PAD)
+    m = tl.arange(0, M_PAD)
+    t = m // G_PAD
+    g = m % G_PAD
     heads = kvh * GROUP + g
-    g_mask = g < GROUP
-    qo_mask = tile_mask(g_mask, dd, HEAD_DIM, D_PAD)
-    q_off = token64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh + dd[None, :]
-    q_mask = tl.where(q_ok, qo_mask, False)
+    token = q_token + t
+    q_ok = (t < Q_PAD) & (t < q_len) & (g < GROUP) & (token >= 0) & (token < num_q_tokens)
+    token64 = tl.where(q_ok, token, 0).to(tl.int64)
+    dd = tl.arange(0, D_PAD)
+    q_mask = tile_mask(q_ok, dd, HEAD_DIM, D_PAD)
+    q_off = token64[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh + dd[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     scale = qk_scale
     if KV_SCALED:
         scale = qk_scale * tl.load(k_scale_ptr + kvh)
+    if Q_PAD > 1:
+        first_new = row_end - q_len  # position of the row's first new token
+        limit = first_new + t  # token t's own position: the last key it may see
+        if TREE:
+            ancestors = tl.load(tree_ptr + token64, mask=q_ok, other=0)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], tl.float32)
+    acc = tl.zeros([M_PAD, D_PAD], tl.float32)
     head_off = kvh * HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned (one table read per tile)
@@ -273,7 +298,18 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if SOFTCAP:
             s = soft_cap(s, softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        if Q_PAD > 1:
+            if TREE:
+                j = n - first_new  # index among the new tokens (< 0: a key before them)
+                bit = (ancestors[:, None] >> tl.maximum(j, 0)[None, :]) & 1
+                seen = (j[None, :] < 0) | ((bit != 0) & (j[None, :] < q_len))
+            else:
+                seen = n[None, :] <= limit[:, None]
+            if window > 0:
+                seen = seen & (n[None, :] > limit[:, None] - window)
+            s = tl.where(valid[None, :] & seen, s, float("-inf"))
+        else:
+            s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -282,20 +318,22 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         o = o * tl.load(v_scale_ptr + kvh)
     if slot < 0:
         if SINKS:  # the whole row is here: the sink term joins this denominator
-            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * _LOG2E
+            sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * _LOG2E
             m_f = tl.maximum(m_i, sink)
             alpha = tl.exp2(m_i - m_f)
             o = acc * (alpha / (l_i * alpha + tl.exp2(sink - m_f)))[:, None]
             if KV_SCALED:
                 o = o * tl.load(v_scale_ptr + kvh)
-        dst = out_ptr + token64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh + dd[None, :]
+        dst = out_ptr + token64[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh + dd[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        slot_ok = slot < num_partial_slots
-        part = slot.to(tl.int64) * NUM_HEADS + heads
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dd[None, :], o, mask=tl.where(slot_ok, qo_mask, False))
+        # Token t of this row keeps its chunks' partials at slot + t * num_chunks.
+        token_slot = slot + t * num_chunks
+        slot_ok = (t < q_len) & (g < GROUP) & (token_slot < num_partial_slots)
+        part = token_slot.to(tl.int64) * NUM_HEADS + heads
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dd[None, :], o, mask=tile_mask(slot_ok, dd, HEAD_DIM, D_PAD))
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=tl.where(slot_ok, g_mask, False))
+        tl.store(part_lse_ptr + part, lse, mask=slot_ok)
         if FUSED_COMBINE:  # noqa: SIM102 (a compile-time branch; the inner test is a runtime one)
             if d < num_counter_rows:
                 # Every thread's partial stores precede the release below (the atomic runs
@@ -305,25 +343,28 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if arrived == num_chunks - 1:
                     tl.debug_barrier()
-                    for gi in range(GROUP):
-                        head = kvh * GROUP + gi
-                        dst_head = out_ptr + token64 * stride_ot + head.to(tl.int64) * stride_oh
-                        _merge_head(
-                            part_o_ptr,
-                            part_lse_ptr,
-                            sinks_ptr,
-                            first_partial,
-                            num_chunks,
-                            head,
-                            dst_head,
-                            q_ok,
-                            num_partial_slots,
-                            NUM_HEADS,
-                            HEAD_DIM,
-                            D_PAD,
-                            MERGE_CHUNKS,
-                            SINKS,
-                        )
+                    for tq in range(Q_PAD):
+                        tq_token = q_token + tq
+                        tq_ok = (tq < q_len) & (tq_token >= 0) & (tq_token < num_q_tokens)
+                        tq64 = tl.where(tq_ok, tq_token, 0).to(tl.int64)
+                        for gi in range(GROUP):
+                            head = kvh * GROUP + gi
+                            _merge_head(
+                                part_o_ptr,
+                                part_lse_ptr,
+                                sinks_ptr,
+                                first_partial + tq * num_chunks,
+                                num_chunks,
+                                head,
+                                out_ptr + tq64 * stride_ot + head.to(tl.int64) * stride_oh,
+                                tq_ok,
+                                num_partial_slots,
+                                NUM_HEADS,
+                                HEAD_DIM,
+                                D_PAD,
+                                MERGE_CHUNKS,
+                                SINKS,
+                            )
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -344,36 +385,41 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
     D_PAD: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr,
     SINKS: tl.constexpr,
+    Q_PAD: tl.constexpr,
 ):
     """Program (head, r): merge the partials of decode row r for one query head, from int32
-    rows [num_row_slots, 4] = (table_row, q_token, num_chunks, first_partial). Rows with one
-    chunk (written directly) and padding rows (num_chunks 0) exit at once."""
+    rows [num_row_slots, 5] = (table_row, q_token, num_chunks, first_partial, q_len), each of
+    the row's new tokens t from its slots first_partial + t * num_chunks onwards. Rows with
+    one chunk (written directly) and padding rows (num_chunks 0) exit at once."""
     h = tl.program_id(0)
     r = tl.program_id(1)
     if r >= num_row_slots:
         return
-    row = rows_ptr + r.to(tl.int64) * 4
+    row = rows_ptr + r.to(tl.int64) * 5
     q_token = tl.load(row + 1)
     num_chunks = tl.load(row + 2)
     first_partial = tl.load(row + 3)
+    q_len = tl.load(row + 4)
     if num_chunks <= 1:
         return
-    q_ok = (q_token >= 0) & (q_token < num_q_tokens)
-    token64 = tl.where(q_ok, q_token, 0).to(tl.int64)
-    dst = out_ptr + token64 * stride_ot + h.to(tl.int64) * stride_oh
-    _merge_head(
-        part_o_ptr,
-        part_lse_ptr,
-        sinks_ptr,
-        first_partial,
-        num_chunks,
-        h,
-        dst,
-        q_ok,
-        num_partial_slots,
-        NUM_HEADS,
-        HEAD_DIM,
-        D_PAD,
-        MERGE_CHUNKS,
-        SINKS,
-    )
+    for t in range(Q_PAD):
+        token = q_token + t
+        q_ok = (t < q_len) & (token >= 0) & (token < num_q_tokens)
+        token64 = tl.where(q_ok, token, 0).to(tl.int64)
+        dst = out_ptr + token64 * stride_ot + h.to(tl.int64) * stride_oh
+        _merge_head(
+            part_o_ptr,
+            part_lse_ptr,
+            sinks_ptr,
+            first_partial + t * num_chunks,
+            num_chunks,
+            h,
+            dst,
+            q_ok,
+            num_partial_slots,
+            NUM_HEADS,
+            HEAD_DIM,
+            D_PAD,
+            MERGE_CHUNKS,
+            SINKS,
+        )

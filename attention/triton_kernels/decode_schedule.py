@@ -1,6 +1,8 @@
 """Host-side work partition for the paged decode kernel: rows cut into equal-token chunks.
 
-A decode step attends ``R`` rows, row ``d`` over its K/V tokens ``[kv_start, kv_end)``. The
+A decode step attends ``R`` rows, row ``d`` over its K/V tokens ``[kv_start, kv_end)``. A row
+brings ``q_len`` new tokens (1, or up to :data:`MAX_DECODE_QUERY_LEN` when it verifies draft
+tokens), the last ``q_len`` of its range, causal among themselves. The
 kernel runs one program per (work item, KV head); an *item* is one chunk of one row. Chunks
 have one length for the whole step (``chunk_len``, a multiple of the kernel's tile), so a row
 of L tokens gets about ``L / chunk_len`` items: programs are balanced by tokens, not sized by
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ITEM_FIELDS",
+    "MAX_DECODE_QUERY_LEN",
     "PAD_ITEM",
     "PAD_ROW",
     "ROW_FIELDS",
@@ -55,16 +58,19 @@ __all__ = [
 ]
 
 #: int32 fields of one item: (d, kv_start, kv_end, partial_slot, table_row, q_token,
-#: num_chunks, first_partial). The row's fields ride along so a program reads everything it
-#: needs in one 32-byte load before its first block-table read (one memory latency, not two).
-#: partial_slot is -1 when the row has one chunk (the program writes the output itself).
-ITEM_FIELDS = 8
-#: int32 fields of one row: (table_row, q_token, num_chunks, first_partial).
-ROW_FIELDS = 4
+#: num_chunks, first_partial, q_len, row_end). The row's fields ride along so a program reads
+#: everything it needs in one burst of loads before its first block-table read (one memory
+#: latency, not two). partial_slot is -1 when the row has one chunk (the program writes the
+#: output itself); row_end is the row's kv_end (its new tokens' causal limits).
+ITEM_FIELDS = 10
+#: int32 fields of one row: (table_row, q_token, num_chunks, first_partial, q_len).
+ROW_FIELDS = 5
 #: Filler of the item array past ``num_items``: d = -1 makes the program exit at once.
-PAD_ITEM = (-1, 0, 0, -1, -1, -1, 0, -1)
+PAD_ITEM = (-1, 0, 0, -1, -1, -1, 0, -1, 1, 0)
 #: Filler of the row array past ``num_rows``: num_chunks = 0, nothing to combine.
-PAD_ROW = (-1, -1, 0, -1)
+PAD_ROW = (-1, -1, 0, -1, 1)
+#: Most new tokens a decode row may bring (a row verifying up to 7 draft tokens).
+MAX_DECODE_QUERY_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -109,13 +115,18 @@ class DecodeSchedule:
     grid_items:   programs per KV head to launch: ``max_items`` when one was given (a fixed
                   CUDA-graph grid), else ``num_items``.
     grid_rows:    rows the combine step covers: ``max_rows`` when given, else R.
-    num_partials: partial-output slots used (rows with more than one chunk only).
+    query_len:    new tokens per row the launch is compiled for (a power of two >= every
+                  row's q_len): ``max_query_len`` when given (a CUDA-graph bucket), else the
+                  smallest that fits this step's rows.
+    num_partials: partial-output slots used (rows with more than one chunk only: a row of n
+                  chunks and q new tokens owns n * q, token t's chunk j at first + t * n + j).
     items:        int32, ``grid_items * ITEM_FIELDS`` values (see ITEM_FIELDS), heaviest
                   item first, padded with PAD_ITEM.
     rows:         int32, ``grid_rows * ROW_FIELDS`` values (see ROW_FIELDS), padded with PAD_ROW.
     fixed_grid:   made with ``max_items``: launches must not depend on this step's counts.
-    max_table_row, max_q_token: largest block-table row and query token named (-1 if none),
-                  so a launcher checks them against its tensors in O(1).
+    max_table_row, max_q_token: largest block-table row and query token named (-1 if none;
+                  a row's last new token counts), so a launcher checks them against its
+                  tensors in O(1).
     """
 
     chunk_len: int
@@ -124,6 +135,7 @@ class DecodeSchedule:
     num_items: int
     grid_items: int
     grid_rows: int
+    query_len: int
     num_partials: int
     items: array = field(repr=False)
     rows: array = field(repr=False)
@@ -163,11 +175,19 @@ def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: Dec
     return max(balanced, _target_items(num_kv_heads, num_sms, policy)) if num_rows else 0
 
 
-def max_decode_partials(num_rows: int, num_kv_heads: int, num_sms: int, policy: DecodePolicy | None = None) -> int:
-    """Partial-output slots any schedule of at most ``num_rows`` rows uses.
+def max_decode_partials(
+    num_rows: int,
+    num_kv_heads: int,
+    num_sms: int,
+    policy: DecodePolicy | None = None,
+    max_query_len: int = 1,
+) -> int:
+    """Partial-output slots any schedule of at most ``num_rows`` rows of at most
+    ``max_query_len`` new tokens each uses.
 
-    With I <= M items over R rows, s of them split: partials = I - (R - s) and each split row
-    has >= 2 chunks, so partials <= min(M, 2 * (M - R)); the maximum over R = 1..num_rows.
+    With I <= M items over R rows, s of them split: chunks of split rows = I - (R - s) and
+    each split row has >= 2 chunks, so they are <= min(M, 2 * (M - R)); the maximum over
+    R = 1..num_rows, times the tokens per row (each token of a split row has its own slots).
     """
     policy = policy or DecodePolicy()
     best = 0
@@ -176,7 +196,7 @@ def max_decode_partials(num_rows: int, num_kv_heads: int, num_sms: int, policy: 
     for r in range(1, num_rows + 1):
         m = max_decode_items(r, num_kv_heads, num_sms, policy)
         best = max(best, min(m, 2 * (m - r)))
-    return best
+    return best * max_query_len
 
 
 def _check_positive(**values: int) -> None:
@@ -287,6 +307,8 @@ def schedule_decode(
     chunk_len: int | None = None,
     table_rows: Sequence[int] | None = None,
     q_tokens: Sequence[int] | None = None,
+    q_lens: Sequence[int] | None = None,
+    max_query_len: int | None = None,
 ) -> DecodeSchedule:
     """Partition decode rows into items of one chunk length.
 
@@ -300,20 +322,27 @@ def schedule_decode(
                 len(kv_ranges). Pass the bucket's row count when capturing a graph.
     policy:     see DecodePolicy. chunk_len: force this chunk length (rounded up to a
                 multiple of block_n, grown if the items would not fit); tests and sweeps.
-    table_rows, q_tokens: per row, the block-table row it reads and the query/output token
-                it owns (default: row d uses table row d and token d).
+    table_rows, q_tokens: per row, the block-table row it reads and the first query/output
+                token it owns (default: row d uses table row d and token d).
+    q_lens:     per row, its new tokens (1 .. MAX_DECODE_QUERY_LEN; default 1): tokens
+                q_tokens[d] .. q_tokens[d] + q_lens[d] - 1, at the last q_lens[d] positions
+                of its range.
+    max_query_len: compile the launch for rows of up to this many new tokens (a power of
+                two, a CUDA-graph bucket's fixed choice); default: the smallest that fits.
 
     Items are ordered heaviest first (more tokens first; ties by row, then position), so the
     longest programs start first and the launch's tail is short. Rows with one chunk get
     partial_slot -1; a row with k > 1 chunks owns slots first_partial .. first_partial + k - 1.
     Raises ValueError naming the argument for an empty or negative range, a max_items below
-    the row count, or inconsistent per-row lists.
+    the row count, inconsistent per-row lists, or query lengths out of range.
     """
     policy = policy or DecodePolicy()
     _check_positive(num_kv_heads=num_kv_heads, num_sms=num_sms, block_n=block_n)
     ranges = _check_ranges(kv_ranges)
     num_rows = len(ranges)
     tables, tokens = _per_row("table_rows", table_rows, num_rows), _per_row("q_tokens", q_tokens, num_rows)
+    lens = [1] * num_rows if q_lens is None else _per_row("q_lens", q_lens, num_rows)
+    query_len = _query_len(ranges, lens, max_query_len)
     if max_items is not None and max_items < num_rows:
         raise ValueError(
             f"max_items: {max_items} is below the {num_rows} rows (each row needs >= 1 item); "
@@ -332,13 +361,34 @@ def schedule_decode(
         chunk = _smallest_fitting(ranges, budget, block_n, chunk_len)
     else:
         chunk = _choose_chunk_len(ranges, budget, num_kv_heads, num_sms, block_n, policy)
-    return _build(ranges, tables, tokens, chunk, block_n, max_items, max_rows)
+    return _build(ranges, tables, tokens, lens, query_len, chunk, block_n, max_items, max_rows)
+
+
+def _query_len(ranges: list[tuple[int, int]], lens: list[int], max_query_len: int | None) -> int:
+    """The launch's tokens per row (a power of two), after checking every row's q_len."""
+    for d, (q, (s, e)) in enumerate(zip(lens, ranges, strict=True)):
+        if not 1 <= q <= min(MAX_DECODE_QUERY_LEN, e - s):
+            raise ValueError(
+                f"q_lens[{d}]: {q} must be in [1, {MAX_DECODE_QUERY_LEN}] and within its kv range ({s}, {e}); "
+                f"longer rows go to the prefill kernel"
+            )
+    longest = max(lens, default=1)
+    if max_query_len is None:
+        return 1 << (longest - 1).bit_length()
+    if max_query_len < longest or max_query_len > MAX_DECODE_QUERY_LEN or max_query_len & (max_query_len - 1):
+        raise ValueError(
+            f"max_query_len: {max_query_len} must be a power of two in [{longest} (the longest row), "
+            f"{MAX_DECODE_QUERY_LEN}]"
+        )
+    return max_query_len
 
 
 def _build(
     ranges: list[tuple[int, int]],
     tables: list[int],
     tokens: list[int],
+    lens: list[int],
+    query_len: int,
     chunk: int,
     block_n: int,
     max_items: int | None,
@@ -353,11 +403,11 @@ def _build(
         first_j, last_j = s // chunk, (e - 1) // chunk
         n = last_j - first_j + 1
         if n == 1:
-            row_fields += (tables[d], tokens[d], 1, -1)
+            row_fields += (tables[d], tokens[d], 1, -1, lens[d])
             pieces.append((s - e, d, s, e))
             continue
-        row_fields += (tables[d], tokens[d], n, next_slot)
-        next_slot += n
+        row_fields += (tables[d], tokens[d], n, next_slot, lens[d])
+        next_slot += n * lens[d]
         for j in range(first_j, last_j + 1):
             a, b = max(s, j * chunk), min(e, (j + 1) * chunk)
             pieces.append((a - b, d, a, b))
@@ -367,9 +417,9 @@ def _build(
     assert num_items <= grid_items, f"scheduler made {num_items} items for a grid of {grid_items}"
     item_fields: list[int] = []
     for _, d, a, b in pieces:
-        table_row, q_token, n, first_partial = row_fields[d * ROW_FIELDS : (d + 1) * ROW_FIELDS]
+        table_row, q_token, n, first_partial, q_len = row_fields[d * ROW_FIELDS : (d + 1) * ROW_FIELDS]
         slot = first_partial + a // chunk - ranges[d][0] // chunk if n > 1 else -1
-        item_fields += (d, a, b, slot, table_row, q_token, n, first_partial)
+        item_fields += (d, a, b, slot, table_row, q_token, n, first_partial, q_len, ranges[d][1])
     items = array("i", item_fields)
     items.extend(PAD_ITEM * (grid_items - num_items))
     rows = array("i", row_fields)
@@ -381,10 +431,11 @@ def _build(
         num_items=num_items,
         grid_items=grid_items,
         grid_rows=grid_rows,
+        query_len=query_len,
         num_partials=next_slot,
         items=items,
         rows=rows,
         fixed_grid=max_items is not None,
         max_table_row=max(tables, default=-1),
-        max_q_token=max(tokens, default=-1),
+        max_q_token=max((t + q - 1 for t, q in zip(tokens, lens, strict=True)), default=-1),
     )
