@@ -205,3 +205,39 @@ def test_random_operations_keep_every_group_consistent() -> None:
         m.free(seq)
     assert m.num_free_blocks == 40
     m.check_integrity()
+
+
+def test_the_plan_reports_what_kv_groups_hold() -> None:
+    """``kvcache plan`` for a Gemma-3-27B layout: the block ids per sequence it reports bound
+    what the hybrid manager holds for sequences of that length (equal when the window
+    straddles a block boundary), and far more sequences fit than with every layer full."""
+    from kvcache import KVCacheConfig, plan_capacity
+
+    layers, window = 62, 1024
+    pattern = gemma3_pattern(layers)
+    config = KVCacheConfig.model_validate(
+        {
+            "model": {"num_layers": layers, "num_heads": 32, "num_kv_heads": 16, "head_dim": 128,
+                      "sliding_window": window, "window_pattern": list(pattern)},
+            "cache": {"block_size": BS, "num_blocks": 2642},
+        }
+    )  # fmt: skip
+    for seq_len in (100, 5_000, 32_768, 32_000 + 17):
+        plan = plan_capacity(config, None, max_seq_len=seq_len)
+        assert plan.groups is not None and plan.group_block_ids == 2642 * layers // 10
+        m = HybridBlockManager(group_layout(layers, window, pattern), plan.group_block_ids, BS)
+        run_sequence(m, "s", seq_len - 1, 1, chunk=4096)
+        held = m.blocks_held("s")
+        assert held <= plan.group_blocks_per_sequence(seq_len) <= held + 6, seq_len
+        rows = dict(plan.lines())
+        fit = rows[f"sequences of {seq_len:,} tokens, KV groups"]
+        assert fit.startswith(f"{plan.group_block_ids // plan.group_blocks_per_sequence(seq_len):,} at once")
+    assert plan.group_block_ids // plan.group_blocks_per_sequence(32_017) > 5 * plan.sequences_that_fit
+    assert "window 1,024" in "".join(dict(plan.lines()))
+    uniform = KVCacheConfig.model_validate(
+        {
+            "model": {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+            "cache": {"block_size": BS, "num_blocks": 8},
+        }
+    )
+    assert plan_capacity(uniform, None, max_seq_len=64).groups is None

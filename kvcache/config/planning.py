@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from attention.checks import require_int
 from attention.errors import InvalidArgumentError
+from kvcache.blocks.groups import KVGroupLayout, group_layout
 from kvcache.config.rules import MAX_TOKENS
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
@@ -45,6 +46,23 @@ class CapacityPlan:
     host_blocks: int = 0
     disk_blocks: int = 0
     disk_dir: str | None = None
+    groups: KVGroupLayout | None = None
+
+    @property
+    def group_block_ids(self) -> int:
+        """Block ids of the pool the KV groups share (a hybrid layout): the same memory, each
+        id holding ``groups.group_size`` layers' K/V instead of every layer's."""
+        if self.groups is None:
+            return self.num_blocks
+        return self.num_blocks * self.groups.num_layers // self.groups.group_size
+
+    def group_blocks_per_sequence(self, seq_len: int) -> int:
+        """Block ids one sequence of ``seq_len`` tokens holds over every group at its peak (a
+        windowed group keeps the blocks its last window touches, at most
+        ``ceil((window - 1) / block_size) + 1``); without groups, ``ceil(seq_len / block_size)``."""
+        if self.groups is None:
+            return -(-seq_len // self.block_size)
+        return sum(self._ids_per_sequence(seq_len, group.window) for group in self.groups.groups)
 
     @property
     def token_capacity(self) -> int:
@@ -148,7 +166,49 @@ class CapacityPlan:
                     f"{self.sequences_that_fit:,} at once ({self.blocks_per_sequence:,} blocks each)",
                 )
             )
+        if self.groups is not None:
+            rows += self._group_lines()
         return rows
+
+    def _group_lines(self) -> list[tuple[str, str]]:
+        """Per-group rows of a hybrid layout: what KV groups (kvcache.HybridBlockManager) hold."""
+        assert self.groups is not None, "called for a hybrid layout only"
+        g = self.groups
+        per_id = self.bytes_per_block * g.group_size // g.num_layers
+        rows = [
+            (
+                "KV groups",
+                f"{len(g.groups)}, one block id = {g.group_size} layers' K/V ({format_bytes(per_id)}); "
+                f"{self.group_block_ids:,} ids in the same memory",
+            )
+        ]
+        for window in dict.fromkeys(group.window for group in g.groups):
+            kind = [group for group in g.groups if group.window == window]
+            layers = sum(len(group.layers) for group in kind)
+            name = "full" if window is None else f"window {window:,}"
+            text = f"{len(kind)} group{'s' if len(kind) > 1 else ''}, {layers} layers"
+            if self.max_seq_len is not None:
+                ids = self._ids_per_sequence(self.max_seq_len, window)
+                text += (
+                    f"; a sequence of {self.max_seq_len:,} tokens holds {ids:,} ids per group, "
+                    f"{format_bytes(ids * per_id * len(kind))} in all"
+                )
+            rows.append((f"  {name}", text))
+        if self.max_seq_len is not None:
+            per_seq = self.group_blocks_per_sequence(self.max_seq_len)
+            rows.append(
+                (
+                    f"sequences of {self.max_seq_len:,} tokens, KV groups",
+                    f"{self.group_block_ids // per_seq:,} at once ({per_seq:,} block ids, "
+                    f"{format_bytes(per_seq * per_id)} each)",
+                )
+            )
+        return rows
+
+    def _ids_per_sequence(self, seq_len: int, window: int | None) -> int:
+        """Block ids one group of this window holds for a sequence of ``seq_len`` tokens."""
+        full = -(-seq_len // self.block_size)
+        return full if window is None else min(full, -(-(window - 1) // self.block_size) + 1)
 
 
 def _heads(n: int, kind: str) -> str:
@@ -195,7 +255,17 @@ def plan_capacity(
         host_blocks=config.cache.host_cache_space // config.bytes_per_block_per_rank(tp),
         disk_blocks=config.cache.disk_cache_space // config.bytes_per_block_per_rank(tp),
         disk_dir=config.cache.disk_cache_dir,
+        groups=_hybrid_groups(config),
     )
+
+
+def _hybrid_groups(config: KVCacheConfig) -> KVGroupLayout | None:
+    """The KV groups of a model mixing full and windowed layers (None for one kind only)."""
+    m = config.model
+    if m.sliding_window is None or m.window_pattern is None:
+        return None
+    layout = group_layout(m.num_layers, m.sliding_window, m.window_pattern)
+    return layout if layout.is_hybrid else None
 
 
 def _blocks(config: KVCacheConfig, free_bytes: int | None, tp: TensorParallel) -> tuple[int, str]:
