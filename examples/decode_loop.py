@@ -9,7 +9,7 @@
 A workload of requests with different prompt lengths arrives over time; the scheduler
 (:mod:`examples.engine.scheduler`) admits, chunks, decodes, preempts and frees them, and each step
 runs the model (:mod:`examples.model`, random weights from ``--seed``, or a Llama / Qwen2 /
-Mistral checkpoint with ``--checkpoint``: then the config's ``model`` section is the
+Mistral / Gemma-2 / Gemma-3 checkpoint with ``--checkpoint``: then the config's ``model`` section is the
 checkpoint's) once over every scheduled row. One step is: schedule -> build metadata once ->
 ``backend.plan`` once -> every layer writes K/V and attends -> sample on the device ->
 ``commit``; the host schedules step N+1 while the device runs step N and applies step N's
@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
-        help="Llama/Qwen2/Mistral checkpoint (config.json + safetensors) instead of random weights",
+        help="Llama/Qwen2/Mistral/Gemma-2/Gemma-3 checkpoint (config.json + safetensors) instead of random weights",
     )
     p.add_argument("--quiet", action="store_true", help="print the summary only")
     p.add_argument(

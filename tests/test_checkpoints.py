@@ -97,11 +97,43 @@ VARIANTS = [
         windowed=True,
     ),
     Variant("mistral-window", "mistral", {"sliding_window": WINDOW}, windowed=True),
+    # Gemma-2: alternating windowed and full layers, score and logit soft-capping, a
+    # query_pre_attn_scalar unlike head_dim, GeGLU, four norms a block scaled by 1 + weight.
+    Variant(
+        "gemma2",
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 20.0,
+            "final_logit_softcapping": 8.0,
+        },
+        windowed=True,
+    ),
+    # Gemma-3: q/k norms, windowed layers with their own rotary base, linear-scaled full layers.
+    Variant(
+        "gemma3",
+        "gemma3",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        },
+        windowed=True,
+    ),
 ]
 CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -125,9 +157,9 @@ def _hf_model(kind: str, **options: Any) -> Any:
     config = config_cls(**{**settings, **options})
     torch.manual_seed(1234)
     model = model_cls(config).to(torch.float32).eval()
-    with torch.no_grad():  # transformers initialises biases to 0: make them matter
+    with torch.no_grad():  # transformers initialises biases (and Gemma's norm offsets) to 0: make them matter
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or (kind.startswith("gemma") and "norm" in name):
                 param.normal_(0.0, 0.5)
     return model
 
@@ -215,9 +247,11 @@ def test_transformers_applies_the_window(saved: tuple[Variant, Any, Path]) -> No
         pytest.skip("no sliding window in this model")
     spec = attention_spec_for(hf.config, "float32")
     assert spec.sliding_window == WINDOW
-    assert spec.window_layers == (None if variant.kind == "mistral" else (False, True, True))
+    expect = {"mistral": None, "qwen2": (False, True, True)}.get(variant.kind, (True, False, True))  # Gemma
+    assert spec.window_layers == expect
     options = {k: v for k, v in variant.options.items() if k not in ("sliding_window", "use_sliding_window")}
-    unwindowed = _hf_model(variant.kind, **options, sliding_window=None)
+    # Gemma's cache needs a window: one longer than the prompt is none.
+    unwindowed = _hf_model(variant.kind, **options, sliding_window=4096 if variant.kind.startswith("gemma") else None)
     unwindowed.load_state_dict(hf.state_dict())
     prompt = _prompts()[3]  # 100 tokens: twice the window
     _, with_window = _hf_generate(hf, prompt, 2)
@@ -285,6 +319,34 @@ def test_windowed_triton_with_released_blocks_matches_transformers(tmp_path: Pat
 # ---- errors ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.kind.startswith("gemma")], ids=lambda v: v.name)
+def test_gemma_on_triton_matches_transformers(variant: Variant, tmp_path: Path) -> None:
+    """Gemma-2 and Gemma-3 through the triton kernels (soft-capping, their softmax scale,
+    per-layer windows; Triton's CPU interpreter without a GPU): transformers' tokens and logits."""
+    pytest.importorskip("triton")
+    from attention.triton_kernels import kernels_interpreted
+
+    if not kernels_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton kernels are compiled for CUDA in this process and there is no GPU")
+    device = "cpu" if kernels_interpreted() else "cuda"
+    hf = _hf_model(variant.kind, **variant.options)
+    hf.save_pretrained(tmp_path)
+    model = load_checkpoint(tmp_path, device=device)
+    prompts = [_prompts()[i] for i in (2, 3)]  # two blocks; ~two windows
+    config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=16, device=device)
+    engine = engine_for(config, model.shape, backend=get_backend("triton", model.shape.attention_spec("float32")))
+    requests = [Request(i, p, 4) for i, p in enumerate(prompts)]
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=48, max_running=2,
+        record_logits=True,
+    )  # fmt: skip
+    for prompt, req in zip(prompts, requests, strict=True):
+        tokens, logits = _hf_generate(hf, prompt, 4)
+        assert req.output == tokens
+        torch.testing.assert_close(torch.stack(report.logits[req.req_id]).cpu(), logits, atol=LOGITS_ATOL, rtol=0)
+
+
 def test_unsupported_configs_are_refused_naming_the_field() -> None:
     base = {
         "model_type": "llama",
@@ -294,7 +356,7 @@ def test_unsupported_configs_are_refused_naming_the_field() -> None:
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
     }
-    with pytest.raises(ValueError, match=r"model_type: 'gemma'.*llama, qwen2, mistral"):
+    with pytest.raises(ValueError, match=r"model_type: 'gemma'.*llama, qwen2, mistral, gemma2, gemma3_text"):
         shape_from_config({**base, "model_type": "gemma"})
     with pytest.raises(ValueError, match="hidden_act: 'gelu'"):
         shape_from_config({**base, "hidden_act": "gelu"})
@@ -312,6 +374,21 @@ def test_unsupported_configs_are_refused_naming_the_field() -> None:
     assert old.rope_theta == 500000.0 and old.rope_scaling is not None and old.rope_scaling.kind == "llama3"
     assert shape_from_config({**base, "model_type": "mistral"}).sliding_window == 4096  # transformers' default
     assert shape_from_config({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+    gemma = {**base, "model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 64, "head_dim": 8}
+    with pytest.raises(ValueError, match="hidden_activation: 'gelu'"):
+        shape_from_config({**gemma, "hidden_activation": "gelu"})
+    # Gemma-2 without layer_types: every other layer windowed from layer 0; tied embeddings.
+    g2 = shape_from_config(gemma)
+    assert g2.window_layers == (True, False, True, False) and g2.tie_word_embeddings and g2.softmax_scale == 256**-0.5
+    # A 4.x Gemma-3 config.json: five windowed layers in six, a local rotary base of its own.
+    g3 = shape_from_config({**gemma, "model_type": "gemma3_text", "num_hidden_layers": 7, "rope_theta": 1e6,
+                            "rope_local_base_freq": 10_000.0})  # fmt: skip
+    assert g3.window_layers == (True,) * 5 + (False, True) and g3.local_rope_theta == 10_000.0 and g3.qk_norm
+    with pytest.raises(ValueError, match=r"rope_parameters\.sliding_attention\.rope_type: 'linear'"):
+        shape_from_config(
+            {**gemma, "model_type": "gemma3_text",
+             "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_type": "linear"}}}
+        )  # fmt: skip
 
 
 def test_checkpoint_problems_are_listed_before_loading(tmp_path: Path) -> None:

@@ -119,8 +119,9 @@ class ModelRunner:
         elif backend.info.cuda_graphs:
             tokens = default_token_buckets(capacity.max_tokens) if backend.info.mixed_cuda_graphs else []
             self.shapes = StepBuckets(capacity.max_rows, capacity.max_tokens, tokens=tokens)
-        # The rotary table for the longest sequence, built before any graph reads it.
-        model.rotary_table(capacity.max_blocks_per_seq * manager.block_size, cache.device)
+        # The rotary tables for the longest sequence, built before any graph reads them.
+        for local in (False, True):
+            model.rotary_table(capacity.max_blocks_per_seq * manager.block_size, cache.device, local=local)
         pin = cache.device.type == "cuda"
         #: Two host buffers for sampled ids: step N+1 is launched before step N's are read.
         self._samples = [torch.empty(capacity.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]

@@ -8,7 +8,7 @@
 | ``layers`` | RMSNorm, attention over the paged cache, the SwiGLU MLP, row-parallel linear |
 | ``llama`` | :class:`Llama` (embedding, blocks, lm_head); random weights |
 | ``sharding`` | the tensor-parallel share of each parameter |
-| ``hf_config`` | a shape from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral) |
+| ``hf_config`` | a shape from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral, Gemma-2, Gemma-3) |
 | ``checkpoints`` | safetensors checkpoints and transformers models into :class:`Llama` |
 """
 

@@ -62,6 +62,16 @@ _RENAMES = (
     ("mlp_norm", "post_attention_layernorm"),
     ("attn.wo", "self_attn.o_proj"),
     ("mlp.w_down", "mlp.down_proj"),
+    ("attn.q_norm", "self_attn.q_norm"),
+    ("attn.k_norm", "self_attn.k_norm"),
+)
+#: The same for blocks with sandwich norms (Gemma-2, Gemma-3): four norms per block.
+_SANDWICH_RENAMES = (
+    ("attn_norm", "input_layernorm"),
+    ("attn_post_norm", "post_attention_layernorm"),
+    ("mlp_norm", "pre_feedforward_layernorm"),
+    ("mlp_post_norm", "post_feedforward_layernorm"),
+    *_RENAMES[2:],
 )
 #: Our fused modules -> the transformers modules of their parts, in order (see
 #: :mod:`examples.model.sharding`).
@@ -79,8 +89,9 @@ class Source:
     part: int
 
 
-def _transformers_names(name: str) -> list[str]:
-    """transformers' keys of our parameter ``name``: one, or one per part of a fused one."""
+def _transformers_names(name: str, sandwich: bool = False) -> list[str]:
+    """transformers' keys of our parameter ``name``: one, or one per part of a fused one
+    (``sandwich``: the model's blocks have four norms)."""
     if name == "lm_head.weight":
         return [name]
     if name == "embed.weight":
@@ -88,8 +99,9 @@ def _transformers_names(name: str) -> list[str]:
     for fused, sources in _FUSED_SOURCES.items():
         if f".{fused}." in name:
             return ["model." + name.replace(f".{fused}.", f".{source}.") for source in sources]
-    for ours, theirs in _RENAMES:
-        name = name.replace(f".{ours}.", f".{theirs}.")
+    for ours, theirs in _SANDWICH_RENAMES if sandwich else _RENAMES:
+        if f".{ours}." in name:
+            return ["model." + name.replace(f".{ours}.", f".{theirs}.")]
     return ["model." + name]  # layers.{i}.* and norm.weight
 
 
@@ -99,7 +111,7 @@ def transformers_sources(model: Llama) -> dict[str, Source]:
     return {
         key: Source(name, part)
         for name, _ in model.named_parameters()
-        for part, key in enumerate(_transformers_names(name))
+        for part, key in enumerate(_transformers_names(name, model.shape.sandwich_norms))
     }
 
 
@@ -196,7 +208,8 @@ def from_transformers(
     tp: TensorParallel | None = None,
 ) -> Llama:
     """Our model with the weights of a transformers ``LlamaForCausalLM`` /
-    ``Qwen2ForCausalLM`` / ``MistralForCausalLM``; with ``tp``, that rank's share.
+    ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` / ``Gemma2ForCausalLM`` /
+    ``Gemma3ForCausalLM``; with ``tp``, that rank's share.
 
     share=True (default): the same tensors, no copy (``dtype``/``device`` must be None).
     share=False: a copy in ``dtype`` on ``device`` (default: the source's).

@@ -1,5 +1,6 @@
 """A model's shape from a Hugging Face config (``config.json`` or a transformers config
-object): sizes, rotary scaling and sliding windows of Llama, Qwen2 and Mistral models.
+object): sizes, rotary scaling and sliding windows of Llama, Qwen2, Mistral, Gemma-2 and
+Gemma-3 (text) models.
 
 Every value is checked: a missing, non-numeric or out-of-range size (each is bounded, so a
 hostile config cannot make the loader build a billion layers) raises ValueError naming the
@@ -19,7 +20,8 @@ from .shape import LlamaShape, RopeScaling
 __all__ = ["SUPPORTED_MODEL_TYPES", "attention_spec_for", "model_section_for", "shape_from_config"]
 
 #: ``config.json``'s ``model_type`` values this loader reads.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")
 #: transformers' defaults for keys a config.json may leave out (its config classes' defaults).
 _MISTRAL_DEFAULT_WINDOW = 4096
 _QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -46,6 +48,7 @@ _LIMITS = {
     "head_dim": 1024,
     "sliding_window": 1 << 30,
     "max_window_layers": 1 << 20,
+    "sliding_window_pattern": 1 << 20,
     "original_max_position_embeddings": 1 << 30,
     "max_position_embeddings": 1 << 30,
 }
@@ -92,6 +95,13 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
                ``sliding_attention`` (else to layers ``>= max_window_layers``).
       mistral: no biases; ``sliding_window`` (transformers' default 4096 when the key is
                absent, none when null) applies to every layer.
+      gemma2, gemma3_text: norms scaled by 1 + weight, embeddings by sqrt(hidden_size),
+               sandwich norms, GeGLU (``gelu_pytorch_tanh``), softmax scale
+               ``query_pre_attn_scalar ** -0.5``, ``attn_logit_softcapping`` and
+               ``final_logit_softcapping`` (Gemma-2), q/k norms (Gemma-3); windowed layers
+               from ``layer_types`` (else every other one from layer 0 for Gemma-2, five in
+               six for Gemma-3); Gemma-3's windowed layers rotate with their own base
+               (``rope_parameters["sliding_attention"]``, or ``rope_local_base_freq``).
     Rotary: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x
     files), of type default, linear or llama3. Raises ValueError naming the field for
     anything else the model does not implement.
@@ -100,7 +110,12 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
     model_type = get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if get("hidden_act", "silu") != "silu":
+    gemma = model_type in _GEMMA
+    if gemma:
+        activation = get("hidden_activation") or get("hidden_act", "gelu_pytorch_tanh")
+        if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise _refuse("hidden_activation", activation, "it needs 'gelu_pytorch_tanh'")
+    elif get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", get("hidden_act"), "it needs 'silu'")
     heads = _size(get, "num_attention_heads")
     hidden = _size(get, "hidden_size")
@@ -111,8 +126,8 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
             f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}; each KV head serves "
             "a whole group of query heads"
         )
-    head_dim = _size(get, "head_dim", hidden // heads if hidden >= heads else 0)
-    if model_type == "llama":
+    head_dim = _size(get, "head_dim", 256 if gemma else hidden // heads if hidden >= heads else 0)
+    if model_type == "llama" or gemma:
         qkv_bias = o_bias = bool(get("attention_bias", False))
         mlp_bias = bool(get("mlp_bias", False))
     else:
@@ -127,14 +142,49 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         norm_eps=_number(get, "rms_norm_eps", 1e-6),
-        **_rope(get),
+        **(_gemma_rope(get) if model_type == "gemma3_text" else _rope(get)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", gemma)),
         sliding_window=window,
         window_layers=window_layers,
+        **(_gemma(get, model_type) if gemma else {}),
     )
+
+
+def _optional_number(get: Any, key: str) -> float | None:
+    """A positive finite float, or None when the key is absent or null."""
+    return None if get(key) is None else _number(get, key, 1.0)
+
+
+def _gemma(get: Any, model_type: str) -> dict[str, Any]:
+    """The LlamaShape switches of Gemma-2 / Gemma-3."""
+    return {
+        "norm_offset": True,
+        "embed_scale": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "softmax_scale": _number(get, "query_pre_attn_scalar", 256.0) ** -0.5,
+        "logit_softcap": _optional_number(get, "attn_logit_softcapping"),
+        "final_logit_softcap": _optional_number(get, "final_logit_softcapping"),
+        "qk_norm": model_type == "gemma3_text",
+    }
+
+
+def _gemma_rope(get: Any) -> dict[str, Any]:
+    """Gemma-3's two rotaries: the full layers' (rope_theta, rope_scaling) and the windowed
+    layers' base (``local_rope_theta``), from per-layer-type ``rope_parameters`` or the 4.x keys."""
+    params = get("rope_parameters")
+    if isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()):
+        full, local = params.get("full_attention"), params.get("sliding_attention")
+        if not isinstance(full, Mapping) or not isinstance(local, Mapping):
+            raise ValueError("rope_parameters: Gemma-3 needs 'full_attention' and 'sliding_attention' entries")
+        if local.get("rope_type", "default") != "default":
+            raise _refuse("rope_parameters.sliding_attention.rope_type", local.get("rope_type"), "it needs default")
+        found = _rope(lambda key, default=None: full if key == "rope_parameters" else get(key, default))
+        return {**found, "local_rope_theta": _number(get, "rope_theta", 10000.0, where=local)}
+    return {**_rope(get), "local_rope_theta": _number(get, "rope_local_base_freq", 10000.0)}
 
 
 def _rope(get: Any) -> dict[str, Any]:
@@ -182,25 +232,36 @@ def _window(model_type: str, get: Any, layers: int) -> tuple[int | None, tuple[b
         if window is _MISSING:
             return _MISTRAL_DEFAULT_WINDOW, None
         return (None if window is None else _size(get, "sliding_window")), None
-    if not get("use_sliding_window", False) or get("sliding_window") is None:
+    gemma = model_type in _GEMMA
+    if get("sliding_window") is None or not (gemma or get("use_sliding_window", False)):
         return None, None
     window = _size(get, "sliding_window")
     types = get("layer_types")
-    if types is None:
+    if types is not None:
+        pattern = _layer_types(types, layers)
+    elif model_type == "gemma2":
+        pattern = tuple(i % 2 == 0 for i in range(layers))
+    elif model_type == "gemma3_text":
+        every = _size(get, "sliding_window_pattern", 6)
+        pattern = tuple((i + 1) % every != 0 for i in range(layers))
+    else:
         first = _size(get, "max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
         pattern = tuple(i >= first for i in range(layers))
-    else:
-        if not isinstance(types, (list, tuple)):
-            raise ValueError(f"layer_types: {types!r:.60} is not a list")
-        if len(types) != layers:
-            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers {layers}; give one per layer")
-        unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
-        if unknown:
-            raise _refuse("layer_types", unknown[0], "it knows full_attention and sliding_attention")
-        pattern = tuple(t == "sliding_attention" for t in types)
     if not any(pattern):
         return None, None
     return window, None if all(pattern) else pattern
+
+
+def _layer_types(types: Any, layers: int) -> tuple[bool, ...]:
+    """Per layer, whether ``layer_types`` marks it ``sliding_attention``."""
+    if not isinstance(types, (list, tuple)):
+        raise ValueError(f"layer_types: {types!r:.60} is not a list")
+    if len(types) != layers:
+        raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers {layers}; give one per layer")
+    unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if unknown:
+        raise _refuse("layer_types", unknown[0], "it knows full_attention and sliding_attention")
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def model_section_for(config: Mapping[str, Any] | Any) -> ModelSection:

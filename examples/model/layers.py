@@ -17,7 +17,7 @@ from attention import AttentionBackend, LayerCache, StepPlan
 from attention.rotary import RotaryTable
 from kvcache.parallel.heads import TensorParallel
 
-from .ops import add_rms_norm, rms_norm, silu_mul
+from .ops import add_rms_norm, gelu_tanh_mul, offset_rms_norm, rms_norm, silu_mul
 from .shape import LlamaShape
 
 __all__ = ["MLP", "AllReduce", "Attention", "Block", "RMSNorm", "RowParallelLinear"]
@@ -28,19 +28,26 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, with the statistics in float32 whatever the model dtype
-    (:mod:`examples.model.ops`: one kernel on a GPU)."""
+    (:mod:`examples.model.ops`: one kernel on a GPU). ``offset`` (Gemma): scaled by
+    ``1 + weight`` in float32 instead, with the weight starting at 0."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, *, offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, dim] -> [T, dim], same dtype."""
+        """x: [..., dim] -> [..., dim], same dtype."""
+        if self.offset:
+            return offset_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the norm in one: (norm(x + residual), x + residual)."""
+        if self.offset:
+            total = x + residual
+            return offset_rms_norm(total, self.weight, self.eps), total
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -86,6 +93,9 @@ class Attention(nn.Module):
         #: q, k and v stacked along the output features (examples.model.sharding).
         self.wqkv = nn.Linear(hidden, sum(self.splits), bias=shape.qkv_bias)
         self.wo = RowParallelLinear(q_dim, hidden, bias=shape.o_bias, sharded=tp.is_sharded)
+        #: Per-head norms of q and k before rotary (Gemma-3), else None.
+        self.q_norm = RMSNorm(shape.head_dim, shape.norm_eps, offset=True) if shape.qk_norm else None
+        self.k_norm = RMSNorm(shape.head_dim, shape.norm_eps, offset=True) if shape.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, layer: LayerCache, backend: AttentionBackend, plan: StepPlan, rotary: RotaryTable
@@ -94,22 +104,19 @@ class Attention(nn.Module):
         [T, hidden]."""
         t = x.shape[0]
         q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        q, k = q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # The cache holds K after rotary, so cached positions never need rotating again.
-        query = backend.rotary_write_kv(
-            q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
-            layer,
-            plan,
-            rotary,
-        )
+        query = backend.rotary_write_kv(q, k, v.view(t, self.num_kv_heads, self.head_dim), layer, plan, rotary)
         out = backend.attend(query, layer, plan)  # [T, H, D]
         return self.wo(out.view(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one projection. Sharded, it
-    holds this rank's ``intermediate_size / tp.size`` channels."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one projection (GeGLU with
+    ``mlp_activation="gelu_tanh"``). Sharded, it holds this rank's ``intermediate_size /
+    tp.size`` channels."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel):
         super().__init__()
@@ -117,22 +124,30 @@ class MLP(nn.Module):
         #: gate then up, stacked along the output features.
         self.w_gate_up = nn.Linear(shape.hidden_size, 2 * width, bias=shape.mlp_bias)
         self.w_down = RowParallelLinear(width, shape.hidden_size, bias=shape.mlp_bias, sharded=tp.is_sharded)
+        self.activation_mul = gelu_tanh_mul if shape.mlp_activation == "gelu_tanh" else silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.w_down(silu_mul(self.w_gate_up(x)))
+        return self.w_down(self.activation_mul(self.w_gate_up(x)))
 
 
 class Block(nn.Module):
     """One pre-norm transformer layer. The residual stream is carried beside the layer's
-    output, so each residual add runs inside the next norm (:meth:`RMSNorm.add`)."""
+    output, so each residual add runs inside the next norm (:meth:`RMSNorm.add`). With
+    ``sandwich_norms`` (Gemma) the attention and MLP outputs are normalised as well before
+    they join the residual stream."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel):
         super().__init__()
-        self.attn_norm = RMSNorm(shape.hidden_size, shape.norm_eps)
+        def norm() -> RMSNorm:
+            return RMSNorm(shape.hidden_size, shape.norm_eps, offset=shape.norm_offset)
+
+        self.attn_norm = norm()
         self.attn = Attention(shape, tp)
-        self.mlp_norm = RMSNorm(shape.hidden_size, shape.norm_eps)
+        self.mlp_norm = norm()
         self.mlp = MLP(shape, tp)
+        self.attn_post_norm = norm() if shape.sandwich_norms else None
+        self.mlp_post_norm = norm() if shape.sandwich_norms else None
 
     def forward(
         self,
@@ -150,5 +165,9 @@ class Block(nn.Module):
             x = self.attn_norm(residual)
         else:
             x, residual = self.attn_norm.add(delta, residual)
-        x, residual = self.mlp_norm.add(self.attn(x, layer, backend, plan, rotary), residual)
-        return self.mlp(x), residual
+        attended = self.attn(x, layer, backend, plan, rotary)
+        if self.attn_post_norm is not None:
+            attended = self.attn_post_norm(attended)
+        x, residual = self.mlp_norm.add(attended, residual)
+        out = self.mlp(x)
+        return (out if self.mlp_post_norm is None else self.mlp_post_norm(out)), residual

@@ -8,10 +8,12 @@ caller made for the step.
 
 The math follows transformers' ``LlamaForCausalLM`` (rotary with the rotate-half convention,
 RMSNorm in float32, softmax scale ``head_dim ** -0.5``), so its weights load unchanged and
-both produce the same tokens. The few ways Qwen2 and Mistral differ are fields of
-:class:`LlamaShape`: biases on the q/k/v projections, tied embeddings, a sliding window (which
-only the attention backend sees, through :meth:`LlamaShape.attention_spec`). Reading
-checkpoints and their configs lives in :mod:`examples.model.checkpoints`.
+both produce the same tokens. The ways Qwen2, Mistral, Gemma-2 and Gemma-3 differ are fields of
+:class:`LlamaShape`: biases on the q/k/v projections, tied embeddings, a sliding window, a
+softmax scale and score soft-capping (which only the attention backend sees, through
+:meth:`LlamaShape.attention_spec`); Gemma's norms (scaled by ``1 + weight``, four a block,
+q/k norms), GeGLU, the scaled embedding, capped logits and a rotary base of the windowed
+layers' own. Reading checkpoints and their configs lives in :mod:`examples.model.checkpoints`.
 
 Written the way a serving engine writes it: q/k/v are one projection (``wqkv``) and so are
 the MLP's gate and up (``w_gate_up``); rotary, the cache write and the rotated query are one
@@ -73,9 +75,10 @@ class Llama(nn.Module):
         self.tp = tp
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(Block(shape, tp) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
+        self.norm = RMSNorm(shape.hidden_size, shape.norm_eps, offset=shape.norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self._rotary: RotaryTable | None = None
+        self._local_rotary: RotaryTable | None = None
         self.tie_weights()
 
     def connect(self, collective: Collective) -> None:
@@ -117,27 +120,46 @@ class Llama(nn.Module):
         of a row carrying draft tokens).
         """
         meta = plan.metadata
-        rotary = self.rotary_table(max(meta.seq_lens_host, default=1), meta.positions.device)
+        longest = max(meta.seq_lens_host, default=1)
+        rotary = self.rotary_table(longest, meta.positions.device)
+        local = self.rotary_table(longest, meta.positions.device, local=True)
         residual = self.embed(token_ids)  # [T, hidden]
+        if self.shape.embed_scale:
+            residual = residual * torch.tensor(self.shape.hidden_size**0.5, dtype=residual.dtype)
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            delta, residual = layer(delta, residual, cache.layer(index), backend, plan, rotary)
+            table = local if self.shape.is_windowed(index) else rotary
+            delta, residual = layer(delta, residual, cache.layer(index), backend, plan, table)
         rows = meta.logits_indices if logits_rows is None else logits_rows
         if delta is None:  # no layers
-            return self.lm_head(self.norm(residual[rows]))
-        return self.lm_head(self.norm.add(delta[rows], residual[rows])[0])
+            logits = self.lm_head(self.norm(residual[rows]))
+        else:
+            logits = self.lm_head(self.norm.add(delta[rows], residual[rows])[0])
+        cap = self.shape.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def rotary_table(self, max_positions: int, device: torch.device) -> RotaryTable:
+    def rotary_table(self, max_positions: int, device: torch.device, *, local: bool = False) -> RotaryTable:
         """The model's rotary cos/sin table on ``device``, covering at least ``max_positions``
         positions: built once, and again (larger) only when a longer sequence asks. A CUDA
         graph reads the table it was captured with, so an engine asks for its longest length
-        before capturing (``ModelRunner`` does)."""
-        table = self._rotary
+        before capturing (``ModelRunner`` does). ``local``: the windowed layers' table (its
+        own base when ``local_rope_theta`` is set, else the same table)."""
+        s = self.shape
+        if local and s.local_rope_theta is None:
+            local = False
+        table = self._local_rotary if local else self._rotary
         if table is None or table.max_positions < max_positions or not same_device(table.device, device):
-            s = self.shape
             size = max(max_positions, table.max_positions if table is not None else 0)
-            table = RotaryTable.build(rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, device), size)
-            self._rotary = table
+            if local:
+                assert s.local_rope_theta is not None, "checked above"
+                inv_freq = rope_inv_freq(s.head_dim, s.local_rope_theta, None, device)
+            else:
+                inv_freq = rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, device)
+            table = RotaryTable.build(inv_freq, size)
+            if local:
+                self._local_rotary = table
+            else:
+                self._rotary = table
         return table
 
 

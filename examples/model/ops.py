@@ -9,6 +9,11 @@ Each op has one numeric contract, the one transformers' Llama computes in the mo
   returns both (the sum is the next residual);
 - ``silu_mul(gate_up)``: ``silu(gate)`` rounded to the dtype, times ``up``, rounded again.
 
+Gemma's variants, as transformers computes them (torch ops everywhere):
+
+- ``offset_rms_norm(x)``: ``(x32 * rsqrt(mean(x32^2) + eps) * (1 + weight32)).to(dtype)``;
+- ``gelu_tanh_mul(gate_up)``: ``gelu(gate, approximate="tanh")`` rounded, times ``up``.
+
 On CUDA, with Triton installed, each is one kernel (:mod:`examples.model.triton_ops`): the
 float32 copies live in registers, never in memory. Elsewhere they are the torch ops above,
 which on CPU give exactly transformers' values.
@@ -22,7 +27,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "fused_ops_available", "rms_norm", "silu_mul"]
+__all__ = ["add_rms_norm", "fused_ops_available", "gelu_tanh_mul", "offset_rms_norm", "rms_norm", "silu_mul"]
 
 
 @functools.cache
@@ -66,3 +71,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim], weight: [dim] -> [..., dim]: RMSNorm scaled by ``1 + weight``, all in float32."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * width] (gate, then up) -> gelu_tanh(gate) * up: [T, width]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

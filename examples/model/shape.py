@@ -41,7 +41,21 @@ class LlamaShape:
     qkv_bias / o_bias / mlp_bias: biases on those projections (Qwen2: q/k/v only).
     tie_word_embeddings: lm_head is the embedding matrix (one tensor).
     sliding_window, window_layers: as in :class:`attention.AttentionSpec` (Mistral: every
-    layer windowed; Qwen2: per layer). Only the attention backend reads them.
+    layer windowed; Qwen2, Gemma-2 and Gemma-3: per layer). Only the attention backend reads them.
+
+    What Gemma-2 and Gemma-3 change (all off for Llama):
+    norm_offset:   norms scale by ``1 + weight``, in float32, then round.
+    embed_scale:   embeddings are multiplied by ``sqrt(hidden_size)`` (in the model's dtype).
+    sandwich_norms: each block normalises its attention and MLP outputs too, before the
+                   residual add (``post_attention`` / ``post_feedforward`` norms).
+    mlp_activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU, tanh-approximated GELU).
+    softmax_scale: the scale of q.k (Gemma: ``query_pre_attn_scalar ** -0.5``); None:
+                   ``head_dim ** -0.5``.
+    logit_softcap: attention scores capped to ``c * tanh(s / c)`` (Gemma-2: 50).
+    final_logit_softcap: the output logits capped the same way (Gemma-2: 30).
+    qk_norm:       q and k normalised per head before rotary (Gemma-3).
+    local_rope_theta: rotary base of the windowed layers (Gemma-3: 10,000, no scaling); the
+                   full layers use ``rope_theta`` and ``rope_scaling``. None: one rotary for all.
     """
 
     vocab_size: int
@@ -60,6 +74,21 @@ class LlamaShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     window_layers: tuple[bool, ...] | None = None
+    norm_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    softmax_scale: float | None = None
+    logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    qk_norm: bool = False
+    local_rope_theta: float | None = None
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends to the last ``sliding_window`` tokens only."""
+        if self.sliding_window is None:
+            return False
+        return self.window_layers is None or self.window_layers[layer]
 
     def check_cache(self, model: ModelSection) -> None:
         """Raise ValueError naming the field when the cache was sized for another model."""
@@ -107,6 +136,8 @@ class LlamaShape:
             kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != dtype else None,
             sliding_window=self.sliding_window,
             window_layers=self.window_layers,
+            softmax_scale=self.softmax_scale,
+            logit_softcap=self.logit_softcap,
         )
         return spec if tp is None else rank_spec(spec, tp)
 
