@@ -365,13 +365,15 @@ def run_decode(
 WINDOW, WINDOW_ROWS, WINDOW_LENGTHS = 4096, 16, (2048, 4096, 8192, 16384, 32768)
 
 
-def run_window(timer: KernelTimer, copy_tbps: float, notes: list[str]) -> list[DecodeRow]:
+def run_window(
+    timer: KernelTimer, copy_tbps: float, notes: list[str], lengths: tuple[int, ...] = WINDOW_LENGTHS
+) -> list[DecodeRow]:
     """Decode time as the context grows past a sliding window: ours (windowed spec) and
     flash-attn (window_size), block 256. Flat times past the window are the point."""
     rows: list[DecodeRow] = []
     flash = common.flash_attn_backend(notes, "decode rows", window=WINDOW)
     ours = Variant("window", window=WINDOW)
-    for n in WINDOW_LENGTHS:
+    for n in lengths:
         shape = DecodeShape(f"{WINDOW_ROWS}x{n} window {WINDOW}", (n,) * WINDOW_ROWS)
         print(f"decode {shape.label} block 256", flush=True)
         try:
@@ -517,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budget-s", type=float, default=270.0, help="seconds after which sweep variants are skipped")
     parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
+    parser.add_argument("--window-only", action="store_true", help="time sliding-window decode only")
+    parser.add_argument(
+        "--window-lengths",
+        default=",".join(map(str, WINDOW_LENGTHS)),
+        help="contexts of the sliding-window rows (comma-separated tokens)",
+    )
     common.add_run_options(parser, "decode")
     args = parser.parse_args(argv)
     if not common.require_cuda("bench_decode"):
@@ -529,17 +537,19 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal decode, window
         # Every timing replays >= 400 MB, so shorter timing windows keep the sweep short.
         timer = KernelTimer(min(args.warmup_ms, 10), min(args.rep_ms, 50))
-        decode = run_decode(
-            decode_shapes(args.quick),
-            sweep=args.sweep,
-            timer=timer,
-            copy_tbps=run.copy_tbps,
-            notes=run.notes,
-            budget_s=args.budget_s,
-        )
-        run.notes.append(f"decode part took {time.monotonic() - run.started:.0f} s")
-        if args.window:
-            window = run_window(timer, run.copy_tbps, run.notes)
+        if not args.window_only:
+            decode = run_decode(
+                decode_shapes(args.quick),
+                sweep=args.sweep,
+                timer=timer,
+                copy_tbps=run.copy_tbps,
+                notes=run.notes,
+                budget_s=args.budget_s,
+            )
+            run.notes.append(f"decode part took {time.monotonic() - run.started:.0f} s")
+        if args.window or args.window_only:
+            lengths = tuple(int(n) for n in args.window_lengths.split(","))
+            window = run_window(timer, run.copy_tbps, run.notes, lengths)
 
     def document() -> dict[str, Any]:
         doc: dict[str, Any] = {}
