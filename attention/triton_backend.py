@@ -83,13 +83,15 @@ class DecodeLaunch:
     """The decode kernel's launch for the layers of one window (None: full attention).
 
     schedule: the host partition of the decode rows into items (grid sizes).
-    rows, items: its int32 arrays on the device ([grid_rows, 4], [grid_items, 8]).
+    rows, items: its int32 arrays on the device ([grid_rows, 5], [grid_items, 10]).
+    config: the kernel's launch parameters (the schedule was made for its block_n).
     """
 
     window: int | None
     schedule: DecodeSchedule
     rows: torch.Tensor
     items: torch.Tensor
+    config: DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class TritonBackend(AttentionBackend):
     """Paged attention with our Triton kernels.
 
     Tuning knobs (the registry builds it with none):
-      decode_config / prefill_config: fixed launch parameters instead of the per-shape defaults;
+      decode_config / prefill_config: fixed launch parameters instead of the per-shape defaults
+                        (decode_config then also serves rows of several new tokens);
       decode_policy:    how decode rows are cut into chunks (see DecodePolicy);
       decode_chunk_len: force this chunk length (tests, sweeps);
       num_sms:          plan as if the GPU had this many SMs;
@@ -168,8 +171,11 @@ class TritonBackend(AttentionBackend):
                 f"max_decode_query_len: {q!r} must be a power of two in [1, {MAX_DECODE_QUERY_LEN}]"
             )
         self.max_decode_query_len = q
-        self.decode_config = decode_config or default_decode_config(
-            spec.head_dim, self.compute_dtype, self.cache_dtype if spec.quantized_cache else None
+        kv_dtype = self.cache_dtype if spec.quantized_cache else None
+        self.decode_config = decode_config or default_decode_config(spec.head_dim, self.compute_dtype, kv_dtype)
+        #: Launch parameters of rows of several new tokens (verifying drafts).
+        self.verify_decode_config = decode_config or default_decode_config(
+            spec.head_dim, self.compute_dtype, kv_dtype, query_len=MAX_DECODE_QUERY_LEN
         )
         self.prefill_config = prefill_config
         self.decode_policy = decode_policy or DecodePolicy()
@@ -275,6 +281,8 @@ class TritonBackend(AttentionBackend):
         max_rows = meta.padded_batch if graph else None
         max_items = max_decode_items(meta.padded_batch, kvh, sms, self.decode_policy) if graph else None
         max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
+        launch_query_len = max_query_len or max((q_lens[r] for r in rows), default=1)
+        config = self.decode_config if launch_query_len <= 1 else self.verify_decode_config
         launches = []
         partials = 1
         for window in self.windows:
@@ -286,7 +294,7 @@ class TritonBackend(AttentionBackend):
                 ranges,
                 num_kv_heads=kvh,
                 num_sms=sms,
-                block_n=self.decode_config.block_n,
+                block_n=config.block_n,
                 max_items=max_items,
                 max_rows=max_rows,
                 policy=self.decode_policy,
@@ -298,7 +306,7 @@ class TritonBackend(AttentionBackend):
             )
             items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
             row_arr = staging.stage(f"decode_rows_{window}", schedule.rows).view(-1, ROW_FIELDS)
-            launches.append(DecodeLaunch(window, schedule, row_arr, items))
+            launches.append(DecodeLaunch(window, schedule, row_arr, items, config))
             partials = max(partials, schedule.num_partials)
         if graph:
             q = max_query_len or 1
@@ -374,7 +382,7 @@ class TritonBackend(AttentionBackend):
                 plan.workspace,
                 softmax_scale=scale,
                 out=target,
-                config=self.decode_config,
+                config=launch.config,
                 k_scale=layer.k_scale,
                 v_scale=layer.v_scale,
                 check=False,
@@ -447,7 +455,7 @@ class TritonBackend(AttentionBackend):
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
                 for launch in plan.decode:
                     variants.add(("decode", window, launch.schedule.query_len))
-                    if launch.schedule.needs_combine and not self.decode_config.fused_combine:
+                    if launch.schedule.needs_combine and not launch.config.fused_combine:
                         variants.add(("combine",))
                 if plan.prefill is not None:
                     variants.add(("prefill", window, plan.prefill.config))

@@ -128,6 +128,12 @@ def main() -> int:
     ap.add_argument(
         "--sweep", action="store_true", help="also time the verify rows under other decode launch configurations"
     )
+    ap.add_argument(
+        "--sweep-configs",
+        default="32:4:2,32:8:2,64:8:2,16:4:2",
+        help="the sweep's decode configurations, block_n:num_warps:num_stages, comma-separated",
+    )
+    ap.add_argument("--block-sizes", default="32,256", help="cache block sizes, comma-separated")
     common.add_run_options(ap, "verify")
     args = ap.parse_args()
     if not common.require_cuda("bench_verify.py"):
@@ -142,7 +148,7 @@ def main() -> int:
     q_len = args.drafts + 1
     rows: list[dict[str, Any]] = []
     for label, lens in shapes(args.quick):
-        for block_size in (32, 256):
+        for block_size in [int(b) for b in args.block_sizes.split(",")]:
             base = build(lens, 1, block_size)
             verify = build(lens, q_len, block_size, layers=base.k.shape[0])
             verify.k, verify.v = base.k, base.v  # the same caches: only the new tokens differ
@@ -169,10 +175,11 @@ def main() -> int:
             if args.sweep:
                 from attention.triton_kernels import DecodeConfig
 
-                for bn, warps in ((32, 4), (32, 8), (64, 8), (16, 4)):
-                    config = DecodeConfig(block_n=bn, num_warps=warps, num_stages=2)
+                for text in args.sweep_configs.split(","):
+                    bn, warps, stages = (int(x) for x in text.split(":"))
+                    config = DecodeConfig(block_n=bn, num_warps=warps, num_stages=stages)
                     for rows_q, prob, ref in (("decode q=1", base, "q1"), (f"verify q={q_len}", verify, "verify")):
-                        name = f"{rows_q} block_n={bn} warps={warps}"
+                        name = f"{rows_q} block_n={bn} warps={warps} stages={stages}"
                         backend = TritonBackend(spec, decode_config=config)
                         variants.append((name, "triton", backend, prob, prob.meta, ref))
             if block_size == 256:

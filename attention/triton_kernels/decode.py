@@ -79,7 +79,9 @@ class DecodeConfig:
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
-def default_decode_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
+def default_decode_config(
+    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None, query_len: int = 1
+) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
     stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
     (benchmarks/results/attention-sweep-2026-12-02.json, bf16, head_dim 128): 2 stages read
@@ -87,10 +89,17 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dty
     time for sm_90 (triton 3.9), bf16 head_dim 128 takes 38 KiB of shared memory and 72
     registers, no spills. An fp8 cache (``kv_dtype``) halves the bytes per token, so its tiles
     hold twice the tokens. fp32 at head_dim 256 takes 8 warps to keep its tiles in registers.
+
+    Launches for rows of several new tokens (``query_len`` > 1, verifying drafts) take ~32 KiB
+    tiles: their taller tile of tokens x heads does twice the math per K/V byte, and longer
+    tiles keep more bytes in flight per program (benchmarks/results/verify-sweep-bs32-2026-12-03.json
+    and -bs256-: 5 new tokens at 128 x 2048, 128 tokens a tile 1.21x / 1.10x the one-token step at
+    blocks 32 / 256 against 1.47x / 1.26x with 64; no other tile, warp or stage count did better).
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
-    block_n = max(16, min(128, 16384 // (d_pad * itemsize)))
+    tile_bytes = 16384 if query_len <= 1 else 32768
+    block_n = max(16, min(128, tile_bytes // (d_pad * itemsize)))
     q_itemsize = torch.empty((), dtype=dtype).element_size()
     warps = 8 if q_itemsize * d_pad > 512 else 4
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=2)
