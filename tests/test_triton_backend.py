@@ -242,6 +242,10 @@ def test_mixed_graph_plans_depend_only_on_the_bucket(layer_index: int, triton_de
         assert case.meta.num_tokens == 96 and case.meta.padded_batch == 6
         plan = backend.plan(case.meta, graph=True)
         assert isinstance(plan, TritonStepPlan) and plan.prefill is not None
+        # A bucket with room for several tokens per row compiles its decode launch for 8, so
+        # rows of up to 8 new tokens (the 5-token row here) replay on the decode kernel.
+        assert all(d.schedule.query_len == 8 for d in plan.decode)
+        assert plan.decode_rows == tuple(r for r, (_, q) in enumerate(rows) if q <= 8)
         backend.write_kv(case.new_key, case.new_value, case.layer, plan)
         out = backend.attend(case.query, case.layer, plan)
         _check(out[: case.meta.num_real_tokens], reference_output(case), torch.float16)
