@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, tuple[str, ...]] = {
     "kvcache.parallel.heads": ("attention",),
     "kvcache.parallel.collective": ("attention",),
-    "kvcache.config": ("attention", "kvcache.moved", "kvcache.parallel.heads"),
+    # kvcache.blocks.groups: the KV-group layout of a model's layers (pure; imports attention
+    # only), for the plan's per-group figures.
+    "kvcache.config": ("attention", "kvcache.moved", "kvcache.parallel.heads", "kvcache.blocks.groups"),
     "kvcache.blocks": ("attention",),
     "kvcache.memory": ("attention", "kvcache.config", "kvcache.blocks", "kvcache.parallel.heads"),
     "kvcache.step": ("attention", "kvcache.blocks"),
