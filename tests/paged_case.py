@@ -162,6 +162,39 @@ def reference_output(case: PagedCase, *, cache_after_write: LayerCache | None = 
     return out[: case.meta.num_real_tokens]
 
 
+def tree_reference(case: PagedCase, masks: list[int], scale: float) -> torch.Tensor:
+    """float64 [real tokens, heads, d]: each new token over its row's cached tokens and the
+    row's new tokens its draft-tree mask names (bit j: the row's j-th new token), read from
+    the case's cache (the new tokens' K/V must be written)."""
+    bs, kvh = case.layer.block_size, case.layer.key.shape[2]
+    heads = case.query.shape[1]
+    k_all, v_all = case.layer.key.double().flatten(0, 1), case.layer.value.double().flatten(0, 1)
+    starts, outs = case.meta.query_start_loc.tolist(), []
+    for row, (s, q) in enumerate(zip(case.meta.seq_lens_host, case.meta.query_lens_host, strict=True)):
+        for t in range(q):
+            token = starts[row] + t
+            seen = list(range(s - q)) + [s - q + j for j in range(q) if masks[token] >> j & 1]
+            pos = torch.tensor(seen, device=case.layer.key.device)
+            slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+            k = k_all[slots].repeat_interleave(heads // kvh, dim=1)
+            v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
+            outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+def ancestor_masks(parents: list[int | None]) -> list[int]:
+    """Per node of a draft tree given by its parents, the bitmask of itself and its ancestors."""
+    masks = []
+    for t in range(len(parents)):
+        bits, node = 0, t
+        while node is not None:
+            bits |= 1 << node
+            node = parents[node]
+        masks.append(bits)
+    return masks
+
+
 def _plan_for(case: PagedCase):  # type: ignore[no-untyped-def]
     return ReferenceBackend(case.spec).plan(case.meta)
 

@@ -31,7 +31,16 @@ from attention.triton_kernels import (
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.paging import kernels_interpreted
-from tests.paged_case import TOLERANCE, PagedCase, make_case, make_spec, reference_output, rel_err
+from tests.paged_case import (
+    TOLERANCE,
+    PagedCase,
+    ancestor_masks,
+    make_case,
+    make_spec,
+    reference_output,
+    rel_err,
+    tree_reference,
+)
 
 #: Where the kernels run: the CPU interpreter without a GPU, else the GPU.
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
@@ -304,27 +313,6 @@ def test_rows_of_several_new_tokens_under_a_sliding_window(fused: bool) -> None:
     _check(out, ref, torch.float32)
 
 
-def _tree_reference(case: PagedCase, masks: list[int], scale: float) -> torch.Tensor:
-    """float64 [tokens, heads, d]: each new token over its row's context and the new tokens
-    its mask names."""
-    bs, kvh = case.layer.block_size, case.layer.key.shape[2]
-    heads = case.query.shape[1]
-    k_all, v_all = case.layer.key.double().flatten(0, 1), case.layer.value.double().flatten(0, 1)
-    outs = []
-    starts = case.meta.query_start_loc.tolist()
-    for row, (s, q) in enumerate(zip(case.meta.seq_lens_host, case.meta.query_lens_host, strict=True)):
-        for t in range(q):
-            token = starts[row] + t
-            seen = list(range(s - q)) + [s - q + j for j in range(q) if masks[token] >> j & 1]
-            pos = torch.tensor(seen, device=case.layer.key.device)
-            slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
-            k = k_all[slots].repeat_interleave(heads // kvh, dim=1)
-            v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
-            outs.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(outs)
-
-
 @COMBINE
 def test_draft_tree_masks(fused: bool) -> None:
     """A tree of 6 draft tokens (root; two children; a grandchild under each; one more under
@@ -332,15 +320,7 @@ def test_draft_tree_masks(fused: bool) -> None:
     case = _multi_case([(37, 7), (20, 3)], torch.float32)
     # Row 0: token 0 the verified root, 1 and 2 its children, 3 under 1, 4 under 2, 5 under 3,
     # 6 a third child of the root.
-    parents = [None, 0, 0, 1, 2, 3, 0]
-    masks = []
-    for t, _ in enumerate(parents):
-        bits, node = 0, t
-        while node is not None:
-            bits |= 1 << node
-            node = parents[node]
-        masks.append(bits)
-    masks += [0b1, 0b11, 0b111]  # row 1: a chain (the causal case)
+    masks = [*ancestor_masks([None, 0, 0, 1, 2, 3, 0]), 0b1, 0b11, 0b111]  # row 1: a chain (the causal case)
     tree = torch.tensor(masks, dtype=torch.int32, device=DEVICE)
     launch = _multi_launch(case, chunk_len=16)
     out = torch.zeros_like(case.query)
@@ -350,7 +330,7 @@ def test_draft_tree_masks(fused: bool) -> None:
         launch.schedule, launch.workspace, softmax_scale=1.0 / math.sqrt(d), out=out,
         config=DecodeConfig(block_n=16, fused_combine=fused), tree_masks=tree,
     )  # fmt: skip
-    _check(out, _tree_reference(case, masks, 1.0 / math.sqrt(d)), torch.float32)
+    _check(out, tree_reference(case, masks, 1.0 / math.sqrt(d)), torch.float32)
     # The chain row equals plain causal decoding.
     causal = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused))
     torch.testing.assert_close(out[7:10], causal[7:10], rtol=0, atol=1e-6)

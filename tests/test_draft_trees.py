@@ -13,7 +13,7 @@ import torch
 from attention import ReferenceBackend
 from attention.errors import MetadataError, UnsupportedSettingError
 from attention.triton_backend import TritonBackend, TritonStepPlan
-from tests.paged_case import PagedCase, make_case, make_spec
+from tests.paged_case import PagedCase, ancestor_masks, make_case, make_spec, tree_reference
 
 #: Row 0's tree (7 new tokens): 0 the verified root; 1, 2 and 6 its children; 3 under 1;
 #: 4 under 2; 5 under 3. Row 1: a chain of 3 (plain causal).
@@ -21,14 +21,7 @@ PARENTS: list[int | None] = [None, 0, 0, 1, 2, 3, 0]
 
 
 def _masks() -> list[int]:
-    masks = []
-    for t in range(len(PARENTS)):
-        bits, node = 0, t
-        while node is not None:
-            bits |= 1 << node
-            node = PARENTS[node]
-        masks.append(bits)
-    return [*masks, 0b1, 0b11, 0b111]
+    return [*ancestor_masks(PARENTS), 0b1, 0b11, 0b111]
 
 
 def _case(device: str, **spec_kw: object) -> PagedCase:
@@ -44,25 +37,6 @@ def _with_tree(case: PagedCase, masks: list[int]) -> PagedCase:
     return dataclasses.replace(case, meta=dataclasses.replace(case.meta, tree_masks=tree))
 
 
-def _oracle(case: PagedCase, masks: list[int]) -> torch.Tensor:
-    """float64: each new token over its row's cached tokens and the new tokens its mask names."""
-    bs, kvh = case.layer.block_size, case.layer.key.shape[2]
-    heads, scale = case.query.shape[1], case.spec.scale
-    k_all, v_all = case.layer.key.double().flatten(0, 1), case.layer.value.double().flatten(0, 1)
-    starts, outs = case.meta.query_start_loc.tolist(), []
-    for row, (s, q) in enumerate(zip(case.meta.seq_lens_host, case.meta.query_lens_host, strict=True)):
-        for t in range(q):
-            token = starts[row] + t
-            seen = list(range(s - q)) + [s - q + j for j in range(q) if masks[token] >> j & 1]
-            pos = torch.tensor(seen, device=case.layer.key.device)
-            slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
-            k = k_all[slots].repeat_interleave(heads // kvh, dim=1)
-            v = v_all[slots].repeat_interleave(heads // kvh, dim=1)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", case.query[token].double(), k) * scale, dim=-1)
-            outs.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(outs)
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_tree_masks_match_the_oracle_and_a_chain_is_causal(backend: str, triton_device: str) -> None:
     device = "cpu" if backend == "reference" else triton_device
@@ -74,7 +48,8 @@ def test_tree_masks_match_the_oracle_and_a_chain_is_causal(backend: str, triton_
     if isinstance(plan, TritonStepPlan):
         assert plan.decode_rows == (0, 1), "draft rows go to the decode kernel"
     out = attn.attend(tree_case.query, tree_case.layer, plan)
-    torch.testing.assert_close(out.double(), _oracle(case, _masks()), rtol=1e-5, atol=2e-5)  # fp32 inputs
+    expect = tree_reference(case, _masks(), case.spec.scale)
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=2e-5)  # fp32 inputs, float64 oracle
     causal = attn.attend(case.query, case.layer, attn.plan(case.meta))
     torch.testing.assert_close(out[7:], causal[7:], rtol=0, atol=1e-6)  # row 1's chain
     assert (out[:7] - causal[:7]).abs().max() > 1e-3, "the tree changed nothing"
