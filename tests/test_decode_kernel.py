@@ -382,6 +382,64 @@ def test_garbage_metadata_stays_inside_every_tensor(fused: bool) -> None:
         assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"
 
 
+@COMBINE
+def test_garbage_multi_token_items_stay_inside_every_tensor(fused: bool) -> None:
+    """Rows of several new tokens with garbage: a chunk count whose product with the token
+    index wraps int32 negative, query lengths and row ends out of range, a first partial
+    slot near the int32 limit. No crash, and the slabs around the output and workspace keep
+    their bits."""
+    case = _multi_case(MULTI_ROWS, torch.float32)
+    launch = _multi_launch(case, chunk_len=16)
+    s = launch.schedule
+    out_store, out = _canaried(tuple(case.query.shape), torch.float32, 3.0)
+    po_store, part_o = _canaried(tuple(launch.workspace.part_o.shape), torch.float32, 5.0)
+    pl_store, part_lse = _canaried(tuple(launch.workspace.part_lse.shape), torch.float32, 5.0)
+    ct_store, counters = _canaried(tuple(launch.workspace.counters.shape), torch.int32, 0)
+    ws = DecodeWorkspace(part_o=part_o, part_lse=part_lse, counters=counters)
+    items, rows = launch.items.clone(), launch.rows.clone()
+    split = [i for i in range(s.num_items) if items[i, 3] >= 0 and items[i, 8] > 2]
+    assert len(split) >= 3, "the case should split rows of several tokens"
+    items[split[0], 6] = 2**30  # t * num_chunks wraps past int32 for t >= 2
+    items[split[1], 8:10] = torch.tensor([10**6, -5])  # q_len and row end out of range
+    items[split[2], 3] = 2**31 - 3  # partial slot at the int32 limit
+    rows[0, 2:5] = torch.tensor([2**30, 0, 10**6])  # the combine: chunk count, first slot, q_len
+    bad = dataclasses.replace(launch, items=items, rows=rows, workspace=ws)
+    before = [t.clone() for t in (out_store, po_store, pl_store, ct_store)]
+    _run(case, bad, DecodeConfig(block_n=16, fused_combine=fused), out)
+    for store, old in zip((out_store, po_store, pl_store, ct_store), before, strict=True):
+        assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("short", "tree_masks: 3 entries for 23 query tokens"),
+        ("dtype", "tree_masks: expected int32"),
+        ("window", "tree_masks: not with a sliding window"),
+        ("bad_window", "window: 0 must be >= 1"),
+    ],
+)
+def test_launcher_rejects_bad_tree_masks_and_windows(change: str, message: str) -> None:
+    case = _multi_case(MULTI_ROWS, torch.float32)
+    launch = _multi_launch(case, chunk_len=16)
+    tree: torch.Tensor | None = torch.full((case.query.shape[0],), 0xFF, dtype=torch.int32, device=DEVICE)
+    window: int | None = None
+    if change == "short":
+        tree = tree[:3]  # type: ignore[index]
+    elif change == "dtype":
+        tree = tree.long()  # type: ignore[union-attr]
+    elif change == "window":
+        window = 16
+    else:
+        tree, window = None, 0
+    with pytest.raises(ValueError, match=message):
+        paged_decode(
+            case.query, case.layer.key, case.layer.value, case.meta.block_tables, launch.rows, launch.items,
+            launch.schedule, launch.workspace, softmax_scale=0.1, out=torch.zeros_like(case.query),
+            config=DecodeConfig(block_n=16), tree_masks=tree, window=window,
+        )  # fmt: skip
+
+
 def test_fp8_cache_with_per_head_scales() -> None:
     """float8_e4m3fn K/V with fp32 per-KV-head scales, fp16 query (runs in the interpreter)."""
     case = _case([45, 130, 7], heads=8, kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32)

@@ -240,8 +240,11 @@ def check_decode_launch(
             f"tree_masks: expected int32 [num_tokens] on {k_cache.device}, got {tree_masks.dtype} "
             f"{tuple(tree_masks.shape)} on {tree_masks.device}"
         )
-    if tree_masks is not None and tree_masks.shape[0] <= schedule.max_q_token:
-        raise ValueError(f"tree_masks: {tree_masks.shape[0]} entries, the schedule names token {schedule.max_q_token}")
+    if tree_masks is not None and tree_masks.shape[0] < min(query.shape[0], out.shape[0]):
+        raise ValueError(
+            f"tree_masks: {tree_masks.shape[0]} entries for {min(query.shape[0], out.shape[0])} query tokens; "
+            "give one per token of the query"
+        )
     if tree_masks is not None and window:
         raise ValueError("tree_masks: not with a sliding window (a tree token's position is its depth, not its index)")
     if window is not None and window < 1:

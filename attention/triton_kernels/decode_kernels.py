@@ -328,8 +328,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Token t of this row keeps its chunks' partials at slot + t * num_chunks.
-        token_slot = slot + t * num_chunks
-        slot_ok = (t < q_len) & (g < GROUP) & (token_slot < num_partial_slots)
+        token_slot = slot + t * num_chunks  # garbage chunk counts may wrap it negative: checked
+        slot_ok = (t < q_len) & (g < GROUP) & (token_slot >= 0) & (token_slot < num_partial_slots)
         part = token_slot.to(tl.int64) * NUM_HEADS + heads
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dd[None, :], o, mask=tile_mask(slot_ok, dd, HEAD_DIM, D_PAD))
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
