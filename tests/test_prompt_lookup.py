@@ -5,7 +5,10 @@ greedy tokens, with prefix caching and preemption (drafts taken back with ``trun
 
 from __future__ import annotations
 
+import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +134,30 @@ def test_cli_refuses_a_draft_count_out_of_range(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         main(["--draft", "9"])
     assert "--draft: 9 must be in [0, 8]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_copy_task_accepts_drafts_with_plain_tokens(tmp_path: Path) -> None:
+    """A real trained model asked to repeat a passage: prompt lookup's drafts are accepted,
+    it takes fewer steps than plain decoding, and every request's tokens equal plain greedy
+    decoding's (the benchmark exits 1 otherwise)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    pytest.importorskip("gguf", reason="loading the SmolLM2 GGUF needs the gguf package")
+    import bench_prompt_lookup
+    import fp8_real_model
+
+    try:
+        gguf = fp8_real_model.find_gguf(None)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    out = tmp_path / "pl.json"
+    threads = torch.get_num_threads()
+    try:
+        args = ["--gguf", str(gguf), "--device", "cpu", "--prompts", "4", "--new-tokens", "24", "--drafts", "4"]
+        assert bench_prompt_lookup.main([*args, "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    runs = json.loads(out.read_text())["runs"]
+    assert all(r["same_as_plain"] for r in runs.values())
+    assert runs["draft-4"]["accepted"] > 0.3 * runs["draft-4"]["drafted"] > 0
+    assert runs["draft-4"]["steps"] < runs["plain"]["steps"]
