@@ -195,22 +195,15 @@ def build_layers(shape: DecodeShape, block_size: int) -> Layers:
     from attention import AttentionMetadata
 
     gen = torch.Generator(device=DEVICE).manual_seed(SEED)
-    per_row = [-(-n // block_size) for n in shape.lens]
-    num_blocks = sum(per_row)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SEED)).to(torch.int32)
-    tables = torch.full((len(per_row), max(per_row)), -1, dtype=torch.int32)
-    offset = 0
-    for r, nb in enumerate(per_row):
-        tables[r, :nb] = perm[offset : offset + nb]
-        offset += nb
+    tables, num_blocks = common.shuffled_block_tables(shape.lens, block_size, SEED)
     count = max(2, math.ceil(HBM_BYTES_PER_GRAPH / shape.kv_bytes))
     cache_shape = (count, num_blocks, block_size, KV_HEADS, HEAD_DIM)
     k = torch.empty(cache_shape, dtype=DTYPE, device=DEVICE).normal_(generator=gen)
     v = torch.empty(cache_shape, dtype=DTYPE, device=DEVICE).normal_(generator=gen)
-    q = torch.randn((len(per_row), HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
+    q = torch.randn((len(shape.lens), HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
     last = [n - 1 for n in shape.lens]
     slots = [int(tables[r, p // block_size]) * block_size + p % block_size for r, p in enumerate(last)]
-    b = len(per_row)
+    b = len(shape.lens)
     meta = AttentionMetadata(
         block_tables=tables.to(DEVICE),
         seq_lens=torch.tensor(shape.lens, dtype=torch.int32, device=DEVICE),

@@ -61,14 +61,7 @@ def build(lens: tuple[int, ...], q_len: int, block_size: int, layers: int | None
     from attention import AttentionMetadata
 
     gen = torch.Generator(device=DEVICE).manual_seed(SEED)
-    per_row = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per_row)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(SEED)).to(torch.int32)
-    tables = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
-    offset = 0
-    for r, nb in enumerate(per_row):
-        tables[r, :nb] = perm[offset : offset + nb]
-        offset += nb
+    tables, num_blocks = common.shuffled_block_tables(lens, block_size, SEED)
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2
     count = layers or max(2, math.ceil(HBM_BYTES_PER_GRAPH / kv_bytes))
     shape = (count, num_blocks, block_size, KV_HEADS, HEAD_DIM)

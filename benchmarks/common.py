@@ -61,6 +61,21 @@ def spec(*, fp8: bool = False, window: int | None = None) -> Any:
     )
 
 
+def shuffled_block_tables(lens: Sequence[int], block_size: int, seed: int) -> tuple[torch.Tensor, int]:
+    """(int32 [rows, max blocks] block tables on the host, the block count): every row's blocks,
+    ``ceil(len / block_size)`` of them, at ids drawn from a seeded permutation (scattered as in a
+    long-running cache); unused entries -1."""
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    tables = torch.full((len(per_row), max(per_row)), -1, dtype=torch.int32)
+    offset = 0
+    for r, nb in enumerate(per_row):
+        tables[r, :nb] = perm[offset : offset + nb]
+        offset += nb
+    return tables, num_blocks
+
+
 def add_run_options(parser: argparse.ArgumentParser, name: str) -> None:
     """The options every attention benchmark ends with: ``--out`` (default
     results/<name>-<date>.json), ``--warmup-ms`` and ``--rep-ms`` (do_bench's windows)."""
