@@ -5,6 +5,7 @@ greedy tokens, with prefix caching and preemption (drafts taken back with ``trun
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import sys
@@ -17,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from attention import get_backend  # noqa: E402
 from examples.engine.drafting import NgramIndex, accepted_tokens  # noqa: E402
-from examples.engine.loop import run_requests  # noqa: E402
+from examples.engine.loop import RunReport, run_requests  # noqa: E402
 from examples.engine.scheduler import Request, make_preemption  # noqa: E402
 from examples.model import Llama  # noqa: E402
 from kvcache import BlockManager, allocate_kv_cache  # noqa: E402
@@ -68,10 +69,18 @@ def repetitive_cases(n: int) -> list[Case]:
 
 
 def ours_with_drafts(
-    model: Llama, cases: list[Case], *, num_blocks: int, prefix_caching: bool, draft: int
-) -> tuple[list[Request], object]:
+    model: Llama,
+    cases: list[Case],
+    *,
+    num_blocks: int,
+    prefix_caching: bool,
+    draft: int,
+    device: str = "cpu",
+    backend: str = "reference",
+    use_graphs: bool = False,
+) -> tuple[list[Request], RunReport]:
     config = _cache_config(num_blocks)
-    cache = allocate_kv_cache(config, device="cpu", fill=float("nan"))
+    cache = allocate_kv_cache(config, device=device, fill=float("nan"))
     manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     requests = [Request(i, c.prompt, c.max_new_tokens, c.arrival_step) for i, c in enumerate(cases)]
     report = run_requests(
@@ -79,12 +88,13 @@ def ours_with_drafts(
         requests,
         manager=manager,
         cache=cache,
-        backend=get_backend("reference", config.attention_spec()),
+        backend=get_backend(backend, config.attention_spec()),
         preemption=make_preemption("recompute", manager, cache),
         token_budget=48,
         max_running=6,
         overlap=False,
         draft_tokens=draft,
+        use_graphs=use_graphs,
     )
     return requests, report
 
@@ -101,7 +111,27 @@ def test_drafting_gives_transformers_greedy_tokens(
     drafted = sum(r.drafted for r in requests)
     accepted = sum(r.accepted for r in requests)
     assert 0 < accepted < drafted  # drafts were both kept and taken back
-    assert report.steps < sum(c.max_new_tokens for c in cases)  # fewer steps than tokens  # type: ignore[attr-defined]
+    assert report.steps < sum(c.max_new_tokens for c in cases)  # fewer steps than tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verification_steps_replay_graphs_with_transformers_tokens(
+    hf_model: torch.nn.Module, our_model: Llama
+) -> None:
+    """On the GPU with CUDA graphs, verification steps (rows of the last token and its
+    drafts) replay their own graphs, which compute the greedy token of every position; the
+    tokens are still transformers' greedy tokens (float32, triton, prefix caching on)."""
+    model = copy.deepcopy(our_model).to("cuda")
+    cases = repetitive_cases(10)
+    requests, report = ours_with_drafts(
+        model, cases, num_blocks=64, prefix_caching=True, draft=4, device="cuda", backend="triton", use_graphs=True
+    )
+    for case, req in zip(cases, requests, strict=True):
+        tokens, _ = _hf_generate(hf_model, case)
+        assert req.output == tokens, f"request {req.req_id}: ours {req.output} vs transformers {tokens}"
+    assert report.graph_replays["verify"] > 0 and report.graph_replays["decode"] > 0, report.graph_replays
+    assert 0 < report.accepted < report.drafted
 
 
 def test_drafting_needs_the_sequential_loop(our_model: Llama) -> None:

@@ -70,3 +70,12 @@ def test_shapes_are_listed_largest_first_for_capture() -> None:
 def test_bad_buckets_are_refused(kwargs: dict[str, list[int]], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         StepBuckets(8, 64, **kwargs)  # type: ignore[arg-type]
+
+
+def test_no_decode_buckets_leave_one_token_steps_unbucketed() -> None:
+    """``decode=()`` (verification graphs): mixed buckets only."""
+    shapes = StepBuckets(8, 64, decode=(), tokens=[16, 64])
+    assert shapes.decode == ()
+    assert shapes.shape_for([1, 1, 1]) is None
+    assert shapes.shape_for([5, 5, 1]) == StepShape(8, 16)
+    assert [s.tokens for s in shapes.shapes()] == [64, 16]

@@ -272,6 +272,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         limit = first_new + t  # token t's own position: the last key it may see
         if TREE:
             ancestors = tl.load(tree_ptr + token64, mask=q_ok, other=0)
+        else:  # causal: the chain, token t sees new tokens 0..t (the tree test below is faster)
+            ancestors = (2 << t) - 1
 
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
@@ -299,12 +301,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         if SOFTCAP:
             s = soft_cap(s, softcap)
         if Q_PAD > 1:
-            if TREE:
-                j = n - first_new  # index among the new tokens (< 0: a key before them)
-                bit = (ancestors[:, None] >> tl.maximum(j, 0)[None, :]) & 1
-                seen = (j[None, :] < 0) | ((bit != 0) & (j[None, :] < q_len))
-            else:
-                seen = n[None, :] <= limit[:, None]
+            j = n - first_new  # index among the new tokens (< 0: a key before them)
+            bit = (ancestors[:, None] >> tl.maximum(j, 0)[None, :]) & 1
+            seen = (j[None, :] < 0) | ((bit != 0) & (j[None, :] < q_len))
             if window > 0:
                 seen = seen & (n[None, :] > limit[:, None] - window)
             s = tl.where(valid[None, :] & seen, s, float("-inf"))

@@ -66,7 +66,8 @@ class RunReport:
     #: samples on the device (scheduled before the host knew it).
     overlap: bool = False
     fed_rows: int = 0
-    #: Steps replayed from CUDA graphs, by kind ("decode", "mixed"); empty without graphs.
+    #: Steps replayed from CUDA graphs, by kind ("decode", "mixed", and "verify" with drafts);
+    #: empty without graphs.
     graph_replays: dict[str, int] = field(default_factory=dict)
     #: The prefix cache's host tier, when there is one.
     host_tier: HostTierStats | None = None
@@ -228,7 +229,7 @@ def run_requests(
         max_tokens=max(token_budget, max_running),
         max_blocks_per_seq=cdiv(longest, manager.block_size),
     )
-    runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs)
+    runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs, draft_tokens=draft_tokens)
     report = runner.warmup()
     if on_warmup is not None:
         on_warmup(report)
@@ -300,8 +301,27 @@ def run_requests(
         agreement_checks=0 if agreement is None else agreement.checks,
         overlap=overlap,
         fed_rows=fed_rows,
-        graph_replays=dict(runner.graphs.replays) if runner.graphs is not None else {},
+        graph_replays=_graph_replays(runner),
     )
+
+
+def _graph_line(report: RunReport) -> str:
+    """'3 decode and 2 mixed steps replayed of 9' (with drafts: '3 decode, 2 mixed and 4 verify ...')."""
+    r = report.graph_replays
+    if not r:
+        return "off"
+    kinds = [f"{r.get('decode', 0)} decode", f"{r.get('mixed', 0)} mixed"]
+    if "verify" in r:
+        kinds.append(f"{r['verify']} verify")
+    return f"{', '.join(kinds[:-1])} and {kinds[-1]} steps replayed of {report.steps}"
+
+
+def _graph_replays(runner: ModelRunner) -> dict[str, int]:
+    replays: dict[str, int] = {}
+    for graphs in (runner.graphs, runner.verify_graphs):
+        if graphs is not None:
+            replays.update(graphs.replays)
+    return replays
 
 
 def _host_tier_stats(manager: BlockManager) -> HostTierStats | None:
@@ -329,13 +349,7 @@ def format_summary(report: RunReport) -> list[str]:
         f"tokens/s: {tok_s:.1f} generated",
         f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
         f"overlap: {'on' if report.overlap else 'off'} ({report.fed_rows} rows fed their token on the device)",
-        "CUDA graphs: "
-        + (
-            f"{report.graph_replays.get('decode', 0)} decode and {report.graph_replays.get('mixed', 0)} mixed "
-            f"steps replayed of {report.steps}"
-            if report.graph_replays
-            else "off"
-        ),
+        "CUDA graphs: " + _graph_line(report),
         f"preemptions: {report.preemptions} ("
         + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",

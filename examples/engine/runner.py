@@ -29,7 +29,7 @@ import torch
 from attention import AttentionBackend, StepCapacity, StepPlan
 from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
 from kvcache.step.buckets import StepBuckets, StepShape, default_token_buckets
-from kvcache.step.graphs import StepGraphs
+from kvcache.step.graphs import StepGraphs, VerifyGraphs
 
 from ..model import Llama
 
@@ -91,6 +91,10 @@ class ModelRunner:
     are still padded to the same buckets when the backend can be captured, so ``use_graphs``
     changes how a step is launched, never what it computes (greedy tokens are identical with
     and without graphs).
+    draft_tokens: the most draft tokens a row carries (speculative decoding, :meth:`verify`).
+    With graphs and a backend with ``mixed_cuda_graphs``, verification steps of up to
+    ``max_rows * (draft_tokens + 1)`` tokens are captured too (:class:`VerifyGraphs`: the greedy
+    token after every position, computed in the graph).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class ModelRunner:
         capacity: StepCapacity,
         *,
         use_graphs: bool = False,
+        draft_tokens: int = 0,
     ):
         self.model = model
         self.cache = cache
@@ -111,6 +116,13 @@ class ModelRunner:
             cache.device, capacity=capacity, backend=backend, num_cache_blocks=cache.num_blocks
         )
         self.graphs = StepGraphs(self.builder, self._forward) if use_graphs else None
+        #: Verification steps' graphs (None: verification runs eagerly).
+        self.verify_graphs: VerifyGraphs | None = None
+        verify_buckets = _verify_buckets(capacity, draft_tokens) if backend.info.mixed_cuda_graphs else []
+        if self.graphs is not None and verify_buckets:
+            self.verify_graphs = VerifyGraphs(self.builder, self._greedy_forward, verify_buckets)
+        #: Query token indices 0 .. max_tokens - 1 (the rows a verification graph's logits cover).
+        self._token_rows = torch.arange(capacity.max_tokens, dtype=torch.int64, device=cache.device)
         #: The buckets steps are padded to (None: the backend is never captured; no padding):
         #: the graphs' own, so an eager step computes what its graph would.
         self.shapes: StepBuckets | None = None
@@ -138,6 +150,8 @@ class ModelRunner:
             eager = self.cache.device.type == "cuda"
         eager_steps = self._warm_eager() if eager else 0
         graphs = self.graphs.capture(self.manager) if self.graphs is not None else 0
+        if self.graphs is not None and self.verify_graphs is not None:
+            graphs += self.verify_graphs.capture(self.manager, pool=self.graphs.pool)
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize(self.cache.device)
         return WarmupReport(variants, graphs, time.perf_counter() - start, eager_steps)
@@ -256,11 +270,18 @@ class ModelRunner:
         return LaunchedStep(plan, host, done, kept)
 
     def verify(self, rows: Sequence[ScheduledRow], token_ids: Sequence[int], draft_rows: Sequence[int]) -> LaunchedStep:
-        """Run a step whose rows ``draft_rows`` carry draft tokens, eagerly (no graph, no
-        feed), and wait for it: the greedy token after every position of those rows (the
-        verification), and after the last token of every other sampling row. Every draft row
-        must be a sampling row (it reaches the end of its sequence)."""
-        plan = self._plan(rows, token_ids, None, None)
+        """Run a step whose rows ``draft_rows`` carry draft tokens (no feed) and wait for it:
+        the greedy token after every position of those rows (the verification), and after
+        the last token of every other sampling row. Every draft row must be a sampling row
+        (it reaches the end of its sequence). The step replays a verification graph when one
+        holds it (the greedy token of every position is computed in the graph and the host
+        picks), else it runs eagerly and computes the picked positions' logits only."""
+        shape = self.verify_graphs.shape_for(rows) if self.verify_graphs is not None else None
+        greedy_all: torch.Tensor | None = None
+        if self.verify_graphs is not None and shape is not None:
+            plan, greedy_all = self.verify_graphs.run(self.manager, rows, token_ids, None, shape=shape)
+        else:
+            plan = self._plan(rows, token_ids, None, None)
         meta = plan.metadata
         starts = [0]
         for row in rows:
@@ -277,9 +298,13 @@ class ModelRunner:
                 picks.append(starts[i + 1] - 1)
         if not drafted <= set(spans):
             raise ValueError(f"draft_rows: {sorted(drafted - set(spans))} are not sampling rows of the step")
-        index = torch.tensor(picks, dtype=torch.int64, device=meta.positions.device)
-        logits = self._forward(self.builder.input_ids(meta.num_tokens), plan, index)
-        greedy = torch.argmax(logits, dim=-1).tolist()
+        if greedy_all is not None:
+            every = greedy_all[: starts[-1]].tolist()
+            greedy = [every[p] for p in picks]
+        else:
+            index = torch.tensor(picks, dtype=torch.int64, device=meta.positions.device)
+            logits = self._forward(self.builder.input_ids(meta.num_tokens), plan, index)
+            greedy = torch.argmax(logits, dim=-1).tolist()
         verified = {i: greedy[first : first + n] for i, (first, n) in spans.items() if i in drafted}
         last = torch.tensor([greedy[first + n - 1] for first, n in spans.values()], dtype=torch.int64)
         k = len(meta.sampling_rows_host)
@@ -291,3 +316,21 @@ class ModelRunner:
     ) -> torch.Tensor:
         with torch.no_grad():
             return self.model(token_ids, self.cache, self.backend, plan, logits_rows)
+
+    def _greedy_forward(self, token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """int64 [T]: the greedy token after each of the step's T query tokens (padding too)."""
+        logits = self._forward(token_ids, plan, self._token_rows[: token_ids.shape[0]])
+        return torch.argmax(logits, dim=-1)
+
+
+def _verify_buckets(capacity: StepCapacity, draft_tokens: int) -> list[int]:
+    """The mixed token buckets a verification step of up to ``draft_tokens`` drafts per row
+    can need: every default token bucket up to the first that holds ``max_rows`` rows of
+    ``draft_tokens + 1`` tokens (longer steps, with prompt chunks, run eagerly). None without
+    drafts."""
+    if draft_tokens <= 0:
+        return []
+    need = min(capacity.max_tokens, capacity.max_rows * (draft_tokens + 1))
+    buckets = default_token_buckets(capacity.max_tokens)
+    last = next((i for i, t in enumerate(buckets) if t >= need), len(buckets) - 1)
+    return buckets[: last + 1]

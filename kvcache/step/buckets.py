@@ -72,7 +72,8 @@ class StepBuckets:
     """The decode buckets and mixed-step token buckets of one engine (module docstring).
 
     max_rows:      the builder's row capacity (the largest decode bucket's rows).
-    decode:        decode buckets (rows); default :func:`default_buckets`.
+    decode:        decode buckets (rows); default :func:`default_buckets`; ``()``: none (a
+                   step of one token per row then has no bucket).
     tokens:        mixed-step token buckets; default none. Each must be in [2, max_tokens].
     max_tokens:    the builder's token capacity.
     """
@@ -87,8 +88,8 @@ class StepBuckets:
     ):
         self.max_rows = max_rows
         self.max_tokens = max_tokens
-        self.decode = tuple(sorted(set(decode or default_buckets(max_rows))))
-        if self.decode[0] < 1 or self.decode[-1] > max_rows:
+        self.decode = tuple(sorted(set(default_buckets(max_rows) if decode is None else decode)))
+        if self.decode and (self.decode[0] < 1 or self.decode[-1] > max_rows):
             raise InvalidArgumentError(f"buckets: {list(self.decode)} must lie in [1, max_rows={max_rows}]")
         self.tokens = tuple(sorted(set(tokens)))
         if self.tokens and (self.tokens[0] < 2 or self.tokens[-1] > max_tokens):

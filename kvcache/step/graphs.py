@@ -30,7 +30,7 @@ from kvcache.blocks.rows import ScheduledRow
 from kvcache.step.buckets import StepBuckets, StepShape, default_buckets, default_token_buckets
 from kvcache.step.builder import MetadataBuilder
 
-__all__ = ["DecodeGraphs", "StepGraphs", "default_buckets"]
+__all__ = ["DecodeGraphs", "StepGraphs", "VerifyGraphs", "default_buckets"]
 
 #: ``forward(token_ids, plan) -> output``: token_ids int64 [T] (``builder.input_ids(T)``),
 #: output [plan's logits rows, ...]; it must only launch device work (no host sync, no new
@@ -81,12 +81,21 @@ class StepGraphs:
         self._graphs: dict[StepShape, _Captured] = {}
         self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
         self._last: StepShape | None = None  # the bucket of the last step run
-        #: Steps replayed so far, by kind ("decode", "mixed").
-        self.replays = {"decode": 0, "mixed": 0}
+        #: Steps replayed so far, by kind ("decode", "mixed"; "verify" for :class:`VerifyGraphs`).
+        self.replays = dict.fromkeys(self.kinds, 0)
+
+    #: The kinds of step these graphs replay (keys of :attr:`replays`).
+    kinds: tuple[str, ...] = ("decode", "mixed")
 
     @property
     def max_rows(self) -> int:
-        return self.buckets[-1]
+        """The builder's row capacity."""
+        return self.shapes.max_rows
+
+    @property
+    def pool(self) -> Any:
+        """The captured graphs' memory pool (an opaque handle; None before the first capture)."""
+        return self._pool
 
     def bucket_for(self, rows: int) -> int | None:
         """The smallest decode bucket holding ``rows`` rows (None: more rows than the largest)."""
@@ -101,16 +110,19 @@ class StepGraphs:
         """Whether ``shape`` has been captured."""
         return shape in self._graphs
 
-    def capture(self, manager: BlockManager) -> int:
-        """Capture every bucket, largest first (they share one memory pool). Each is run
-        twice eagerly first, so every kernel is compiled before capture. Returns how many
-        graphs were captured.
+    def capture(self, manager: BlockManager, *, pool: Any = None) -> int:
+        """Capture every bucket, largest first (they share one memory pool: ``pool``, another
+        set's :attr:`pool`, to share that set's too; its outputs are then valid only until any
+        graph of either set replays). Each is run twice eagerly first, so every kernel is
+        compiled before capture. Returns how many graphs were captured.
 
         Python's cyclic garbage collector is off during each capture (after one collection
         first): a dead cycle collected mid-capture (an engine's earlier runner, with its pinned
         buffers and CUDA events) would free CUDA resources, a call that invalidates the
         capture."""
         gc.collect()
+        if self._pool is None and pool is not None:
+            self._pool = pool
         for shape in self.shapes.shapes():
             pad_tokens = shape.tokens if shape.mixed else None
             plan = self.builder.plan(manager, [], pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=[])
@@ -147,6 +159,18 @@ class StepGraphs:
         the backend). Returns the plan and the output rows of the step's sampling
         rows (a view into the graph's output, valid until the next replay). Raises
         InvalidArgumentError when no captured bucket holds the step (see :meth:`shape_for`)."""
+        plan, output = self._replay(manager, rows, token_ids, feed, shape)
+        return plan, output[: len(plan.metadata.sampling_rows_host)]
+
+    def _replay(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        token_ids: Sequence[int],
+        feed: Sequence[int] | None,
+        shape: StepShape | None,
+    ) -> tuple[StepPlan, torch.Tensor]:
+        """Plan the step padded to its bucket, replay the bucket's graph; the whole output."""
         if shape is None:
             shape = self.shape_for(rows)
         if shape is None or not self.has(shape):
@@ -163,8 +187,11 @@ class StepGraphs:
         captured = self._graphs[shape]
         captured.graph.replay()
         self._last = shape
-        self.replays["mixed" if shape.mixed else "decode"] += 1
-        return plan, captured.output[: len(plan.metadata.sampling_rows_host)]
+        self.replays[self._kind(shape)] += 1
+        return plan, captured.output
+
+    def _kind(self, shape: StepShape) -> str:
+        return "mixed" if shape.mixed else "decode"
 
     def replay_last(self) -> None:
         """Replay the last step's graph again over the buffers as they are: it recomputes that
@@ -180,3 +207,34 @@ class DecodeGraphs(StepGraphs):
 
     def __init__(self, builder: MetadataBuilder, forward: Forward, buckets: Sequence[int] | None = None):
         super().__init__(builder, forward, buckets, token_buckets=())
+
+
+class VerifyGraphs(StepGraphs):
+    """Captured verification steps (rows carrying draft tokens, speculative decoding): mixed
+    buckets only (``token_buckets``; a step of one token per row has none), and ``forward``
+    returns a result for *every* token of the bucket (for example the greedy token after
+    each position: int64 [T]), which :meth:`run` returns whole, padding tokens included."""
+
+    kinds = ("verify",)
+
+    def __init__(self, builder: MetadataBuilder, forward: Forward, token_buckets: Sequence[int]):
+        if not token_buckets:
+            raise InvalidArgumentError("token_buckets: verification graphs need at least one token bucket")
+        super().__init__(builder, forward, buckets=(), token_buckets=token_buckets)
+
+    def run(
+        self,
+        manager: BlockManager,
+        rows: Sequence[ScheduledRow],
+        token_ids: Sequence[int],
+        feed: Sequence[int] | None = None,
+        *,
+        shape: StepShape | None = None,
+    ) -> tuple[StepPlan, torch.Tensor]:
+        """As :meth:`StepGraphs.run`, but returns the output of every token of the bucket
+        (row ``t`` is query token ``t``; rows past ``plan.metadata.num_real_tokens`` are
+        padding): a view valid until the next replay."""
+        return self._replay(manager, rows, token_ids, feed, shape)
+
+    def _kind(self, shape: StepShape) -> str:
+        return "verify"
