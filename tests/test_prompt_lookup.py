@@ -78,11 +78,14 @@ def ours_with_drafts(
     device: str = "cpu",
     backend: str = "reference",
     use_graphs: bool = False,
+    stop_token_ids: list[frozenset[int]] | None = None,
 ) -> tuple[list[Request], RunReport]:
     config = _cache_config(num_blocks)
     cache = allocate_kv_cache(config, device=device, fill=float("nan"))
     manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     requests = [Request(i, c.prompt, c.max_new_tokens, c.arrival_step) for i, c in enumerate(cases)]
+    for req, stops in zip(requests, stop_token_ids or [], strict=False):
+        req.stop_token_ids = stops
     report = run_requests(
         model,
         requests,
@@ -132,6 +135,20 @@ def test_verification_steps_replay_graphs_with_transformers_tokens(
         assert req.output == tokens, f"request {req.req_id}: ours {req.output} vs transformers {tokens}"
     assert report.graph_replays["verify"] > 0 and report.graph_replays["decode"] > 0, report.graph_replays
     assert 0 < report.accepted < report.drafted
+
+
+def test_a_verified_row_stops_at_its_first_stop_token(our_model: Llama) -> None:
+    """A stop token among a row's agreed drafts ends the request there: the drafts after it
+    are taken back like rejected ones."""
+    cases = repetitive_cases(10)
+    plain, _ = ours_with_drafts(our_model, cases, num_blocks=64, prefix_caching=True, draft=0)
+    stops = [frozenset({r.output[len(r.output) // 2]}) for r in plain]
+    expected = [r.output[: r.output.index(next(iter(s))) + 1] for r, s in zip(plain, stops, strict=True)]
+    drafted, report = ours_with_drafts(
+        our_model, cases, num_blocks=64, prefix_caching=True, draft=4, stop_token_ids=stops
+    )
+    assert [r.output for r in drafted] == expected
+    assert all(r.stopped for r in drafted) and report.accepted > 0
 
 
 def test_drafting_needs_the_sequential_loop(our_model: Llama) -> None:

@@ -95,6 +95,12 @@ class Request:
     #: Draft tokens proposed and accepted so far.
     drafted: int = 0
     accepted: int = 0
+    #: Token ids that end the request once generated (an end-of-sequence token, say): the
+    #: output ends with the first of them, as ``generate(eos_token_id=...)`` does.
+    stop_token_ids: frozenset[int] = frozenset()
+    #: Whether it generated a stop token (nothing more is appended; a row an overlapped loop
+    #: scheduled before the stop token was known is computed and its token discarded).
+    stopped: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -108,12 +114,32 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.stopped or len(self.output) >= self.max_new_tokens
 
     @property
     def fully_sampled(self) -> bool:
-        """Its last token is sampled (perhaps still in flight): nothing more to schedule."""
-        return len(self.output) + self.in_flight >= self.max_new_tokens
+        """Its last token is sampled (perhaps still in flight), or it stopped: nothing more
+        to schedule."""
+        return self.stopped or len(self.output) + self.in_flight >= self.max_new_tokens
+
+    def kept_output(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Of generated ``tokens``, those the request keeps: within ``max_new_tokens``, up to
+        and including the first stop token; and whether one was. Changes nothing."""
+        kept = tokens[: self.max_new_tokens - len(self.output)]
+        for j, token in enumerate(kept):
+            if token in self.stop_token_ids:
+                return kept[: j + 1], True
+        return kept, False
+
+    def append_output(self, tokens: list[int]) -> list[int]:
+        """Append :meth:`kept_output` of ``tokens`` (setting :attr:`stopped` at a stop
+        token); returns the tokens appended."""
+        kept, stops = self.kept_output(tokens)
+        self.output.extend(kept)
+        if self.ngrams is not None:
+            self.ngrams.extend(kept)
+        self.stopped = self.stopped or stops
+        return kept
 
     def tokens_at(self, start: int, end: int) -> list[int]:
         """The known ids of positions ``[start, end)`` (without copying the whole sequence)."""
@@ -422,7 +448,12 @@ class Scheduler:
         """Record that ``batch`` ran: ``manager.commit`` marks exactly the tokens each row
         computed. ``next_tokens[i]`` is row i's sampled token (only rows that sample have one);
         ``verified[i]``, for a row carrying drafts, the model's greedy token after each of its
-        positions. Returns the requests that finished."""
+        positions. Returns the requests that finished.
+
+        A request that generated a stop token while a later row of it was in flight (an
+        overlapped loop scheduled it before the token was known) finishes when that row's
+        step is applied: the row's token is discarded, and its blocks are freed only then,
+        after the device is done with them."""
         self.manager.commit(batch.rows)
         done: list[Request] = []
         for i, req in enumerate(batch.requests):
@@ -435,15 +466,17 @@ class Scheduler:
                     if req.is_finished:
                         self._finish(req, batch, done)
                     continue
-                token = int(next_tokens[i]) if req.forced is None else req.forced[len(req.output)]
-                req.output.append(token)
-                if req.ngrams is not None:
-                    req.ngrams.extend([token])
                 req.in_flight -= 1
+                if req.stopped:  # scheduled before its stop token was known: discarded
+                    if req.in_flight == 0:
+                        self._finish(req, batch, done)
+                    continue
+                token = int(next_tokens[i]) if req.forced is None else req.forced[len(req.output)]
+                req.append_output([token])
                 if req.deferred_slot:
                     self.manager.fill_token_ids(req.req_id, [token])
                     req.deferred_slot = False
-                if req.is_finished:
+                if req.is_finished and req.in_flight == 0:
                     self._finish(req, batch, done)
         return done
 
@@ -476,7 +509,7 @@ class Scheduler:
         new = accepted_tokens(drafts, greedy)
         req.drafted += len(drafts)
         req.accepted += len(new) - 1
-        new = new[: req.max_new_tokens - len(req.output)]
+        new, _ = req.kept_output(new)  # within max_new_tokens, up to a stop token
         start = row.start if row.start is not None else req.num_computed - row.num_new
         keep = start + len(new)  # the last sampled token and the agreed drafts have K/V
         copies = self.manager.truncate(req.req_id, keep)
@@ -484,9 +517,7 @@ class Scheduler:
             if self.copy_blocks is None:
                 raise RuntimeError("a rollback returned block copies; give the scheduler copy_blocks")
             self.copy_blocks(copies)
-        req.output.extend(new)
-        if req.ngrams is not None:
-            req.ngrams.extend(new)
+        req.append_output(new)
         req.in_flight -= 1
         req.num_computed = keep
         req.drafts = []
