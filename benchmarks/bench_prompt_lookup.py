@@ -11,9 +11,12 @@ token (:func:`end_of_turn_ids`, as a chat server stops) or after ``--new-tokens`
 
 Runs, each on a fresh engine with the same weights:
 - ``plain``: greedy decoding as users run it (the overlapped loop; CUDA graphs on a GPU);
-- ``plain-sequential``: the same without the overlap (the loop drafting runs in);
+- ``plain-sequential``: the same without the overlap (as the loop runs while drafting);
 - ``draft-K``: prompt-lookup drafting with up to K drafts per decode row (``--drafts``), verified
-  exactly in one step per row (on a GPU, verification steps replay their own CUDA graphs).
+  exactly in one step per row (on a GPU, verification steps replay their own CUDA graphs); a
+  drafting step waits for the step before it, so the loop no longer overlaps;
+- ``draft-K-upto-R`` (with ``--draft-max-rows R``): drafting only while at most R requests
+  run, the overlapped loop otherwise.
 
 Reported: the serving loop's wall time (warm-up and graph capture excluded; the median of
 ``--repeats`` runs), generated tokens/s, steps, tokens per step, drafts accepted, and how many
@@ -106,6 +109,7 @@ def serve(
     overlap: bool,
     dtype: str,
     stop: frozenset[int] = frozenset(),
+    draft_max_rows: int | None = None,
 ) -> dict[str, Any]:
     on_cuda = device.startswith("cuda")
     config = cache_config_for(
@@ -121,7 +125,8 @@ def serve(
     report = run_requests(
         model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
         preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=4096,
-        max_running=len(prompts), overlap=overlap, draft_tokens=drafts, use_graphs=on_cuda,
+        max_running=len(prompts), overlap=overlap, draft_tokens=drafts, draft_max_rows=draft_max_rows,
+        use_graphs=on_cuda,
     )  # fmt: skip
     seconds = report.wall_s  # the loop alone: warm-up and graph capture are not in it
     generated = sum(len(r.output) for r in requests)
@@ -147,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96, help="most tokens per request")
     ap.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-turn token")
     ap.add_argument("--drafts", default="2,4,8", help="drafts per decode row of each drafting run")
+    ap.add_argument(
+        "--draft-max-rows", type=int, help="also run each draft count drafting only while at most R requests run"
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute and cache dtype (default: by device)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each kind; the median time is reported")
     ap.add_argument("--out", help="JSON file")
@@ -167,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(tok, args.prompts)
     stop = frozenset() if args.no_stop else end_of_turn_ids(hf, tok)
     runs: dict[str, dict[str, Any]] = {}
-    plans = [("plain", 0, True), ("plain-sequential", 0, False)]
-    plans += [(f"draft-{k}", k, False) for k in (int(x) for x in args.drafts.split(","))]
+    plans: list[tuple[str, int, bool, int | None]] = [("plain", 0, True, None), ("plain-sequential", 0, False, None)]
+    for k in (int(x) for x in args.drafts.split(",")):
+        plans.append((f"draft-{k}", k, True, None))
+        if args.draft_max_rows is not None:
+            plans.append((f"draft-{k}-upto-{args.draft_max_rows}", k, True, args.draft_max_rows))
     serve(model, prompts[:2], 8, args.device, drafts=0, overlap=False, dtype=args.dtype)  # first-call costs
-    for name, drafts, overlap in plans:
-        options = dict(drafts=drafts, overlap=overlap, dtype=args.dtype, stop=stop)
+    for name, drafts, overlap, max_rows in plans:
+        options = dict(drafts=drafts, overlap=overlap, dtype=args.dtype, stop=stop, draft_max_rows=max_rows)
         tries = [serve(model, prompts, args.new_tokens, args.device, **options) for _ in range(args.repeats)]
         runs[name] = sorted(tries, key=lambda r: r["seconds"])[len(tries) // 2]
         runs[name]["seconds_each"] = [r["seconds"] for r in tries]

@@ -130,7 +130,14 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         metavar="K",
         help="prompt-lookup decoding: up to K draft tokens per decode row (1-8), verified exactly, so the "
-        "tokens are plain greedy decoding's; implies --sequential",
+        "tokens are plain greedy decoding's",
+    )
+    p.add_argument(
+        "--draft-max-rows",
+        type=_positive,
+        metavar="N",
+        help="with --draft: draft only while at most N requests run (the loop overlaps steps otherwise); "
+        "default: at any batch size",
     )
     p.add_argument(
         "--checkpoint",
@@ -154,7 +161,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the example; returns the exit status (1: bad config, setting or checkpoint)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.draft and args.tokens_out:
+        parser.error("--tokens-out records each token's logit margin, drafting none; drop --draft or --tokens-out")
+    if args.draft_max_rows is not None and not args.draft:
+        parser.error(f"--draft-max-rows {args.draft_max_rows}: needs --draft K (drafting is off)")
     try:
         config = load_config(args.config)
         run = start_parallel(args.tp, resolve_device(args.device or config.cache.device))
@@ -280,9 +292,10 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             preemption=preemption,
             token_budget=args.token_budget,
             use_graphs=use_graphs,
-            overlap=not (args.sequential or args.draft),
+            overlap=not args.sequential,
             record_margins=args.tokens_out is not None,
             draft_tokens=args.draft,
+            draft_max_rows=args.draft_max_rows,
             on_step=progress,
             on_warmup=lambda report: say(report.line()),
             collective=run.collective,

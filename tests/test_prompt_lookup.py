@@ -151,11 +151,17 @@ def test_a_verified_row_stops_at_its_first_stop_token(our_model: Llama) -> None:
     assert all(r.stopped for r in drafted) and report.accepted > 0
 
 
-def test_drafting_needs_the_sequential_loop(our_model: Llama) -> None:
-    with pytest.raises(ValueError, match="overlap=False"):
-        config = _cache_config(8)
-        cache = allocate_kv_cache(config, device="cpu")
-        manager = BlockManager(8, BLOCK_SIZE)
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [(dict(record_logits=True), "records no logits"), (dict(draft_max_rows=0), "draft_max_rows: 0")],
+)
+def test_drafting_refuses_recorded_logits_and_a_bad_row_limit(
+    our_model: Llama, kwargs: dict[str, object], match: str
+) -> None:
+    config = _cache_config(8)
+    cache = allocate_kv_cache(config, device="cpu")
+    manager = BlockManager(8, BLOCK_SIZE)
+    with pytest.raises(ValueError, match=match):
         run_requests(
             our_model,
             [Request(0, [1, 2, 3], 4)],
@@ -164,23 +170,61 @@ def test_drafting_needs_the_sequential_loop(our_model: Llama) -> None:
             backend=get_backend("reference", config.attention_spec()),
             preemption=make_preemption("recompute", manager, cache),
             draft_tokens=2,
+            overlap=False,
+            **kwargs,  # type: ignore[arg-type]
         )
+    assert manager.num_sequences == 0
+
+
+def test_drafting_below_a_row_limit_overlaps_the_other_steps(hf_model: torch.nn.Module, our_model: Llama) -> None:
+    """With ``draft_max_rows``, steps with more running requests overlap (tokens fed on the
+    device) and the others draft; the tokens are still transformers' greedy tokens."""
+    cases = repetitive_cases(10)
+    config = _cache_config(64)
+    cache = allocate_kv_cache(config, device="cpu", fill=float("nan"))
+    manager = BlockManager(64, BLOCK_SIZE, enable_prefix_caching=True)
+    requests = [Request(i, c.prompt, c.max_new_tokens, c.arrival_step) for i, c in enumerate(cases)]
+    report = run_requests(
+        our_model,
+        requests,
+        manager=manager,
+        cache=cache,
+        backend=get_backend("reference", config.attention_spec()),
+        preemption=make_preemption("recompute", manager, cache),
+        token_budget=48,
+        max_running=6,
+        overlap=True,
+        draft_tokens=4,
+        draft_max_rows=3,
+    )
+    for case, req in zip(cases, requests, strict=True):
+        tokens, _ = _hf_generate(hf_model, case)
+        assert req.output == tokens, f"request {req.req_id}: ours {req.output} vs transformers {tokens}"
+    assert report.fed_rows > 0 and report.accepted > 0, (report.fed_rows, report.accepted)
 
 
 def test_cli_reports_prompt_lookup(capsys: pytest.CaptureFixture[str]) -> None:
     from examples.decode_loop import main
 
-    assert main(["--draft", "4", "--quiet", "--requests", "8"]) == 0
+    assert main(["--draft", "4", "--draft-max-rows", "3", "--quiet", "--requests", "8"]) == 0
     out = capsys.readouterr().out
-    assert "overlap: off" in out and "prompt lookup: up to 4 drafts per decode row" in out
+    assert "prompt lookup: up to 4 drafts per decode row while at most 3 requests run" in out
 
 
-def test_cli_refuses_a_draft_count_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--draft", "9"], "--draft: 9 must be in [0, 8]"),
+        (["--draft-max-rows", "3"], "needs --draft K"),
+        (["--draft", "2", "--tokens-out", "x.json"], "drop --draft or --tokens-out"),
+    ],
+)
+def test_cli_refuses_bad_draft_options(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     from examples.decode_loop import main
 
     with pytest.raises(SystemExit):
-        main(["--draft", "9"])
-    assert "--draft: 9 must be in [0, 8]" in capsys.readouterr().err
+        main(args)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -71,8 +71,10 @@ class RunReport:
     graph_replays: dict[str, int] = field(default_factory=dict)
     #: The prefix cache's host tier, when there is one.
     host_tier: HostTierStats | None = None
-    #: Prompt-lookup drafting: draft tokens per decode row (0: off), proposed and accepted.
+    #: Prompt-lookup drafting: draft tokens per decode row (0: off), and the most running
+    #: requests a drafting step may have (None: any).
     draft_tokens: int = 0
+    draft_max_rows: int | None = None
 
     @property
     def drafted(self) -> int:
@@ -134,15 +136,20 @@ class StepPipeline:
         return self._in_flight is not None
 
     def submit(self, batch: StepBatch) -> LaunchedStep:
-        """Queue ``batch``; apply the step before it (overlap) or this one (no overlap)."""
+        """Queue ``batch``; apply the step before it (overlap) or this one (no overlap). A
+        step carrying draft tokens is verified and applied at once; it must be scheduled with
+        no step in flight (:meth:`drain` first: its drafts follow tokens the host must know)."""
         started = time.perf_counter()
         if batch.has_drafts:
-            if self.overlap:
-                raise ValueError("overlap: a step with draft tokens needs overlap=False")
+            if self._in_flight is not None:
+                raise ValueError("batch: a step with draft tokens was scheduled with a step in flight; drain first")
             draft_rows = [i for i, d in enumerate(batch.drafts) if d]
             launched = self.runner.verify(batch.rows, batch.token_ids, draft_rows)
-        else:
-            launched = self.runner.launch(batch.rows, batch.token_ids, batch.feed, keep_logits=self.keep_logits)
+            self.launch_seconds = time.perf_counter() - started
+            self._in_flight = (batch, launched)
+            self.drain()
+            return launched
+        launched = self.runner.launch(batch.rows, batch.token_ids, batch.feed, keep_logits=self.keep_logits)
         self.launch_seconds = time.perf_counter() - started
         if self.overlap:
             self.drain()
@@ -184,6 +191,7 @@ def run_requests(
     on_warmup: Callable[[WarmupReport], None] | None = None,
     collective: Collective | None = None,
     draft_tokens: int = 0,
+    draft_max_rows: int | None = None,
 ) -> RunReport:
     """Generate ``max_new_tokens`` greedy tokens for every request (outputs land in
     ``request.output``). The model, cache and metadata all live on ``cache.device``.
@@ -197,10 +205,16 @@ def run_requests(
     the outputs, raising RankDivergenceError on every rank at the first difference.
 
     ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`), verified
-    exactly, so the tokens equal plain greedy decoding's; needs ``overlap=False`` and neither
-    recorded logits nor margins."""
-    if draft_tokens and (overlap or record_logits or record_margins):
-        raise ValueError("draft_tokens: drafting needs overlap=False and no recorded logits or margins")
+    exactly, so the tokens equal plain greedy decoding's (not with recorded logits or
+    margins). A step drafts only while at most ``draft_max_rows`` requests run (None: any
+    number): a drafting step is scheduled after the step before it is applied, since its
+    drafts follow the tokens that step samples, so the host's work no longer hides behind the
+    device's (with ``overlap``); past that many rows the loop overlaps instead, which pays
+    more there (speculative decoding pays most at small batches)."""
+    if draft_tokens and (record_logits or record_margins):
+        raise ValueError("draft_tokens: drafting records no logits or margins; pass draft_tokens=0 to record them")
+    if draft_max_rows is not None and draft_max_rows < 1:
+        raise ValueError(f"draft_max_rows: {draft_max_rows} must be at least 1 (None: draft at any batch size)")
     if overlap and any(r.forced is not None for r in requests):
         raise ValueError("overlap: teacher-forced requests (Request.forced) need overlap=False")
     for r in requests:
@@ -255,6 +269,11 @@ def run_requests(
     step = 0  # the clock request arrivals are given in
     start = time.perf_counter()
     while not scheduler.done:
+        if draft_tokens:
+            scheduler.drafting = draft_max_rows is None or len(scheduler.running) <= draft_max_rows
+            if scheduler.drafting and pipeline.busy:
+                pipeline.drain()  # drafts follow the tokens of the step in flight
+                continue  # which may have finished requests: look again
         batch = scheduler.schedule(step)
         if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
             agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
@@ -294,6 +313,7 @@ def run_requests(
         prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
         host_tier=_host_tier_stats(manager),
         draft_tokens=draft_tokens,
+        draft_max_rows=draft_max_rows,
         logits=logits_of if record_logits else {},
         warmup=report,
         margins=margins_of if record_margins else {},
@@ -367,8 +387,9 @@ def format_summary(report: RunReport) -> list[str]:
         )
     if report.draft_tokens:
         rate = report.accepted / max(report.drafted, 1)
+        upto = "" if report.draft_max_rows is None else f" while at most {report.draft_max_rows} requests run"
         lines.append(
-            f"prompt lookup: up to {report.draft_tokens} drafts per decode row; {report.accepted} of "
+            f"prompt lookup: up to {report.draft_tokens} drafts per decode row{upto}; {report.accepted} of "
             f"{report.drafted} drafts accepted ({rate:.0%}); {report.generated_tokens / max(report.steps, 1):.2f} "
             f"generated tokens per step (every row)"
         )

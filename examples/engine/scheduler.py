@@ -331,9 +331,10 @@ class Scheduler:
         copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
     ):
         """``token_budget``: most tokens in one step; ``max_running``: most rows in one step.
-        ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`; 0: none);
-        the loop must apply each step before scheduling the next (no overlap), and
-        ``copy_blocks`` performs the block copies a rollback may return.
+        ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`; 0: none),
+        proposed while :attr:`drafting` is set, for requests whose last token is known (none
+        in flight: the loop applies the step before a drafting step first); ``copy_blocks``
+        performs the block copies a rollback may return.
 
         Raises ValueError for a request that could never fit in the whole pool.
         """
@@ -342,6 +343,8 @@ class Scheduler:
         if not 0 <= draft_tokens <= 8:
             raise ValueError(f"draft_tokens: {draft_tokens} must be in [0, 8]")
         self.draft_tokens = draft_tokens
+        #: Whether this step proposes drafts (the loop turns it off for large batches).
+        self.drafting = True
         self.copy_blocks = copy_blocks
         self.manager = manager
         self.preemption = preemption
@@ -490,7 +493,9 @@ class Scheduler:
     def _drafts(self, req: Request, n: int, budget: int, extra: int) -> list[int]:
         """Prompt-lookup drafts for ``req``'s decode row of ``n`` tokens, if any fit: the
         budget, its remaining tokens and the free blocks (a draft never preempts anyone)."""
-        if not self.draft_tokens or n != 1 or req.in_flight or req.forced is not None or req.deferred_slot:
+        if not (self.draft_tokens and self.drafting) or n != 1 or req.in_flight or req.deferred_slot:
+            return []
+        if req.forced is not None:
             return []
         room = min(self.draft_tokens, budget - 1, req.max_new_tokens - len(req.output) - 1)
         if room <= 0:
