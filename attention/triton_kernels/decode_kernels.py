@@ -270,7 +270,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     if Q_PAD > 1:
         first_new = row_end - q_len  # position of the row's first new token
         limit = first_new + t  # token t's own position: the last key it may see
-        if TREE:
+        if TREE:  # noqa: SIM108 (a compile-time branch)
             ancestors = tl.load(tree_ptr + token64, mask=q_ok, other=0)
         else:  # causal: the chain, token t sees new tokens 0..t (the tree test below is faster)
             ancestors = (2 << t) - 1
