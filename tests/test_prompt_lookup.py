@@ -79,6 +79,8 @@ def ours_with_drafts(
     backend: str = "reference",
     use_graphs: bool = False,
     stop_token_ids: list[frozenset[int]] | None = None,
+    overlap: bool = False,
+    draft_max_rows: int | None = None,
 ) -> tuple[list[Request], RunReport]:
     config = _cache_config(num_blocks)
     cache = allocate_kv_cache(config, device=device, fill=float("nan"))
@@ -95,8 +97,9 @@ def ours_with_drafts(
         preemption=make_preemption("recompute", manager, cache),
         token_budget=48,
         max_running=6,
-        overlap=False,
+        overlap=overlap,
         draft_tokens=draft,
+        draft_max_rows=draft_max_rows,
         use_graphs=use_graphs,
     )
     return requests, report
@@ -180,22 +183,8 @@ def test_drafting_below_a_row_limit_overlaps_the_other_steps(hf_model: torch.nn.
     """With ``draft_max_rows``, steps with more running requests overlap (tokens fed on the
     device) and the others draft; the tokens are still transformers' greedy tokens."""
     cases = repetitive_cases(10)
-    config = _cache_config(64)
-    cache = allocate_kv_cache(config, device="cpu", fill=float("nan"))
-    manager = BlockManager(64, BLOCK_SIZE, enable_prefix_caching=True)
-    requests = [Request(i, c.prompt, c.max_new_tokens, c.arrival_step) for i, c in enumerate(cases)]
-    report = run_requests(
-        our_model,
-        requests,
-        manager=manager,
-        cache=cache,
-        backend=get_backend("reference", config.attention_spec()),
-        preemption=make_preemption("recompute", manager, cache),
-        token_budget=48,
-        max_running=6,
-        overlap=True,
-        draft_tokens=4,
-        draft_max_rows=3,
+    requests, report = ours_with_drafts(
+        our_model, cases, num_blocks=64, prefix_caching=True, draft=4, overlap=True, draft_max_rows=3
     )
     for case, req in zip(cases, requests, strict=True):
         tokens, _ = _hf_generate(hf_model, case)
