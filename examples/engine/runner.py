@@ -119,10 +119,11 @@ class ModelRunner:
         #: Verification steps' graphs (None: verification runs eagerly).
         self.verify_graphs: VerifyGraphs | None = None
         verify_buckets = _verify_buckets(capacity, draft_tokens) if backend.info.mixed_cuda_graphs else []
+        #: Query token indices 0 .. max_tokens - 1 (the rows a verification graph's logits cover).
+        self._token_rows: torch.Tensor | None = None
         if self.graphs is not None and verify_buckets:
             self.verify_graphs = VerifyGraphs(self.builder, self._greedy_forward, verify_buckets)
-        #: Query token indices 0 .. max_tokens - 1 (the rows a verification graph's logits cover).
-        self._token_rows = torch.arange(capacity.max_tokens, dtype=torch.int64, device=cache.device)
+            self._token_rows = torch.arange(capacity.max_tokens, dtype=torch.int64, device=cache.device)
         #: The buckets steps are padded to (None: the backend is never captured; no padding):
         #: the graphs' own, so an eager step computes what its graph would.
         self.shapes: StepBuckets | None = None
@@ -319,6 +320,8 @@ class ModelRunner:
 
     def _greedy_forward(self, token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """int64 [T]: the greedy token after each of the step's T query tokens (padding too)."""
+        if self._token_rows is None:
+            raise RuntimeError("_greedy_forward: only verification graphs call it")
         logits = self._forward(token_ids, plan, self._token_rows[: token_ids.shape[0]])
         return torch.argmax(logits, dim=-1)
 

@@ -86,6 +86,9 @@ class StepGraphs:
 
     #: The kinds of step these graphs replay (keys of :attr:`replays`).
     kinds: tuple[str, ...] = ("decode", "mixed")
+    #: Whether :meth:`run` returns the output of every token of the bucket (else the rows of
+    #: the step's sampling rows).
+    every_token = False
 
     @property
     def max_rows(self) -> int:
@@ -158,19 +161,8 @@ class StepGraphs:
         ``shapes.shape_for``; a bucket too small for the step is refused by the builder or
         the backend). Returns the plan and the output rows of the step's sampling
         rows (a view into the graph's output, valid until the next replay). Raises
-        InvalidArgumentError when no captured bucket holds the step (see :meth:`shape_for`)."""
-        plan, output = self._replay(manager, rows, token_ids, feed, shape)
-        return plan, output[: len(plan.metadata.sampling_rows_host)]
-
-    def _replay(
-        self,
-        manager: BlockManager,
-        rows: Sequence[ScheduledRow],
-        token_ids: Sequence[int],
-        feed: Sequence[int] | None,
-        shape: StepShape | None,
-    ) -> tuple[StepPlan, torch.Tensor]:
-        """Plan the step padded to its bucket, replay the bucket's graph; the whole output."""
+        InvalidArgumentError when no captured bucket holds the step (see :meth:`shape_for`).
+        :class:`VerifyGraphs` returns the output of every token instead."""
         if shape is None:
             shape = self.shape_for(rows)
         if shape is None or not self.has(shape):
@@ -188,7 +180,9 @@ class StepGraphs:
         captured.graph.replay()
         self._last = shape
         self.replays[self._kind(shape)] += 1
-        return plan, captured.output
+        if self.every_token:
+            return plan, captured.output
+        return plan, captured.output[: len(plan.metadata.sampling_rows_host)]
 
     def _kind(self, shape: StepShape) -> str:
         return "mixed" if shape.mixed else "decode"
@@ -213,28 +207,16 @@ class VerifyGraphs(StepGraphs):
     """Captured verification steps (rows carrying draft tokens, speculative decoding): mixed
     buckets only (``token_buckets``; a step of one token per row has none), and ``forward``
     returns a result for *every* token of the bucket (for example the greedy token after
-    each position: int64 [T]), which :meth:`run` returns whole, padding tokens included."""
+    each position: int64 [T]), which :meth:`run` returns whole: row ``t`` is query token ``t``,
+    rows past ``plan.metadata.num_real_tokens`` are padding."""
 
     kinds = ("verify",)
+    every_token = True
 
     def __init__(self, builder: MetadataBuilder, forward: Forward, token_buckets: Sequence[int]):
         if not token_buckets:
             raise InvalidArgumentError("token_buckets: verification graphs need at least one token bucket")
         super().__init__(builder, forward, buckets=(), token_buckets=token_buckets)
-
-    def run(
-        self,
-        manager: BlockManager,
-        rows: Sequence[ScheduledRow],
-        token_ids: Sequence[int],
-        feed: Sequence[int] | None = None,
-        *,
-        shape: StepShape | None = None,
-    ) -> tuple[StepPlan, torch.Tensor]:
-        """As :meth:`StepGraphs.run`, but returns the output of every token of the bucket
-        (row ``t`` is query token ``t``; rows past ``plan.metadata.num_real_tokens`` are
-        padding): a view valid until the next replay."""
-        return self._replay(manager, rows, token_ids, feed, shape)
 
     def _kind(self, shape: StepShape) -> str:
         return "verify"
