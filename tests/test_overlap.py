@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from examples.decode_loop import VOCAB_SIZE
-from examples.engine import engine_for
+from examples.engine import Engine, engine_for
 from examples.engine.loop import RunReport, run_requests
 from examples.engine.scheduler import Request, make_preemption
 from examples.engine.workload import make_workload
@@ -17,13 +17,22 @@ from examples.model import random_llama, shape_for_cache
 from kvcache import load_config
 
 
-def _serve(overlap: bool, workload: str, preempt: str, prefix_caching: bool) -> tuple[list[Request], RunReport]:
+def serve(
+    overlap: bool,
+    workload: str,
+    preempt: str,
+    prefix_caching: bool,
+    stops: list[frozenset[int]] | None = None,
+) -> tuple[list[Request], RunReport, Engine]:
+    """The tiny-cpu workload through the loop (``stops``: each request's stop token ids)."""
     torch.set_num_threads(1)
     config = load_config("tiny-cpu")
     shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
     engine = engine_for(config, shape, prefix_caching=prefix_caching)
     model = random_llama(shape, seed=3)
     requests = make_workload(workload, 14, seed=5, block_size=config.cache.block_size, vocab_size=VOCAB_SIZE)
+    for req, stop in zip(requests, stops or [], strict=False):
+        req.stop_token_ids = stop
     report = run_requests(
         model,
         requests,
@@ -35,7 +44,7 @@ def _serve(overlap: bool, workload: str, preempt: str, prefix_caching: bool) -> 
         overlap=overlap,
         record_margins=True,
     )
-    return requests, report
+    return requests, report, engine
 
 
 @pytest.mark.parametrize(
@@ -43,8 +52,8 @@ def _serve(overlap: bool, workload: str, preempt: str, prefix_caching: bool) -> 
     [("default", "recompute", False), ("default", "swap", True), ("shared-prefix", "recompute", True)],
 )
 def test_overlapped_loop_generates_the_sequential_tokens(workload: str, preempt: str, prefix_caching: bool) -> None:
-    sequential, seq_report = _serve(False, workload, preempt, prefix_caching)
-    overlapped, report = _serve(True, workload, preempt, prefix_caching)
+    sequential, seq_report, _ = serve(False, workload, preempt, prefix_caching)
+    overlapped, report, _ = serve(True, workload, preempt, prefix_caching)
     assert [r.output for r in overlapped] == [r.output for r in sequential]
     assert all(r.is_finished and r.in_flight == 0 for r in overlapped)
     assert seq_report.fed_rows == 0 and not seq_report.overlap

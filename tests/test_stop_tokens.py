@@ -9,39 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from examples.decode_loop import VOCAB_SIZE
-from examples.engine import engine_for
-from examples.engine.loop import RunReport, run_requests
-from examples.engine.scheduler import Request, make_preemption
-from examples.engine.workload import make_workload
-from examples.model import random_llama, shape_for_cache
-from kvcache import load_config
-
-
-def _serve(
-    overlap: bool, preempt: str, prefix_caching: bool, stops: list[frozenset[int]] | None = None
-) -> tuple[list[Request], RunReport, int]:
-    torch.set_num_threads(1)
-    config = load_config("tiny-cpu")
-    shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
-    engine = engine_for(config, shape, prefix_caching=prefix_caching)
-    model = random_llama(shape, seed=3)
-    requests = make_workload("default", 14, seed=5, block_size=config.cache.block_size, vocab_size=VOCAB_SIZE)
-    for i, req in enumerate(requests):
-        req.stop_token_ids = stops[i] if stops is not None else frozenset()
-    report = run_requests(
-        model,
-        requests,
-        manager=engine.manager,
-        cache=engine.cache,
-        backend=engine.backend,
-        preemption=make_preemption(preempt, engine.manager, engine.cache, config.cache.swap_space),
-        token_budget=40,
-        overlap=overlap,
-    )
-    return requests, report, engine.manager.num_sequences
+from examples.engine.scheduler import Request
+from tests.test_overlap import serve
 
 
 def _stops_from(plain: list[Request]) -> tuple[list[frozenset[int]], list[list[int]]]:
@@ -63,15 +34,15 @@ def _stops_from(plain: list[Request]) -> tuple[list[frozenset[int]], list[list[i
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize(("preempt", "prefix_caching"), [("recompute", False), ("swap", True)])
 def test_a_request_ends_at_its_first_stop_token(overlap: bool, preempt: str, prefix_caching: bool) -> None:
-    plain, _, _ = _serve(False, preempt, prefix_caching)
+    plain, _, _ = serve(False, "default", preempt, prefix_caching)
     stops, expected = _stops_from(plain)
     assert any(len(e) < len(r.output) for e, r in zip(expected, plain, strict=True))
-    stopped, report, live = _serve(overlap, preempt, prefix_caching, stops)
+    stopped, report, engine = serve(overlap, "default", preempt, prefix_caching, stops)
     assert [r.output for r in stopped] == expected
     assert all(r.is_finished and r.in_flight == 0 for r in stopped)
     assert [r.stopped for r in stopped] == [e[-1] in s for e, s in zip(expected, stops, strict=True)]
     assert report.finished == len(stopped)
-    assert live == 0  # every request's blocks were freed (the loop also checked integrity)
+    assert engine.manager.num_sequences == 0  # every request's blocks were freed (the loop checked integrity)
     if overlap:
         assert report.fed_rows > 0
 
