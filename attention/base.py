@@ -17,7 +17,7 @@ layer's cache tensors are checked the first time they are seen and remembered.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -48,6 +48,21 @@ class StepPlan:
     metadata: AttentionMetadata
     spec: AttentionSpec
     backend: str
+    #: KV groups (:mod:`kvcache.blocks.groups`): per group, this plan over the group's block
+    #: tables and slot mapping (everything else is shared). Empty: one group, this plan.
+    groups: tuple[StepPlan, ...] = field(default=(), kw_only=True, repr=False, compare=False)
+
+    def group(self, index: int) -> StepPlan:
+        """The plan a layer of KV group ``index`` runs with (this plan without groups)."""
+        return self.groups[index] if self.groups else self
+
+    def with_tables(self, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
+        """This plan over other block tables and slots of the same shapes (another KV group's):
+        the work split is the same, since it depends only on lengths and windows, which the
+        groups share (a windowed group's tables hold ``PAD_BLOCK`` behind each row's window,
+        which the kernels never read)."""
+        meta = replace(self.metadata, block_tables=block_tables, slot_mapping=slot_mapping)
+        return replace(self, metadata=meta, groups=())
 
 
 class AttentionBackend(ABC):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from itertools import accumulate
 
@@ -53,6 +53,11 @@ class FlashAttnPlan(StepPlan):
     cu_seqlens_k: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
+
+    def with_tables(self, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
+        meta = replace(self.metadata, block_tables=block_tables, slot_mapping=slot_mapping)
+        table = None if self.block_table is None else block_tables
+        return replace(self, metadata=meta, groups=(), block_table=table)
 
 
 class FlashAttnBackend(AttentionBackend):

@@ -22,6 +22,8 @@ from the flag). The flag is copied to pinned host memory asynchronously;
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from attention.errors import MetadataError
@@ -56,12 +58,18 @@ class DeviceCheck:
 
     def run(self, meta: AttentionMetadata, num_blocks: int, window: int | None = None) -> None:
         """Check (and repair) ``meta``'s device tensors for a cache of ``num_blocks`` blocks."""
-        if self._use_triton:
-            from attention.triton_kernels.metadata_check import check_metadata
+        self.run_groups([(meta, window)], num_blocks)
 
-            check_metadata(meta, num_blocks, window, self.flag)
-        else:
-            _check_in_torch(meta, num_blocks, window, self.flag)
+    def run_groups(self, checks: Sequence[tuple[AttentionMetadata, int | None]], num_blocks: int) -> None:
+        """:meth:`run` for several metadata of one step (one per KV group: each its tables,
+        slots and window), with one flag copy."""
+        for meta, window in checks:
+            if self._use_triton:
+                from attention.triton_kernels.metadata_check import check_metadata
+
+                check_metadata(meta, num_blocks, window, self.flag)
+            else:
+                _check_in_torch(meta, num_blocks, window, self.flag)
         self._host.copy_(self.flag, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

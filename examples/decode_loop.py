@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="Llama/Qwen2/Mistral/Gemma-2/Gemma-3 checkpoint (config.json + safetensors) instead of random weights",
     )
+    p.add_argument(
+        "--no-kv-groups",
+        action="store_true",
+        help="a model mixing full and windowed layers keeps one block table for every layer (each layer holds "
+        "the whole sequence's K/V; what --preempt swap and --host-cache need for such a model)",
+    )
     p.add_argument("--quiet", action="store_true", help="print the summary only")
     p.add_argument(
         "--tp",
@@ -220,6 +226,7 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             prefix_caching=True if turned_on else None,
             tp=tp,
             collective=run.collective,
+            kv_groups=not args.no_kv_groups,
         )
         reason = f"{args.backend} (--backend)" if args.backend and args.backend != "auto" else engine.reason
         cache, manager = engine.cache, engine.manager

@@ -100,6 +100,9 @@ if TYPE_CHECKING:
         group_layout as group_layout,
     )
     from kvcache.blocks.hybrid import (
+        AnyBlockManager as AnyBlockManager,
+    )
+    from kvcache.blocks.hybrid import (
         HybridBlockManager as HybridBlockManager,
     )
     from kvcache.blocks.manager import (
@@ -228,6 +231,7 @@ _HOME = {
     "load_config": "kvcache.config.loading",
     "parse_config": "kvcache.config.loading",
     "BlockManager": "kvcache.blocks.manager",
+    "AnyBlockManager": "kvcache.blocks.hybrid",
     "HybridBlockManager": "kvcache.blocks.hybrid",
     "KVGroup": "kvcache.blocks.groups",
     "KVGroupLayout": "kvcache.blocks.groups",

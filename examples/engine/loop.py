@@ -23,7 +23,7 @@ import torch
 
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
-from kvcache import BlockManager, KVCacheTensors
+from kvcache import AnyBlockManager, KVCacheTensors
 from kvcache.memory.host_tier import HostPrefixTier, HostTierStats
 from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
@@ -177,7 +177,7 @@ def run_requests(
     model: Llama,
     requests: Sequence[Request],
     *,
-    manager: BlockManager,
+    manager: AnyBlockManager,
     cache: KVCacheTensors,
     backend: AttentionBackend,
     preemption: Preemption,
@@ -344,7 +344,7 @@ def _graph_replays(runner: ModelRunner) -> dict[str, int]:
     return replays
 
 
-def _host_tier_stats(manager: BlockManager) -> HostTierStats | None:
+def _host_tier_stats(manager: AnyBlockManager) -> HostTierStats | None:
     tier = manager.lower_tier
     if not isinstance(tier, HostPrefixTier):
         return None

@@ -6,8 +6,18 @@
     engine = engine_for(config, shape, backend="triton")
 
 The backend is built from :meth:`LlamaShape.attention_spec`, not from
-``KVCacheConfig.attention_spec()``: the config's ``model`` section has no field for a window,
-so a spec built from it would silently attend to every token of a Mistral or Qwen2 model.
+``KVCacheConfig.attention_spec()``: the model section :meth:`LlamaShape.model_section` writes
+has no window, so a spec built from it would silently attend to every token of a Mistral or
+Qwen2 model.
+
+KV groups: a model mixing full and windowed layers (Gemma-2, Gemma-3, Qwen2 with
+``max_window_layers``) gets a cache of ``group_size`` layer tensors and a
+:class:`~kvcache.HybridBlockManager` (:mod:`kvcache.blocks.groups`): each windowed group
+releases the blocks behind its window, so those layers hold a window's K/V, not the whole
+sequence's. The same memory holds ``num_layers / group_size`` times as many block ids, so
+``manager.num_blocks`` is that many times ``num_blocks``. Such a manager has no swap space
+and no host tier yet (refused with the fix); ``engine_for(..., kv_groups=False)`` keeps one
+table for every layer instead.
 
 Tensor parallelism: ``engine_for(..., tp=TensorParallel(size, rank), collective=...)`` builds
 rank ``rank``'s engine: a backend for its heads, a cache of its KV heads, and the same block
@@ -24,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attention import AttentionBackend, AttentionSpec, choose_backend
-from kvcache import BlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, manager_for, resolve_device
+from kvcache import AnyBlockManager, KVCacheConfig, KVCacheTensors, allocate_kv_cache, manager_for, resolve_device
+from kvcache.blocks.groups import group_layout
 from kvcache.memory.cache_tensors import free_device_memory, num_blocks_for
 from kvcache.parallel.collective import Collective, SingleProcess
 from kvcache.parallel.heads import TensorParallel
@@ -44,7 +55,7 @@ class Engine:
     backend: AttentionBackend
     reason: str
     cache: KVCacheTensors
-    manager: BlockManager
+    manager: AnyBlockManager
     tp: TensorParallel = field(default_factory=TensorParallel)
 
     @property
@@ -112,6 +123,7 @@ def engine_for(
     fill: float | None = None,
     tp: TensorParallel | None = None,
     collective: Collective | None = None,
+    kv_groups: bool = True,
 ) -> Engine:
     """Build the spec, backend, cache and manager for ``shape`` under ``config``.
 
@@ -121,6 +133,9 @@ def engine_for(
     fill: initialise every cache element (tests poison with NaN).
     tp, collective: build this rank's engine of a tensor-parallel group (``collective`` is
     needed only to agree on a block count computed from a memory budget).
+    kv_groups: give a model that mixes full and windowed layers one block table per KV group
+    (default); False: one table for every layer, as for any other model (each layer keeps the
+    whole sequence's K/V; swap and host tiers need this for now).
     Raises ValueError when the config's ``model`` section differs from ``shape`` or the model
     does not split over ``tp.size`` ranks, and the kvcache errors (UnsupportedSettingError,
     BackendUnavailableError, CacheAllocationError) with their fixes.
@@ -150,6 +165,10 @@ def engine_for(
             )
         # Free memory differs between devices: every rank takes the smallest count.
         num_blocks = collective.min_int(num_blocks_for(config, free_device_memory(dev), tp))
-    cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp)
+    # KV groups when the model mixes full and windowed layers (and they are wanted); a layout
+    # of one group means one table for every layer.
+    windows = (spec.sliding_window, spec.window_layers) if kv_groups else (None, None)
+    layout = group_layout(shape.num_layers, *windows)
+    cache = allocate_kv_cache(config, num_blocks=num_blocks, device=dev, fill=fill, tp=tp, layout=layout)
     manager = manager_for(config, cache, prefix_caching=prefix_caching, spec=spec)  # with its tiers
     return Engine(config, spec, chosen, reason, cache, manager, tp)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from attention import AttentionBackend, StepCapacity, StepPlan
-from kvcache import BlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
+from kvcache import AnyBlockManager, KVCacheTensors, MetadataBuilder, ScheduledRow
 from kvcache.step.buckets import StepBuckets, StepShape, default_token_buckets
 from kvcache.step.graphs import StepGraphs, VerifyGraphs
 
@@ -101,7 +101,7 @@ class ModelRunner:
         self,
         model: Llama,
         cache: KVCacheTensors,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         backend: AttentionBackend,
         capacity: StepCapacity,
         *,
@@ -113,7 +113,11 @@ class ModelRunner:
         self.manager = manager
         self.backend = backend
         self.builder = MetadataBuilder(
-            cache.device, capacity=capacity, backend=backend, num_cache_blocks=cache.num_blocks
+            cache.device,
+            capacity=capacity,
+            backend=backend,
+            num_cache_blocks=cache.num_blocks,
+            kv_groups=1 if cache.layout is None else len(cache.layout.groups),
         )
         self.graphs = StepGraphs(self.builder, self._forward) if use_graphs else None
         #: Verification steps' graphs (None: verification runs eagerly).

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcache import BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
+from kvcache import AnyBlockManager, BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
 from .drafting import NgramIndex, accepted_tokens
 
@@ -173,7 +173,7 @@ class Preemption(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def create(cls, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+    def create(cls, manager: AnyBlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
         """Build the strategy for a run; strategies that move K/V keep ``cache``."""
         return cls()
 
@@ -183,21 +183,21 @@ class Preemption(ABC):
         return None
 
     @abstractmethod
-    def evict(self, req: Request, manager: BlockManager) -> None:
+    def evict(self, req: Request, manager: AnyBlockManager) -> None:
         """Take ``req``'s blocks back. The scheduler then requeues it at the front of the
         waiting queue with ``req.preempted`` set."""
 
     @abstractmethod
-    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+    def can_resume(self, req: Request, manager: AnyBlockManager) -> bool:
         """Whether :meth:`resume` would succeed now. Changes nothing."""
 
     @abstractmethod
-    def resume(self, req: Request, manager: BlockManager) -> None:
+    def resume(self, req: Request, manager: AnyBlockManager) -> None:
         """Give ``req`` blocks again and set ``req.num_computed`` to the tokens whose K/V is
         already in them."""
 
 
-def admit(req: Request, manager: BlockManager) -> None:
+def admit(req: Request, manager: AnyBlockManager) -> None:
     """Allocate slots for everything ``req`` knows (prompt + generated); start after what
     the prefix cache already holds."""
     cached = manager.allocate(req.req_id, token_ids=req.tokens)
@@ -214,14 +214,14 @@ class RecomputePreemption(Preemption):
 
     name = "recompute"
 
-    def evict(self, req: Request, manager: BlockManager) -> None:
-        preempt(manager, req.req_id, "recompute")  # frees the blocks; counted by the manager
+    def evict(self, req: Request, manager: AnyBlockManager) -> None:
+        manager.free(req.req_id, reason="preempted")  # frees the blocks; counted by the manager
         req.num_computed = 0
 
-    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+    def can_resume(self, req: Request, manager: AnyBlockManager) -> bool:
         return manager.can_allocate(token_ids=req.tokens)
 
-    def resume(self, req: Request, manager: BlockManager) -> None:
+    def resume(self, req: Request, manager: AnyBlockManager) -> None:
         admit(req, manager)
 
 
@@ -236,7 +236,12 @@ class SwapPreemption(Preemption):
         self._on_host: set[int] = set()
 
     @classmethod
-    def create(cls, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+    def create(cls, manager: AnyBlockManager, cache: KVCacheTensors, swap_space_bytes: int) -> Preemption:
+        if not isinstance(manager, BlockManager):
+            raise ValueError(
+                "--preempt swap: a model with KV groups (full and windowed layers) has no swap space yet; "
+                "use --preempt recompute, or --no-kv-groups (engine_for(..., kv_groups=False))"
+            )
         if swap_space_bytes <= 0:
             raise ValueError(
                 "--preempt swap: cache.swap_space is 0; set it in the config (e.g. swap_space: 256KiB) "
@@ -247,24 +252,24 @@ class SwapPreemption(Preemption):
     def begin_step(self) -> None:
         self.space.poll()
 
-    def evict(self, req: Request, manager: BlockManager) -> None:
+    def evict(self, req: Request, manager: AnyBlockManager) -> None:
         if not self.space.can_swap_out(req.req_id):
-            preempt(manager, req.req_id, "recompute")
+            preempt(self.space.manager, req.req_id, "recompute")
             req.num_computed = 0
             return
-        preempt(manager, req.req_id, "swap", self.space)
+        preempt(self.space.manager, req.req_id, "swap", self.space)
         # The scheduler asks can_append right after an eviction, and on CUDA the device blocks
         # return to the pool only once the copy has read them: wait for it on this rare path.
         self.space.synchronize()
         self._on_host.add(req.req_id)
 
-    def can_resume(self, req: Request, manager: BlockManager) -> bool:
+    def can_resume(self, req: Request, manager: AnyBlockManager) -> bool:
         if req.req_id in self._on_host:
             # The swapped blocks, plus room for tokens sampled but not yet given slots.
             return manager.allocator.can_allocate(manager.blocks_for(req.num_tokens))
         return manager.can_allocate(token_ids=req.tokens)
 
-    def resume(self, req: Request, manager: BlockManager) -> None:
+    def resume(self, req: Request, manager: AnyBlockManager) -> None:
         if req.req_id not in self._on_host:
             admit(req, manager)
             return
@@ -279,7 +284,9 @@ class SwapPreemption(Preemption):
 PREEMPTION_MODES: dict[str, type[Preemption]] = {"recompute": RecomputePreemption, "swap": SwapPreemption}
 
 
-def make_preemption(mode: str, manager: BlockManager, cache: KVCacheTensors, swap_space_bytes: int = 0) -> Preemption:
+def make_preemption(
+    mode: str, manager: AnyBlockManager, cache: KVCacheTensors, swap_space_bytes: int = 0
+) -> Preemption:
     """The strategy for ``--preempt mode``. Raises ValueError naming the modes available."""
     if mode not in PREEMPTION_MODES:
         raise ValueError(f"--preempt: {mode!r} is not a mode; use {', '.join(PREEMPTION_MODES)}")
@@ -321,7 +328,7 @@ class Scheduler:
 
     def __init__(
         self,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         requests: Iterable[Request],
         preemption: Preemption,
         *,
@@ -347,6 +354,9 @@ class Scheduler:
         self.drafting = True
         self.copy_blocks = copy_blocks
         self.manager = manager
+        if draft_tokens > manager.window_lag:
+            # A sliding window must keep what the query after a rollback of every draft sees.
+            manager.window_lag = draft_tokens
         self.preemption = preemption
         self.token_budget = token_budget
         self.max_running = max_running

@@ -112,7 +112,8 @@ class Llama(nn.Module):
 
         token_ids: int64 [T], the new tokens of every row in row order (as in the metadata).
         cache:     per-layer K/V in the cache dtype (this rank's KV heads).
-        plan:      ``backend.plan(metadata)`` for this step, shared by every layer.
+        plan:      ``backend.plan(metadata)`` for this step, shared by every layer (with KV
+                   groups, each layer takes ``plan.group(cache.group_of(layer))``).
         Returns float [len(metadata.logits_indices), vocab_size]: row
         ``metadata.sampling_rows_host[j]``'s next-token logits are row j (then padding rows);
         the full vocabulary, the same on every tensor-parallel rank. ``logits_rows`` (int64
@@ -129,7 +130,8 @@ class Llama(nn.Module):
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             table = local if self.shape.is_windowed(index) else rotary
-            delta, residual = layer(delta, residual, cache.layer(index), backend, plan, table)
+            layer_plan = plan.group(cache.group_of(index)) if plan.groups else plan  # its KV group's tables
+            delta, residual = layer(delta, residual, cache.layer(index), backend, layer_plan, table)
         rows = meta.logits_indices if logits_rows is None else logits_rows
         if delta is None:  # no layers
             logits = self.lm_head(self.norm(residual[rows]))

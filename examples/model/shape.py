@@ -91,7 +91,8 @@ class LlamaShape:
         return self.window_layers is None or self.window_layers[layer]
 
     def check_cache(self, model: ModelSection) -> None:
-        """Raise ValueError naming the field when the cache was sized for another model."""
+        """Raise ValueError naming the field when the cache was sized for another model (a
+        section without a window fits a windowed model too: older configs have none)."""
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             ours, theirs = getattr(self, name), getattr(model, name)
             if ours != theirs:
@@ -101,12 +102,17 @@ class LlamaShape:
                 )
 
     def model_section(self) -> ModelSection:
-        """The cache config's ``model`` section for this model."""
+        """The cache config's ``model`` section for this model: its attention shape, sliding
+        window and window pattern (so the config's KV groups and ``kvcache plan`` are the
+        model's) and score cap."""
         return ModelSection(
             num_layers=self.num_layers,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
+            sliding_window=self.sliding_window,
+            window_pattern=self.window_layers if self.sliding_window is not None else None,
+            logit_softcap=self.logit_softcap,
         )
 
     def check_tp(self, tp: TensorParallel) -> None:
@@ -147,8 +153,14 @@ def shape_for_cache(model: ModelSection, *, vocab_size: int = 256, intermediate_
 
     The cache config describes only attention (it forbids other keys), so the vocabulary and
     MLP width are example-only choices made here. The MLP defaults to ~8/3 of the hidden
-    size rounded up to a multiple of 32, Llama's usual ratio.
+    size rounded up to a multiple of 32, Llama's usual ratio. The section's sliding window,
+    window pattern and score cap are the model's. Raises ValueError for attention sinks
+    (learned per-head logits this example model does not have).
     """
+    if model.attention_sinks:
+        raise ValueError(
+            "model.attention_sinks: the example model has no learned sink logits; serve a config without them"
+        )
     hidden = model.num_heads * model.head_dim
     if intermediate_size is None:
         intermediate_size = -(-8 * hidden // 3 // 32) * 32
@@ -160,4 +172,7 @@ def shape_for_cache(model: ModelSection, *, vocab_size: int = 256, intermediate_
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
+        sliding_window=model.sliding_window,
+        window_layers=model.window_pattern,
+        logit_softcap=model.logit_softcap,
     )

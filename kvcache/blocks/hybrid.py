@@ -14,7 +14,11 @@ group's early blocks, released and evicted first, then cost no hits. Hits are ta
 the free queue in every group before any group takes fresh blocks, so one group's allocation
 never evicts another group's hit.
 
-Not here yet: lower tiers, swap and holds (a hybrid manager has none).
+What a serving engine asks of a :class:`BlockManager` is here too (``blocks_for``,
+``append_slots(defer_ids=)``/``fill_token_ids``, ``truncate``, ``sequence``, the prefix-cache
+and preemption counters), so the example engine runs on either manager.
+
+Not here yet: lower tiers, swap and holds (a hybrid manager has none: ``lower_tier`` is None).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from kvcache.blocks.allocator import BlockAllocator
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.blocks.integrity import integrity_problems
 from kvcache.blocks.manager import BlockManager, FreeReason
-from kvcache.blocks.prefix_cache import BlockKey
+from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
 from kvcache.blocks.rows import ScheduledRow, computed_after
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks
+from kvcache.blocks.truncation import plan_truncation
 
-__all__ = ["HybridBlockManager"]
+__all__ = ["AnyBlockManager", "HybridBlockManager"]
 
 
 class _HybridAdmission(NamedTuple):
@@ -68,6 +73,19 @@ class HybridBlockManager:
             for group in layout.groups
         ]
         self.block_size = self.groups[0].block_size
+        #: No lower tier (host or disk) for KV groups yet.
+        self.lower_tier: None = None
+
+    @property
+    def window_lag(self) -> int:
+        """Tokens a truncation may take back (:attr:`BlockManager.window_lag`), every group's."""
+        return self.groups[0].window_lag
+
+    @window_lag.setter
+    def window_lag(self, tokens: int) -> None:
+        tokens = require_int("window_lag", tokens, minimum=0)
+        for group in self.groups:
+            group.window_lag = tokens
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -95,6 +113,27 @@ class HybridBlockManager:
 
     def num_computed(self, seq_id: Hashable) -> int:
         return self.groups[0].num_computed(seq_id)
+
+    def sequence(self, seq_id: Hashable) -> SequenceBlocks:
+        """``seq_id``'s record in the first group (a full group: lengths and token ids are
+        the same in every group). Raises UnknownSequenceError."""
+        return self.groups[0].sequence(seq_id)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Block ids a sequence of ``num_tokens`` tokens can hold at once, every group together
+        (admission reserves the whole length in each group)."""
+        return self.groups[0].blocks_for(num_tokens) * len(self.groups)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The first group's prefix index. Its query and hit counts are the manager's: every
+        group records the same cached run of each admission."""
+        return self.groups[0].prefix_cache
+
+    @property
+    def preemptions(self) -> dict[str, int]:
+        """Sequences given up to make room, by how (counted once, in the first group)."""
+        return self.groups[0].preemptions
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """``seq_id``'s table in each group (``PAD_BLOCK`` for blocks released behind a window)."""
@@ -156,14 +195,35 @@ class HybridBlockManager:
                 group.prefix_cache.record_query(length, cached)
         return cached
 
-    def append_slots(self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None) -> list[list[int]]:
+    def append_slots(
+        self, seq_id: Hashable, n: int = 1, token_ids: Sequence[int] | None = None, *, defer_ids: bool = False
+    ) -> list[list[int]]:
         """Reserve ``n`` more tokens for ``seq_id`` in every group; returns their slots per
-        group. Raises OutOfBlocksError or an argument error; changes nothing then."""
+        group (``defer_ids`` as in :meth:`BlockManager.append_slots`). Raises OutOfBlocksError
+        or an argument error; changes nothing then."""
         needed = self._append_need(seq_id, n)
         if needed > self.allocator.num_free:
             raise OutOfBlocksError(needed, self.allocator.num_free, f"append to {seq_id!r:.60}")
-        first = self.groups[0].append_slots(seq_id, n, token_ids)  # checks the ids first
-        return [first] + [group.append_slots(seq_id, n, token_ids) for group in self.groups[1:]]
+        first = self.groups[0].append_slots(seq_id, n, token_ids, defer_ids=defer_ids)  # checks the ids first
+        return [first] + [group.append_slots(seq_id, n, token_ids, defer_ids=defer_ids) for group in self.groups[1:]]
+
+    def fill_token_ids(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """:meth:`BlockManager.fill_token_ids` in every group (checked in the first)."""
+        self.groups[0].fill_token_ids(seq_id, token_ids)
+        for group in self.groups[1:]:
+            group.fill_token_ids(seq_id, token_ids)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> list[BlockCopy]:
+        """:meth:`BlockManager.truncate` in every group, all or nothing: every group's cut is
+        checked, and the fresh blocks they need counted, before any changes. Returns every
+        group's block copies together (a block id belongs to one group, so copying it in
+        every layer tensor copies exactly that group's layers)."""
+        records = [group.sequence(seq_id) for group in self.groups]
+        plans = [plan_truncation(seq, seq_id, num_tokens, self.block_size, self.allocator) for seq in records]
+        needed = sum(plan.blocks_needed for plan in plans)
+        if needed > self.allocator.num_free:
+            raise OutOfBlocksError(needed, self.allocator.num_free, f"truncate {seq_id!r:.60}")
+        return [copy for group in self.groups for copy in group.truncate(seq_id, num_tokens)]
 
     def commit(self, rows: Iterable[ScheduledRow]) -> None:
         """Record what a step computed (:meth:`BlockManager.commit`), in every group; windowed
@@ -290,3 +350,7 @@ class HybridBlockManager:
         for group in self.groups:
             if group.prefix_cache is not None:
                 group.prefix_cache.forget(block)
+
+
+#: Either manager: what a serving engine runs on (one table per sequence, or per KV group).
+AnyBlockManager = BlockManager | HybridBlockManager

@@ -93,6 +93,11 @@ class BlockManager(SequenceTable):
             self.prefix_cache.events = self.kv_events
         #: Where evicted cached blocks go and admission looks next (:meth:`attach_tier`).
         self.lower_tier: LowerTier | None = None
+        #: Computed tokens a later :meth:`truncate` may take back (an engine sets the most
+        #: draft tokens a row carries): a sliding window releases only the blocks that a query
+        #: this many tokens earlier no longer sees, so the query after a rollback finds its
+        #: whole window. 0 without drafts.
+        self.window_lag = 0
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -392,7 +397,7 @@ class BlockManager(SequenceTable):
         if self.prefix_cache is not None and seq.token_ids is not None:
             seq.key_full_blocks(self.prefix_cache, self.block_size)
         if self.sliding_window is not None:
-            gone = release_behind_window(seq, self.sliding_window, self.block_size)
+            gone = release_behind_window(seq, self.sliding_window, self.block_size, self.window_lag)
             if gone:
                 self._release_blocks(gone)
 

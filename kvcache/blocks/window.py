@@ -13,11 +13,13 @@ from kvcache.blocks.sequence import SequenceBlocks
 __all__ = ["release_behind_window"]
 
 
-def release_behind_window(seq: SequenceBlocks, window: int, block_size: int) -> list[int]:
+def release_behind_window(seq: SequenceBlocks, window: int, block_size: int, lag: int = 0) -> list[int]:
     """Replace the table entries of ``seq``'s blocks behind its window by ``PAD_BLOCK`` (from
-    its computed prefix); return the block ids taken out, for the caller to release (empty
-    when none). Bumps ``seq.epoch`` when the table changes."""
-    behind = max(0, seq.num_computed - window + 1) // block_size
+    its computed prefix less ``lag`` tokens: a truncation may take back up to ``lag`` computed
+    tokens, rejected drafts, and the query after it must still see its window); return the
+    block ids taken out, for the caller to release (empty when none). Bumps ``seq.epoch`` when
+    the table changes."""
+    behind = max(0, seq.num_computed - lag - window + 1) // block_size
     if behind <= seq.num_released:
         return []
     gone = seq.blocks[seq.num_released : behind]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from attention.checks import require_int
 from attention.errors import InvalidArgumentError
-from kvcache.blocks.groups import KVGroupLayout, group_layout
+from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_TOKENS
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
@@ -261,11 +261,7 @@ def plan_capacity(
 
 def _hybrid_groups(config: KVCacheConfig) -> KVGroupLayout | None:
     """The KV groups of a model mixing full and windowed layers (None for one kind only)."""
-    m = config.model
-    if m.sliding_window is None or m.window_pattern is None:
-        return None
-    layout = group_layout(m.num_layers, m.sliding_window, m.window_pattern)
-    return layout if layout.is_hybrid else None
+    return config.kv_groups()
 
 
 def _blocks(config: KVCacheConfig, free_bytes: int | None, tp: TensorParallel) -> tuple[int, str]:

@@ -54,6 +54,7 @@ __all__ = [
 _BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 if TYPE_CHECKING:
     from attention.spec import AttentionSpec
+    from kvcache.blocks.groups import KVGroupLayout
     from kvcache.parallel.heads import TensorParallel
 
     DtypeName = str
@@ -388,6 +389,17 @@ class KVCacheConfig(BaseModel):
     def bytes_per_token_per_rank(self, tp: TensorParallel | None = None) -> int:
         """K/V bytes one token takes in one rank's cache, across all layers."""
         return self.bytes_per_block_per_rank(tp) // self.cache.block_size
+
+    def kv_groups(self) -> KVGroupLayout | None:
+        """The model's KV groups when its ``window_pattern`` mixes full and windowed layers
+        (:mod:`kvcache.blocks.groups`); None when one table per sequence serves every layer."""
+        from kvcache.blocks.groups import group_layout
+
+        m = self.model
+        if m.sliding_window is None or m.window_pattern is None:
+            return None
+        layout = group_layout(m.num_layers, m.sliding_window, m.window_pattern)
+        return layout if layout.is_hybrid else None
 
     def attention_spec(self, tp: TensorParallel | None = None) -> AttentionSpec:
         """The attention shape the backend serves, from the ``model`` and ``cache`` sections;

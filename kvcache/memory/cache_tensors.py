@@ -4,6 +4,12 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (what eve
 declares). All layers live in one ``[num_layers, 2, num_blocks, block_size, kv_heads,
 head_dim]`` tensor, so the whole cache is a single allocation that either fits or fails
 cleanly, and a block copy across every layer is a single indexing op.
+
+KV groups (a model mixing full and windowed layers, :mod:`kvcache.blocks.groups`): the
+allocation has ``group_size`` layer tensors instead of ``num_layers``, and model layer ``i``
+uses tensor ``layout.place(i)[1]`` at the block ids of its group's tables (layers of different
+groups alias the same memory at different block ids). ``layer(i)`` still takes the model's
+layer index, so a model needs no change beyond passing each layer its group's metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
+from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
 
@@ -89,35 +96,57 @@ def num_blocks_for(config: KVCacheConfig, free_bytes: int, tp: TensorParallel | 
 class KVCacheTensors:
     """Per-layer K/V cache tensors, views into one allocation.
 
-    storage: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
-             V at [:, 1]), the cache dtype.
-    scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache
-             (None otherwise).
+    storage: [num_tensors, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
+             V at [:, 1]), the cache dtype; ``num_tensors`` is the model's layer count, or
+             ``layout.group_size`` with KV groups.
+    scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache, per
+             model layer (None otherwise).
+    layout:  the model's KV groups when it has more than one (None: one table per sequence
+             serves every layer, and tensor ``i`` is layer ``i``'s).
     ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time.
     """
 
     storage: torch.Tensor
     scales: torch.Tensor | None = None
+    layout: KVGroupLayout | None = None
     _layers: list[LayerCache] = field(init=False, repr=False)
+    _groups: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         s = self.scales
+        tensors = self.storage.shape[0]
+        if self.layout is None:
+            places = [(0, i) for i in range(tensors)]
+        else:
+            if not isinstance(self.layout, KVGroupLayout) or self.layout.group_size != tensors:
+                raise InvalidArgumentError(
+                    f"layout: a KV group layout of group_size {getattr(self.layout, 'group_size', '?')} for "
+                    f"{tensors} layer tensors; allocate the cache with the same layout"
+                )
+            places = [self.layout.place(i) for i in range(self.layout.num_layers)]
+        if s is not None and s.shape[0] != len(places):
+            raise InvalidArgumentError(f"scales: {s.shape[0]} layers of scales for a model of {len(places)} layers")
+        self._groups = [group for group, _ in places]
         self._layers = [
             LayerCache(
-                self.storage[i, 0],
-                self.storage[i, 1],
+                self.storage[t, 0],
+                self.storage[t, 1],
                 index=i,
                 k_scale=None if s is None else s[i, 0],
                 v_scale=None if s is None else s[i, 1],
             )
-            for i in range(self.storage.shape[0])
+            for i, (_, t) in enumerate(places)
         ]
 
     def layer(self, index: int) -> LayerCache:
-        """Layer ``index``'s cache (what ``write_kv`` and ``attend`` take). Raises
+        """Model layer ``index``'s cache (what ``write_kv`` and ``attend`` take). Raises
         InvalidArgumentError for an index outside ``[0, num_layers)`` (no negative indexing: a
         layer counted from the end is a bug, not a request)."""
         return self._layers[require_int("layer", index, minimum=0, maximum=len(self._layers) - 1)]
+
+    def group_of(self, index: int) -> int:
+        """The KV group of model layer ``index`` (whose block tables it reads): 0 without groups."""
+        return self._groups[require_int("layer", index, minimum=0, maximum=len(self._groups) - 1)]
 
     @property
     def key(self) -> list[torch.Tensor]:
@@ -129,7 +158,13 @@ class KVCacheTensors:
 
     @property
     def num_layers(self) -> int:
-        return self.storage.shape[0]
+        """The model's layers (what ``layer`` takes)."""
+        return len(self._layers)
+
+    @property
+    def num_tensors(self) -> int:
+        """Layer tensors of the allocation: ``num_layers``, or ``layout.group_size`` with KV groups."""
+        return int(self.storage.shape[0])
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +188,7 @@ class KVCacheTensors:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block id (with KV groups: ``group_size`` layers' K/V)."""
         return self.nbytes // self.num_blocks
 
     def set_scales(self, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
@@ -201,6 +237,7 @@ def allocate_kv_cache(
     device: torch.device | str | None = None,
     fill: float | None = None,
     tp: TensorParallel | None = None,
+    layout: KVGroupLayout | None = None,
 ) -> KVCacheTensors:
     """Allocate the cache tensors ``config`` describes.
 
@@ -210,6 +247,10 @@ def allocate_kv_cache(
     must be the same on every rank). ``fill`` initialises every element
     (tests poison the cache with NaN to prove nothing reads a slot that was never written);
     by default the memory is left uninitialised, as in vLLM.
+    ``layout``: the model's KV groups (default: ``config.kv_groups()``, from the model's
+    ``window_pattern``); with groups the memory of ``num_blocks`` whole-model blocks holds
+    ``num_blocks * num_layers // group_size`` block ids of ``group_size`` layers each (what
+    ``kvcache plan`` reports as the groups' block ids).
     Raises CacheAllocationError when the device is missing or cannot hold the cache; the
     message gives the largest num_blocks that fits.
     """
@@ -229,7 +270,19 @@ def allocate_kv_cache(
     if blocks > fits:
         raise _too_big(blocks, per_block, free, dev)
     m = config.model
-    shape = (m.num_layers, 2, blocks, config.cache.block_size, kv_heads, m.head_dim)
+    if layout is None:
+        layout = config.kv_groups()
+    elif not isinstance(layout, KVGroupLayout) or layout.num_layers != m.num_layers:
+        raise InvalidArgumentError(
+            f"layout: expected the KV groups of a {m.num_layers}-layer model, got {layout!r:.80}"
+        )
+    tensors = m.num_layers
+    if layout is not None and layout.is_hybrid:
+        tensors = layout.group_size
+        blocks = blocks * m.num_layers // tensors  # the same memory, in ids of group_size layers
+    else:
+        layout = None
+    shape = (tensors, 2, blocks, config.cache.block_size, kv_heads, m.head_dim)
     dtype = torch_dtype(config.cache.dtype)
     try:
         storage = torch.empty(shape, dtype=dtype, device=dev)
@@ -240,7 +293,7 @@ def allocate_kv_cache(
     scales = None
     if dtype_info(config.cache.dtype).cache_only:
         scales = torch.full((m.num_layers, 2, kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
-    return KVCacheTensors(storage, scales)
+    return KVCacheTensors(storage, scales, layout)
 
 
 def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:

@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Hashable, Sequence
 
 from attention.errors import RankDivergenceError, UnknownSequenceError
-from kvcache.blocks.manager import BlockManager
+from kvcache.blocks.hybrid import AnyBlockManager, HybridBlockManager
 from kvcache.blocks.rows import ScheduledRow
 from kvcache.blocks.sequence import SequenceBlocks
 from kvcache.parallel.collective import Collective
@@ -66,13 +66,16 @@ class StepDigest:
         self._shown: dict[Hashable, tuple[SequenceBlocks, int, int]] = {}
 
     def update(
-        self, step: int, manager: BlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int] = ()
+        self, step: int, manager: AnyBlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int] = ()
     ) -> int:
         """Fold one step into the digest and return the new value. ``rows`` and
         ``token_ids``: what the step runs (empty for a step that runs nothing). Reads the
-        manager; changes nothing in it. Raises UnknownSequenceError for a row's unknown id."""
+        manager; changes nothing in it. Raises UnknownSequenceError for a row's unknown id.
+        With KV groups the first group's tables are folded (the others follow from the same
+        calls), with the pool's free count of every group."""
         h = hashlib.blake2b(self.value.to_bytes(8, "little", signed=True), digest_size=8)
-        seqs = manager._seqs  # read-only, as the metadata builder reads it
+        first = manager.groups[0] if isinstance(manager, HybridBlockManager) else manager
+        seqs = first._seqs  # read-only, as the metadata builder reads it
         previous = self._shown
         shown: dict[Hashable, tuple[SequenceBlocks, int, int]] = {}
         fields = [step, len(rows), len(token_ids), manager.num_free_blocks, manager.num_sequences]
@@ -114,7 +117,7 @@ class RankAgreement:
         #: Exchanges made so far.
         self.checks = 0
 
-    def step(self, step: int, manager: BlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int]) -> None:
+    def step(self, step: int, manager: AnyBlockManager, rows: Sequence[ScheduledRow], token_ids: Sequence[int]) -> None:
         """Fold the step into the running digest and compare it across ranks. Raises
         RankDivergenceError (on every rank) naming the step when the ranks differ."""
         self._compare(self.digest.update(step, manager, rows, token_ids), "block-manager decisions", step)

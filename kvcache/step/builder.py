@@ -21,6 +21,12 @@ Tokens sampled on the device need no round trip through the host: the engine wri
 step's sampled ids into :attr:`MetadataBuilder.sampled`, and the next step's ``feed`` names,
 per row, the sampled row whose token is that row's last input; :meth:`MetadataBuilder.input_ids`
 gathers them on the device.
+
+KV groups (a :class:`~kvcache.blocks.hybrid.HybridBlockManager`): every group has its own
+block tables and slot mapping, written into regions of their own in the same buffers (one
+copy still); lengths, positions, logits indices and the backend's plan are shared. The plan's
+``groups`` holds one plan per group (:meth:`StepPlan.with_tables`), which each layer of that
+group runs with.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -39,6 +45,7 @@ from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataEr
 from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
 from attention.metadata_check import DeviceCheck
 from attention.staging import PlanStaging, StepCapacity
+from kvcache.blocks.hybrid import AnyBlockManager, HybridBlockManager
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.rows import ScheduledRow
 from kvcache.blocks.sequence import SequenceBlocks
@@ -46,13 +53,19 @@ from kvcache.blocks.tokens import token_list
 
 __all__ = ["MetadataBuilder", "ScheduledRow", "build_metadata"]
 
+#: Device views of one step size: tables per KV group, seq_lens, query_start_loc, slots per
+#: KV group, positions, logits_indices.
+_StepViews = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class _Layout:
-    """Byte offsets of the regions of one buffer, for one capacity. The block tables come
-    last, so a step copies only the rows it uses of them."""
+    """Byte offsets of the regions of one buffer, for one capacity and ``groups`` KV groups
+    (slots and block tables: one region per group, group ``g``'s at ``g`` region sizes). The
+    block tables come last, so a step copies only the rows it uses of the last group's."""
 
     capacity: StepCapacity
+    groups: int
     seq_lens: int
     query_start_loc: int
     staged: dict[str, tuple[int, int]]  # name -> (offset, int32 entries)
@@ -65,7 +78,7 @@ class _Layout:
     nbytes: int
 
     @staticmethod
-    def of(capacity: StepCapacity, staged: dict[str, int]) -> _Layout:
+    def of(capacity: StepCapacity, staged: dict[str, int], groups: int = 1) -> _Layout:
         r, t, w = capacity.max_rows, capacity.max_tokens, capacity.max_blocks_per_seq
         offset = 0
 
@@ -77,9 +90,12 @@ class _Layout:
 
         seq_lens, qsl = take(4 * r), take(4 * (r + 1))
         regions = {name: (take(4 * n), n) for name, n in staged.items()}
-        slots, positions, logits, token_ids, feed = take(8 * t), take(8 * t), take(8 * r), take(8 * t), take(8 * t)
-        tables = take(4 * r * w)
-        return _Layout(capacity, seq_lens, qsl, regions, slots, positions, logits, token_ids, feed, tables, offset)
+        slots, positions = take(8 * t * groups), take(8 * t)
+        logits, token_ids, feed = take(8 * r), take(8 * t), take(8 * t)
+        tables = take(4 * r * w * groups)
+        return _Layout(
+            capacity, groups, seq_lens, qsl, regions, slots, positions, logits, token_ids, feed, tables, offset
+        )
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -96,9 +112,10 @@ class _HostBuffer:
         self.tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
         self.mv = _bytes_view(self.tensor)
         rows = layout.capacity.max_rows
-        self.row_record: list[SequenceBlocks | None] = [None] * rows
-        self.row_epoch = [0] * rows
-        self.row_written = [0] * rows
+        # Per KV group: the record each table row shows, its epoch, and its blocks written.
+        self.row_records: list[list[SequenceBlocks | None]] = [[None] * rows for _ in range(layout.groups)]
+        self.row_epochs = [[0] * rows for _ in range(layout.groups)]
+        self.row_writtens = [[0] * rows for _ in range(layout.groups)]
         self.copied: torch.cuda.Event | None = None
 
     def wait_for_copy(self) -> None:
@@ -120,6 +137,8 @@ class MetadataBuilder:
     num_cache_blocks: blocks of the cache the steps run over (``cache.num_blocks``): a step
               from a manager with more blocks is refused, and the device check holds block
               ids to the cache. None: the manager's count is trusted.
+    kv_groups: the KV groups of the managers it plans for (``len(HybridBlockManager.groups)``;
+              1 for a :class:`BlockManager`): each has its own tables and slots.
     One builder per engine: rows stay persistent between steps.
     """
 
@@ -131,6 +150,7 @@ class MetadataBuilder:
         backend: AttentionBackend | None = None,
         device_check: bool | None = None,
         num_cache_blocks: int | None = None,
+        kv_groups: int = 1,
     ):
         try:
             self.device = torch.device(device)
@@ -148,14 +168,15 @@ class MetadataBuilder:
             None if num_cache_blocks is None else require_int("num_cache_blocks", num_cache_blocks, minimum=1)
         )
         self.backend = backend
+        self.kv_groups = require_int("kv_groups", kv_groups, minimum=1, maximum=1024)
         check = self.device.type == "cuda" if device_check is None else device_check
         self._check = DeviceCheck(self.device) if check else None
         self.fixed = capacity is not None
         self._on_cuda = self.device.type == "cuda"
         #: Sampling rows of the last step planned (what ``feed`` may name in the next).
         self._sampled_rows = 0
-        #: The records of the rows of the last step filled (see _commit).
-        self._records: list[SequenceBlocks] = []
+        #: The records of the rows of the last step filled, per KV group (see _commit).
+        self._records: list[list[SequenceBlocks]] = []
         self._allocate(capacity or StepCapacity(8, 64, 8))
 
     @property
@@ -166,7 +187,7 @@ class MetadataBuilder:
 
     def build(
         self,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         rows: Sequence[ScheduledRow],
         *,
         pad_to: int | None = None,
@@ -185,14 +206,15 @@ class MetadataBuilder:
         Changes nothing in ``manager``. Raises MetadataError naming the row when a row asks
         for positions outside the sequence's held tokens, UnknownSequenceError for an unknown
         id, and InvalidArgumentError when the step does not fit a fixed capacity or its
-        bucket, or ``feed`` names no sampling row of the previous step."""
-        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed)
-        self._commit(meta, manager)
-        return meta
+        bucket, or ``feed`` names no sampling row of the previous step. With KV groups it
+        returns the first group's metadata: :meth:`plan` gives every group's."""
+        metas = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed)
+        self._commit(metas, manager)
+        return metas[0]
 
     def plan(
         self,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         rows: Sequence[ScheduledRow],
         *,
         pad_to: int | None = None,
@@ -202,13 +224,17 @@ class MetadataBuilder:
     ) -> StepPlan:
         """Metadata and the backend's plan for ``rows`` (arguments as in :meth:`build`),
         staged together and copied to the device in one transfer. ``pad_to`` (and
-        ``pad_tokens``): plan for a CUDA-graph bucket of that many rows (and tokens)."""
+        ``pad_tokens``): plan for a CUDA-graph bucket of that many rows (and tokens). With KV
+        groups, ``plan.group(g)`` is group ``g``'s plan (its tables and slots)."""
         if self.backend is None:
             raise InvalidArgumentError("backend: this builder was made without a backend; pass backend= to plan steps")
         graph_backend = self.backend if pad_to is not None else None
-        meta = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed, graph_backend)
-        plan = self.backend.plan(meta, staging=self._staging, graph=pad_to is not None)
-        self._commit(meta, manager)
+        metas = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed, graph_backend)
+        plan = self.backend.plan(metas[0], staging=self._staging, graph=pad_to is not None)
+        if len(metas) > 1:
+            others = (plan.with_tables(m.block_tables, m.slot_mapping) for m in metas[1:])
+            plan = replace(plan, groups=(plan, *others))
+        self._commit(metas, manager)
         return plan
 
     def raise_if_violated(self) -> None:
@@ -245,7 +271,7 @@ class MetadataBuilder:
         staged = {}
         if self.backend is not None:
             staged = {r.name: r.numel for r in self.backend.buffer_requests(capacity) if r.staged}
-        layout = _Layout.of(capacity, staged)
+        layout = _Layout.of(capacity, staged, self.kv_groups)
         # Two host buffers on CUDA, so a step is planned while the previous one's copy is in
         # flight; one elsewhere (nothing is in flight: the CPU "device" buffer is the host's).
         self._buffers = [_HostBuffer(layout, self._on_cuda) for _ in range(2 if self._on_cuda else 1)]
@@ -261,7 +287,7 @@ class MetadataBuilder:
         self._inputs = torch.zeros(capacity.max_tokens, dtype=torch.int64, device=self.device)
         self._layout = layout
         self._staging = _BufferStaging(self, capacity)
-        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._view_cache: dict[tuple[int, int, int], _StepViews] = {}
 
     def _grow(self, rows: int, tokens: int, width: int) -> None:
         cap = self._layout.capacity
@@ -287,17 +313,18 @@ class MetadataBuilder:
 
     def _fill(
         self,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         rows: Sequence[ScheduledRow],
         pad_to: int | None,
         pad_tokens: int | None,
         token_ids: Sequence[int] | None,
         feed: Sequence[int] | None = None,
         graph_backend: AttentionBackend | None = None,
-    ) -> AttentionMetadata:
+    ) -> list[AttentionMetadata]:
         """Check the step, then write it into the next host buffer; ``graph_backend``: the
         backend that will plan it as a CUDA-graph step (its bucket is checked before any
-        write, so a refused step leaves the buffers as they were)."""
+        write, so a refused step leaves the buffers as they were). Returns the metadata of
+        each KV group (one without groups)."""
         if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
             raise ArgumentTypeError(f"rows: expected a sequence of ScheduledRow, got {type(rows).__name__}")
         n = len(rows)
@@ -311,9 +338,16 @@ class MetadataBuilder:
                 f"manager: it hands out {manager.num_blocks} blocks but the cache has {self.num_cache_blocks}; "
                 "build the manager over the cache (kvcache.manager_for(config, cache))"
             )
-        seqs = manager._seqs
+        groups: list[BlockManager] = manager.groups if isinstance(manager, HybridBlockManager) else [manager]
+        if len(groups) != self.kv_groups:
+            raise InvalidArgumentError(
+                f"manager: it has {len(groups)} KV group(s), but this builder was made for {self.kv_groups}; build "
+                f"the MetadataBuilder with kv_groups={len(groups)}"
+            )
+        seqs = groups[0]._seqs
         bs = manager.block_size
         records: list[SequenceBlocks] = []
+        starts: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
         slots: list[int] = []
@@ -346,6 +380,7 @@ class MetadataBuilder:
             ):
                 _raise_bad_range(i, row.seq_id, seq, start, num_new, bs)
             records.append(seq)
+            starts.append(start)
             seq_lens.append(end)
             query_lens.append(num_new)
             slots += seq.slot_range(start, end, bs)
@@ -362,7 +397,13 @@ class MetadataBuilder:
                 widest = len(seq.blocks)
         if len(set(map(id, records))) != n:
             _raise_repeated(rows, records)
-        self._records = records  # their planned frontier moves when the step is committed
+        group_records = [records]
+        group_slots = [slots]
+        for group in groups[1:]:  # the other groups' tables and slots, for the same tokens
+            recs, gslots = _group_rows(group, rows, starts, query_lens, bs)
+            group_records.append(recs)
+            group_slots.append(gslots)
+        self._records = group_records  # their planned frontier moves when the step is committed
         if token_ids is not None and len(token_ids) != tokens:
             raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
         pad = padded - n
@@ -375,15 +416,17 @@ class MetadataBuilder:
             graph_backend.check_graph_bucket(padded, num_tokens, prefill_rows=tokens > n)
         self._grow(padded, num_tokens, widest)
         self._switch_buffer()
-        self._write_tables(records)
-        self._write_padding_tables(n, padded)
+        for g, recs in enumerate(group_records):
+            self._write_tables(recs, g)
+            self._write_padding_tables(n, padded, g)
         if token_ids is not None:
             ids = token_list(token_ids)
             self._mv[self._layout.token_ids : self._layout.token_ids + 8 * num_tokens].cast("q")[:] = array(
                 "q", ids + [0] * (num_tokens - tokens)
             )
         # Padding tokens: slot -1 (no K/V), position 0.
-        slots += [PAD_SLOT] * (num_tokens - tokens)
+        for gslots in group_slots:
+            gslots += [PAD_SLOT] * (num_tokens - tokens)
         positions += [0] * (num_tokens - tokens)
         if pad_tokens is None:
             logits += range(tokens, num_tokens)
@@ -395,7 +438,7 @@ class MetadataBuilder:
         for position, j in fed:
             feed_values[position] = j
         self._mv[self._layout.feed : self._layout.feed + 8 * num_tokens].cast("q")[:] = feed_values
-        return self._write_rows(seq_lens, query_lens, slots, positions, qsl, logits, sampling, padded, bs)
+        return self._write_rows(seq_lens, query_lens, group_slots, positions, qsl, logits, sampling, padded, bs)
 
     def _checked_feed(self, feed: Sequence[int] | None, n: int, qsl: list[int]) -> list[tuple[int, int]]:
         """``(token position, sampled row)`` of each fed row's last token; raises
@@ -423,13 +466,16 @@ class MetadataBuilder:
         self._buf.wait_for_copy()
         self._mv = self._buf.mv
 
-    def _write_tables(self, records: list[SequenceBlocks]) -> None:
-        """Write the blocks each row does not show yet (all of them when the row changed hands)."""
+    def _write_tables(self, records: list[SequenceBlocks], group: int = 0) -> None:
+        """Write the blocks each row does not show yet in KV group ``group``'s tables (all of
+        them when the row changed hands)."""
         layout = self._layout
         width = layout.capacity.max_blocks_per_seq
-        table = self._mv[layout.tables : layout.tables + 4 * layout.capacity.max_rows * width].cast("i")
+        region = 4 * layout.capacity.max_rows * width
+        base = layout.tables + group * region
+        table = self._mv[base : base + region].cast("i")
         buf = self._buf
-        shown, epochs, written = buf.row_record, buf.row_epoch, buf.row_written
+        shown, epochs, written = buf.row_records[group], buf.row_epochs[group], buf.row_writtens[group]
         for i, seq in enumerate(records):
             blocks = seq.blocks
             have = len(blocks)
@@ -445,48 +491,56 @@ class MetadataBuilder:
                 table[i * width + have : i * width + stale] = array("i", [PAD_BLOCK]) * (stale - have)
             shown[i], epochs[i], written[i] = seq, seq.epoch, have
 
-    def _write_padding_tables(self, first: int, end: int) -> None:
-        """Padding rows ``first .. end - 1`` name block 0 in column 0 (a real block: a kernel
-        that reads one token for an empty row, as flash-attn's paged decode must, stays in the
-        cache), and forget what they showed, so a sequence placed there later is rewritten."""
-        width = self._layout.capacity.max_blocks_per_seq
-        table = self._mv[self._layout.tables : self._layout.tables + 4 * end * width].cast("i")
+    def _write_padding_tables(self, first: int, end: int, group: int = 0) -> None:
+        """Padding rows ``first .. end - 1`` of group ``group``'s tables name block 0 in column
+        0 (a real block: a kernel that reads one token for an empty row, as flash-attn's paged
+        decode must, stays in the cache), and forget what they showed, so a sequence placed
+        there later is rewritten."""
+        layout = self._layout
+        width = layout.capacity.max_blocks_per_seq
+        base = layout.tables + group * 4 * layout.capacity.max_rows * width
+        table = self._mv[base : base + 4 * end * width].cast("i")
+        shown, written = self._buf.row_records[group], self._buf.row_writtens[group]
         for i in range(first, end):
             table[i * width] = 0
-            self._buf.row_record[i] = None
-            self._buf.row_written[i] = 0
+            shown[i] = None
+            written[i] = 0
 
     def _write_rows(
         self,
         seq_lens: list[int],
         query_lens: list[int],
-        slots: list[int],
+        group_slots: list[list[int]],
         positions: list[int],
         qsl: list[int],
         logits: list[int],
         sampling: list[int],
         padded: int,
         bs: int,
-    ) -> AttentionMetadata:
+    ) -> list[AttentionMetadata]:
         """Copy the step's per-row and per-token values into the host buffer; the metadata's
-        tensors are (cached) views of the device buffer."""
+        tensors are (cached) views of the device buffer. One metadata per KV group (they
+        differ in tables and slots only)."""
         n = len(seq_lens)
-        num_tokens = len(slots)
+        num_tokens = len(positions)
         layout, mv = self._layout, self._mv
         mv[layout.seq_lens : layout.seq_lens + 4 * n].cast("i")[:] = array("i", seq_lens)
         if padded > n:
             mv[layout.seq_lens + 4 * n : layout.seq_lens + 4 * padded].cast("i")[:] = array("i", [0]) * (padded - n)
         mv[layout.query_start_loc : layout.query_start_loc + 4 * (padded + 1)].cast("i")[:] = array("i", qsl)
-        mv[layout.slots : layout.slots + 8 * num_tokens].cast("q")[:] = array("q", slots)
+        slot_region = 8 * layout.capacity.max_tokens
+        for g, slots in enumerate(group_slots):
+            base = layout.slots + g * slot_region
+            mv[base : base + 8 * num_tokens].cast("q")[:] = array("q", slots)
         mv[layout.positions : layout.positions + 8 * num_tokens].cast("q")[:] = array("q", positions)
         mv[layout.logits : layout.logits + 8 * len(logits)].cast("q")[:] = array("q", logits)
         self._rows_in_use = padded
-        tables, lens, starts, slot_view, pos_view, logit_view = self._views(padded, num_tokens, len(logits))
-        return AttentionMetadata(
-            block_tables=tables,
+        tables, lens, starts, slot_views, pos_view, logit_view = self._views(padded, num_tokens, len(logits))
+        first = AttentionMetadata(
+            block_tables=tables[0],
             seq_lens=lens,
             query_start_loc=starts,
-            slot_mapping=slot_view,
+            slot_mapping=slot_views[0],
             positions=pos_view,
             logits_indices=logit_view,
             block_size=bs,
@@ -494,20 +548,31 @@ class MetadataBuilder:
             query_lens_host=tuple(query_lens),
             sampling_rows_host=tuple(sampling),
         )
+        groups = zip(tables[1:], slot_views[1:], strict=True)
+        return [first, *(replace(first, block_tables=t, slot_mapping=v) for t, v in groups)]
 
-    def _views(self, padded: int, num_tokens: int, num_logits: int) -> tuple[torch.Tensor, ...]:
+    def _views(self, padded: int, num_tokens: int, num_logits: int) -> _StepViews:
         """The metadata's device views for these sizes (made once per size: a decode step's
-        sizes repeat)."""
+        sizes repeat): tables and slots per KV group, then lengths, starts, positions, logits."""
         key = (padded, num_tokens, num_logits)
         views = self._view_cache.get(key)
         if views is None:
             layout = self._layout
-            width = layout.capacity.max_blocks_per_seq
+            cap = layout.capacity
+            width = cap.max_blocks_per_seq
             views = (
-                self._view(layout.tables, torch.int32, padded * width).view(padded, width),
+                [
+                    self._view(layout.tables + 4 * g * cap.max_rows * width, torch.int32, padded * width).view(
+                        padded, width
+                    )
+                    for g in range(layout.groups)
+                ],
                 self._view(layout.seq_lens, torch.int32, padded),
                 self._view(layout.query_start_loc, torch.int32, padded + 1),
-                self._view(layout.slots, torch.int64, num_tokens),
+                [
+                    self._view(layout.slots + 8 * g * cap.max_tokens, torch.int64, num_tokens)
+                    for g in range(layout.groups)
+                ],
                 self._view(layout.positions, torch.int64, num_tokens),
                 self._view(layout.logits, torch.int64, num_logits),
             )
@@ -520,23 +585,29 @@ class MetadataBuilder:
         itemsize = 4 if dtype == torch.int32 else 8
         return self._device_buf[offset : offset + itemsize * numel].view(dtype)
 
-    def _commit(self, meta: AttentionMetadata, manager: BlockManager) -> None:
+    def _commit(self, metas: list[AttentionMetadata], manager: AnyBlockManager) -> None:
         """The step's one host-to-device copy (everything up to the last table row in use),
-        then the device check. Only a committed step counts as the one ``feed`` refers to (a
-        plan the backend refused leaves the previous step's sampling rows in force)."""
+        then the device check of every group's metadata. Only a committed step counts as the
+        one ``feed`` refers to (a plan the backend refused leaves the previous step's sampling
+        rows in force)."""
+        meta = metas[0]
         self._sampled_rows = len(meta.sampling_rows_host)
-        for seq, end in zip(self._records, meta.seq_lens_host, strict=True):
-            if end > seq.num_planned:
-                seq.num_planned = end
+        for records in self._records:
+            for seq, end in zip(records, meta.seq_lens_host, strict=True):
+                if end > seq.num_planned:
+                    seq.num_planned = end
         self._copy()
         if self._check is not None:
             blocks = manager.num_blocks if self.num_cache_blocks is None else self.num_cache_blocks
-            self._check.run(meta, blocks, manager.sliding_window)
+            groups = manager.groups if isinstance(manager, HybridBlockManager) else [manager]
+            self._check.run_groups([(m, g.sliding_window) for m, g in zip(metas, groups, strict=True)], blocks)
 
     def _copy(self) -> None:
         if self.device.type == "cpu":
             return
-        end = self._layout.tables + 4 * self._rows_in_use * self._layout.capacity.max_blocks_per_seq
+        layout = self._layout
+        width = layout.capacity.max_blocks_per_seq
+        end = layout.tables + 4 * width * ((layout.groups - 1) * layout.capacity.max_rows + self._rows_in_use)
         self._device_buf[:end].copy_(self._buf.tensor[:end], non_blocking=True)
         if self._on_cuda:
             self._buf.copied = torch.cuda.Event()
@@ -576,7 +647,26 @@ class _BufferStaging(PlanStaging):
         return buf[:numel]
 
 
-def _raise_bad_row(i: int, row: object, manager: BlockManager) -> NoReturn:
+def _group_rows(
+    group: BlockManager, rows: Sequence[ScheduledRow], starts: list[int], query_lens: list[int], bs: int
+) -> tuple[list[SequenceBlocks], list[int]]:
+    """Another KV group's records and slots for the step's rows (``starts``: each row's first
+    new token, resolved and checked in the first group). Raises MetadataError for a row whose
+    new tokens fall in blocks this group released behind its window."""
+    seqs = group._seqs
+    records: list[SequenceBlocks] = []
+    slots: list[int] = []
+    for i, row in enumerate(rows):
+        seq = seqs[row.seq_id]
+        start = starts[i]
+        if seq.num_released and start < seq.num_released * bs:
+            _raise_bad_range(i, row.seq_id, seq, start, query_lens[i], bs)
+        records.append(seq)
+        slots += seq.slot_range(start, start + query_lens[i], bs)
+    return records, slots
+
+
+def _raise_bad_row(i: int, row: object, manager: AnyBlockManager) -> NoReturn:
     if not isinstance(row, ScheduledRow):
         raise InvalidArgumentError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
     seq_id: Hashable = row.seq_id
@@ -620,7 +710,7 @@ def _raise_repeated(rows: Sequence[ScheduledRow], records: list[SequenceBlocks])
 
 
 def build_metadata(
-    manager: BlockManager, rows: Sequence[ScheduledRow], device: torch.device | str
+    manager: AnyBlockManager, rows: Sequence[ScheduledRow], device: torch.device | str
 ) -> AttentionMetadata:
     """One-off :meth:`MetadataBuilder.build` (a serving loop keeps one builder instead)."""
     return MetadataBuilder(device).build(manager, rows)

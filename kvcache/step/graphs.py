@@ -25,7 +25,7 @@ import torch
 
 from attention.base import StepPlan
 from attention.errors import InvalidArgumentError, UnsupportedSettingError
-from kvcache.blocks.manager import BlockManager
+from kvcache.blocks.hybrid import AnyBlockManager
 from kvcache.blocks.rows import ScheduledRow
 from kvcache.step.buckets import StepBuckets, StepShape, default_buckets, default_token_buckets
 from kvcache.step.builder import MetadataBuilder
@@ -113,7 +113,7 @@ class StepGraphs:
         """Whether ``shape`` has been captured."""
         return shape in self._graphs
 
-    def capture(self, manager: BlockManager, *, pool: Any = None) -> int:
+    def capture(self, manager: AnyBlockManager, *, pool: Any = None) -> int:
         """Capture every bucket, largest first (they share one memory pool: ``pool``, another
         set's :attr:`pool`, to share that set's too; its outputs are then valid only until any
         graph of either set replays). Each is run twice eagerly first, so every kernel is
@@ -149,7 +149,7 @@ class StepGraphs:
 
     def run(
         self,
-        manager: BlockManager,
+        manager: AnyBlockManager,
         rows: Sequence[ScheduledRow],
         token_ids: Sequence[int],
         feed: Sequence[int] | None = None,
