@@ -190,3 +190,41 @@ def test_the_builder_plans_the_truncated_table() -> None:
     assert meta.block_tables[0, : len(table)].tolist() == table
     assert meta.slot_mapping.tolist() == m.slots(0, 4, 5)
     assert meta.seq_lens.tolist() == [5]
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["windowed", "kv-groups"])
+def test_a_rollback_of_up_to_window_lag_drafts_keeps_the_next_querys_window(hybrid: bool) -> None:
+    """A draft row commits its drafts' K/V, which moves the window; rejecting them moves the
+    next query back. With ``window_lag`` at least the drafts, every block that query sees is
+    still held; without it, a block it sees can be released already (shown below)."""
+    from attention import PAD_BLOCK
+    from kvcache import HybridBlockManager, group_layout
+
+    window, drafts = 9, 3
+
+    def table_after_rollback(lag: int, start: int, keep: int) -> list[int]:
+        manager: BlockManager | HybridBlockManager
+        if hybrid:
+            manager = HybridBlockManager(group_layout(2, window, (False, True)), 64, BS)
+        else:
+            manager = BlockManager(64, BS, sliding_window=window)
+        manager.window_lag = lag
+        manager.allocate("s", start + 1 + drafts)
+        manager.mark_computed("s", start)
+        manager.commit([ScheduledRow("s", 1 + drafts, start=start)])  # the sampled token and its drafts
+        manager.truncate("s", keep)  # keep - start - 1 drafts agreed; the next query is at `keep`
+        if isinstance(manager, HybridBlockManager):
+            return manager.block_tables("s")[1]  # the windowed group's
+        return manager.block_table("s")
+
+    for lag in (0, drafts):
+        failures = 0
+        for start in range(1, 40):
+            for keep in range(start + 1, start + 1 + drafts):
+                table = table_after_rollback(lag, start, keep)
+                seen = range(max(0, keep - window + 1) // BS, keep // BS + 1)  # blocks the query at keep reads
+                failures += any(table[b] == PAD_BLOCK for b in seen if b < len(table))
+        if lag:
+            assert failures == 0
+        else:
+            assert failures > 0, "without the lag a rollback can need a released block (else this test shows nothing)"

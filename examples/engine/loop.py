@@ -75,6 +75,10 @@ class RunReport:
     #: requests a drafting step may have (None: any).
     draft_tokens: int = 0
     draft_max_rows: int | None = None
+    #: KV groups (1: one table for every layer) and the model layers one block id holds
+    #: (``num_blocks`` and ``peak_blocks`` count block ids).
+    kv_groups: int = 1
+    layers_per_block: int = 0
 
     @property
     def drafted(self) -> int:
@@ -322,7 +326,16 @@ def run_requests(
         overlap=overlap,
         fed_rows=fed_rows,
         graph_replays=_graph_replays(runner),
+        kv_groups=1 if cache.layout is None else len(cache.layout.groups),
+        layers_per_block=cache.num_tensors,
     )
+
+
+def _groups_note(report: RunReport) -> str:
+    """' (block ids of 1 layer each, 6 KV groups)' for a run with KV groups; else nothing."""
+    if report.kv_groups <= 1:
+        return ""
+    return f" (block ids of {report.layers_per_block} layer(s) each, {report.kv_groups} KV groups)"
 
 
 def _graph_line(report: RunReport) -> str:
@@ -367,7 +380,7 @@ def format_summary(report: RunReport) -> list[str]:
         f"tokens computed: {report.computed_tokens} (prefill chunks, recomputation and decode)",
         f"wall time: {report.wall_s:.2f} s",
         f"tokens/s: {tok_s:.1f} generated",
-        f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}",
+        f"peak blocks in use: {report.peak_blocks} / {report.num_blocks}" + _groups_note(report),
         f"overlap: {'on' if report.overlap else 'off'} ({report.fed_rows} rows fed their token on the device)",
         "CUDA graphs: " + _graph_line(report),
         f"preemptions: {report.preemptions} ("
