@@ -63,7 +63,7 @@ from examples.engine.loop import StepPipeline  # noqa: E402
 from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
 from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
 from examples.model import Llama, LlamaShape, random_llama  # noqa: E402
-from kvcache import BlockStored, HostPrefixTier, KVEvent, collect_stats  # noqa: E402
+from kvcache import AnyBlockManager, BlockManager, BlockStored, HostPrefixTier, KVEvent, collect_stats  # noqa: E402
 
 
 def pinned_bandwidth(device: str) -> dict[str, float]:
@@ -141,8 +141,16 @@ def build(
     return runner
 
 
+def tiered(manager: AnyBlockManager) -> BlockManager:
+    """The runner's manager, with its tiers: this benchmark's model has no KV groups (a
+    :class:`~kvcache.HybridBlockManager` has no tiers)."""
+    if not isinstance(manager, BlockManager):
+        raise TypeError(f"bench_tiers needs one block table per sequence, got {type(manager).__name__}")
+    return manager
+
+
 def serve(runner: ModelRunner, convs: Conversations, args: argparse.Namespace) -> dict[str, Any]:
-    manager = runner.manager
+    manager = tiered(runner.manager)
     scheduler = Scheduler(
         manager, [], make_preemption("recompute", manager, runner.cache),
         token_budget=args.token_budget, max_running=args.max_running,
@@ -244,7 +252,7 @@ class Corrupter:
         tier = runner.manager.lower_tier
         assert isinstance(tier, HostPrefixTier) and tier.disk is not None
         self.disk = tier.disk
-        runner.manager.kv_events.subscribe(self, replay=False)
+        tiered(runner.manager).kv_events.subscribe(self, replay=False)
 
     def __call__(self, event: KVEvent) -> None:
         if not isinstance(event, BlockStored) or event.tier != "disk":
