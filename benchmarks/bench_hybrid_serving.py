@@ -15,8 +15,8 @@ sigma 0.5) capped at 4x the median, ``--new-tokens`` each, greedy, no EOS. The c
 
 Reported per run: generated tokens/s (the loop's wall time: warm-up and graph capture
 excluded), the most requests running at once and their mean over steps, K/V held (layer
-blocks in use: block ids in use times the layers each holds) mean and peak over steps,
-preemptions, steps; and how many requests' tokens are identical between the runs (bf16: a
+blocks in use: block ids in use times the layers each holds) mean and peak over steps and
+per running request (mean over steps), preemptions, steps; and how many requests' tokens are identical between the runs (bf16: a
 different batch composition may round differently).
 
 Run (GPU machine; ../shared/device/stage.sh first):
@@ -32,6 +32,7 @@ import json
 import math
 import platform
 import random
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def serve(model: Any, shape: LlamaShape, prompts: list[list[int]], args: argpars
         "max_running": max(running),
         "mean_running": sum(running) / len(running),
         "mean_layer_blocks": sum(held) / len(held),
+        "layer_blocks_per_request": statistics.mean(h / r for h, r in zip(held, running, strict=True) if r),
         "peak_layer_blocks": max(held),
         "layer_block_capacity": capacity,
         "graph_replays": report.graph_replays,
@@ -169,6 +171,7 @@ def main() -> None:
         ("max_running", "most running at once"),
         ("mean_running", "mean running"),
         ("mean_layer_blocks", "mean layer blocks held"),
+        ("layer_blocks_per_request", "layer blocks / request"),
         ("peak_layer_blocks", "peak layer blocks held"),
         ("preemptions", "preemptions"),
         ("steps", "steps"),

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvcache import AnyBlockManager, BlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
+from kvcache import AnyBlockManager, BlockManager, HybridBlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
 from .drafting import NgramIndex, accepted_tokens
 
@@ -197,10 +197,11 @@ class Preemption(ABC):
         already in them."""
 
 
-def admit(req: Request, manager: AnyBlockManager) -> None:
-    """Allocate slots for everything ``req`` knows (prompt + generated); start after what
-    the prefix cache already holds."""
-    cached = manager.allocate(req.req_id, token_ids=req.tokens)
+def admit(req: Request, manager: AnyBlockManager, tokens: list[int] | None = None) -> None:
+    """Allocate slots for everything ``req`` knows (prompt + generated), or for its first
+    ``tokens`` (a prefix of ``req.tokens``: the rest is reserved chunk by chunk as it is
+    scheduled); start after what the prefix cache already holds."""
+    cached = manager.allocate(req.req_id, token_ids=req.tokens if tokens is None else tokens)
     req.num_computed = cached
     req.cached_tokens += cached
 
@@ -354,6 +355,8 @@ class Scheduler:
         self.drafting = True
         self.copy_blocks = copy_blocks
         self.manager = manager
+        #: Reserve a prompt chunk by chunk (KV groups: see :meth:`_first_reservation`).
+        self._per_chunk = isinstance(manager, HybridBlockManager)
         if draft_tokens > manager.window_lag:
             # A sliding window must keep what the query after a rollback of every draft sees.
             manager.window_lag = draft_tokens
@@ -413,6 +416,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             reserved = self.manager.num_tokens(req.req_id)
             extra = req.num_computed + n - reserved  # decode: the sampled token needs a slot
+            if self._per_chunk and req.num_computed + n < req.num_tokens:
+                extra += 1  # a chunk short of the prompt's end must not end the reservation
             drafts = self._drafts(req, n, budget, extra)
             if drafts:
                 known = req.tokens_at(reserved, req.num_tokens)
@@ -439,9 +444,10 @@ class Scheduler:
                 self.preemption.resume(req, self.manager)
                 req.preempted = False
             else:
-                if not self.manager.can_allocate(token_ids=req.tokens):
+                tokens = self._first_reservation(req, budget)
+                if not self.manager.can_allocate(token_ids=tokens):
                     break
-                admit(req, self.manager)
+                admit(req, self.manager, tokens)
             self.running.append(self.waiting.popleft())
             budget -= self._add(batch, req, min(req.num_tokens - req.num_computed, budget))
         if not batch.rows and self.waiting and not self.running:
@@ -538,6 +544,20 @@ class Scheduler:
         req.drafts = []
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _first_reservation(self, req: Request, budget: int) -> list[int]:
+        """The tokens a new request reserves at admission: all it knows, or with KV groups
+        only the cached run and this step's chunk (each later chunk reserves its own slots
+        when scheduled, so a windowed group never holds more than its window and a chunk;
+        reserving a long prompt at once would take its every block in every group)."""
+        tokens, manager = req.tokens, self.manager
+        if not isinstance(manager, HybridBlockManager):
+            return tokens
+        cached = manager.cached_tokens(token_ids=tokens)
+        end = cached + min(len(tokens) - cached, budget)
+        # A row samples when it reaches the end of the reservation: a first chunk short of the
+        # prompt's end reserves one token more, so it does not.
+        return tokens[: end + 1 if end < len(tokens) else end]
 
     def _add(self, batch: StepBatch, req: Request, n: int, drafts: list[int] | None = None) -> int:
         start = req.num_computed

@@ -154,6 +154,13 @@ class HybridBlockManager:
         nothing; raises the same argument errors as ``allocate``."""
         return self.allocator.num_free >= self._admission(num_tokens, token_ids, extra_key).needed
 
+    def cached_tokens(self, *, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Leading tokens of ``token_ids`` that ``allocate`` would take from the prefix cache
+        now (the run every group serves). Changes nothing; raises ``allocate``'s argument
+        errors. An engine that reserves a prompt chunk by chunk allocates ``token_ids[:cached
+        + first_chunk]``: the cached run of that is the same."""
+        return self._admission(None, token_ids, extra_key).run * self.block_size
+
     def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
         """Whether ``append_slots(seq_id, n)`` would succeed. Changes nothing."""
         return self.allocator.num_free >= self._append_need(seq_id, n)
