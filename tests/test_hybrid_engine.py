@@ -213,6 +213,14 @@ def test_what_kv_groups_do_not_have_yet_is_refused_with_the_fix() -> None:
                               backend="reference", prefix_caching=True, host_cache_space="1MiB")  # fmt: skip
     with pytest.raises(ValueError, match=r"host_cache_space.*no host tier yet"):
         engine_for(hosted, model.shape)
+    # A layout of another model, and a cache whose groups do not follow the spec's windows.
+    from kvcache import allocate_kv_cache, manager_for
+
+    with pytest.raises(ValueError, match=r"layout: expected the KV groups of a 6-layer model"):
+        allocate_kv_cache(config, layout=group_layout(4, WINDOW, (True, False, True, False)))
+    swapped = allocate_kv_cache(config, layout=group_layout(6, WINDOW, (False,) + (True,) * 5))
+    with pytest.raises(ValueError, match=r"do not follow the model's window pattern"):
+        manager_for(config, swapped, spec=model.shape.attention_spec("float32"))
 
 
 @pytest.mark.gpu

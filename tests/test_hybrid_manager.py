@@ -188,7 +188,25 @@ def test_random_operations_keep_every_group_consistent() -> None:
             if m.can_append(seq, len(new)):
                 m.append_slots(seq, len(new), new)
                 live[seq] += new
-        elif op < 0.7:
+        elif op < 0.68:  # take back a few tokens (rejected drafts): all groups or none
+            seq = rng.choice(sorted(live))
+            keep = m.num_tokens(seq) - rng.randint(0, 6)
+            before = snapshot(m)
+            try:
+                copies = m.truncate(seq, keep)
+            except (InvalidArgumentError, OutOfBlocksError):  # behind a window, or no block to copy into
+                assert snapshot(m) == before
+            else:
+                assert all(m.allocator.ref_count(dst) == 1 for _, dst in copies)
+                live[seq] = live[seq][:keep]
+        elif op < 0.72:  # the cached run a chunked admission would start from
+            ids = [t for _ in range(3) for t in rng.choice(pieces)]
+            cached = m.cached_tokens(token_ids=ids)
+            assert cached % BS == 0 and cached < len(ids)
+            if m.can_allocate(token_ids=ids[: cached + 1]):
+                assert m.allocate(f"c{step}", token_ids=ids[: cached + 1]) == cached
+                live[f"c{step}"] = ids[: cached + 1]
+        elif op < 0.78:
             seq = rng.choice(sorted(live))
             if m.can_fork(seq):
                 child = f"{seq}-f{step}"
