@@ -16,8 +16,8 @@ sigma 0.5) capped at 4x the median, ``--new-tokens`` each, greedy, no EOS. The c
 Reported per run: generated tokens/s (the loop's wall time: warm-up and graph capture
 excluded), the most requests running at once and their mean over steps, K/V held (layer
 blocks in use: block ids in use times the layers each holds) mean and peak over steps and
-per running request (mean over steps), preemptions, steps; and how many requests' tokens are identical between the runs (bf16: a
-different batch composition may round differently).
+per running request (mean over steps), preemptions, steps; and how many requests' tokens
+are identical between the runs (bf16: a different batch composition may round differently).
 
 Run (GPU machine; ../shared/device/stage.sh first):
     source .device-extras/activate.sh && python3 benchmarks/bench_hybrid_serving.py
