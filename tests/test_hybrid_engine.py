@@ -72,12 +72,14 @@ def _serve(
     draft_tokens: int = 0,
     use_graphs: bool = False,
     max_running: int = 4,
+    block_size: int = 32,
+    dtype: str = "float32",
 ) -> Served:
     config = cache_config_for(
-        model.shape, block_size=32, dtype="float32", num_blocks=num_blocks, device=device, backend=backend,
+        model.shape, block_size=block_size, dtype=dtype, num_blocks=num_blocks, device=device, backend=backend,
         prefix_caching=prefix_caching,
     )  # fmt: skip
-    chosen = get_backend(backend, model.shape.attention_spec("float32"))
+    chosen = get_backend(backend, model.shape.attention_spec(dtype))
     engine = engine_for(config, model.shape, backend=chosen, fill=float("nan"), kv_groups=kv_groups)
     requests = [Request(i, p, new_tokens, arrival_step=i) for i, p in enumerate(prompts)]
     used: list[int] = []
@@ -242,6 +244,29 @@ def test_kv_groups_replay_cuda_graphs_with_transformers_tokens() -> None:
         assert req.output == tokens, f"prompt of {len(prompt)}"
         torch.testing.assert_close(torch.stack(grouped.report.logits[req.req_id]).cpu(), logits.cpu(),
                                    atol=LOGITS_ATOL, rtol=0)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_kv_groups_on_flash_attn_compute_what_one_table_does() -> None:
+    """flash-attn (bf16, block 256) with CUDA graphs: a plan per group (its block tables) gives
+    the tokens of one table for every layer, bit for bit (the same K/V, read through other
+    block ids)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("flash_attn")
+    hf = _gemma3()
+    model = from_transformers(hf, share=False, dtype=torch.bfloat16).cuda()
+    prompts = _prompts((150, 600, 97, 333))
+    options: dict[str, Any] = {"backend": "flash_attn", "device": "cuda", "use_graphs": True, "block_size": 256,
+                               "dtype": "bfloat16", "new_tokens": 16}  # fmt: skip
+    grouped = _serve(model, prompts, kv_groups=True, num_blocks=12, **options)
+    single = _serve(model, prompts, kv_groups=False, num_blocks=12, **options)
+    assert isinstance(grouped.engine.manager, HybridBlockManager)
+    assert grouped.report.graph_replays.get("decode", 0) > 0
+    assert [r.output for r in grouped.requests] == [r.output for r in single.requests]
+    for ours, theirs in zip(grouped.requests, single.requests, strict=True):
+        logits = grouped.report.logits[ours.req_id], single.report.logits[theirs.req_id]
+        assert torch.equal(torch.stack(logits[0]), torch.stack(logits[1]))
 
 
 def _gemma3_spec() -> Any:
