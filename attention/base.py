@@ -91,6 +91,7 @@ class AttentionBackend(ABC):
                 sliding_window=spec.sliding_window is not None,
                 logit_softcap=spec.logit_softcap is not None,
                 attention_sinks=spec.attention_sinks,
+                latent_attention=spec.latent_attention,
             )
         ]
         if refused:

@@ -108,6 +108,8 @@ class BackendInfo:
     logit_softcap: bool
     attention_sinks: bool
     tree_masks: bool
+    #: Multi-head latent attention (MLA) as MQA over the latent (``AttentionSpec.latent_attention``).
+    latent_attention: bool
     cuda_graphs: bool
     mixed_cuda_graphs: bool
     fused_rotary: bool
@@ -124,6 +126,7 @@ class BackendInfo:
         sliding_window: bool = False,
         logit_softcap: bool = False,
         attention_sinks: bool = False,
+        latent_attention: bool = False,
     ) -> list[CapabilityProblem]:
         """Every reason this backend refuses the setting; empty when it is supported.
 
@@ -141,7 +144,10 @@ class BackendInfo:
                     f"use {options}",
                 )
             )
-        if not self.head_dims.allows(head_dim):
+        # A latent (MLA) is as wide as the model makes it (DeepSeek-V3: 576): a backend with
+        # latent attention takes any multiple of 8 (the spec checks that); one without is
+        # refused below for the latent itself.
+        if not latent_attention and not self.head_dims.allows(head_dim):
             found.append(
                 CapabilityProblem(
                     "head_dim",
@@ -187,6 +193,15 @@ class BackendInfo:
                     "pick another attention.backend",
                 )
             )
+        if latent_attention and not self.latent_attention:
+            found.append(
+                CapabilityProblem(
+                    "latent_attention",
+                    True,
+                    f"backend {self.name} has no latent attention (MLA) yet",
+                    "use attention.backend reference",
+                )
+            )
         if attention_sinks and not self.attention_sinks:
             found.append(
                 CapabilityProblem(
@@ -228,6 +243,7 @@ BACKENDS: dict[str, BackendInfo] = {
             logit_softcap=True,
             attention_sinks=True,
             tree_masks=True,
+            latent_attention=True,
             cuda_graphs=False,
             mixed_cuda_graphs=False,
             fused_rotary=False,
@@ -253,6 +269,7 @@ BACKENDS: dict[str, BackendInfo] = {
             logit_softcap=True,
             attention_sinks=True,
             tree_masks=True,
+            latent_attention=False,
             cuda_graphs=True,
             mixed_cuda_graphs=True,
             fused_rotary=True,
@@ -275,6 +292,7 @@ BACKENDS: dict[str, BackendInfo] = {
             logit_softcap=True,
             attention_sinks=False,
             tree_masks=False,
+            latent_attention=False,
             cuda_graphs=True,
             mixed_cuda_graphs=False,
             fused_rotary=False,

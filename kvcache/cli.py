@@ -64,8 +64,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{printable(args.file)}: {err}", file=sys.stderr)
         return 1
     m = config.model
+    heads = f"{m.num_kv_heads} KV heads x head_dim {m.head_dim}"
+    if m.latent_dim is not None:
+        heads = f"a latent of {m.latent_dim} (kv_lora_rank {m.kv_lora_rank} + rope {m.qk_rope_head_dim}) per token"
     print(
-        f"{printable(args.file)}: {m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim}, "
+        f"{printable(args.file)}: {m.num_layers} layers x {heads}, "
         f"{config.cache.dtype}, budget {config.cache.memory_budget or f'{config.cache.num_blocks} blocks'}"
     )
     if args.memory is not None and config.cache.num_blocks is not None:

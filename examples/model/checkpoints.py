@@ -64,6 +64,7 @@ _RENAMES = (
     ("mlp.w_down", "mlp.down_proj"),
     ("attn.q_norm", "self_attn.q_norm"),
     ("attn.k_norm", "self_attn.k_norm"),
+    ("attn", "self_attn"),  # the rest of the attention (DeepSeek's latent projections) by their own names
 )
 #: The same for blocks with sandwich norms (Gemma-2, Gemma-3): four norms per block.
 _SANDWICH_RENAMES = (

@@ -1,6 +1,6 @@
 """A model's shape from a Hugging Face config (``config.json`` or a transformers config
 object): sizes, rotary scaling and sliding windows of Llama, Qwen2, Mistral, Gemma-2 and
-Gemma-3 (text) models.
+Gemma-3 (text) models, and DeepSeek-V3's latent attention (dense layers only).
 
 Every value is checked: a missing, non-numeric or out-of-range size (each is bounded, so a
 hostile config cannot make the loader build a billion layers) raises ValueError naming the
@@ -15,12 +15,12 @@ from typing import Any
 from attention import AttentionSpec
 from kvcache.config.schema import ModelSection
 
-from .shape import LlamaShape, RopeScaling
+from .shape import LlamaShape, MLAShape, RopeScaling
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "attention_spec_for", "model_section_for", "shape_from_config"]
 
 #: ``config.json``'s ``model_type`` values this loader reads.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "deepseek_v3")
 _GEMMA = ("gemma2", "gemma3_text")
 #: transformers' defaults for keys a config.json may leave out (its config classes' defaults).
 _MISTRAL_DEFAULT_WINDOW = 4096
@@ -51,6 +51,12 @@ _LIMITS = {
     "sliding_window_pattern": 1 << 20,
     "original_max_position_embeddings": 1 << 30,
     "max_position_embeddings": 1 << 30,
+    "kv_lora_rank": 4096,
+    "q_lora_rank": 1 << 17,
+    "qk_rope_head_dim": 4096,
+    "qk_nope_head_dim": 4096,
+    "v_head_dim": 4096,
+    "first_k_dense_replace": 1 << 20,
 }
 
 
@@ -95,6 +101,11 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
                ``sliding_attention`` (else to layers ``>= max_window_layers``).
       mistral: no biases; ``sliding_window`` (transformers' default 4096 when the key is
                absent, none when null) applies to every layer.
+      deepseek_v3: multi-head latent attention (:class:`MLAShape`: ``kv_lora_rank``,
+               ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``, ``q_lora_rank``,
+               ``rope_interleave``), softmax scale ``(qk_nope_head_dim + qk_rope_head_dim) **
+               -0.5``; dense MLPs only (``first_k_dense_replace`` >= the layer count: the
+               example model has no mixture of experts); no attention bias.
       gemma2, gemma3_text: norms scaled by 1 + weight, embeddings by sqrt(hidden_size),
                sandwich norms, GeGLU (``gelu_pytorch_tanh``), softmax scale
                ``query_pre_attn_scalar ** -0.5``, ``attn_logit_softcapping`` and
@@ -120,6 +131,8 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
     heads = _size(get, "num_attention_heads")
     hidden = _size(get, "hidden_size")
     layers = _size(get, "num_hidden_layers")
+    if model_type == "deepseek_v3":
+        return _deepseek(get, heads, hidden, layers)
     kv_heads = _size(get, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ValueError(
@@ -150,6 +163,43 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
         sliding_window=window,
         window_layers=window_layers,
         **(_gemma(get, model_type) if gemma else {}),
+    )
+
+
+def _deepseek(get: Any, heads: int, hidden: int, layers: int) -> LlamaShape:
+    """DeepSeek-V3 with dense MLPs: latent attention, SwiGLU, no biases."""
+    dense = _size(get, "first_k_dense_replace", layers, minimum=0)
+    if dense < layers and get("n_routed_experts") not in (None, 0):
+        raise _refuse(
+            "first_k_dense_replace", dense, f"layers {dense}.. are mixtures of experts; it needs every layer dense "
+            f"(first_k_dense_replace >= num_hidden_layers = {layers})"
+        )
+    if get("attention_bias", False):
+        raise _refuse("attention_bias", True, "its latent attention has no biases")
+    q_lora = get("q_lora_rank")
+    mla = MLAShape(
+        kv_lora_rank=_size(get, "kv_lora_rank"),
+        qk_rope_head_dim=_size(get, "qk_rope_head_dim", minimum=2),
+        qk_nope_head_dim=_size(get, "qk_nope_head_dim"),
+        v_head_dim=_size(get, "v_head_dim"),
+        q_lora_rank=None if q_lora is None else _size(get, "q_lora_rank"),
+        rope_interleave=bool(get("rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim: {mla.qk_rope_head_dim} is odd; rotary pairs channels")
+    return LlamaShape(
+        vocab_size=_size(get, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_size(get, "intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=1,
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+        norm_eps=_number(get, "rms_norm_eps", 1e-6),
+        **_rope(get),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        softmax_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5,
+        mla=mla,
     )
 
 

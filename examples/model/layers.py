@@ -143,7 +143,13 @@ class Block(nn.Module):
             return RMSNorm(shape.hidden_size, shape.norm_eps, offset=shape.norm_offset)
 
         self.attn_norm = norm()
-        self.attn = Attention(shape, tp)
+        self.attn: nn.Module
+        if shape.mla is not None:
+            from .latent_attention import LatentAttention  # it builds on this module's norms
+
+            self.attn = LatentAttention(shape)
+        else:
+            self.attn = Attention(shape, tp)
         self.mlp_norm = norm()
         self.mlp = MLP(shape, tp)
         self.attn_post_norm = norm() if shape.sandwich_norms else None

@@ -154,9 +154,9 @@ class Llama(nn.Module):
             size = max(max_positions, table.max_positions if table is not None else 0)
             if local:
                 assert s.local_rope_theta is not None, "checked above"
-                inv_freq = rope_inv_freq(s.head_dim, s.local_rope_theta, None, device)
+                inv_freq = rope_inv_freq(s.rotary_dim, s.local_rope_theta, None, device)
             else:
-                inv_freq = rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling, device)
+                inv_freq = rope_inv_freq(s.rotary_dim, s.rope_theta, s.rope_scaling, device)
             table = RotaryTable.build(inv_freq, size)
             if local:
                 self._local_rotary = table

@@ -14,7 +14,7 @@ from attention.errors import InvalidArgumentError
 from kvcache.config.schema import ModelSection
 from kvcache.parallel.heads import TensorParallel, rank_spec
 
-__all__ = ["LlamaShape", "RopeScaling", "shape_for_cache"]
+__all__ = ["LlamaShape", "MLAShape", "RopeScaling", "shape_for_cache"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,32 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention (DeepSeek-V2/V3): what a layer caches per token is one
+    latent of ``kv_lora_rank + qk_rope_head_dim`` values shared by every head, not K and V.
+
+    kv_lora_rank:     the compressed K/V (``kv_a_proj_with_mqa`` then ``kv_a_layernorm``).
+    qk_rope_head_dim: the rotary part of q and k (k's is shared by every head).
+    qk_nope_head_dim: the non-rotary part of each head's q and k (k's from ``kv_b_proj``).
+    v_head_dim:       each head's value width (from ``kv_b_proj``).
+    q_lora_rank:      q through a low-rank projection and a norm (V3: 1536); None: one projection.
+    rope_interleave:  the rotary channels come in interleaved pairs (DeepSeek's layout).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,12 @@ class LlamaShape:
     qk_norm:       q and k normalised per head before rotary (Gemma-3).
     local_rope_theta: rotary base of the windowed layers (Gemma-3: 10,000, no scaling); the
                    full layers use ``rope_theta`` and ``rope_scaling``. None: one rotary for all.
+
+    mla: multi-head latent attention (DeepSeek): the cache holds one latent per token and
+    layer, which the model serves as one KV head of ``head_dim = mla.latent_dim`` (``num_kv_heads``
+    is 1): each head's query is absorbed into the latent space (its non-rotary part times
+    ``kv_b_proj``'s key half) and attends over the latents, whose first ``kv_lora_rank``
+    values are also the values (``kv_b_proj``'s value half maps them back after attention).
     """
 
     vocab_size: int
@@ -83,6 +115,12 @@ class LlamaShape:
     final_logit_softcap: float | None = None
     qk_norm: bool = False
     local_rope_theta: float | None = None
+    mla: MLAShape | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels the rotary rotates: the head (or, with MLA, the rotary part of q and k)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def is_windowed(self, layer: int) -> bool:
         """Whether layer ``layer`` attends to the last ``sliding_window`` tokens only."""
@@ -113,11 +151,19 @@ class LlamaShape:
             sliding_window=self.sliding_window,
             window_pattern=self.window_layers if self.sliding_window is not None else None,
             logit_softcap=self.logit_softcap,
+            kv_lora_rank=None if self.mla is None else self.mla.kv_lora_rank,
+            qk_rope_head_dim=None if self.mla is None else self.mla.qk_rope_head_dim,
+            qk_nope_head_dim=None if self.mla is None else self.mla.qk_nope_head_dim,
+            v_head_dim=None if self.mla is None else self.mla.v_head_dim,
         )
 
     def check_tp(self, tp: TensorParallel) -> None:
         """Raise InvalidArgumentError when the model does not split over ``tp.size`` ranks
         (heads, see :mod:`kvcache.parallel.heads`; the MLP width must divide evenly too)."""
+        if self.mla is not None and tp.is_sharded:
+            raise InvalidArgumentError(
+                f"tensor-parallel size {tp.size}: the example's latent attention (MLA) runs on one rank; use --tp 1"
+            )
         tp.check_heads(self.num_heads, self.num_kv_heads)
         if self.intermediate_size % tp.size:
             raise InvalidArgumentError(
@@ -131,9 +177,22 @@ class LlamaShape:
         """The attention shape a backend serves for this model, window included; with ``tp``,
         the shape of that rank's heads.
 
-        ``KVCacheConfig.attention_spec()`` cannot carry the window (the config's ``model``
-        section has no field for it), so build the backend from this spec instead.
+        It carries what the config's ``model`` section has no field for (Gemma's softmax
+        scale), so build the backend from this spec. With MLA it is MQA over the latent: one
+        KV head of ``mla.latent_dim`` channels (``latent_attention``), scaled as the
+        uncompressed q . k.
         """
+        if self.mla is not None:
+            spec = AttentionSpec(
+                num_heads=self.num_heads,
+                num_kv_heads=1,
+                head_dim=self.mla.latent_dim,
+                dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != dtype else None,
+                softmax_scale=(self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5,
+                latent_attention=True,
+            )
+            return spec if tp is None else rank_spec(spec, tp)
         spec = AttentionSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -164,7 +223,16 @@ def shape_for_cache(model: ModelSection, *, vocab_size: int = 256, intermediate_
     hidden = model.num_heads * model.head_dim
     if intermediate_size is None:
         intermediate_size = -(-8 * hidden // 3 // 32) * 32
+    mla = None
+    if model.kv_lora_rank is not None and model.qk_rope_head_dim is not None:
+        mla = MLAShape(
+            kv_lora_rank=model.kv_lora_rank,
+            qk_rope_head_dim=model.qk_rope_head_dim,
+            qk_nope_head_dim=model.qk_nope_head_dim or model.head_dim - model.qk_rope_head_dim,
+            v_head_dim=model.v_head_dim or model.head_dim,
+        )
     return LlamaShape(
+        mla=mla,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate_size,

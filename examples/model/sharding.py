@@ -86,6 +86,8 @@ def param_parts(name: str, full_shape: tuple[int, ...], shape: LlamaShape, tp: T
     """
     module, _, kind = name.rpartition(".")
     rule = next((r for suffix, r in _SHARDED.items() if module.endswith(suffix)), None)
+    if shape.mla is not None and ".attn." in name:
+        rule = None  # latent attention runs on one rank: its parameters are whole
     if rule is None or (kind == "bias" and rule[0] == 1):
         return [Part(0, full_shape[0], 0, full_shape[0], 0)] if full_shape else []
     dim, splits = rule

@@ -41,6 +41,8 @@ BLOCK_SIZE_RULE = MultipleOf(32, 1024)
 HEAD_DIM_RULE = MultipleOf(8, 512)
 MAX_LAYERS = 4096
 MAX_HEADS = 1024
+#: Largest MLA width (kv_lora_rank, a rotary or value head dim): V3's are 512, 64 and 128.
+MAX_LATENT = 4096
 #: Block ids are int32 in block tables (and slot ids int64), so the pool holds at most 2**31 - 1.
 MAX_BLOCKS = 2**31 - 1
 #: Token positions and lengths are int32 in step metadata.
@@ -68,6 +70,7 @@ def cross_field_problems(values: Values) -> list[ConfigProblem]:
         _one_size,
         _compute_dtype_given,
         _window_pattern,
+        _latent_attention,
         _backend_supports,
         _host_tier_needs_prefix_caching,
         _disk_tier_needs,
@@ -224,6 +227,71 @@ def _window_pattern(values: Values) -> list[ConfigProblem]:
     return found
 
 
+#: The MLA fields, given all together or not at all.
+_LATENT_FIELDS = ("model.kv_lora_rank", "model.qk_rope_head_dim", "model.qk_nope_head_dim", "model.v_head_dim")
+
+
+def _latent_attention(values: Values) -> list[ConfigProblem]:
+    """MLA: all four sizes or none; one KV head; head_dim = nope + rope; an even rotary part;
+    a latent the kernels can load (a multiple of 8); no window, cap or sinks (DeepSeek has none)."""
+    given = {path: values.get(path) for path in _LATENT_FIELDS}
+    if all(v is None for v in given.values()):
+        return []
+    missing = [path for path, v in given.items() if v is None]
+    if missing:
+        return [
+            ConfigProblem(
+                missing[0],
+                "is missing; multi-head latent attention needs kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim "
+                "and v_head_dim together (DeepSeek-V3: 512, 64, 128, 128)",
+            )
+        ]
+    rank, rope, nope, v = (_count(values, path, 1, MAX_LATENT) for path in _LATENT_FIELDS)
+    if rank is None or rope is None or nope is None or v is None:
+        return []  # a bad value, reported by its field
+    found = []
+    if values.get("model.num_kv_heads") not in (1, None):
+        found.append(
+            ConfigProblem(
+                "model.num_kv_heads",
+                f"{quote(values.get('model.num_kv_heads'))} with latent attention; the cached latent is one KV head "
+                "shared by every query head: use 1",
+            )
+        )
+    head_dim = _count(values, "model.head_dim", 1, MAX_LATENT)
+    if head_dim is not None and head_dim != nope + rope:
+        found.append(
+            ConfigProblem(
+                "model.head_dim",
+                f"{head_dim} with latent attention; it is qk_nope_head_dim + qk_rope_head_dim: use {nope + rope}",
+            )
+        )
+    if rope % 2:
+        found.append(ConfigProblem("model.qk_rope_head_dim", f"{rope} is odd; rotary pairs channels: use {rope + 1}"))
+    if (rank + rope) % 8:
+        found.append(
+            ConfigProblem(
+                "model.kv_lora_rank",
+                f"{rank}: the latent (kv_lora_rank + qk_rope_head_dim = {rank + rope}) must be a multiple of 8 "
+                f"for the kernels' loads; use {(rank + rope + 7) // 8 * 8 - rope}",
+            )
+        )
+    for path in ("model.sliding_window", "model.logit_softcap"):
+        if values.get(path) is not None:
+            found.append(ConfigProblem(path, "is not supported with latent attention yet; remove it"))
+    if values.get("model.attention_sinks") is True:
+        found.append(ConfigProblem("model.attention_sinks", "is not supported with latent attention yet; remove it"))
+    cache_dtype = _name(values, "cache.dtype", DTYPES)
+    if cache_dtype is not None and DTYPES[cache_dtype].cache_only:
+        found.append(
+            ConfigProblem(
+                "cache.dtype",
+                f"{cache_dtype} with latent attention: an fp8 latent is not there yet; use the model's dtype",
+            )
+        )
+    return found
+
+
 def _backend_supports(values: Values) -> list[ConfigProblem]:
     """The chosen backend's declared refusals, for every value it can judge.
 
@@ -251,6 +319,7 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         sliding_window=window is not None and (pattern is None or any(pattern)),
         logit_softcap=values.get("model.logit_softcap") is not None,
         attention_sinks=values.get("model.attention_sinks") is True,
+        latent_attention=values.get("model.kv_lora_rank") is not None,
     )
     paths = {
         "block_size": "cache.block_size",
@@ -261,13 +330,15 @@ def _backend_supports(values: Values) -> list[ConfigProblem]:
         "sliding_window": "model.sliding_window",
         "logit_softcap": "model.logit_softcap",
         "attention_sinks": "model.attention_sinks",
+        "latent_attention": "model.kv_lora_rank",
     }
     judged = {
         "block_size": block_size is not None,
         "head_dim": head_dim is not None,
         "dtype": compute is not None,
     }
-    shown = {"sliding_window": window}  # the table reports only that a window is used
+    # The table reports only that a window or a latent is used: show the sizes instead.
+    shown = {"sliding_window": window, "latent_attention": values.get("model.kv_lora_rank")}
     return [
         ConfigProblem(paths[p.parameter], f"{quote(shown.get(p.parameter, p.value))} is refused: {p.reason}; {p.fix}")
         for p in problems

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -31,6 +31,7 @@ from kvcache.config.rules import (
     HEAD_DIM_RULE,
     MAX_BLOCKS,
     MAX_HEADS,
+    MAX_LATENT,
     MAX_LAYERS,
     MAX_TOKENS,
     cross_field_problems,
@@ -159,6 +160,19 @@ class ModelSection(BaseModel):
     attention_sinks: bool = False
     """Every layer has learned per-head sink logits in the softmax's denominator (gpt-oss);
     the engine passes them to attend(sinks=...). Not every backend has them."""
+    kv_lora_rank: int | None = Field(default=None, ge=8, le=MAX_LATENT)
+    """Multi-head latent attention (DeepSeek-V2/V3's MLA): the compressed K/V each token caches
+    per layer (V3: 512). Give it with qk_rope_head_dim, qk_nope_head_dim and v_head_dim; the
+    cache then holds kv_lora_rank + qk_rope_head_dim values per token and layer, shared by
+    every head (num_kv_heads: 1), instead of K and V per KV head."""
+    qk_rope_head_dim: int | None = Field(default=None, ge=2, le=MAX_LATENT)
+    """MLA: the rotary part of each head's q and of the shared k (V3: 64), cached beside the
+    latent."""
+    qk_nope_head_dim: int | None = Field(default=None, ge=1, le=MAX_LATENT)
+    """MLA: the non-rotary part of each head's q and k (V3: 128); head_dim is qk_nope_head_dim
+    + qk_rope_head_dim."""
+    v_head_dim: int | None = Field(default=None, ge=1, le=MAX_LATENT)
+    """MLA: each head's value width (V3: 128)."""
 
     @field_validator("head_dim")
     @classmethod
@@ -175,6 +189,20 @@ class ModelSection(BaseModel):
     def group_size(self) -> int:
         """Query heads per KV head (1: MHA; num_heads: MQA)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def latent_dim(self) -> int | None:
+        """MLA: values cached per token and layer (``kv_lora_rank + qk_rope_head_dim``); None
+        for K/V heads."""
+        if self.kv_lora_rank is None or self.qk_rope_head_dim is None:
+            return None
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def values_per_token_layer(self) -> int:
+        """Cache values one token takes in one layer: K and V of every KV head, or MLA's latent."""
+        latent = self.latent_dim
+        return 2 * self.num_kv_heads * self.head_dim if latent is None else latent
 
 
 @dataclass(frozen=True)
@@ -361,9 +389,10 @@ class KVCacheConfig(BaseModel):
 
     @property
     def bytes_per_block(self) -> int:
-        """2 (K and V) x layers x block_size x kv_heads x head_dim x itemsize."""
+        """2 (K and V) x layers x block_size x kv_heads x head_dim x itemsize (MLA: layers x
+        block_size x the latent's values x itemsize)."""
         m = self.model
-        return 2 * m.num_layers * self.cache.block_size * m.num_kv_heads * m.head_dim * self.cache.itemsize
+        return m.num_layers * self.cache.block_size * m.values_per_token_layer * self.cache.itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -384,6 +413,8 @@ class KVCacheConfig(BaseModel):
         (the same on every rank; more than ``bytes_per_block / tp.size`` when KV heads are
         replicated)."""
         m = self.model
+        if m.latent_dim is not None:  # MLA: one latent per token, on one rank
+            return self.bytes_per_block
         return 2 * m.num_layers * self.cache.block_size * self.kv_heads_per_rank(tp) * m.head_dim * self.cache.itemsize
 
     def bytes_per_token_per_rank(self, tp: TensorParallel | None = None) -> int:
@@ -419,6 +450,16 @@ class KVCacheConfig(BaseModel):
             logit_softcap=m.logit_softcap,
             attention_sinks=m.attention_sinks,
         )
+        if m.latent_dim is not None and m.qk_nope_head_dim is not None:
+            # MLA as MQA over the latent: one KV head as wide as the latent, the scale of the
+            # uncompressed q.k (nope + rope channels).
+            spec = replace(
+                spec,
+                num_kv_heads=1,
+                head_dim=m.latent_dim,
+                softmax_scale=(m.qk_nope_head_dim + (m.qk_rope_head_dim or 0)) ** -0.5,
+                latent_attention=True,
+            )
         if tp is None:
             return spec
         from kvcache.parallel.heads import rank_spec

@@ -98,7 +98,9 @@ class KVCacheTensors:
 
     storage: [num_tensors, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
              V at [:, 1]), the cache dtype; ``num_tensors`` is the model's layer count, or
-             ``layout.group_size`` with KV groups.
+             ``layout.group_size`` with KV groups. A latent cache (MLA) has one part,
+             ``[num_tensors, 1, num_blocks, block_size, 1, latent_dim]``: a layer's K and V
+             views are the same tensor.
     scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache, per
              model layer (None otherwise).
     layout:  the model's KV groups when it has more than one (None: one table per sequence
@@ -130,7 +132,7 @@ class KVCacheTensors:
         self._layers = [
             LayerCache(
                 self.storage[t, 0],
-                self.storage[t, 1],
+                self.storage[t, -1],  # the same tensor for a latent cache (one part)
                 index=i,
                 k_scale=None if s is None else s[i, 0],
                 v_scale=None if s is None else s[i, 1],
@@ -282,7 +284,10 @@ def allocate_kv_cache(
         blocks = blocks * m.num_layers // tensors  # the same memory, in ids of group_size layers
     else:
         layout = None
-    shape = (tensors, 2, blocks, config.cache.block_size, kv_heads, m.head_dim)
+    latent = m.latent_dim  # MLA: one latent per token, its K and V views alias it
+    shape = (tensors, 2, blocks, config.cache.block_size, kv_heads, m.head_dim) if latent is None else (
+        tensors, 1, blocks, config.cache.block_size, 1, latent
+    )
     dtype = torch_dtype(config.cache.dtype)
     try:
         storage = torch.empty(shape, dtype=dtype, device=dev)

@@ -27,4 +27,4 @@ def host_block_pool(cache: KVCacheTensors, num_host_blocks: int) -> torch.Tensor
     one host block (every layer's K and V of its tokens) is contiguous and moves in one copy.
     Pinned when the cache is on CUDA."""
     s = cache.storage.shape
-    return torch.empty((num_host_blocks, s[0], 2, *s[3:]), dtype=cache.dtype, pin_memory=cache.device.type == "cuda")
+    return torch.empty((num_host_blocks, *s[:2], *s[3:]), dtype=cache.dtype, pin_memory=cache.device.type == "cuda")

@@ -135,7 +135,7 @@ class HostPrefixTier:
         self.disk = (
             None
             if disk_dir is None
-            else DiskPrefixTier(disk_dir, disk_bytes, (s[0], 2, *s[3:]), cache.dtype, manager.kv_events)
+            else DiskPrefixTier(disk_dir, disk_bytes, (*s[:2], *s[3:]), cache.dtype, manager.kv_events)
         )
         self.manager = manager
         self.cache = cache
@@ -147,7 +147,7 @@ class HostPrefixTier:
         #: on the copy engines, with no kernel (:mod:`kvcache.memory.pitched_copy`): offloads
         #: whenever the runtime allows, loads when rows are long enough to stream.
         self.pitched_offloads = self._stream is not None and pitched_copies_available()
-        row_bytes = cache.bytes_per_block // (2 * cache.num_layers)
+        row_bytes = cache.bytes_per_block // (cache.storage.shape[0] * cache.storage.shape[1])
         self.pitched_loads = self.pitched_offloads and row_bytes >= MIN_PITCHED_LOAD_ROW_BYTES
         self._device_rows = cache.storage.flatten(0, 1)  # [2 * num_layers, num_blocks, ...]
         self._host_rows = self.host.flatten(1, 2)  # [num_host_blocks, 2 * num_layers, ...]

@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek-V2/V3's MLA) over the paged cache, in the absorbed form.
+
+Each token caches one latent per layer: ``c`` (``kv_lora_rank`` values: ``kv_a_proj_with_mqa``
+then ``kv_a_layernorm``) and ``k_pe`` (``qk_rope_head_dim`` values, rotated), shared by every
+head. Head ``h``'s key would be ``[W_UK[h] c, k_pe]`` and its value ``W_UV[h] c`` (``W_UK`` and
+``W_UV`` are the two halves of ``kv_b_proj``), so
+
+    q[h] . k[h] = (W_UK[h]^T q_nope[h]) . c + q_pe[h] . k_pe
+    out[h]      = W_UV[h] (sum_i p_i c_i)
+
+and attention runs over the latents themselves: MQA with one KV head of ``kv_lora_rank +
+qk_rope_head_dim`` channels, the query ``[W_UK[h]^T q_nope[h], q_pe[h]]``, and the latent as
+its own value (the backend's K and V views of a latent cache are one tensor,
+``AttentionSpec.latent_attention``); the first ``kv_lora_rank`` channels of the output are
+``sum_i p_i c_i``. Nothing per head is cached and nothing is decompressed.
+
+Shapes: ``T`` new tokens, ``H`` heads, ``r`` = kv_lora_rank, ``e`` = qk_rope_head_dim, ``n`` =
+qk_nope_head_dim, ``v`` = v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention import AttentionBackend, LayerCache, StepPlan
+from attention.rotary import RotaryTable, rotate
+
+from .layers import RMSNorm, RowParallelLinear
+from .shape import LlamaShape
+
+__all__ = ["LatentAttention"]
+
+#: transformers builds DeepSeek's two inner norms with its RMSNorm default, not rms_norm_eps.
+INNER_NORM_EPS = 1e-6
+
+
+def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rotary channels ``(x0, x1), (x2, x3), ...`` reordered as halves
+    ``(x0, x2, ..., x1, x3, ...)``, the layout :func:`attention.rotary.rotate` turns. Applied to
+    q and k alike, it leaves every q . k unchanged."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """MLA attention of one layer (parameter names as transformers' ``DeepseekV3Attention``;
+    ``wo`` is its ``o_proj``). One tensor-parallel rank only."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        mla = shape.mla
+        if mla is None:
+            raise ValueError("shape.mla: LatentAttention needs the shape's latent sizes")
+        self.num_heads = shape.num_heads
+        self.mla = mla
+        hidden, heads = shape.hidden_size, shape.num_heads
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, INNER_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, INNER_NORM_EPS)
+        #: Per head, the key half (n rows) then the value half (v rows), of r columns each.
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.wo = RowParallelLinear(heads * mla.v_head_dim, hidden, bias=False, sharded=False)
+
+    def forward(
+        self, x: torch.Tensor, layer: LayerCache, backend: AttentionBackend, plan: StepPlan, rotary: RotaryTable
+    ) -> torch.Tensor:
+        """x: [T, hidden]; layer: this layer's latent cache; rotary: the model's table (over
+        qk_rope_head_dim channels). Returns [T, hidden]."""
+        m, t, heads = self.mla, x.shape[0], self.num_heads
+        nope, rope, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        if self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        elif self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            raise RuntimeError("LatentAttention: no query projection (built without a shape?)")
+        q_nope, q_pe = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        c = self.kv_a_layernorm(c)
+        if m.rope_interleave:
+            q_pe, k_pe = _pairs_to_halves(q_pe), _pairs_to_halves(k_pe)
+        positions = plan.metadata.positions
+        q_pe = rotate(q_pe, positions, rotary)  # [T, H, e]
+        k_pe = rotate(k_pe.unsqueeze(1), positions, rotary)  # [T, 1, e]
+        w = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, n, r], [H, v, r]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, r + e]
+        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, r + e]: what the cache keeps
+        backend.write_kv(latent, latent, layer, plan)
+        out = backend.attend(query, layer, plan)  # [T, H, r + e]; the first r: sum_i p_i c_i
+        values = torch.einsum("thr,hvr->thv", out[..., :rank], w_uv)  # [T, H, v]
+        return self.wo(values.reshape(t, heads * m.v_head_dim))

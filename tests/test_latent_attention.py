@@ -1,0 +1,159 @@
+"""Multi-head latent attention (DeepSeek-V3's MLA): a latent cache (one tensor per layer, a
+latent per token shared by every head), served by the example engine in the absorbed form
+(MQA over the latent: ``examples.model.latent_attention``), against transformers' own
+``DeepseekV3ForCausalLM`` with the same weights; the config's MLA fields and their refusals.
+
+The models are tiny and random (2 layers, hidden 64, 4 heads, kv_lora_rank 32, rope 8, nope
+16, v 16; dense MLPs), with the norms' weights drawn away from 1 so a missing or misplaced
+norm shows. transformers runs each prompt alone with eager attention over decompressed K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attention import get_backend  # noqa: E402
+from attention.errors import UnsupportedSettingError  # noqa: E402
+from examples.engine import cache_config_for, engine_for  # noqa: E402
+from examples.engine.loop import run_requests  # noqa: E402
+from examples.engine.scheduler import Request, make_preemption  # noqa: E402
+from examples.model import from_transformers, shape_for_cache, shape_from_config  # noqa: E402
+from kvcache import ConfigError, allocate_kv_cache, parse_config  # noqa: E402
+from tests.test_checkpoints import LOGITS_ATOL, VOCAB, _hf_generate  # noqa: E402
+
+NEW_TOKENS = 8
+
+
+def _deepseek(q_lora_rank: int | None, **options: Any) -> Any:
+    settings: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": q_lora_rank,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "first_k_dense_replace": 2,  # every layer dense
+        "max_position_embeddings": 512,
+        "initializer_range": 64**-0.5,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "attn_implementation": "eager",
+    }
+    torch.manual_seed(5)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**settings, **options}))
+    model = model.to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    return model
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (96, 1, 64, 100, 33, 130)]
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q-proj", "q-lora"])
+def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None) -> None:
+    hf = _deepseek(q_lora_rank)
+    model = from_transformers(hf)
+    assert model.shape.mla is not None and model.shape.mla.q_lora_rank == q_lora_rank
+    # 7 blocks of 32 tokens for peaks adding up to 18 blocks: preemption happens.
+    config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=7, device="cpu",
+                              backend="reference", prefix_caching=True)  # fmt: skip
+    engine = engine_for(config, model.shape, fill=float("nan"))
+    assert engine.spec.latent_attention and engine.spec.head_dim == 40 and engine.spec.num_kv_heads == 1
+    assert engine.cache.storage.shape == (2, 1, 7, 32, 1, 40), "one latent of 32 + 8 values per token and layer"
+    prompts = _prompts()
+    requests = [Request(i, p, NEW_TOKENS, arrival_step=i // 2) for i, p in enumerate(prompts)]
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=32, max_running=4,
+        record_logits=True,
+    )  # fmt: skip
+    assert report.finished == len(prompts) and report.preemptions >= 1
+    assert (report.prefix_hit_tokens or 0) > 0, "the preempted request finds its blocks again"
+    for prompt, req in zip(prompts, requests, strict=True):
+        tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
+        assert req.output == tokens, f"prompt of {len(prompt)}"
+        torch.testing.assert_close(torch.stack(report.logits[req.req_id]), logits, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_the_rotary_pairs_are_deepseeks() -> None:
+    """Without DeepSeek's interleaved rotary layout the logits move (so the test above checks it)."""
+    hf = _deepseek(None)
+    ours = from_transformers(hf)
+    flat = _deepseek(None, rope_interleave=False)
+    flat.load_state_dict(hf.state_dict())
+    prompt = _prompts()[0]
+    _, interleaved = _hf_generate(hf, prompt, 2)
+    _, halves = _hf_generate(flat, prompt, 2)
+    assert (interleaved - halves).abs().max().item() > 1e-2
+    assert ours.shape.mla is not None and ours.shape.mla.rope_interleave
+
+
+LATENT = """
+model: {num_layers: 2, num_heads: 4, num_kv_heads: 1, head_dim: 24, kv_lora_rank: 32, qk_rope_head_dim: 8,
+        qk_nope_head_dim: 16, v_head_dim: 16}
+cache: {block_size: 32, dtype: float32, num_blocks: 8, device: cpu}
+attention: {backend: reference}
+"""
+
+
+def test_the_config_sizes_a_latent_cache() -> None:
+    config = parse_config(LATENT)
+    assert config.bytes_per_token == 2 * 40 * 4  # layers x (kv_lora_rank + rope) x float32
+    cache = allocate_kv_cache(config)
+    assert cache.storage.shape == (2, 1, 8, 32, 1, 40)
+    assert cache.layer(1).key.data_ptr() == cache.layer(1).value.data_ptr()
+    spec = config.attention_spec()
+    assert spec.latent_attention and spec.head_dim == 40 and spec.scale == pytest.approx(24**-0.5)
+    shape = shape_for_cache(config.model)
+    assert shape.mla is not None and shape.mla.latent_dim == 40 and shape.attention_spec("float32") == spec
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "words"),
+    [
+        (("v_head_dim: 16", ""), "model.v_head_dim", "is missing"),
+        (("num_kv_heads: 1", "num_kv_heads: 2"), "model.num_kv_heads", "use 1"),
+        (("head_dim: 24,", "head_dim: 32,"), "model.head_dim", "use 24"),
+        (("qk_rope_head_dim: 8", "qk_rope_head_dim: 7"), "model.qk_rope_head_dim", "odd"),
+        (("kv_lora_rank: 32", "kv_lora_rank: 30"), "model.kv_lora_rank", "use 32"),
+        (("v_head_dim: 16}", "v_head_dim: 16, sliding_window: 64}"), "model.sliding_window", "latent attention"),
+        (("dtype: float32", "dtype: float8_e4m3"), "cache.dtype", "fp8 latent"),
+        (("backend: reference", "backend: triton"), "model.kv_lora_rank", "no latent attention"),
+    ],
+)
+def test_bad_latent_configs_are_refused_naming_the_field(edit: tuple[str, str], field: str, words: str) -> None:
+    text = LATENT.replace(*edit)
+    if "float8" in edit[1]:
+        text = text.replace("num_layers: 2,", "num_layers: 2, dtype: bfloat16,")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert any(field in line and words in line for line in str(caught.value).splitlines()), str(caught.value)
+
+
+def test_what_the_example_model_lacks_is_refused() -> None:
+    config = _deepseek(None).config.to_dict()
+    with pytest.raises(ValueError, match=r"first_k_dense_replace.*mixtures of experts"):
+        shape_from_config({**config, "first_k_dense_replace": 1, "n_routed_experts": 4})
+    with pytest.raises(ValueError, match=r"attention_bias"):
+        shape_from_config({**config, "attention_bias": True})
+    spec = shape_from_config(config).attention_spec("float32")
+    pytest.importorskip("triton")
+    with pytest.raises(UnsupportedSettingError, match=r"latent_attention.*no latent attention"):
+        get_backend("triton", spec)
