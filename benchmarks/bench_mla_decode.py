@@ -1,0 +1,127 @@
+"""MLA decode (DeepSeek-V3's latent attention, absorbed) on the H200: our paged Triton kernel
+(``attention.triton_kernels.mla_decode``) against the copy bandwidth and against a torch
+formulation of the same computation over dense, padded latents (two bf16 batched matmuls and
+a float32 softmax), same run.
+
+Shapes: DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576 bf16 values per token), 128
+heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at shuffled ids;
+batches 64 x 4096 and 128 rows of LogNormal(median 2048, sigma 0.8) lengths. Times are
+medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
+latents come from HBM), the split merge included. Bandwidth: the latent bytes the step must
+read (every row's tokens once) over the time, against the device copy bandwidth of this run.
+A few launches are timed per shape; the table shows the fastest, all are in the JSON.
+
+Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import KernelTimer, measure_copy_tbps, shuffled_block_tables
+
+from attention.triton_kernels.mla_decode import mla_decode
+
+RANK, ROPE, BLOCK = 512, 64, 64
+SCALE = (128 + 64) ** -0.5
+LAUNCHES = [(16, 32, 4), (16, 64, 4), (32, 32, 8), (64, 32, 8)]  # (block_h, block_n, num_warps)
+
+
+def lengths(kind: str, seed: int) -> list[int]:
+    if kind == "64x4096":
+        return [4096] * 64
+    rng = random.Random(seed)
+    return [max(16, min(16384, int(rng.lognormvariate(math.log(2048), 0.8)))) for _ in range(128)]
+
+
+def torch_dense(query: torch.Tensor, dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """query [B, H, 576], dense [B, L, 576] -> [B, H, 512]; mask [B, 1, L] (True: a token)."""
+    scores = torch.bmm(query, dense.transpose(1, 2)).float() * SCALE
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.bmm(p.to(dense.dtype), dense[..., :RANK])
+
+
+def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float) -> list[dict[str, Any]]:
+    """Every launch of :data:`LAUNCHES` and torch's dense formulation, for both head counts."""
+    lens = lengths(kind, 0)
+    host_tables, num_blocks = shuffled_block_tables(lens, BLOCK, seed=1)
+    cache = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE, device="cuda").to(torch.bfloat16)
+    tables, seq_lens = host_tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    longest = max(lens)
+    # Dense copies for torch: every row's latents in order, padded to the longest.
+    dense = torch.zeros(len(lens), longest, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
+    for i, n in enumerate(lens):
+        blocks = tables[i, : -(-n // BLOCK)].long()
+        dense[i, :n] = cache[blocks].reshape(-1, RANK + ROPE)[:n]
+    mask = (torch.arange(longest, device="cuda")[None, :] < seq_lens[:, None])[:, None, :]
+    latent_bytes = sum(lens) * (RANK + ROPE) * 2
+    rows: list[dict[str, Any]] = []
+    for heads in (128, 16):
+        query = torch.randn(len(lens), heads, RANK + ROPE, device="cuda").to(torch.bfloat16)
+        want = torch_dense(query, dense, mask).float()
+        torch_ms = timer.graph_ms(lambda: torch_dense(query, dense, mask))  # noqa: B023 (used in this iteration)
+        for block_h, block_n, warps in LAUNCHES:
+            if block_h > heads:
+                continue
+            programs = len(lens) * -(-heads // block_h)
+            splits = max(1, min(longest // 512, -(-2 * 132 // programs)))
+            row: dict[str, Any] = {"batch": kind, "heads": heads, "block_h": block_h, "block_n": block_n,
+                                   "num_warps": warps, "splits": splits}  # fmt: skip
+
+            def run(bh: int = block_h, bn: int = block_n, w: int = warps, s: int = splits) -> torch.Tensor:
+                return mla_decode(query, cache, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
+                                  num_splits=s, block_h=bh, block_n=bn, num_warps=w)  # fmt: skip
+
+            try:
+                got = run()
+                err = float((got - want).abs().max() / want.abs().max())
+                ms = timer.graph_ms(run)
+                tbps = latent_bytes / (ms * 1e-3) / 1e12
+                row.update(ms=ms, torch_ms=torch_ms, vs_torch=torch_ms / ms, rel_err=err, tbps=tbps,
+                           of_copy=tbps / (copy_tbps / 2))  # fmt: skip  (copy TB/s counts read + write)
+            except Exception as e:  # a launch that does not fit (registers, shared memory)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--rep-ms", type=int, default=60)
+    args = p.parse_args()
+    timer = KernelTimer(10, args.rep_ms)
+    copy_tbps = measure_copy_tbps(timer)
+    rows_out = [row for kind in ("64x4096", "lognormal-128") for row in measure_batch(kind, timer, copy_tbps)]
+    print(f"\n{'batch':14} {'heads':>5} {'launch':>14} {'splits':>6} {'ms':>8} {'TB/s':>6} {'of copy':>7} "
+          f"{'torch ms':>8} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
+    for kind in ("64x4096", "lognormal-128"):
+        for heads in (128, 16):
+            done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
+            if not done:
+                continue
+            best = min(done, key=lambda x: x["ms"])
+            launch = f"h{best['block_h']} n{best['block_n']} w{best['num_warps']}"
+            print(
+                f"{kind:14} {heads:5d} {launch:>14} {best['splits']:6d} {best['ms']:8.3f} {best['tbps']:6.2f} "
+                f"{best['of_copy']:7.0%} {best['torch_ms']:8.3f} {best['vs_torch']:7.2f}x {best['rel_err']:8.1e}"
+            )
+    doc = {"benchmark": "bench_mla_decode", "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps_read_plus_write": copy_tbps,
+           "rows": rows_out}  # fmt: skip
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"mla-decode-{doc['date']}.json"
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

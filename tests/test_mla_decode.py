@@ -1,0 +1,96 @@
+"""The MLA decode kernel (attention.triton_kernels.mla_decode) against a float64 reference.
+
+Without a GPU it runs in Triton's CPU interpreter (tests/conftest.py), so shapes stay small.
+The latent cache holds NaN in every slot no row owns, and block ids are shuffled, so a read of
+an unowned slot, of a padded table entry or of a token past a row's length turns the output
+NaN or wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.errors import InvalidArgumentError
+from attention.triton_kernels.mla_decode import mla_decode
+from attention.triton_kernels.paging import kernels_interpreted
+
+DEVICE = "cpu" if kernels_interpreted() else "cuda"
+
+
+def _case(lens: list[int], heads: int, rank: int, rope: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.full((num_blocks, block_size, 1, rank + rope), float("nan"), dtype=torch.float64)
+    width = max([*per_row, 1]) + 1
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    latents = []
+    for r, n in enumerate(lens):
+        blocks = [ids.pop() for _ in range(per_row[r])]
+        tables[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        lat = torch.randn(n, rank + rope, generator=gen, dtype=torch.float64)
+        for t in range(n):
+            cache[blocks[t // block_size], t % block_size, 0] = lat[t]
+        latents.append(lat)
+    query = torch.randn(len(lens), heads, rank + rope, generator=gen, dtype=torch.float64)
+    return query, cache, tables, latents
+
+
+def _reference(query: torch.Tensor, latents: list[torch.Tensor], rank: int, scale: float) -> torch.Tensor:
+    out = torch.zeros(query.shape[0], query.shape[1], rank, dtype=torch.float64)
+    for r, lat in enumerate(latents):
+        if len(lat):
+            p = torch.softmax(query[r] @ lat.T * scale, dim=-1)  # [H, n]
+            out[r] = p @ lat[:, :rank]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "rank", "rope", "block_size", "splits"),
+    [
+        ([1, 37, 64, 5], 4, 32, 16, 32, 1),  # partial blocks, a one-token row, fewer heads than a tile
+        ([100, 33, 7], 16, 64, 16, 16, 3),  # blocks of 16 under tiles of 32, three splits
+        ([250, 1], 20, 32, 8, 32, 4),  # a second head tile, a rotary part narrower than a dot
+        ([0, 65], 4, 32, 16, 64, 2),  # an empty row
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_decode_matches_float64(lens, heads, rank, rope, block_size, splits, dtype) -> None:  # type: ignore[no-untyped-def]
+    query, cache, tables, latents = _case(lens, heads, rank, rope, block_size, dtype)
+    scale = (rope + 24) ** -0.5
+    out = mla_decode(
+        query.to(DEVICE, dtype), cache.to(DEVICE, dtype), tables.to(DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=rank, scale=scale, num_splits=splits,
+    )  # fmt: skip
+    # The reference over the same rounded inputs.
+    rounded = [lat.to(dtype).double() for lat in latents]
+    want = _reference(query.to(dtype).double(), rounded, rank, scale)
+    assert out.shape == (len(lens), heads, rank) and out.dtype == torch.float32
+    assert torch.isfinite(out).all(), "read an unowned (NaN) slot"
+    err = (out.double().cpu() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
+
+
+def test_bad_block_ids_are_masked_not_read() -> None:
+    query, cache, tables, _ = _case([40, 40], 4, 32, 16, 32, torch.float32)
+    tables[1, 0] = 10**6  # out of the cache
+    tables[1, 1] = -5
+    out = mla_decode(query.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE),
+                     torch.tensor([40, 40], dtype=torch.int32, device=DEVICE), kv_lora_rank=32, scale=0.1)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())), "a row with no valid block attends to nothing"
+
+
+def test_bad_arguments_are_refused_naming_them() -> None:
+    query, cache, tables, _ = _case([8], 4, 32, 16, 32, torch.float32)
+    q, c, lens = query.float(), cache.float(), torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="kv_lora_rank"):
+        mla_decode(q, c, tables, lens, kv_lora_rank=48, scale=0.1)
+    with pytest.raises(InvalidArgumentError, match="query"):
+        mla_decode(q.double(), c, tables, lens, kv_lora_rank=32, scale=0.1)
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        mla_decode(q, c, tables.long(), lens, kv_lora_rank=32, scale=0.1)
+    with pytest.raises(InvalidArgumentError, match="num_splits"):
+        mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
