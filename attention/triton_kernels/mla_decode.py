@@ -8,7 +8,7 @@ latent[:, :R]``: every head reads the same latents, so one program takes a tile 
 ``BLOCK_H`` heads of one row and streams the row's latents once for all of them (the K/V
 bytes of MLA are one latent per token, not per head: what makes MLA decode memory-cheap).
 
-Grid ``(rows, head tiles, splits)``: split ``s`` of a row takes the tokens ``[s * chunk,
+Grid ``(head tiles, rows, splits)``: split ``s`` of a row takes the tokens ``[s * chunk,
 (s + 1) * chunk)`` (``chunk`` a multiple of ``BLOCK_N``), so long rows spread over more
 programs; each split stores its fp32 partial output, running max and sum, and
 :func:`mla_decode` merges them (log-sum-exp) with a few torch ops. With one split the
@@ -58,8 +58,8 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
+    h0 = tl.program_id(0) * BLOCK_H
+    row = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     D: tl.constexpr = R + E
@@ -180,7 +180,9 @@ def mla_decode(
     acc = torch.empty(rows, splits, heads, rank, dtype=torch.float32, device=query.device)
     ml = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=query.device)
     if rows:
-        grid = (rows, triton.cdiv(heads, block_h), splits)
+        # Head tiles vary fastest: the programs of one row run side by side and read its
+        # latents from L2 after the first, instead of from HBM once per head tile.
+        grid = (triton.cdiv(heads, block_h), rows, splits)
         _mla_decode_kernel[grid](
             query, cache, tables, seq_lens, acc, ml,
             heads, num_blocks, width_cols, chunk, scale * _LOG2E, query.stride(0), query.stride(1),
