@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
-        help="Llama/Qwen2/Mistral/Gemma-2/Gemma-3 checkpoint (config.json + safetensors) instead of random weights",
+        help="Llama/Qwen2/Mistral/Gemma-2/Gemma-3/dense DeepSeek-V3 checkpoint (config.json + safetensors) instead "
+        "of random weights",
     )
     p.add_argument(
         "--no-kv-groups",

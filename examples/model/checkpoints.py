@@ -1,4 +1,5 @@
-"""Real weights for :mod:`examples.model`: Hugging Face Llama, Qwen2 and Mistral checkpoints.
+"""Real weights for :mod:`examples.model`: Hugging Face Llama, Qwen2, Mistral, Gemma-2, Gemma-3
+and dense DeepSeek-V3 checkpoints.
 
     model = load_checkpoint("path/to/Qwen2.5-0.5B", device="cuda", dtype=torch.bfloat16)
     model = from_transformers(hf_model)            # shares the tensors of a loaded transformers model
@@ -210,7 +211,7 @@ def from_transformers(
 ) -> Llama:
     """Our model with the weights of a transformers ``LlamaForCausalLM`` /
     ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` / ``Gemma2ForCausalLM`` /
-    ``Gemma3ForCausalLM``; with ``tp``, that rank's share.
+    ``Gemma3ForCausalLM`` / ``DeepseekV3ForCausalLM`` (dense layers); with ``tp``, that rank's share.
 
     share=True (default): the same tensors, no copy (``dtype``/``device`` must be None).
     share=False: a copy in ``dtype`` on ``device`` (default: the source's).
