@@ -293,3 +293,44 @@ def test_the_serving_benchmark_runs_its_tiny_case(monkeypatch: pytest.MonkeyPatc
     ratios = {line[:24].strip(): float(line.split()[-1]) for line in out.splitlines() if line[:1].isalpha()}
     # KV groups: less K/V per request, so more requests at once in the same memory.
     assert ratios["layer blocks / request"] < 0.8 and ratios["mean running"] > 1.2, out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_give_the_tokens_of_one_table(seed: int) -> None:
+    """Random prompts (some sharing a prefix, some repeating a motif), pools down to the
+    largest request, token budgets, prefix caching, drafts, overlap and stop tokens: KV groups
+    give exactly the tokens of one table for every layer (a roomy pool, no drafts)."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 40, 70]))]
+    motif = [rng.randrange(VOCAB) for _ in range(7)]
+    prompts = [
+        shared + motif * rng.randint(0, 5) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 120))]
+        for _ in range(rng.randint(2, 7))
+    ]
+    new = rng.randint(4, 40)
+    stops = frozenset(rng.randrange(VOCAB) for _ in range(rng.choice([0, 3])))
+    least = -(-max(len(p) + new for p in prompts) // 32)
+    options: dict[str, Any] = {
+        "token_budget": rng.choice([16, 33, 64, 128]),
+        "prefix_caching": rng.random() < 0.6,
+        "overlap": rng.random() < 0.7,
+    }
+    model = from_transformers(_gemma3())
+
+    def outputs(kv_groups: bool, num_blocks: int, draft_tokens: int) -> tuple[list[list[int]], RunReport]:
+        config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=num_blocks, device="cpu",
+                                  backend="reference", prefix_caching=options["prefix_caching"])  # fmt: skip
+        engine = engine_for(config, model.shape, fill=float("nan"), kv_groups=kv_groups)
+        requests = [Request(i, p, new, arrival_step=i, stop_token_ids=stops) for i, p in enumerate(prompts)]
+        report = run_requests(
+            model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+            preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=options["token_budget"],
+            max_running=4, draft_tokens=draft_tokens, overlap=options["overlap"],
+        )  # fmt: skip
+        return [r.output for r in requests], report
+
+    grouped, report = outputs(True, rng.randint(least, least + 2), rng.choice([0, 3]))
+    single, _ = outputs(False, 40, 0)
+    assert grouped == single, (options, report.preemptions)
