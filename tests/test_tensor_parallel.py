@@ -308,6 +308,38 @@ def test_sharded_model_gives_the_single_rank_tokens_and_logits(size: int) -> Non
             assert all(torch.equal(a, b) for a, b in zip(rows, first[req_id], strict=True))
 
 
+def test_kv_groups_under_tensor_parallelism_give_the_single_rank_tokens() -> None:
+    """A model mixing a windowed and a full layer (two KV groups, each rank its share of the
+    heads in every group): two ranks agree on every block-manager decision and give one
+    rank's tokens."""
+    import dataclasses
+
+    from kvcache import HybridBlockManager
+
+    shape = dataclasses.replace(BIASED, sliding_window=40, window_layers=(True, False))
+
+    def serve(tp: TensorParallel, collective: Any) -> tuple[list[Request], Any]:
+        model = random_llama(shape, seed=0, tp=tp)
+        config = cache_config_for(
+            shape, block_size=32, dtype="float32", num_blocks=5, device="cpu", backend="reference"
+        )
+        engine = engine_for(config, shape, fill=float("nan"), tp=tp, collective=collective)
+        assert isinstance(engine.manager, HybridBlockManager) and len(engine.manager.groups) == 2
+        model.connect(collective)
+        requests = _requests()
+        report = run_requests(
+            model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+            preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=32, max_running=4,
+            collective=collective,
+        )  # fmt: skip
+        return requests, report
+
+    single, _ = serve(TensorParallel(), SingleProcess())
+    for requests, report in run_ranks(2, lambda c: serve(TensorParallel(2, c.rank), c)):
+        assert report.tp_size == 2 and report.agreement_checks > report.steps
+        assert [r.output for r in requests] == [r.output for r in single]
+
+
 def test_checkpoint_shards_serve_transformers_tokens(tmp_path: Path) -> None:
     """A Qwen2 checkpoint (q/k/v biases, tied embeddings) loaded per rank from safetensors
     slices, served at tp=2, gives transformers' own greedy tokens."""
