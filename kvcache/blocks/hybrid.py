@@ -121,7 +121,8 @@ class HybridBlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Block ids a sequence of ``num_tokens`` tokens can hold at once, every group together
-        (admission reserves the whole length in each group)."""
+        (at most: ``allocate`` of the whole length takes it in each group; an engine reserving
+        chunk by chunk holds less, its windowed groups releasing as it goes)."""
         return self.groups[0].blocks_for(num_tokens) * len(self.groups)
 
     @property

@@ -26,6 +26,7 @@ from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
 from kvcache.blocks.groups import KVGroupLayout
+from kvcache.config.rules import MAX_BLOCKS
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
 
@@ -282,6 +283,11 @@ def allocate_kv_cache(
     if layout is not None and layout.is_hybrid:
         tensors = layout.group_size
         blocks = blocks * m.num_layers // tensors  # the same memory, in ids of group_size layers
+        if blocks > MAX_BLOCKS:
+            raise CacheAllocationError(
+                f"cache.num_blocks: with KV groups the cache would have {blocks} block ids of {tensors} layers, more "
+                f"than block tables can name ({MAX_BLOCKS}); use fewer blocks"
+            )
     else:
         layout = None
     latent = m.latent_dim  # MLA: one latent per token, its K and V views alias it
