@@ -6,9 +6,9 @@
     engine = engine_for(config, shape, backend="triton")
 
 The backend is built from :meth:`LlamaShape.attention_spec`, not from
-``KVCacheConfig.attention_spec()``: the model section :meth:`LlamaShape.model_section` writes
-has no window, so a spec built from it would silently attend to every token of a Mistral or
-Qwen2 model.
+``KVCacheConfig.attention_spec()``: the config's ``model`` section may come from a file
+written for another purpose (without the checkpoint's window, or Gemma's softmax scale, which
+it has no field for), and a spec built from it would silently attend differently.
 
 KV groups: a model mixing full and windowed layers (Gemma-2, Gemma-3, Qwen2 with
 ``max_window_layers``) gets a cache of ``group_size`` layer tensors and a
