@@ -84,10 +84,12 @@ class LlamaShape:
                    full layers use ``rope_theta`` and ``rope_scaling``. None: one rotary for all.
 
     mla: multi-head latent attention (DeepSeek): the cache holds one latent per token and
-    layer, which the model serves as one KV head of ``head_dim = mla.latent_dim`` (``num_kv_heads``
-    is 1): each head's query is absorbed into the latent space (its non-rotary part times
-    ``kv_b_proj``'s key half) and attends over the latents, whose first ``kv_lora_rank``
-    values are also the values (``kv_b_proj``'s value half maps them back after attention).
+    layer, which the attention spec serves as one KV head of ``mla.latent_dim`` channels (the
+    shape's ``num_kv_heads`` is 1 and ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``,
+    as in the config): each head's query is absorbed into the latent space (its non-rotary
+    part times ``kv_b_proj``'s key half) and attends over the latents, whose first
+    ``kv_lora_rank`` values are also the values (``kv_b_proj``'s value half maps them back
+    after attention).
     """
 
     vocab_size: int
