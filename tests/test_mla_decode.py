@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attention.errors import InvalidArgumentError
-from attention.triton_kernels.mla_decode import mla_decode
+from attention.triton_kernels.mla_decode import causal_queries, mla_attention, mla_decode
 from attention.triton_kernels.paging import kernels_interpreted
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
@@ -92,5 +92,33 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         mla_decode(q.double(), c, tables, lens, kv_lora_rank=32, scale=0.1)
     with pytest.raises(InvalidArgumentError, match="int32"):
         mla_decode(q, c, tables.long(), lens, kv_lora_rank=32, scale=0.1)
+    with pytest.raises(InvalidArgumentError, match="query_lens"):
+        causal_queries([3], [4])
     with pytest.raises(InvalidArgumentError, match="num_splits"):
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_of_several_new_tokens_attend_causally(dtype: torch.dtype) -> None:
+    """Prefill, extend and verification rows: each new token sees its row up to itself."""
+    lens, new = [70, 33, 9, 40], [70, 5, 1, 17]  # a whole prompt, an extend, a decode row, a chunk
+    rank, rope, heads = 32, 16, 4
+    _, cache, tables, latents = _case(lens, heads, rank, rope, 32, dtype, seed=3)
+    rows, token_lens = causal_queries(lens, new)
+    assert len(rows) == sum(new) and token_lens[:3] == [1, 2, 3] and token_lens[70:75] == [29, 30, 31, 32, 33]
+    gen = torch.Generator().manual_seed(4)
+    queries = torch.randn(sum(new), heads, rank + rope, generator=gen, dtype=torch.float64)
+    scale = 0.2
+    out = mla_attention(
+        queries.to(DEVICE, dtype), cache.to(DEVICE, dtype), tables.to(DEVICE),
+        torch.tensor(rows, dtype=torch.int32, device=DEVICE), torch.tensor(token_lens, dtype=torch.int32, device=DEVICE),
+        kv_lora_rank=rank, scale=scale, num_splits=2,
+    )  # fmt: skip
+    q64 = queries.to(dtype).double()
+    want = torch.stack([
+        _reference(q64[t : t + 1], [latents[r][:n].to(dtype).double()], rank, scale)[0]
+        for t, (r, n) in enumerate(zip(rows, token_lens, strict=True))
+    ])  # fmt: skip
+    assert torch.isfinite(out).all()
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < (2e-3 if dtype == torch.float32 else 2e-2), err

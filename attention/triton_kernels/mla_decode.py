@@ -8,8 +8,14 @@ latent[:, :R]``: every head reads the same latents, so one program takes a tile 
 ``BLOCK_H`` heads of one row and streams the row's latents once for all of them (the K/V
 bytes of MLA are one latent per token, not per head: what makes MLA decode memory-cheap).
 
-Grid ``(head tiles, rows, splits)``: split ``s`` of a row takes the tokens ``[s * chunk,
-(s + 1) * chunk)`` (``chunk`` a multiple of ``BLOCK_N``), so long rows spread over more
+Rows with several new tokens (prefill, extend, verification) run as one query per token:
+:func:`mla_attention` takes, per query token, its row of the block table and how many latents
+it sees (its position + 1: causal), and :func:`causal_queries` builds both from a step's
+lengths. (Each token then streams its own prefix: fine for decode and short rows; long
+prompts would want a kernel that shares latent tiles across tokens.)
+
+Grid ``(head tiles, query tokens, splits)``: split ``s`` of a token takes the latents ``[s *
+chunk, (s + 1) * chunk)`` (``chunk`` a multiple of ``BLOCK_N``), so long rows spread over more
 programs; each split stores its fp32 partial output, running max and sum, and
 :func:`mla_decode` merges them (log-sum-exp) with a few torch ops. With one split the
 merge is a division.
@@ -21,6 +27,9 @@ width, and a length is clamped to ``table_width * block_size``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +37,7 @@ import triton.language as tl
 from attention.errors import InvalidArgumentError
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 
-__all__ = ["mla_decode"]
+__all__ = ["causal_queries", "mla_attention", "mla_decode"]
 
 _LOG2E = 1.4426950408889634
 
@@ -38,9 +47,11 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [rows, H, D]
     cache_ptr,  # [num_blocks, block_size, 1, D]
     table_ptr,  # int32 [rows, table_width]
-    lens_ptr,  # int32 [rows]
-    acc_ptr,  # fp32 [rows, splits, H, R]
-    ml_ptr,  # fp32 [rows, splits, H, 2]: running max (log2 domain) and sum
+    rows_ptr,  # int32 [T]: each query token's table row
+    lens_ptr,  # int32 [T]: the latents each query token sees
+    acc_ptr,  # fp32 [T, splits, H, R]
+    ml_ptr,  # fp32 [T, splits, H, 2]: running max (log2 domain) and sum
+    num_rows,
     num_heads,
     num_blocks,
     table_width,
@@ -59,7 +70,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,
 ):
     h0 = tl.program_id(0) * BLOCK_H
-    row = tl.program_id(1)
+    token = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     D: tl.constexpr = R + E
@@ -68,11 +79,15 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     offs_e = tl.arange(0, BLOCK_E)
     offs_n = tl.arange(0, BLOCK_N)
     head_ok = offs_h < num_heads
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + row), 0), table_width * BLOCK_SIZE)
+    row = tl.load(rows_ptr + token)
+    row_ok = (row >= 0) & (row < num_rows)
+    row = tl.where(row_ok, row, 0)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
+    seq_len = tl.where(row_ok, seq_len, 0)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    q_row = q_ptr + row.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
+    q_row = q_ptr + token.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r[None, :] < R), other=0.0)
     q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
     if UPCAST:
@@ -105,10 +120,24 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    base = (row.to(tl.int64) * splits + split) * num_heads + offs_h.to(tl.int64)
+    base = (token.to(tl.int64) * splits + split) * num_heads + offs_h.to(tl.int64)
     tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=head_ok[:, None] & (offs_r[None, :] < R))
     tl.store(ml_ptr + base * 2, m_i, mask=head_ok)
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=head_ok)
+
+
+def causal_queries(seq_lens: Sequence[int], query_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Per query token of a step (rows in order, a row's new tokens in order): its row, and
+    the latents it sees (its position + 1). Raises InvalidArgumentError for a row with more
+    new tokens than latents."""
+    rows: list[int] = []
+    lens: list[int] = []
+    for r, (s_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        if not 0 <= q_len <= s_len:
+            raise InvalidArgumentError(f"query_lens[{r}]: {q_len} new tokens in a row of {s_len}")
+        rows += [r] * q_len
+        lens += range(s_len - q_len + 1, s_len + 1)
+    return rows, lens
 
 
 def mla_decode(
@@ -116,6 +145,20 @@ def mla_decode(
     cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    **launch: Any,
+) -> torch.Tensor:
+    """:func:`mla_attention` for one new token per row: query [rows, H, D], seq_lens int32
+    [rows] (the latents each row's token sees); keyword arguments as there."""
+    rows = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)
+    return mla_attention(query, cache, block_tables, rows, seq_lens, **launch)
+
+
+def mla_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_rows: torch.Tensor,
+    token_lens: torch.Tensor,
     *,
     kv_lora_rank: int,
     scale: float,
@@ -125,26 +168,28 @@ def mla_decode(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Absorbed MLA decode of one new token per row over a paged latent cache.
+    """Absorbed MLA attention of query tokens over a paged latent cache.
 
-    query:        [rows, H, R + E] (``[W_UK^T q_nope, q_pe]`` per head), the cache's dtype.
+    query:        [T, H, R + E] (``[W_UK^T q_nope, q_pe]`` per head), the cache's dtype.
     cache:        [num_blocks, block_size, 1, R + E], the latents (already holding this
                   step's); R = ``kv_lora_rank``.
-    block_tables: int32 [rows, table_width]; seq_lens: int32 [rows], the latents each row
-                  attends to (its new token's included).
+    block_tables: int32 [rows, table_width].
+    token_rows:   int32 [T], each query token's row of the table (out of range: it sees nothing).
+    token_lens:   int32 [T], the latents it sees: the first ``token_lens[t]`` of its row
+                  (causal rows: :func:`causal_queries`).
     scale:        the softmax scale (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).
-    num_splits:   programs per row along its tokens (long rows: more parallelism).
-    block_n, block_h, num_warps, num_stages: the launch (tokens per tile, heads per program).
-    Returns float32 [rows, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
-    row of length 0 gives zeros). Raises InvalidArgumentError for tensors of the wrong shape,
-    dtype or device, or sizes outside what the kernel takes.
+    num_splits:   programs per token along its latents (long rows: more parallelism).
+    block_n, block_h, num_warps, num_stages: the launch (latents per tile, heads per program).
+    Returns float32 [T, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
+    token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
+    shape, dtype or device, or sizes outside what the kernel takes.
     """
     if query.dim() != 3 or cache.dim() != 4 or cache.shape[2] != 1:
         raise InvalidArgumentError(
-            f"query, cache: expected [rows, heads, D] and [num_blocks, block_size, 1, D], got {list(query.shape)} "
+            f"query, cache: expected [tokens, heads, D] and [num_blocks, block_size, 1, D], got {list(query.shape)} "
             f"and {list(cache.shape)}"
         )
-    rows, heads, dim = query.shape
+    tokens, heads, dim = query.shape
     num_blocks, block_size, _, width = cache.shape
     if width != dim or not 0 < kv_lora_rank < dim:
         raise InvalidArgumentError(
@@ -155,12 +200,15 @@ def mla_decode(
         raise InvalidArgumentError(
             f"query: {query.dtype} on {query.device}, but the cache is {cache.dtype} on {cache.device}"
         )
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise InvalidArgumentError("block_tables, seq_lens: expected int32 tensors")
-    if block_tables.dim() != 2 or block_tables.shape[0] != rows or tuple(seq_lens.shape) != (rows,):
+    for name, t in (("block_tables", block_tables), ("token_rows", token_rows), ("token_lens", token_lens)):
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise InvalidArgumentError(
+                f"{name}: expected an int32 tensor on {query.device}, got {t.dtype} on {t.device}"
+            )
+    if block_tables.dim() != 2 or tuple(token_rows.shape) != (tokens,) or tuple(token_lens.shape) != (tokens,):
         raise InvalidArgumentError(
-            f"block_tables, seq_lens: expected [{rows}, width] and [{rows}], got {list(block_tables.shape)} and "
-            f"{list(seq_lens.shape)}"
+            f"block_tables, token_rows, token_lens: expected [rows, width], [{tokens}] and [{tokens}], got "
+            f"{list(block_tables.shape)}, {list(token_rows.shape)} and {list(token_lens.shape)}"
         )
     if block_size % block_n and block_n % block_size:
         raise InvalidArgumentError(f"block_n: {block_n} and block size {block_size} must divide one another")
@@ -177,25 +225,25 @@ def mla_decode(
     chunk = -(-longest // num_splits)
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     splits = -(-longest // chunk) if longest else 1
-    acc = torch.empty(rows, splits, heads, rank, dtype=torch.float32, device=query.device)
-    ml = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=query.device)
-    if rows:
-        # Head tiles vary fastest: the programs of one row run side by side and read its
+    acc = torch.empty(tokens, splits, heads, rank, dtype=torch.float32, device=query.device)
+    ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=query.device)
+    if tokens:
+        # Head tiles vary fastest: the programs of one token run side by side and read its
         # latents from L2 after the first, instead of from HBM once per head tile.
-        grid = (triton.cdiv(heads, block_h), rows, splits)
+        grid = (triton.cdiv(heads, block_h), tokens, splits)
         _mla_decode_kernel[grid](
-            query, cache, tables, seq_lens, acc, ml,
-            heads, num_blocks, width_cols, chunk, scale * _LOG2E, query.stride(0), query.stride(1),
+            query, cache, tables, token_rows.contiguous(), token_lens.contiguous(), acc, ml,
+            tables.shape[0], heads, num_blocks, width_cols, chunk, scale * _LOG2E, query.stride(0), query.stride(1),
             R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
             BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(cache.dtype),
             DOT_PRECISION=dot_precision_for(cache.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     # Merge the splits: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the largest m_s;
-    # a split with no token has m = -inf, l = 0, acc = 0 and weighs 0).
+    # a split with no latent has m = -inf, l = 0, acc = 0 and weighs 0).
     m, l_sum = ml[..., 0], ml[..., 1]
     top = m.amax(dim=1, keepdim=True)
     weight = torch.exp2(m - torch.where(torch.isinf(top), torch.zeros_like(top), top))
     weight = torch.nan_to_num(weight, nan=0.0)
-    total = (weight * l_sum).sum(dim=1)  # [rows, H]
+    total = (weight * l_sum).sum(dim=1)  # [T, H]
     out = (weight.unsqueeze(-1) * acc).sum(dim=1)
     return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
