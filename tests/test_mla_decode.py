@@ -109,9 +109,11 @@ def test_rows_of_several_new_tokens_attend_causally(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)
     queries = torch.randn(sum(new), heads, rank + rope, generator=gen, dtype=torch.float64)
     scale = 0.2
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
     out = mla_attention(
-        queries.to(DEVICE, dtype), cache.to(DEVICE, dtype), tables.to(DEVICE),
-        torch.tensor(rows, dtype=torch.int32, device=DEVICE), torch.tensor(token_lens, dtype=torch.int32, device=DEVICE),
+        queries.to(DEVICE, dtype), cache.to(DEVICE, dtype), tables.to(DEVICE), ints(rows), ints(token_lens),
         kv_lora_rank=rank, scale=scale, num_splits=2,
     )  # fmt: skip
     q64 = queries.to(dtype).double()
