@@ -38,10 +38,12 @@ class AttentionSpec:
     attention_sinks: every layer has a learned per-head sink logit that joins the softmax's
                     denominator and attends to nothing (gpt-oss); ``attend`` then takes the
                     layer's ``sinks``.
-    latent_attention: multi-head latent attention (DeepSeek's MLA) served as MQA over the
+    latent_rank:    multi-head latent attention (DeepSeek's MLA) served as MQA over the
                     latent: one KV head (``num_kv_heads`` 1) whose key is a token's cached
-                    latent, and whose value is the same latent (the cache holds one tensor;
-                    a layer's K and V views alias it). The caller absorbs the projections.
+                    latent and whose values are its first ``latent_rank`` channels (DeepSeek's
+                    ``kv_lora_rank``; the cache holds one tensor, a layer's K and V views alias
+                    it; the caller absorbs the projections). ``attend`` then defines only the
+                    first ``latent_rank`` output channels. None: ordinary K/V heads.
     Raises InvalidArgumentError / ArgumentTypeError naming the field.
     """
 
@@ -55,7 +57,7 @@ class AttentionSpec:
     softmax_scale: float | None = None
     logit_softcap: float | None = None
     attention_sinks: bool = False
-    latent_attention: bool = False
+    latent_rank: int | None = None
 
     def __post_init__(self) -> None:
         require_int("num_heads", self.num_heads, minimum=1)
@@ -89,12 +91,12 @@ class AttentionSpec:
                 raise ArgumentTypeError(f"softmax_scale: expected a number, got {type(self.softmax_scale).__name__}")
             if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
                 raise InvalidArgumentError(f"softmax_scale: {self.softmax_scale} must be a finite positive number")
-        if not isinstance(self.latent_attention, bool):
-            raise ArgumentTypeError(f"latent_attention: expected a bool, got {type(self.latent_attention).__name__}")
-        if self.latent_attention and self.num_kv_heads != 1:
-            raise InvalidArgumentError(
-                f"num_kv_heads: {self.num_kv_heads} with latent_attention; the latent is one KV head, use 1"
-            )
+        if self.latent_rank is not None:
+            require_int("latent_rank", self.latent_rank, minimum=1, maximum=self.head_dim - 1)
+            if self.num_kv_heads != 1:
+                raise InvalidArgumentError(
+                    f"num_kv_heads: {self.num_kv_heads} with latent_rank; the latent is one KV head, use 1"
+                )
         if not isinstance(self.attention_sinks, bool):
             raise ArgumentTypeError(f"attention_sinks: expected a bool, got {type(self.attention_sinks).__name__}")
         if self.logit_softcap is not None:
@@ -102,6 +104,11 @@ class AttentionSpec:
                 raise ArgumentTypeError(f"logit_softcap: expected a number, got {type(self.logit_softcap).__name__}")
             if not (math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
                 raise InvalidArgumentError(f"logit_softcap: {self.logit_softcap} must be a finite positive number")
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether this is MLA over a latent cache (``latent_rank`` given)."""
+        return self.latent_rank is not None
 
     @property
     def group_size(self) -> int:

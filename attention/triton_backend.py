@@ -9,6 +9,11 @@ Per-layer calls only launch, so no layer call waits on the device and a step can
 in a CUDA graph: a decode step per batch bucket, a mixed step (prefill rows beside decode
 rows) per token bucket, with both kernels on grids fixed by the bucket.
 
+Latent attention (``spec.latent_rank``, DeepSeek's MLA): every query token, of whatever row,
+goes to the MLA kernel (:mod:`attention.triton_kernels.mla_decode`) with its table row and the
+latents it sees; the plan stages both (padding tokens see nothing), and the split count comes
+from the step's shape, so graph steps replay what they captured.
+
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it also
 accepts CPU tensors and runs the same kernels in Triton's interpreter, slowly, for tests.
 """
@@ -52,9 +57,10 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
+from attention.triton_kernels.mla_decode import causal_queries, mla_attention
 from attention.triton_kernels.prefill import PAD_TILE
 
-__all__ = ["DecodeLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
+__all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
 #: SMs assumed when planning for the CPU interpreter: the H200's, so tests exercise the same
 #: decisions the GPU makes.
@@ -110,6 +116,21 @@ class PrefillLaunch:
 
 
 @dataclass(frozen=True)
+class LatentLaunch:
+    """The MLA kernel's launch for one step: per query token (padding included), its table
+    row (-1: none, for padding) and the latents it sees (int32 [num_tokens] each, on the
+    device), and the splits per token along its latents."""
+
+    token_rows: torch.Tensor
+    token_lens: torch.Tensor
+    num_splits: int
+
+
+#: Latents per split of the MLA kernel, at least (fewer splits on short tables).
+_MLA_MIN_SPLIT_TOKENS = 256
+
+
+@dataclass(frozen=True)
 class TritonStepPlan(StepPlan):
     """One step's plan for the Triton kernels (every field decided by ``plan``).
 
@@ -119,6 +140,8 @@ class TritonStepPlan(StepPlan):
     decode:       one launch per distinct window among the layers (full, windowed, or both).
     workspace:    the decode kernels' partial outputs and counters (shared by the launches:
                   layers run one after another).
+    latent:       latent attention (MLA): the one launch every token takes (then the others
+                  are empty).
     """
 
     decode_rows: tuple[int, ...]
@@ -126,6 +149,7 @@ class TritonStepPlan(StepPlan):
     decode: tuple[DecodeLaunch, ...]
     workspace: DecodeWorkspace | None
     prefill: PrefillLaunch | None
+    latent: LatentLaunch | None = None
 
     @property
     def use_decode(self) -> bool:
@@ -200,6 +224,11 @@ class TritonBackend(AttentionBackend):
         return 1 if num_tokens <= padded_batch else self.max_decode_query_len
 
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
+        if self.spec.latent_attention:
+            return [
+                BufferRequest("latent_rows", torch.int32, capacity.max_tokens, staged=True),
+                BufferRequest("latent_lens", torch.int32, capacity.max_tokens, staged=True),
+            ]
         rows = capacity.max_rows
         sms = self._sms(None)
         kvh, heads, d = self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
@@ -232,6 +261,8 @@ class TritonBackend(AttentionBackend):
         """On a graph step both kernels' launches depend only on the bucket: the decode grid on
         its rows; the prefill launch exists when the bucket has more tokens than rows (room
         for prefill rows), with a fixed grid over a padded tile index."""
+        if self.spec.latent_attention:
+            return self._plan_latent(metadata, staging)
         q_lens, most = metadata.query_lens_host, self.max_decode_query_len
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q <= most)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > most)
@@ -250,6 +281,23 @@ class TritonBackend(AttentionBackend):
         if prefill_rows or fixed_prefill:
             prefill = self._plan_prefill(metadata, prefill_rows, staging, fixed_prefill)
         return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill)
+
+    def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging) -> TritonStepPlan:
+        """Every query token to the MLA kernel: its row and causal length, padding tokens with
+        row -1 (they see nothing). Splits from the step's shape alone (padded tokens, table
+        width), so a graph bucket replays the grid it captured: enough programs to fill the
+        GPU twice, each split at least :data:`_MLA_MIN_SPLIT_TOKENS` latents."""
+        if meta.tree_masks is not None:
+            raise MetadataError("metadata.tree_masks: latent attention verifies no draft trees yet")
+        rows, lens = causal_queries(meta.seq_lens_host, meta.query_lens_host)
+        pad = meta.num_tokens - len(rows)
+        token_rows = staging.stage("latent_rows", array("i", rows) + array("i", [-1]) * pad)
+        token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)
+        longest = meta.block_tables.shape[1] * meta.block_size
+        programs = max(1, meta.num_tokens) * cdiv(self.spec.num_heads, 16)
+        splits = max(1, min(cdiv(2 * self._sms(meta.device), programs), longest // _MLA_MIN_SPLIT_TOKENS))
+        latent = LatentLaunch(token_rows, token_lens, splits)
+        return TritonStepPlan(meta, self.spec, self.name, (), tuple(range(meta.batch)), (), None, None, latent)
 
     def _plan_prefill(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, fixed: bool
@@ -359,6 +407,21 @@ class TritonBackend(AttentionBackend):
         assert isinstance(plan, TritonStepPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
         result = torch.empty_like(query) if out is None else out
+        if plan.latent is not None and self.spec.latent_rank is not None:
+            rank = self.spec.latent_rank
+            values = mla_attention(
+                query if query.stride(-1) == 1 else query.contiguous(),
+                layer.key,
+                meta.block_tables,
+                plan.latent.token_rows,
+                plan.latent.token_lens,
+                kv_lora_rank=rank,
+                scale=self.spec.scale,
+                num_splits=plan.latent.num_splits,
+            )
+            result[..., :rank] = values
+            result[..., rank:] = 0  # not values: only the first latent_rank channels are defined
+            return result
         # The kernels store rows with unit stride along head_dim; anything else goes through
         # a temporary.
         target = result if result.stride(-1) == 1 else torch.empty_like(query)
@@ -424,6 +487,8 @@ class TritonBackend(AttentionBackend):
         the prefill kernel at each tile height and on the fixed grid of CUDA-graph steps --
         for every window kind of the spec, by
         running each once on a scratch cache. Returns how many variants that is."""
+        if self.spec.latent_attention:
+            return self._warmup_latent(block_size, capacity, device)
         longest = capacity.max_blocks_per_seq * block_size
         decode_lengths = sorted({min(64, longest), longest})  # one chunk; several chunks
         heights = sorted({min(q, capacity.max_tokens, longest) for q in (9, 17, 33, 129)} - {1})
@@ -467,6 +532,24 @@ class TritonBackend(AttentionBackend):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(variants)
+
+    def _warmup_latent(self, block_size: int, capacity: StepCapacity, device: torch.device) -> int:
+        """Compile the cache write and the MLA kernel (one variant: the split count is a grid
+        size) by running a decode step and a prompt on a scratch cache."""
+        longest = capacity.max_blocks_per_seq * block_size
+        steps = [[(longest, 1)], [(min(33, longest, capacity.max_tokens),) * 2]]
+        blocks = max(sum(cdiv(n, block_size) for n, _ in rows) for rows in steps)
+        layer = scratch_layer(self.spec, blocks, block_size, device, self.cache_dtype, 0)
+        for rows in steps:
+            meta = synthetic_metadata(rows, block_size, device, capacity.max_blocks_per_seq)
+            plan = self.plan(meta)
+            t, d = meta.num_tokens, self.spec.head_dim
+            latent = torch.zeros(t, 1, d, dtype=self.compute_dtype, device=device)
+            self.write_kv(latent, latent, layer, plan)
+            self.attend(torch.zeros(t, self.spec.num_heads, d, dtype=self.compute_dtype, device=device), layer, plan)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return 2
 
     def _device_type_for_checks(self, device_type: str) -> str:
         """CPU tensors count as "cuda" only under the interpreter; otherwise they are refused

@@ -18,7 +18,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attention import get_backend  # noqa: E402
-from attention.errors import UnsupportedSettingError  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
 from examples.engine.loop import run_requests  # noqa: E402
 from examples.engine.scheduler import Request, make_preemption  # noqa: E402
@@ -92,6 +91,40 @@ def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None) ->
         torch.testing.assert_close(torch.stack(report.logits[req.req_id]), logits, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_latent_attention_on_triton_matches_transformers(graphs: bool) -> None:
+    """The triton backend's MLA kernel (every token, prefill and decode; Triton's CPU
+    interpreter without a GPU, and CUDA graphs on one): transformers' tokens and logits."""
+    pytest.importorskip("triton")
+    from attention.triton_kernels import kernels_interpreted
+
+    if not kernels_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton kernels are compiled for CUDA in this process and there is no GPU")
+    device = "cpu" if kernels_interpreted() else "cuda"
+    if graphs and device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    hf = _deepseek(24)
+    model = from_transformers(hf, share=False, device=device)
+    config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=7, device=device,
+                              prefix_caching=True)  # fmt: skip
+    triton = get_backend("triton", model.shape.attention_spec("float32"))
+    engine = engine_for(config, model.shape, backend=triton, fill=float("nan"))
+    assert engine.backend.name == "triton" and engine.spec.latent_rank == 32
+    prompts = [_prompts()[i] for i in (0, 2, 4)]
+    requests = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=48, max_running=3,
+        record_logits=True, use_graphs=graphs,
+    )  # fmt: skip
+    if graphs:
+        assert report.graph_replays.get("decode", 0) > 0, report.graph_replays
+    for prompt, req in zip(prompts, requests, strict=True):
+        tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
+        assert req.output == tokens, f"prompt of {len(prompt)}"
+        torch.testing.assert_close(torch.stack(report.logits[req.req_id]).cpu(), logits, atol=LOGITS_ATOL, rtol=0)
+
+
 def test_the_rotary_pairs_are_deepseeks() -> None:
     """Without DeepSeek's interleaved rotary layout the logits move (so the test above checks it)."""
     hf = _deepseek(None)
@@ -135,7 +168,7 @@ def test_the_config_sizes_a_latent_cache() -> None:
         (("kv_lora_rank: 32", "kv_lora_rank: 30"), "model.kv_lora_rank", "use 32"),
         (("v_head_dim: 16}", "v_head_dim: 16, sliding_window: 64}"), "model.sliding_window", "latent attention"),
         (("dtype: float32", "dtype: float8_e4m3"), "cache.dtype", "fp8 latent"),
-        (("backend: reference", "backend: triton"), "model.kv_lora_rank", "no latent attention"),
+        (("backend: reference", "backend: flash_attn"), "model.kv_lora_rank", "no latent attention"),
     ],
 )
 def test_bad_latent_configs_are_refused_naming_the_field(edit: tuple[str, str], field: str, words: str) -> None:
@@ -153,7 +186,9 @@ def test_what_the_example_model_lacks_is_refused() -> None:
         shape_from_config({**config, "first_k_dense_replace": 1, "n_routed_experts": 4})
     with pytest.raises(ValueError, match=r"attention_bias"):
         shape_from_config({**config, "attention_bias": True})
-    spec = shape_from_config(config).attention_spec("float32")
-    pytest.importorskip("triton")
-    with pytest.raises(UnsupportedSettingError, match=r"latent_attention.*no latent attention"):
-        get_backend("triton", spec)
+    spec = shape_from_config(config).attention_spec("bfloat16")
+    from attention.capabilities import BACKENDS
+
+    problems = BACKENDS["flash_attn"].problems(block_size=256, head_dim=40, dtype="bfloat16", device_type="cuda",
+                                               latent_attention=spec.latent_attention)  # fmt: skip
+    assert [p.parameter for p in problems] == ["latent_attention"]

@@ -192,7 +192,7 @@ class LlamaShape:
                 dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != dtype else None,
                 softmax_scale=(self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5,
-                latent_attention=True,
+                latent_rank=self.mla.kv_lora_rank,
             )
             return spec if tp is None else rank_spec(spec, tp)
         spec = AttentionSpec(

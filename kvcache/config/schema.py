@@ -458,7 +458,7 @@ class KVCacheConfig(BaseModel):
                 num_kv_heads=1,
                 head_dim=m.latent_dim,
                 softmax_scale=(m.qk_nope_head_dim + (m.qk_rope_head_dim or 0)) ** -0.5,
-                latent_attention=True,
+                latent_rank=m.kv_lora_rank,
             )
         if tp is None:
             return spec
