@@ -260,10 +260,10 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         )
         return 1
     lengths = [len(r.prompt) for r in requests]
-    say(
-        f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads "
-        f"({m.num_kv_heads} KV), head_dim {m.head_dim}, {dtype_name} on {device}"
-    )
+    heads = f"({m.num_kv_heads} KV), head_dim {m.head_dim}"
+    if m.latent_dim is not None:
+        heads = f"over a latent of {m.latent_dim} per token (MLA)"
+    say(f"config: {_shown(args.config)}: {m.num_layers} layers, {m.num_heads} heads {heads}, {dtype_name} on {device}")
     if tp.is_sharded:
         spec = engine.spec
         say(
