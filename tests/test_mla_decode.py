@@ -124,3 +124,27 @@ def test_rows_of_several_new_tokens_attend_causally(dtype: torch.dtype) -> None:
     assert torch.isfinite(out).all()
     err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
+
+
+def test_tokens_naming_no_row_or_too_many_latents_stay_inside_the_cache() -> None:
+    """Rows that do not exist and negative lengths attend to nothing; a length past the row's
+    table is clamped to the table (it reads the row's own blocks, garbage past its tokens,
+    never memory outside the cache: the metadata check reports such lengths)."""
+    query, cache, tables, _ = _case([40, 12], 4, 32, 16, 32, torch.float32)
+    rows = torch.tensor([7, -3, 0, 1], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([40, 40, 10**6, -5], dtype=torch.int32, device=DEVICE)
+    q = torch.cat([query, query]).float().to(DEVICE)
+    out = mla_attention(q, cache.float().to(DEVICE), tables.to(DEVICE), rows, lens, kv_lora_rank=32, scale=0.1)
+    assert out.shape == (4, 4, 32)
+    assert not out[[0, 1, 3]].abs().any(), "no row, or no latent: attends to nothing"
+
+
+def test_latent_specs_are_checked() -> None:
+    from attention import AttentionSpec
+
+    assert AttentionSpec(4, 1, 40, "float32", latent_rank=32).latent_attention
+    for bad, field in (({"latent_rank": 0}, "latent_rank"), ({"latent_rank": 40}, "latent_rank")):
+        with pytest.raises(InvalidArgumentError, match=field):
+            AttentionSpec(4, 1, 40, "float32", **bad)
+    with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
+        AttentionSpec(4, 2, 40, "float32", latent_rank=32)
