@@ -140,8 +140,8 @@ class TritonStepPlan(StepPlan):
     decode:       one launch per distinct window among the layers (full, windowed, or both).
     workspace:    the decode kernels' partial outputs and counters (shared by the launches:
                   layers run one after another).
-    latent:       latent attention (MLA): the one launch every token takes (then the others
-                  are empty).
+    latent:       latent attention (MLA): the one launch every token takes (then the decode
+                  and prefill fields are empty: neither kernel runs).
     """
 
     decode_rows: tuple[int, ...]
@@ -297,7 +297,7 @@ class TritonBackend(AttentionBackend):
         programs = max(1, meta.num_tokens) * cdiv(self.spec.num_heads, 16)
         splits = max(1, min(cdiv(2 * self._sms(meta.device), programs), longest // _MLA_MIN_SPLIT_TOKENS))
         latent = LatentLaunch(token_rows, token_lens, splits)
-        return TritonStepPlan(meta, self.spec, self.name, (), tuple(range(meta.batch)), (), None, None, latent)
+        return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent)
 
     def _plan_prefill(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, fixed: bool
