@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import KernelTimer, measure_copy_tbps, shuffled_block_tables
+from common import KernelTimer, measure_copy_tbps, require_cuda, shuffled_block_tables
 
 from attention.triton_kernels.mla_decode import mla_decode
 
@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--rep-ms", type=int, default=60)
     args = p.parse_args()
+    if not require_cuda("bench_mla_decode.py"):
+        sys.exit(2)
     timer = KernelTimer(10, args.rep_ms)
     copy_tbps = measure_copy_tbps(timer)
     rows_out = [row for kind in ("64x4096", "lognormal-128") for row in measure_batch(kind, timer, copy_tbps)]
