@@ -56,13 +56,12 @@ class StepPlan:
         """The plan a layer of KV group ``index`` runs with (this plan without groups)."""
         return self.groups[index] if self.groups else self
 
-    def with_tables(self, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
-        """This plan over other block tables and slots of the same shapes (another KV group's):
-        the work split is the same, since it depends only on lengths and windows, which the
-        groups share (a windowed group's tables hold ``PAD_BLOCK`` behind each row's window,
-        which the kernels never read)."""
-        meta = replace(self.metadata, block_tables=block_tables, slot_mapping=slot_mapping)
-        return replace(self, metadata=meta, groups=())
+    def for_group(self, metadata: AttentionMetadata) -> StepPlan:
+        """This plan over another KV group's metadata (the same step, its own block tables and
+        slots): the work split is the same, since it depends only on lengths and windows,
+        which the groups share (a windowed group's tables hold ``PAD_BLOCK`` behind each row's
+        window, which the kernels never read)."""
+        return replace(self, metadata=metadata, groups=())
 
 
 class AttentionBackend(ABC):

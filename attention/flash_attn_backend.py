@@ -54,10 +54,9 @@ class FlashAttnPlan(StepPlan):
     cache_seqlens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
 
-    def with_tables(self, block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
-        meta = replace(self.metadata, block_tables=block_tables, slot_mapping=slot_mapping)
-        table = None if self.block_table is None else block_tables
-        return replace(self, metadata=meta, groups=(), block_table=table)
+    def for_group(self, metadata: AttentionMetadata) -> StepPlan:
+        table = None if self.block_table is None else metadata.block_tables
+        return replace(self, metadata=metadata, groups=(), block_table=table)
 
 
 class FlashAttnBackend(AttentionBackend):

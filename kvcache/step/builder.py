@@ -25,7 +25,7 @@ gathers them on the device.
 KV groups (a :class:`~kvcache.blocks.hybrid.HybridBlockManager`): every group has its own
 block tables and slot mapping, written into regions of their own in the same buffers (one
 copy still); lengths, positions, logits indices and the backend's plan are shared. The plan's
-``groups`` holds one plan per group (:meth:`StepPlan.with_tables`), which each layer of that
+``groups`` holds one plan per group (:meth:`StepPlan.for_group`), which each layer of that
 group runs with.
 """
 
@@ -232,7 +232,7 @@ class MetadataBuilder:
         metas = self._fill(manager, rows, pad_to, pad_tokens, token_ids, feed, graph_backend)
         plan = self.backend.plan(metas[0], staging=self._staging, graph=pad_to is not None)
         if len(metas) > 1:
-            others = (plan.with_tables(m.block_tables, m.slot_mapping) for m in metas[1:])
+            others = (plan.for_group(m) for m in metas[1:])
             plan = replace(plan, groups=(plan, *others))
         self._commit(metas, manager)
         return plan
