@@ -26,13 +26,17 @@ from attention.capabilities import BackendInfo, backend_info
 from attention.checks import check_tensor, same_device
 from attention.dtypes import dtype_name, torch_dtype
 from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnsupportedSettingError
+from attention.latent_prefill import LatentPrefill, latent_key_slots, reference_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
 
-__all__ = ["AttentionBackend", "StepPlan"]
+__all__ = ["LATENT_PREFILL_MIN_TOKENS", "AttentionBackend", "StepPlan"]
+
+#: Default of ``AttentionBackend.latent_prefill_min_tokens``.
+LATENT_PREFILL_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class StepPlan:
     #: KV groups (:mod:`kvcache.blocks.groups`): per group, this plan over the group's block
     #: tables and slot mapping (everything else is shared). Empty: one group, this plan.
     groups: tuple[StepPlan, ...] = field(default=(), kw_only=True, repr=False, compare=False)
+    #: Latent attention (MLA): the rows that attend decompressed (None: every row attends
+    #: through :meth:`AttentionBackend.attend`). See :mod:`attention.latent_prefill`.
+    latent_prefill: LatentPrefill | None = field(default=None, kw_only=True, repr=False, compare=False)
 
     def group(self, index: int) -> StepPlan:
         """The plan a layer of KV group ``index`` runs with (this plan without groups)."""
@@ -102,6 +109,11 @@ class AttentionBackend(ABC):
         self.cache_dtype = torch_dtype(spec.cache_dtype)
         #: (K pointer, V pointer, shape, device) of layer caches already checked.
         self._accepted: set[tuple[object, ...]] = set()
+        #: Latent attention: on eager steps, rows of at least this many new tokens attend
+        #: decompressed (:mod:`attention.latent_prefill`); None: every row absorbed.
+        self.latent_prefill_min_tokens: int | None = LATENT_PREFILL_MIN_TOKENS if spec.latent_attention else None
+        #: The last plan whose decompressed keys' slots were found, and those slots.
+        self._latent_slots: tuple[StepPlan, torch.Tensor] | None = None
 
     @property
     def info(self) -> BackendInfo:
@@ -216,6 +228,64 @@ class AttentionBackend(ABC):
                 "sinks: given, but the spec has no attention_sinks (AttentionSpec(attention_sinks=True))"
             )
         return self._attend(query, layer, plan, out, sinks)
+
+    def gather_latent_keys(self, layer: LayerCache, plan: StepPlan) -> torch.Tensor:
+        """The latents of ``plan.latent_prefill``'s keys, [num_keys, latent_dim] in the cache's
+        dtype, row by row (``layer`` already holds this step's; ``write_kv`` first)."""
+        prefill = self._latent_prefill_of(plan)
+        self._check_step(layer, plan)
+        latents = layer.key.reshape(-1, self.spec.head_dim)
+        if self._latent_slots is None or self._latent_slots[0] is not plan:
+            self._latent_slots = (plan, latent_key_slots(prefill, plan.metadata, layer.key.shape[0]))
+        return latents.index_select(0, self._latent_slots[1])
+
+    def attend_latent_prefill(
+        self, query: torch.Tensor, kv: torch.Tensor, key_pe: torch.Tensor, plan: StepPlan
+    ) -> torch.Tensor:
+        """Causal attention of ``plan.latent_prefill``'s new tokens over their decompressed keys.
+
+        query:  [P, H, n + e]: those tokens' ``q_nope`` and rotated ``q_pe`` per head (P =
+                ``latent_prefill.num_tokens``; the compute dtype).
+        kv:     [K, H, n + v]: per key (``gather_latent_keys``' order) and head, ``k_nope`` then
+                the value (``kv_b_proj`` of the key's latent).
+        key_pe: [K, e]: the keys' rotated shared part (the latents' last ``e`` channels).
+        Returns [P, H, v]. ``e`` is the spec's ``head_dim - latent_rank``.
+        """
+        prefill = self._latent_prefill_of(plan)
+        rank = self.spec.latent_rank or 0
+        rope = self.spec.head_dim - rank
+        tokens, keys, heads = prefill.num_tokens, prefill.num_keys, self.spec.num_heads
+        device = prefill.token_index.device
+        check_tensor("query", query, shape=(tokens, heads, None), dtype=self.compute_dtype, device=device)
+        nope = query.shape[2] - rope
+        if nope < 1:
+            raise InvalidArgumentError(f"query: {query.shape[2]} channels, not above the rotary part's {rope}")
+        check_tensor("kv", kv, shape=(keys, heads, None), dtype=self.compute_dtype, device=device)
+        if kv.shape[2] <= nope:
+            raise InvalidArgumentError(f"kv: {kv.shape[2]} channels, not above qk_nope_head_dim {nope}")
+        check_tensor("key_pe", key_pe, shape=(keys, rope), dtype=self.compute_dtype, device=device)
+        return self._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
+
+    def _attend_latent_prefill(
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        key_pe: torch.Tensor,
+        plan: StepPlan,
+        prefill: LatentPrefill,
+        nope: int,
+    ) -> torch.Tensor:
+        """Torch, in float32; a backend with a kernel overrides it."""
+        return reference_latent_prefill(
+            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=torch.float32
+        )
+
+    def _latent_prefill_of(self, plan: StepPlan) -> LatentPrefill:
+        if not isinstance(plan, StepPlan) or plan.backend != self.name or plan.spec != self.spec:
+            raise MetadataError(f"plan: not made by this {self.name} backend for its spec; call its plan()")
+        if plan.latent_prefill is None:
+            raise MetadataError("plan.latent_prefill: this step has no decompressed rows (check it before calling)")
+        return plan.latent_prefill
 
     def rotary_write_kv(
         self,

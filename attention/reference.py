@@ -13,6 +13,7 @@ import torch
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import cdiv
 from attention.errors import MetadataError
+from attention.latent_prefill import LatentPrefill, plan_latent_prefill, reference_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.quantize import dequantize, quantize
@@ -36,7 +37,23 @@ class ReferenceBackend(AttentionBackend):
         self._checked: StepPlan | None = None
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> StepPlan:
-        return StepPlan(metadata, self.spec, self.name)
+        # Latent attention: attend() still computes every row absorbed (this backend is the
+        # oracle of both forms); the model overwrites the decompressed rows' outputs.
+        prefill = plan_latent_prefill(metadata, None if graph else self.latent_prefill_min_tokens)
+        return StepPlan(metadata, self.spec, self.name, latent_prefill=prefill)
+
+    def _attend_latent_prefill(
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        key_pe: torch.Tensor,
+        plan: StepPlan,
+        prefill: LatentPrefill,
+        nope: int,
+    ) -> torch.Tensor:
+        return reference_latent_prefill(
+            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=self.math_dtype
+        )
 
     def _check_once(self, plan: StepPlan) -> None:
         if plan is not self._checked:

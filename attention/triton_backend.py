@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import functools
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from attention.base import AttentionBackend, StepPlan
+from attention.capabilities import BackendInfo, backend_info
 from attention.checks import cdiv
 from attention.errors import MetadataError, UnsupportedSettingError
+from attention.latent_prefill import LatentPrefill, plan_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.rotary import RotaryTable
@@ -57,7 +59,15 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
-from attention.triton_kernels.mla_decode import causal_queries, mla_attention
+from attention.triton_kernels.mla_decode import (
+    MLALaunch,
+    causal_queries,
+    default_mla_launch,
+    mla_attention,
+    mla_split_count,
+    mla_split_len,
+)
+from attention.triton_kernels.mla_prefill import default_mla_prefill_config, mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
@@ -119,15 +129,14 @@ class PrefillLaunch:
 class LatentLaunch:
     """The MLA kernel's launch for one step: per query token (padding included), its table
     row (-1: none, for padding) and the latents it sees (int32 [num_tokens] each, on the
-    device), and the splits per token along its latents."""
+    device); the splits per token along its latents (the grid: from the step's shape) and
+    the latents per split (int32 [1] on the device: from the step's lengths); the tiles."""
 
     token_rows: torch.Tensor
     token_lens: torch.Tensor
     num_splits: int
-
-
-#: Latents per split of the MLA kernel, at least (fewer splits on short tables).
-_MLA_MIN_SPLIT_TOKENS = 256
+    split_len: torch.Tensor
+    launch: MLALaunch
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,14 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
 
     @property
+    def info(self) -> BackendInfo:
+        """The table's entry; with latent attention, steps with prefill rows are not captured
+        (``mixed_cuda_graphs`` off): they run eagerly, where long rows attend decompressed."""
+        info = backend_info(self.name)
+        spec = getattr(self, "spec", None)  # None while AttentionBackend.__init__ checks the spec
+        return replace(info, mixed_cuda_graphs=False) if spec is not None and spec.latent_attention else info
+
+    @property
     def windows(self) -> tuple[int | None, ...]:
         """The distinct windows among the layers (None: full attention)."""
         spec = self.spec
@@ -228,6 +245,7 @@ class TritonBackend(AttentionBackend):
             return [
                 BufferRequest("latent_rows", torch.int32, capacity.max_tokens, staged=True),
                 BufferRequest("latent_lens", torch.int32, capacity.max_tokens, staged=True),
+                BufferRequest("latent_split_len", torch.int32, 1, staged=True),
             ]
         rows = capacity.max_rows
         sms = self._sms(None)
@@ -262,7 +280,7 @@ class TritonBackend(AttentionBackend):
         its rows; the prefill launch exists when the bucket has more tokens than rows (room
         for prefill rows), with a fixed grid over a padded tile index."""
         if self.spec.latent_attention:
-            return self._plan_latent(metadata, staging)
+            return self._plan_latent(metadata, staging, graph)
         q_lens, most = metadata.query_lens_host, self.max_decode_query_len
         decode_rows = tuple(r for r, q in enumerate(q_lens) if q <= most)
         prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > most)
@@ -282,22 +300,58 @@ class TritonBackend(AttentionBackend):
             prefill = self._plan_prefill(metadata, prefill_rows, staging, fixed_prefill)
         return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill)
 
-    def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging) -> TritonStepPlan:
+    def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """Every query token to the MLA kernel: its row and causal length, padding tokens with
-        row -1 (they see nothing). Splits from the step's shape alone (padded tokens, table
-        width), so a graph bucket replays the grid it captured: enough programs to fill the
-        GPU twice, each split at least :data:`_MLA_MIN_SPLIT_TOKENS` latents."""
+        row -1 (they see nothing). The split count from the step's shape alone (padded tokens,
+        table width: :func:`mla_split_count`), so a graph bucket replays the grid it captured;
+        the latents per split from its lengths (:func:`mla_split_len`), staged on the device.
+
+        On an eager step, rows of at least ``latent_prefill_min_tokens`` new tokens attend
+        decompressed instead (``plan.latent_prefill``): their tokens get row -1 here too."""
         if meta.tree_masks is not None:
             raise MetadataError("metadata.tree_masks: latent attention verifies no draft trees yet")
+        prefill = plan_latent_prefill(meta, None if graph else self.latent_prefill_min_tokens)
         rows, lens = causal_queries(meta.seq_lens_host, meta.query_lens_host)
+        if prefill is not None:
+            decompressed = set(prefill.rows)
+            lens = [0 if r in decompressed else n for r, n in zip(rows, lens, strict=True)]
+            rows = [-1 if r in decompressed else r for r in rows]
         pad = meta.num_tokens - len(rows)
         token_rows = staging.stage("latent_rows", array("i", rows) + array("i", [-1]) * pad)
         token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)
-        longest = meta.block_tables.shape[1] * meta.block_size
-        programs = max(1, meta.num_tokens) * cdiv(self.spec.num_heads, 16)
-        splits = max(1, min(cdiv(2 * self._sms(meta.device), programs), longest // _MLA_MIN_SPLIT_TOKENS))
-        latent = LatentLaunch(token_rows, token_lens, splits)
-        return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent)
+        spec, launch = self.spec, default_mla_launch(self.spec.num_heads)
+        table_len = meta.block_tables.shape[1] * meta.block_size
+        splits = mla_split_count(
+            meta.num_tokens, spec.num_heads, spec.latent_rank or 0, launch.block_h, table_len, self._sms(meta.device)
+        )
+        chunk = mla_split_len(max(lens, default=0), splits, spec.num_heads, launch.block_n)
+        split_len = staging.stage("latent_split_len", array("i", [chunk]))
+        latent = LatentLaunch(token_rows, token_lens, splits, split_len, launch)
+        return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent, latent_prefill=prefill)
+
+    def _attend_latent_prefill(
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        key_pe: torch.Tensor,
+        plan: StepPlan,
+        prefill: LatentPrefill,
+        nope: int,
+    ) -> torch.Tensor:
+        """The decompressed prefill kernel; a ``qk_nope_head_dim`` that is not a power of two
+        >= 16 (the kernel's dot width) runs the torch form instead."""
+        if nope < 16 or nope & (nope - 1):
+            return super()._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
+        return mla_prefill(
+            query if query.stride(-1) == 1 else query.contiguous(),
+            kv if kv.stride(-1) == 1 else kv.contiguous(),
+            key_pe if key_pe.stride(-1) == 1 else key_pe.contiguous(),
+            prefill.query_lens,
+            prefill.key_lens,
+            qk_nope_head_dim=nope,
+            scale=self.spec.scale,
+            config=default_mla_prefill_config(query.dtype),
+        )
 
     def _plan_prefill(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, fixed: bool
@@ -335,9 +389,7 @@ class TritonBackend(AttentionBackend):
         partials = 1
         for window in self.windows:
             # A row's first new token sees the most: its window starts the range.
-            ranges = [
-                (0 if window is None else max(0, s_lens[r] - q_lens[r] + 1 - window), s_lens[r]) for r in rows
-            ]
+            ranges = [(0 if window is None else max(0, s_lens[r] - q_lens[r] + 1 - window), s_lens[r]) for r in rows]
             schedule = schedule_decode(
                 ranges,
                 num_kv_heads=kvh,
@@ -418,6 +470,11 @@ class TritonBackend(AttentionBackend):
                 kv_lora_rank=rank,
                 scale=self.spec.scale,
                 num_splits=plan.latent.num_splits,
+                split_len=plan.latent.split_len,
+                block_h=plan.latent.launch.block_h,
+                block_n=plan.latent.launch.block_n,
+                num_warps=plan.latent.launch.num_warps,
+                num_stages=plan.latent.launch.num_stages,
             )
             result[..., :rank] = values
             result[..., rank:] = 0  # not values: only the first latent_rank channels are defined

@@ -9,7 +9,9 @@ batches 64 x 4096 and 128 rows of LogNormal(median 2048, sigma 0.8) lengths. Tim
 medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
 latents come from HBM), the split merge included. Bandwidth: the latent bytes the step must
 read (every row's tokens once) over the time, against the device copy bandwidth of this run.
-A few launches are timed per shape; the table shows the fastest, all are in the JSON.
+Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per
+shape; the table shows the fastest and what the triton backend's plan picks
+(``default_mla_launch``, ``mla_split_count``, ``mla_split_len``); all are in the JSON.
 
 Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--out FILE]
 """
@@ -28,11 +30,23 @@ from typing import Any
 import torch
 from common import KernelTimer, measure_copy_tbps, require_cuda, shuffled_block_tables
 
-from attention.triton_kernels.mla_decode import mla_decode
+from attention.triton_kernels.mla_decode import (
+    MLALaunch,
+    default_mla_launch,
+    mla_decode,
+    mla_split_count,
+    mla_split_len,
+)
 
 RANK, ROPE, BLOCK = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
-LAUNCHES = [(16, 32, 4), (16, 64, 4), (32, 32, 8), (64, 32, 8)]  # (block_h, block_n, num_warps)
+#: Per head count: the launches and split lengths swept.
+LAUNCHES = {
+    16: [MLALaunch(16, 32, 4, 2), MLALaunch(16, 64, 4, 2), MLALaunch(16, 32, 4, 3), MLALaunch(16, 16, 4, 2)],
+    128: [MLALaunch(64, 32, 8, 2), MLALaunch(64, 32, 8, 1), MLALaunch(64, 16, 4, 2), MLALaunch(64, 64, 8, 2),
+          MLALaunch(32, 32, 4, 2)],
+}  # fmt: skip
+SPLIT_LENS = {16: [256, 512, 1024, 2048], 128: [1024, 4096, 16384]}
 
 
 def lengths(kind: str, seed: int) -> list[int]:
@@ -49,8 +63,9 @@ def torch_dense(query: torch.Tensor, dense: torch.Tensor, mask: torch.Tensor) ->
     return torch.bmm(p.to(dense.dtype), dense[..., :RANK])
 
 
-def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float) -> list[dict[str, Any]]:
-    """Every launch of :data:`LAUNCHES` and torch's dense formulation, for both head counts."""
+def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float, sms: int) -> list[dict[str, Any]]:
+    """Every launch and split length swept, the plan's choice and torch's dense formulation,
+    for both head counts."""
     lens = lengths(kind, 0)
     host_tables, num_blocks = shuffled_block_tables(lens, BLOCK, seed=1)
     cache = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE, device="cuda").to(torch.bfloat16)
@@ -68,25 +83,27 @@ def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float) -> list[dict[
         query = torch.randn(len(lens), heads, RANK + ROPE, device="cuda").to(torch.bfloat16)
         want = torch_dense(query, dense, mask).float()
         torch_ms = timer.graph_ms(lambda: torch_dense(query, dense, mask))  # noqa: B023 (used in this iteration)
-        for block_h, block_n, warps in LAUNCHES:
-            if block_h > heads:
-                continue
-            programs = len(lens) * -(-heads // block_h)
-            splits = max(1, min(longest // 512, -(-2 * 132 // programs)))
-            row: dict[str, Any] = {"batch": kind, "heads": heads, "block_h": block_h, "block_n": block_n,
-                                   "num_warps": warps, "splits": splits}  # fmt: skip
+        default = default_mla_launch(heads)
+        plan_splits = mla_split_count(len(lens), heads, RANK, default.block_h, tables.shape[1] * BLOCK, sms)
+        plan_len = mla_split_len(longest, plan_splits, heads, default.block_n)
+        variants = [(launch, -(-longest // n), n, False) for launch in LAUNCHES[heads] for n in SPLIT_LENS[heads]]
+        for launch, splits, split_len, planned in [*variants, (default, plan_splits, plan_len, True)]:
+            row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
+                                   "split_len": split_len, "plan": planned}  # fmt: skip
+            chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
 
-            def run(bh: int = block_h, bn: int = block_n, w: int = warps, s: int = splits) -> torch.Tensor:
+            def run(la: MLALaunch = launch, s: int = splits, c: torch.Tensor = chunk) -> torch.Tensor:
                 return mla_decode(query, cache, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
-                                  num_splits=s, block_h=bh, block_n=bn, num_warps=w)  # fmt: skip
+                                  num_splits=s, split_len=c, **la.__dict__)  # fmt: skip
 
             try:
                 got = run()
                 err = float((got - want).abs().max() / want.abs().max())
                 ms = timer.graph_ms(run)
                 tbps = latent_bytes / (ms * 1e-3) / 1e12
+                flops = sum(lens) * heads * 2 * (2 * RANK + ROPE)
                 row.update(ms=ms, torch_ms=torch_ms, vs_torch=torch_ms / ms, rel_err=err, tbps=tbps,
-                           of_copy=tbps / (copy_tbps / 2))  # fmt: skip  (copy TB/s counts read + write)
+                           of_copy=tbps / (copy_tbps / 2), tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
             except Exception as e:  # a launch that does not fit (registers, shared memory)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
@@ -103,20 +120,21 @@ def main() -> None:
         sys.exit(2)
     timer = KernelTimer(10, args.rep_ms)
     copy_tbps = measure_copy_tbps(timer)
-    rows_out = [row for kind in ("64x4096", "lognormal-128") for row in measure_batch(kind, timer, copy_tbps)]
-    print(f"\n{'batch':14} {'heads':>5} {'launch':>14} {'splits':>6} {'ms':>8} {'TB/s':>6} {'of copy':>7} "
-          f"{'torch ms':>8} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows_out = [row for kind in ("64x4096", "lognormal-128") for row in measure_batch(kind, timer, copy_tbps, sms)]
+    print(f"\n{'batch':14} {'heads':>5} {'':>7} {'launch':>16} {'splits':>6} {'per split':>9} {'ms':>7} {'TB/s':>5} "
+          f"{'of copy':>7} {'TFLOP/s':>7} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
     for kind in ("64x4096", "lognormal-128"):
         for heads in (128, 16):
             done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
-            if not done:
-                continue
-            best = min(done, key=lambda x: x["ms"])
-            launch = f"h{best['block_h']} n{best['block_n']} w{best['num_warps']}"
-            print(
-                f"{kind:14} {heads:5d} {launch:>14} {best['splits']:6d} {best['ms']:8.3f} {best['tbps']:6.2f} "
-                f"{best['of_copy']:7.0%} {best['torch_ms']:8.3f} {best['vs_torch']:7.2f}x {best['rel_err']:8.1e}"
-            )
+            picks = [("best", min(done, key=lambda x: x["ms"]))] if done else []
+            picks += [("plan", r) for r in done if r["plan"]]
+            for label, r in picks:
+                launch = f"h{r['block_h']} n{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+                print(
+                    f"{kind:14} {heads:5d} {label:>7} {launch:>16} {r['splits']:6d} {r['split_len']:9d} {r['ms']:7.3f} "
+                    f"{r['tbps']:5.2f} {r['of_copy']:7.0%} {r['tflops']:7.0f} {r['vs_torch']:7.2f}x {r['rel_err']:8.1e}"
+                )
     doc = {"benchmark": "bench_mla_decode", "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps_read_plus_write": copy_tbps,
            "rows": rows_out}  # fmt: skip

@@ -65,8 +65,27 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (96, 1, 64, 100, 33, 130)]
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q-proj", "q-lora"])
-def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None) -> None:
+def _count_decompressed(backend: Any) -> list[int]:
+    """Counts the new tokens the backend attends decompressed (``attend_latent_prefill``)."""
+    seen = [0]
+    inner = backend.attend_latent_prefill
+
+    def counted(query: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen[0] += query.shape[0]
+        return inner(query, *args)
+
+    backend.attend_latent_prefill = counted
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("q_lora_rank", "decompress_from"),
+    [(None, None), (24, None), (None, 16), (24, 2)],
+    ids=["q-proj", "q-lora", "q-proj-decompressed", "q-lora-decompressed"],
+)
+def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None, decompress_from: int | None) -> None:
+    """Absorbed for every row, or decompressed for rows of at least ``decompress_from`` new
+    tokens (``latent_prefill_min_tokens``): transformers' tokens either way."""
     hf = _deepseek(q_lora_rank)
     model = from_transformers(hf)
     assert model.shape.mla is not None and model.shape.mla.q_lora_rank == q_lora_rank
@@ -76,6 +95,8 @@ def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None) ->
     engine = engine_for(config, model.shape, fill=float("nan"))
     assert engine.spec.latent_attention and engine.spec.head_dim == 40 and engine.spec.num_kv_heads == 1
     assert engine.cache.storage.shape == (2, 1, 7, 32, 1, 40), "one latent of 32 + 8 values per token and layer"
+    engine.backend.latent_prefill_min_tokens = decompress_from
+    decompressed = _count_decompressed(engine.backend)
     prompts = _prompts()
     requests = [Request(i, p, NEW_TOKENS, arrival_step=i // 2) for i, p in enumerate(prompts)]
     report = run_requests(
@@ -85,16 +106,26 @@ def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None) ->
     )  # fmt: skip
     assert report.finished == len(prompts) and report.preemptions >= 1
     assert (report.prefix_hit_tokens or 0) > 0, "the preempted request finds its blocks again"
+    layers = model.shape.num_layers
+    if decompress_from is None:
+        assert decompressed[0] == 0
+    else:  # prompt chunks, in every layer
+        assert decompressed[0] > 0 and decompressed[0] % layers == 0, decompressed
     for prompt, req in zip(prompts, requests, strict=True):
         tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
         assert req.output == tokens, f"prompt of {len(prompt)}"
         torch.testing.assert_close(torch.stack(report.logits[req.req_id]), logits, atol=LOGITS_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
-def test_latent_attention_on_triton_matches_transformers(graphs: bool) -> None:
-    """The triton backend's MLA kernel (every token, prefill and decode; Triton's CPU
-    interpreter without a GPU, and CUDA graphs on one): transformers' tokens and logits."""
+@pytest.mark.parametrize(
+    ("graphs", "decompress_from"),
+    [(False, None), (False, 16), (True, 16)],
+    ids=["eager", "eager-decompressed", "cuda-graphs-decompressed"],
+)
+def test_latent_attention_on_triton_matches_transformers(graphs: bool, decompress_from: int | None) -> None:
+    """The triton backend's MLA kernels (absorbed for every token, or decompressed prefill
+    rows beside absorbed decode rows; Triton's CPU interpreter without a GPU, and CUDA graphs
+    for decode steps on one): transformers' tokens and logits."""
     pytest.importorskip("triton")
     from attention.triton_kernels import kernels_interpreted
 
@@ -110,6 +141,8 @@ def test_latent_attention_on_triton_matches_transformers(graphs: bool) -> None:
     triton = get_backend("triton", model.shape.attention_spec("float32"))
     engine = engine_for(config, model.shape, backend=triton, fill=float("nan"))
     assert engine.backend.name == "triton" and engine.spec.latent_rank == 32
+    engine.backend.latent_prefill_min_tokens = decompress_from
+    decompressed = _count_decompressed(engine.backend)
     prompts = [_prompts()[i] for i in (0, 2, 4)]
     requests = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
     report = run_requests(
@@ -119,6 +152,7 @@ def test_latent_attention_on_triton_matches_transformers(graphs: bool) -> None:
     )  # fmt: skip
     if graphs:
         assert report.graph_replays.get("decode", 0) > 0, report.graph_replays
+    assert (decompressed[0] > 0) == (decompress_from is not None), decompressed
     for prompt, req in zip(prompts, requests, strict=True):
         tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
         assert req.output == tokens, f"prompt of {len(prompt)}"

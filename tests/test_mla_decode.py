@@ -73,6 +73,24 @@ def test_mla_decode_matches_float64(lens, heads, rank, rope, block_size, splits,
     assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
 
 
+@pytest.mark.parametrize("split_len", [7, 32, 100])
+def test_the_split_length_read_on_the_device_sets_the_chunk(split_len: int) -> None:
+    """``split_len`` (a device value, as a CUDA graph replays it) cuts the latents: chunks off
+    the tile width, many splits, and splits beyond short rows (skipped by both kernels) give
+    the reference."""
+    lens = [1, 37, 100, 0, 64]
+    query, cache, tables, latents = _case(lens, 4, 32, 16, 32, torch.float32, seed=2)
+    splits = -(-max(lens) // split_len)
+    out = mla_decode(
+        query.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=32, scale=0.2, num_splits=splits,
+        split_len=torch.tensor([split_len], dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    want = _reference(query.float().double(), [lat.float().double() for lat in latents], 32, 0.2)
+    assert torch.isfinite(out).all()
+    assert (out.double().cpu() - want).abs().max().item() < 2e-3
+
+
 def test_bad_block_ids_are_masked_not_read() -> None:
     query, cache, tables, _ = _case([40, 40], 4, 32, 16, 32, torch.float32)
     tables[1, 0] = 10**6  # out of the cache
@@ -96,6 +114,8 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         causal_queries([3], [4])
     with pytest.raises(InvalidArgumentError, match="num_splits"):
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
+    with pytest.raises(InvalidArgumentError, match="split_len: expected an int32 \\[1\\] tensor"):
+        mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, split_len=torch.tensor([8]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -11,14 +11,16 @@ bytes of MLA are one latent per token, not per head: what makes MLA decode memor
 Rows with several new tokens (prefill, extend, verification) run as one query per token:
 :func:`mla_attention` takes, per query token, its row of the block table and how many latents
 it sees (its position + 1: causal), and :func:`causal_queries` builds both from a step's
-lengths. (Each token then streams its own prefix: fine for decode and short rows; long
-prompts would want a kernel that shares latent tiles across tokens.)
+lengths. (Each token then streams its own prefix: fine for decode and short rows; long rows
+attend decompressed instead, :mod:`attention.triton_kernels.mla_prefill`.)
 
 Grid ``(head tiles, query tokens, splits)``: split ``s`` of a token takes the latents ``[s *
-chunk, (s + 1) * chunk)`` (``chunk`` a multiple of ``BLOCK_N``), so long rows spread over more
-programs; each split stores its fp32 partial output, running max and sum, and
-:func:`mla_decode` merges them (log-sum-exp) with a few torch ops. With one split the
-merge is a division.
+chunk, (s + 1) * chunk)``, so long rows spread over more programs. ``chunk`` is read on the
+device (``split_len``), so a CUDA graph captured for a fixed grid takes each step's: the grid
+can leave room for many splits and a step with short rows sets a small chunk. A split beyond
+a token's latents returns at once; the others store their fp32 partial output, running max
+and sum, and a second kernel merges, per token and head, only the splits its latents reach
+(log-sum-exp).
 
 Memory safety holds for any table: block ids outside ``[0, num_blocks)`` mask their tokens
 off (never dereferenced, and out of the softmax), table columns are clamped to the table
@@ -28,6 +30,7 @@ width, and a length is clamped to ``table_width * block_size``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,9 +40,53 @@ import triton.language as tl
 from attention.errors import InvalidArgumentError
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 
-__all__ = ["causal_queries", "mla_attention", "mla_decode"]
+__all__ = ["MLALaunch", "causal_queries", "default_mla_launch", "mla_attention", "mla_decode", "mla_split_count",
+           "mla_split_len"]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
+#: Latents per split, at least.
+MIN_SPLIT_LEN = 256
+#: The splits' fp32 partial outputs of one launch, at most (bytes).
+MAX_PARTIAL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class MLALaunch:
+    """Heads per program, latents per tile, warps and pipeline stages of the MLA kernel."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_mla_launch(heads: int) -> MLALaunch:
+    """Tiles of 16 heads up to 16 heads (memory-bound: one program streams a token's latents
+    for all of them), else of 64 (compute-bound: DeepSeek-V3's 128 heads on one GPU). The
+    fastest launches of ``benchmarks/bench_mla_decode.py`` on the H200."""
+    if heads <= 16:
+        return MLALaunch(16, 32, 4, 2)
+    return MLALaunch(64, 32, 8, 2)
+
+
+def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
+    """Splits per token for a launch of this shape (a CUDA graph's grid: no lengths): enough
+    programs to give every SM eight, at most ``table_len / MIN_SPLIT_LEN`` and at most what
+    :data:`MAX_PARTIAL_BYTES` of partial outputs hold."""
+    tokens = max(1, num_tokens)
+    programs = tokens * -(-heads // block_h)
+    by_gpu = -(-8 * num_sms // programs)
+    by_memory = MAX_PARTIAL_BYTES // (tokens * heads * rank * 4)
+    return max(1, min(by_gpu, by_memory, table_len // MIN_SPLIT_LEN))
+
+
+def mla_split_len(longest: int, num_splits: int, heads: int, block_n: int) -> int:
+    """Latents per split for a step whose longest token sees ``longest``: the splits cover it,
+    and a split reads at least ``64 * heads`` latents, so the partial outputs it writes and
+    the merge reads (``heads * kv_lora_rank`` floats) stay near 6% of its latent bytes."""
+    floor = max(MIN_SPLIT_LEN, 64 * heads)
+    chunk = max(floor, -(-longest // num_splits))
+    return -(-chunk // block_n) * block_n
 
 
 @triton.jit
@@ -51,11 +98,11 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     lens_ptr,  # int32 [T]: the latents each query token sees
     acc_ptr,  # fp32 [T, splits, H, R]
     ml_ptr,  # fp32 [T, splits, H, 2]: running max (log2 domain) and sum
+    chunk_ptr,  # int32 [1]: latents per split (best a multiple of BLOCK_N)
     num_rows,
     num_heads,
     num_blocks,
     table_width,
-    chunk,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -84,7 +131,10 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     row = tl.where(row_ok, row, 0)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
     seq_len = tl.where(row_ok, seq_len, 0)
+    chunk = tl.maximum(tl.load(chunk_ptr), 1)
     start = split * chunk
+    if start >= seq_len and split > 0:
+        return  # the merge reads only the splits a token's latents reach (and split 0)
     end = tl.minimum(start + chunk, seq_len)
 
     q_row = q_ptr + token.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
@@ -126,6 +176,54 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=head_ok)
 
 
+@triton.jit
+def _mla_merge_kernel(  # type: ignore[no-untyped-def]
+    acc_ptr,  # fp32 [T, splits, H, R]
+    ml_ptr,  # fp32 [T, splits, H, 2]
+    lens_ptr,  # int32 [T]
+    rows_ptr,  # int32 [T]
+    chunk_ptr,  # int32 [1]
+    out_ptr,  # fp32 [T, H, R]
+    num_rows,
+    num_heads,
+    table_width,
+    splits,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One (token, head): the log-sum-exp merge of the splits its latents reach (split 0
+    always; a token that sees nothing gives zeros)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(rows_ptr + token)
+    row_ok = (row >= 0) & (row < num_rows)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
+    seq_len = tl.where(row_ok, seq_len, 0)
+    chunk = tl.maximum(tl.load(chunk_ptr), 1)
+    used = tl.minimum(tl.maximum((seq_len + chunk - 1) // chunk, 1), splits)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, used):
+        base = (token.to(tl.int64) * splits + s) * num_heads + head
+        m_s = tl.load(ml_ptr + base * 2)
+        l_s = tl.load(ml_ptr + base * 2 + 1)
+        a_s = tl.load(acc_ptr + base * R + offs_r, mask=r_ok, other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_run = tl.exp2(m_run - m_safe)
+        w_s = tl.exp2(m_s - m_safe)
+        l_run = l_run * w_run + l_s * w_s
+        acc = acc * w_run + a_s * w_s
+        m_run = m_new
+    acc = acc / tl.where(l_run > 0, l_run, 1.0)
+    out = out_ptr + (token.to(tl.int64) * num_heads + head) * R
+    tl.store(out + offs_r, acc, mask=r_ok)
+
+
 def causal_queries(seq_lens: Sequence[int], query_lens: Sequence[int]) -> tuple[list[int], list[int]]:
     """Per query token of a step (rows in order, a row's new tokens in order): its row, and
     the latents it sees (its position + 1). Raises InvalidArgumentError for a row with more
@@ -163,6 +261,7 @@ def mla_attention(
     kv_lora_rank: int,
     scale: float,
     num_splits: int = 1,
+    split_len: torch.Tensor | None = None,
     block_n: int = 32,
     block_h: int = 16,
     num_warps: int = 4,
@@ -179,6 +278,11 @@ def mla_attention(
                   (causal rows: :func:`causal_queries`).
     scale:        the softmax scale (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).
     num_splits:   programs per token along its latents (long rows: more parallelism).
+    split_len:    int32 [1] on the device: latents per split (best a multiple of
+                  ``block_n``; at least 1); ``num_splits * split_len`` must cover the longest
+                  ``token_lens`` (what lies beyond is left out, never read out of bounds). A
+                  device value, so a captured graph takes each step's. Default: the table
+                  width over ``num_splits``.
     block_n, block_h, num_warps, num_stages: the launch (latents per tile, heads per program).
     Returns float32 [T, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
@@ -218,32 +322,37 @@ def mla_attention(
         raise InvalidArgumentError(f"block_h, block_n: {block_h}, {block_n} must be powers of two, at least 16")
     if query.stride(2) != 1 or not cache.is_contiguous():
         raise InvalidArgumentError("query, cache: the channels must be contiguous (and the cache all of it)")
+    if split_len is not None and (
+        split_len.dtype != torch.int32 or split_len.device != query.device or tuple(split_len.shape) != (1,)
+    ):
+        raise InvalidArgumentError(
+            f"split_len: expected an int32 [1] tensor on {query.device}, got {split_len.dtype} "
+            f"{list(split_len.shape)} on {split_len.device}"
+        )
     rank, rope = kv_lora_rank, dim - kv_lora_rank
     tables = block_tables.contiguous()
     width_cols = tables.shape[1]
-    longest = width_cols * block_size
-    chunk = -(-longest // num_splits)
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
-    splits = -(-longest // chunk) if longest else 1
-    acc = torch.empty(tokens, splits, heads, rank, dtype=torch.float32, device=query.device)
-    ml = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=query.device)
-    if tokens:
+    rows, lens = token_rows.contiguous(), token_lens.contiguous()
+    if split_len is None:
+        per_split = -(-width_cols * block_size // num_splits)
+        chunk = max(block_n, -(-per_split // block_n) * block_n)
+        split_len = torch.full((1,), chunk, dtype=torch.int32, device=query.device)
+    acc = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=query.device)
+    ml = torch.empty(tokens, num_splits, heads, 2, dtype=torch.float32, device=query.device)
+    out = torch.zeros(tokens, heads, rank, dtype=torch.float32, device=query.device)
+    if tokens and heads:
         # Head tiles vary fastest: the programs of one token run side by side and read its
         # latents from L2 after the first, instead of from HBM once per head tile.
-        grid = (triton.cdiv(heads, block_h), tokens, splits)
+        grid = (triton.cdiv(heads, block_h), tokens, num_splits)
         _mla_decode_kernel[grid](
-            query, cache, tables, token_rows.contiguous(), token_lens.contiguous(), acc, ml,
-            tables.shape[0], heads, num_blocks, width_cols, chunk, scale * _LOG2E, query.stride(0), query.stride(1),
+            query, cache, tables, rows, lens, acc, ml, split_len,
+            tables.shape[0], heads, num_blocks, width_cols, scale * _LOG2E, query.stride(0), query.stride(1),
             R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
             BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(cache.dtype),
             DOT_PRECISION=dot_precision_for(cache.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
-    # Merge the splits: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the largest m_s;
-    # a split with no latent has m = -inf, l = 0, acc = 0 and weighs 0).
-    m, l_sum = ml[..., 0], ml[..., 1]
-    top = m.amax(dim=1, keepdim=True)
-    weight = torch.exp2(m - torch.where(torch.isinf(top), torch.zeros_like(top), top))
-    weight = torch.nan_to_num(weight, nan=0.0)
-    total = (weight * l_sum).sum(dim=1)  # [T, H]
-    out = (weight.unsqueeze(-1) * acc).sum(dim=1)
-    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+        _mla_merge_kernel[(tokens, heads)](
+            acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits,
+            R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_SIZE=block_size, num_warps=4,
+        )  # fmt: skip
+    return out

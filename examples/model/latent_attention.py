@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3's MLA) over the paged cache, in the absorbed form.
+"""Multi-head latent attention (DeepSeek-V2/V3's MLA) over the paged cache: absorbed, or
+decompressed for long rows.
 
 Each token caches one latent per layer: ``c`` (``kv_lora_rank`` values: ``kv_a_proj_with_mqa``
 then ``kv_a_layernorm``) and ``k_pe`` (``qk_rope_head_dim`` values, rotated), shared by every
@@ -12,7 +13,11 @@ and attention runs over the latents themselves: MQA with one KV head of ``kv_lor
 qk_rope_head_dim`` channels, the query ``[W_UK[h]^T q_nope[h], q_pe[h]]``, and the latent as
 its own value (the backend's K and V views of a latent cache are one tensor,
 ``AttentionSpec.latent_attention``); the first ``kv_lora_rank`` channels of the output are
-``sum_i p_i c_i``. Nothing per head is cached and nothing is decompressed.
+``sum_i p_i c_i``. Nothing per head is cached.
+
+Rows with many new tokens (the plan's ``latent_prefill``, on eager steps) are compute-bound and
+cheaper decompressed: their keys' latents go through ``kv_b_proj`` to per-head ``k_nope`` and
+values, and the backend attends them as ordinary heads (:mod:`attention.latent_prefill`).
 
 Shapes: ``T`` new tokens, ``H`` heads, ``r`` = kv_lora_rank, ``e`` = qk_rope_head_dim, ``n`` =
 qk_nope_head_dim, ``v`` = v_head_dim.
@@ -100,4 +105,14 @@ class LatentAttention(nn.Module):
         backend.write_kv(latent, latent, layer, plan)
         out = backend.attend(query, layer, plan)  # [T, H, r + e]; the first r: sum_i p_i c_i
         values = torch.einsum("thr,hvr->thv", out[..., :rank], w_uv)  # [T, H, v]
+        prefill = plan.latent_prefill
+        if prefill is not None:
+            # Long rows attend decompressed (attention.latent_prefill): every key's latent
+            # through kv_b_proj gives each head its k_nope and value.
+            keys = backend.gather_latent_keys(layer, plan)  # [K, r + e]
+            kv = self.kv_b_proj(keys[:, :rank]).view(keys.shape[0], heads, nope + m.v_head_dim)
+            rows = prefill.token_index
+            q_rows = torch.cat((q_nope, q_pe), dim=-1).index_select(0, rows)  # [P, H, n + e]
+            decompressed = backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan)  # [P, H, v]
+            values = values.index_copy(0, rows, decompressed.to(values.dtype))
         return self.wo(values.reshape(t, heads * m.v_head_dim))

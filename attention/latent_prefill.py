@@ -1,0 +1,127 @@
+"""Decompressed prefill rows of a latent-attention (MLA) step.
+
+A backend serving latent attention attends decode rows in the absorbed form (MQA over the
+latents, :meth:`AttentionBackend.attend`). A row with many new tokens is compute-bound, and the
+absorbed form costs ``2 * (r + e) / (n + e + v)`` times the multiply-adds of attention over
+decompressed keys and values (3.4x for DeepSeek-V3), so on eager steps rows of at least
+``AttentionBackend.latent_prefill_min_tokens`` new tokens attend decompressed instead: the model
+gathers their keys' latents (:meth:`AttentionBackend.gather_latent_keys`), up-projects them
+through ``kv_b_proj`` and calls :meth:`AttentionBackend.attend_latent_prefill`. Measured on the
+H200 (``benchmarks/bench_mla_prefill.py``): 7-13x faster than the absorbed kernel on prompts.
+
+:class:`LatentPrefill` is the plan's part for those rows; :func:`plan_latent_prefill` makes it
+from host lengths; :func:`latent_key_slots` finds the keys' cache slots on the device.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from attention.metadata import AttentionMetadata
+from attention.staging import DirectStaging
+
+__all__ = ["LatentPrefill", "latent_key_slots", "plan_latent_prefill", "reference_latent_prefill"]
+
+
+@dataclass(frozen=True)
+class LatentPrefill:
+    """The rows of a step that attend decompressed, in step order.
+
+    rows:        their indices in the step's batch.
+    query_lens:  their new tokens; key_lens: the keys each sees (its sequence length).
+    token_index: int64 [sum(query_lens)] on the device: their new tokens' indices among the
+                 step's tokens, row by row.
+    key_rows, key_positions: int32 [sum(key_lens)] on the device: per key (row by row, position
+                 0 first), its batch row and position; :func:`latent_key_slots` makes slots.
+    """
+
+    rows: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    key_lens: tuple[int, ...]
+    token_index: torch.Tensor
+    key_rows: torch.Tensor
+    key_positions: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_keys(self) -> int:
+        return sum(self.key_lens)
+
+
+def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> LatentPrefill | None:
+    """The step's rows of at least ``min_tokens`` new tokens (None: no row; also None on a
+    step with draft-tree masks, which the decompressed kernel does not take). Their arrays
+    are copied to the device now (their size follows the rows' keys, so they have no
+    persistent buffer)."""
+    if min_tokens is None or meta.tree_masks is not None:
+        return None
+    rows, tokens, key_rows, key_positions = [], array("i"), array("i"), array("i")
+    start = 0
+    for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
+        if q_len >= min_tokens:
+            rows.append(row)
+            tokens.extend(range(start, start + q_len))
+            key_rows.extend([row] * seq_len)
+            key_positions.extend(range(seq_len))
+        start += q_len
+    if not rows:
+        return None
+    q_lens = tuple(meta.query_lens_host[r] for r in rows)
+    k_lens = tuple(meta.seq_lens_host[r] for r in rows)
+    staging = DirectStaging(meta.device)
+    return LatentPrefill(
+        tuple(rows),
+        q_lens,
+        k_lens,
+        staging.stage("latent_prefill_tokens", tokens).long(),
+        staging.stage("latent_prefill_key_rows", key_rows),
+        staging.stage("latent_prefill_key_positions", key_positions),
+    )
+
+
+def latent_key_slots(prefill: LatentPrefill, meta: AttentionMetadata, num_blocks: int) -> torch.Tensor:
+    """int64 [num_keys] cache slots of the decompressed rows' keys, row by row, read from the
+    block tables on the device. A table entry outside ``[0, num_blocks)`` (never one of a
+    valid step) gives slot 0, so a gather never leaves the cache."""
+    bs = meta.block_size
+    positions = prefill.key_positions.long()
+    blocks = meta.block_tables[prefill.key_rows.long(), positions // bs].long()
+    slots = blocks * bs + positions % bs
+    return torch.where((blocks >= 0) & (blocks < num_blocks), slots, torch.zeros_like(slots))
+
+
+def reference_latent_prefill(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    key_pe: torch.Tensor,
+    prefill: LatentPrefill,
+    *,
+    qk_nope_head_dim: int,
+    scale: float,
+    math_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decompressed causal attention in torch (shapes as in
+    :meth:`AttentionBackend.attend_latent_prefill`); math in ``math_dtype``."""
+    heads, nope = query.shape[1], qk_nope_head_dim
+    out = torch.empty(query.shape[0], heads, kv.shape[2] - nope, dtype=query.dtype, device=query.device)
+    q0 = k0 = 0
+    for q_len, k_len in zip(prefill.query_lens, prefill.key_lens, strict=True):
+        q = query[q0 : q0 + q_len].to(math_dtype)
+        k_nope = kv[k0 : k0 + k_len, :, :nope].to(math_dtype)
+        value = kv[k0 : k0 + k_len, :, nope:].to(math_dtype)
+        pe = key_pe[k0 : k0 + k_len].to(math_dtype)
+        scores = torch.einsum("qhn,khn->hqk", q[..., :nope], k_nope) + torch.einsum("qhe,ke->hqk", q[..., nope:], pe)
+        visible = (
+            torch.arange(k_len, device=q.device)[None, :]
+            <= (k_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+        )
+        p = (scores * scale).masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[q0 : q0 + q_len] = torch.einsum("hqk,khv->qhv", p, value).to(query.dtype)
+        q0, k0 = q0 + q_len, k0 + k_len
+    return out

@@ -1,0 +1,94 @@
+"""The decompressed MLA prefill kernel (attention.triton_kernels.mla_prefill) against a float64
+reference: causal varlen rows with cached keys before their new tokens, a shared rotated key,
+values narrower or wider than the key half.
+
+Without a GPU it runs in Triton's CPU interpreter (tests/conftest.py), so shapes stay small.
+Keys past each row's end are NaN: a read beyond a row's keys turns the output NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.errors import InvalidArgumentError
+from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
+from attention.triton_kernels.paging import kernels_interpreted
+
+DEVICE = "cpu" if kernels_interpreted() else "cuda"
+
+
+def _case(query_lens, key_lens, heads, nope, rope, value, seed=0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    tokens, keys = sum(query_lens), sum(key_lens)
+    query = torch.randn(tokens, heads, nope + rope, generator=gen, dtype=torch.float64)
+    kv = torch.randn(keys + 5, heads, nope + value, generator=gen, dtype=torch.float64)
+    latents = torch.randn(keys + 5, 32 + rope, generator=gen, dtype=torch.float64)
+    kv[keys:] = float("nan")
+    latents[keys:] = float("nan")
+    return query, kv, latents
+
+
+def _reference(query, kv, key_pe, query_lens, key_lens, nope, scale):  # type: ignore[no-untyped-def]
+    heads = query.shape[1]
+    outs = []
+    q0 = k0 = 0
+    for q_len, k_len in zip(query_lens, key_lens, strict=True):
+        q = query[q0 : q0 + q_len]  # [q, H, n + e]
+        k_nope, v = kv[k0 : k0 + k_len, :, :nope], kv[k0 : k0 + k_len, :, nope:]
+        pe = key_pe[k0 : k0 + k_len]
+        keys = torch.cat((k_nope, pe[:, None, :].expand(k_len, heads, pe.shape[-1])), dim=-1)
+        s = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        visible = torch.arange(k_len)[None, :] <= (k_len - q_len + torch.arange(q_len))[:, None]
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khv->qhv", p, v))
+        q0, k0 = q0 + q_len, k0 + k_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "key_lens", "heads", "nope", "rope", "value", "block"),
+    [
+        ([37, 1, 20], [37, 50, 83], 3, 16, 8, 16, (16, 16)),  # prompts, a decode row, an extend row
+        ([70, 0, 33], [70, 12, 33], 2, 32, 16, 24, (32, 16)),  # several tiles, an empty row, v != n
+        ([5, 3], [129, 65], 4, 16, 16, 32, (16, 32)),  # short extends over many cached keys (62: one short of a tile)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_prefill_matches_float64(query_lens, key_lens, heads, nope, rope, value, block, dtype) -> None:  # type: ignore[no-untyped-def]
+    query, kv, latents = _case(query_lens, key_lens, heads, nope, rope, value)
+    scale = (nope + rope) ** -0.5
+    keys = sum(key_lens)
+    want = _reference(query, kv[:keys], latents[:keys, 32:], query_lens, key_lens, nope, scale)
+    cfg = MLAPrefillConfig(block_m=block[0], block_n=block[1], num_warps=4, num_stages=1)
+    got = mla_prefill(
+        query.to(DEVICE, dtype),
+        kv.to(DEVICE, dtype)[:keys],
+        latents.to(DEVICE, dtype)[:keys, 32:],
+        query_lens,
+        key_lens,
+        qk_nope_head_dim=nope,
+        scale=scale,
+        config=cfg,
+    )
+    assert got.shape == (sum(query_lens), heads, value) and got.dtype == dtype
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err < (2e-3 if dtype == torch.float32 else 3e-2), err
+
+
+def test_mla_prefill_refuses_bad_inputs_by_name() -> None:
+    query, kv, latents = _case([4], [6], 2, 16, 8, 16)
+    q, k, pe = query.float(), kv[:6].float(), latents[:6, 32:].float()
+    args = {"qk_nope_head_dim": 16, "scale": 0.2}
+    with pytest.raises(InvalidArgumentError, match=r"query_lens\[0\], key_lens\[0\]: 7 new tokens over 6 keys"):
+        mla_prefill(q, k, pe, [7], [6], **args)
+    with pytest.raises(InvalidArgumentError, match="sum to 3 and 6"):
+        mla_prefill(q, k, pe, [3], [6], **args)
+    with pytest.raises(InvalidArgumentError, match="qk_nope_head_dim: 12"):
+        mla_prefill(q, k, pe, [4], [6], qk_nope_head_dim=12, scale=0.2)
+    with pytest.raises(InvalidArgumentError, match=r"key_pe: torch\.float64"):
+        mla_prefill(q, k, latents[:6, 32:], [4], [6], **args)
+    with pytest.raises(InvalidArgumentError, match="kv, key_pe: expected"):
+        mla_prefill(q, k[:, :1], pe, [4], [6], **args)
+    with pytest.raises(InvalidArgumentError, match="out: expected"):
+        mla_prefill(q, k, pe, [4], [6], out=torch.empty(4, 2, 8), **args)
