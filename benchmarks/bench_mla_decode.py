@@ -103,7 +103,7 @@ def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float, sms: int) -> 
                 tbps = latent_bytes / (ms * 1e-3) / 1e12
                 flops = sum(lens) * heads * 2 * (2 * RANK + ROPE)
                 row.update(ms=ms, torch_ms=torch_ms, vs_torch=torch_ms / ms, rel_err=err, tbps=tbps,
-                           of_copy=tbps / (copy_tbps / 2), tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
+                           of_copy=tbps / copy_tbps, tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
             except Exception as e:  # a launch that does not fit (registers, shared memory)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)

@@ -47,7 +47,7 @@ _LOG2E = 1.4426950408889634
 #: Latents per split, at least.
 MIN_SPLIT_LEN = 256
 #: The splits' fp32 partial outputs of one launch, at most (bytes).
-MAX_PARTIAL_BYTES = 64 << 20
+MAX_PARTIAL_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,11 @@ class MLALaunch:
 def default_mla_launch(heads: int) -> MLALaunch:
     """Tiles of 16 heads up to 16 heads (memory-bound: one program streams a token's latents
     for all of them), else of 64 (compute-bound: DeepSeek-V3's 128 heads on one GPU). The
-    fastest launches of ``benchmarks/bench_mla_decode.py`` on the H200."""
+    fastest launches of ``benchmarks/bench_mla_decode.py`` on the H200
+    (``results/mla-decode-2026-12-03.json``)."""
     if heads <= 16:
-        return MLALaunch(16, 32, 4, 2)
-    return MLALaunch(64, 32, 8, 2)
+        return MLALaunch(16, 32, 4, 3)
+    return MLALaunch(64, 64, 8, 2)
 
 
 def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
@@ -82,9 +83,11 @@ def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_
 
 def mla_split_len(longest: int, num_splits: int, heads: int, block_n: int) -> int:
     """Latents per split for a step whose longest token sees ``longest``: the splits cover it,
-    and a split reads at least ``64 * heads`` latents, so the partial outputs it writes and
-    the merge reads (``heads * kv_lora_rank`` floats) stay near 6% of its latent bytes."""
-    floor = max(MIN_SPLIT_LEN, 64 * heads)
+    and a split reads at least ``64 * min(heads, 16)`` latents (1,024 from 16 heads on), so
+    with few heads (memory-bound) the partial outputs it writes and the merge reads
+    (``heads * kv_lora_rank`` floats) stay near 6% of its latent bytes; with many heads the
+    kernel is compute-bound and that traffic matters less than spreading the work."""
+    floor = max(MIN_SPLIT_LEN, 64 * min(heads, 16))
     chunk = max(floor, -(-longest // num_splits))
     return -(-chunk // block_n) * block_n
 
@@ -98,7 +101,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     lens_ptr,  # int32 [T]: the latents each query token sees
     acc_ptr,  # fp32 [T, splits, H, R]
     ml_ptr,  # fp32 [T, splits, H, 2]: running max (log2 domain) and sum
-    chunk_ptr,  # int32 [1]: latents per split (best a multiple of BLOCK_N)
+    chunk_ptr,  # int32 [1]: latents per split (rounded up to a multiple of BLOCK_N)
     num_rows,
     num_heads,
     num_blocks,
@@ -131,7 +134,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     row = tl.where(row_ok, row, 0)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
     seq_len = tl.where(row_ok, seq_len, 0)
-    chunk = tl.maximum(tl.load(chunk_ptr), 1)
+    chunk = tl.cdiv(tl.maximum(tl.load(chunk_ptr), 1), BLOCK_N) * BLOCK_N  # as the merge rounds it
     start = split * chunk
     if start >= seq_len and split > 0:
         return  # the merge reads only the splits a token's latents reach (and split 0)
@@ -150,11 +153,21 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         in_row = n < end
-        col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
-        page = tl.load(table_row + col, mask=in_row, other=-1)
-        ok = in_row & (page >= 0) & (page < num_blocks)
-        slot = tl.where(ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n % BLOCK_SIZE)
-        lat_ptr = cache_ptr + slot[:, None] * D
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The tile lies in one block (n0 is a multiple of BLOCK_N): one table entry, and
+            # its latents are one contiguous run of BLOCK_N * D values (wide loads).
+            col = tl.maximum(tl.minimum(n0 // BLOCK_SIZE, table_width - 1), 0)
+            page = tl.load(table_row + col)
+            page_ok = (page >= 0) & (page < num_blocks)
+            ok = tl.where(page_ok, in_row, False)  # (the interpreter takes no "mask & scalar")
+            first = tl.where(page_ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n0 % BLOCK_SIZE)
+            lat_ptr = cache_ptr + first * D + offs_n[:, None] * D
+        else:
+            col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
+            page = tl.load(table_row + col, mask=in_row, other=-1)
+            ok = in_row & (page >= 0) & (page < num_blocks)
+            slot = tl.where(ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n % BLOCK_SIZE)
+            lat_ptr = cache_ptr + slot[:, None] * D
         c = tl.load(lat_ptr + offs_r[None, :], mask=ok[:, None] & (offs_r[None, :] < R), other=0.0)
         pe = tl.load(lat_ptr + R + offs_e[None, :], mask=ok[:, None] & (offs_e[None, :] < E), other=0.0)
         if UPCAST:
@@ -190,6 +203,7 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     splits,
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     """One (token, head): the log-sum-exp merge of the splits its latents reach (split 0
@@ -200,7 +214,7 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     row_ok = (row >= 0) & (row < num_rows)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
     seq_len = tl.where(row_ok, seq_len, 0)
-    chunk = tl.maximum(tl.load(chunk_ptr), 1)
+    chunk = tl.cdiv(tl.maximum(tl.load(chunk_ptr), 1), BLOCK_N) * BLOCK_N  # as the attention kernel rounds it
     used = tl.minimum(tl.maximum((seq_len + chunk - 1) // chunk, 1), splits)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
@@ -278,8 +292,8 @@ def mla_attention(
                   (causal rows: :func:`causal_queries`).
     scale:        the softmax scale (``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``).
     num_splits:   programs per token along its latents (long rows: more parallelism).
-    split_len:    int32 [1] on the device: latents per split (best a multiple of
-                  ``block_n``; at least 1); ``num_splits * split_len`` must cover the longest
+    split_len:    int32 [1] on the device: latents per split (rounded up to a multiple of
+                  ``block_n``); ``num_splits`` times that must cover the longest
                   ``token_lens`` (what lies beyond is left out, never read out of bounds). A
                   device value, so a captured graph takes each step's. Default: the table
                   width over ``num_splits``.
@@ -353,6 +367,6 @@ def mla_attention(
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
             acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits,
-            R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_SIZE=block_size, num_warps=4,
+            R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_N=block_n, BLOCK_SIZE=block_size, num_warps=4,
         )  # fmt: skip
     return out
