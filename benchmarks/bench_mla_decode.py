@@ -42,11 +42,11 @@ RANK, ROPE, BLOCK = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
 #: Per head count: the launches and split lengths swept.
 LAUNCHES = {
-    16: [MLALaunch(16, 32, 4, 2), MLALaunch(16, 64, 4, 2), MLALaunch(16, 32, 4, 3), MLALaunch(16, 16, 4, 2)],
-    128: [MLALaunch(64, 32, 8, 2), MLALaunch(64, 32, 8, 1), MLALaunch(64, 16, 4, 2), MLALaunch(64, 64, 8, 2),
-          MLALaunch(32, 32, 4, 2)],
+    16: [MLALaunch(16, 32, 4, 3), MLALaunch(16, 64, 4, 2), MLALaunch(16, 64, 4, 3), MLALaunch(16, 64, 8, 3),
+         MLALaunch(16, 128, 8, 2), MLALaunch(16, 64, 4, 4)],
+    128: [MLALaunch(64, 64, 8, 2), MLALaunch(64, 64, 8, 3), MLALaunch(64, 128, 8, 2), MLALaunch(64, 32, 8, 2)],
 }  # fmt: skip
-SPLIT_LENS = {16: [256, 512, 1024, 2048], 128: [1024, 4096, 16384]}
+SPLIT_LENS = {16: [512, 1024, 2048], 128: [1024, 4096]}
 
 
 def lengths(kind: str, seed: int) -> list[int]:
