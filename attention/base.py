@@ -29,6 +29,7 @@ from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataEr
 from attention.latent_prefill import LatentPrefill, latent_key_slots, reference_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
+from attention.quantize import dequantize
 from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
@@ -230,14 +231,16 @@ class AttentionBackend(ABC):
         return self._attend(query, layer, plan, out, sinks)
 
     def gather_latent_keys(self, layer: LayerCache, plan: StepPlan) -> torch.Tensor:
-        """The latents of ``plan.latent_prefill``'s keys, [num_keys, latent_dim] in the cache's
-        dtype, row by row (``layer`` already holds this step's; ``write_kv`` first)."""
+        """The latents of ``plan.latent_prefill``'s keys, [num_keys, latent_dim] in the compute
+        dtype (an fp8 latent dequantized), row by row (``layer`` already holds this step's;
+        ``write_kv`` first)."""
         prefill = self._latent_prefill_of(plan)
         self._check_step(layer, plan)
-        latents = layer.key.reshape(-1, self.spec.head_dim)
+        latents = layer.key.reshape(-1, 1, self.spec.head_dim)
         if self._latent_slots is None or self._latent_slots[0] is not plan:
             self._latent_slots = (plan, latent_key_slots(prefill, plan.metadata, layer.key.shape[0]))
-        return latents.index_select(0, self._latent_slots[1])
+        gathered = latents.index_select(0, self._latent_slots[1])
+        return dequantize(gathered, layer.k_scale, self.compute_dtype)[:, 0]
 
     def attend_latent_prefill(
         self, query: torch.Tensor, kv: torch.Tensor, key_pe: torch.Tensor, plan: StepPlan

@@ -471,6 +471,7 @@ class TritonBackend(AttentionBackend):
                 scale=self.spec.scale,
                 num_splits=plan.latent.num_splits,
                 split_len=plan.latent.split_len,
+                kv_scale=layer.k_scale,
                 block_h=plan.latent.launch.block_h,
                 block_n=plan.latent.launch.block_n,
                 num_warps=plan.latent.launch.num_warps,

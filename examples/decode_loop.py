@@ -181,9 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     try:
-        return _run(args, config, run)
-    finally:
+        code = _run(args, config, run)
+    except BaseException:
         stop_parallel(run)
+        raise
+    stop_parallel(run, synchronize=True)
+    return code
 
 
 def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> int:

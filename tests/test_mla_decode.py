@@ -91,6 +91,29 @@ def test_the_split_length_read_on_the_device_sets_the_chunk(split_len: int) -> N
     assert (out.double().cpu() - want).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("block_size", [32, 16], ids=["tile-in-block", "per-token-pages"])
+def test_an_fp8_latent_with_its_scale_matches_the_dequantized_reference(block_size: int) -> None:
+    """An fp8 (e4m3) cache: the kernel converts latents to the query's dtype and applies the
+    scale to scores and output; the reference attends over the dequantized values."""
+    lens = [1, 37, 70]
+    query, cache, tables, latents = _case(lens, 4, 32, 16, block_size, torch.float32, seed=5)
+    kv_scale = 0.05
+    stored = (cache / kv_scale).to(torch.float8_e4m3fn)  # NaN slots stay NaN
+    q = query.to(torch.bfloat16)
+    out = mla_decode(
+        q.to(DEVICE), stored.to(DEVICE), tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        kv_lora_rank=32, scale=0.2, num_splits=2, kv_scale=torch.tensor([kv_scale], device=DEVICE),
+    )  # fmt: skip
+    dequantized = [(lat / kv_scale).to(torch.float8_e4m3fn).double() * kv_scale for lat in latents]
+    want = _reference(q.double(), dequantized, 32, 0.2)
+    assert torch.isfinite(out).all()
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 2e-2, err
+    with pytest.raises(InvalidArgumentError, match="kv_scale: an fp8 latent cache takes"):
+        mla_decode(q.to(DEVICE), stored.to(DEVICE), tables.to(DEVICE),
+                   torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=32, scale=0.2)  # fmt: skip
+
+
 def test_bad_block_ids_are_masked_not_read() -> None:
     query, cache, tables, _ = _case([40, 40], 4, 32, 16, 32, torch.float32)
     tables[1, 0] = 10**6  # out of the cache

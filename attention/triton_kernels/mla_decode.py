@@ -102,6 +102,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     acc_ptr,  # fp32 [T, splits, H, R]
     ml_ptr,  # fp32 [T, splits, H, 2]: running max (log2 domain) and sum
     chunk_ptr,  # int32 [1]: latents per split (rounded up to a multiple of BLOCK_N)
+    kv_scale_ptr,  # fp32 [1]: an fp8 latent's dequantization scale (read when DEQUANT)
     num_rows,
     num_heads,
     num_blocks,
@@ -117,6 +118,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    DEQUANT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     h0 = tl.program_id(0) * BLOCK_H
@@ -145,6 +147,12 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
     if UPCAST:
         q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
+    kv_scale = 1.0
+    if DEQUANT:
+        # fp8 latents convert exactly to the query's dtype; their scale multiplies the scores
+        # (here) and the output (at the end) instead of every latent.
+        kv_scale = tl.load(kv_scale_ptr)
+        scale_log2 = scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -170,8 +178,8 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
             lat_ptr = cache_ptr + slot[:, None] * D
         c = tl.load(lat_ptr + offs_r[None, :], mask=ok[:, None] & (offs_r[None, :] < R), other=0.0)
         pe = tl.load(lat_ptr + R + offs_e[None, :], mask=ok[:, None] & (offs_e[None, :] < E), other=0.0)
-        if UPCAST:
-            c, pe = c.to(tl.float32), pe.to(tl.float32)
+        if UPCAST or DEQUANT:
+            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
@@ -183,6 +191,8 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if DEQUANT:
+        acc = acc * kv_scale
     base = (token.to(tl.int64) * splits + split) * num_heads + offs_h.to(tl.int64)
     tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=head_ok[:, None] & (offs_r[None, :] < R))
     tl.store(ml_ptr + base * 2, m_i, mask=head_ok)
@@ -276,6 +286,7 @@ def mla_attention(
     scale: float,
     num_splits: int = 1,
     split_len: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
     block_n: int = 32,
     block_h: int = 16,
     num_warps: int = 4,
@@ -283,9 +294,10 @@ def mla_attention(
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
-    query:        [T, H, R + E] (``[W_UK^T q_nope, q_pe]`` per head), the cache's dtype.
+    query:        [T, H, R + E] (``[W_UK^T q_nope, q_pe]`` per head), the cache's dtype (a
+                  16-bit one over an fp8 cache).
     cache:        [num_blocks, block_size, 1, R + E], the latents (already holding this
-                  step's); R = ``kv_lora_rank``.
+                  step's); R = ``kv_lora_rank``. fp8 (float8_e4m3) with ``kv_scale``.
     block_tables: int32 [rows, table_width].
     token_rows:   int32 [T], each query token's row of the table (out of range: it sees nothing).
     token_lens:   int32 [T], the latents it sees: the first ``token_lens[t]`` of its row
@@ -297,6 +309,8 @@ def mla_attention(
                   ``token_lens`` (what lies beyond is left out, never read out of bounds). A
                   device value, so a captured graph takes each step's. Default: the table
                   width over ``num_splits``.
+    kv_scale:     fp32 [1] on the device, an fp8 cache's dequantization scale (stored value
+                  times scale is the latent); given exactly for an fp8 cache.
     block_n, block_h, num_warps, num_stages: the launch (latents per tile, heads per program).
     Returns float32 [T, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
@@ -314,9 +328,21 @@ def mla_attention(
             f"kv_lora_rank: {kv_lora_rank} with a query of {dim} and a latent of {width} channels; the latent is "
             "kv_lora_rank + qk_rope_head_dim wide, as the query"
         )
-    if query.dtype != cache.dtype or query.device != cache.device:
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if (query.dtype != cache.dtype and not (fp8 and query.dtype in (torch.float16, torch.bfloat16))) or (
+        query.device != cache.device
+    ):
         raise InvalidArgumentError(
-            f"query: {query.dtype} on {query.device}, but the cache is {cache.dtype} on {cache.device}"
+            f"query: {query.dtype} on {query.device}, but the cache is {cache.dtype} on {cache.device}; the query "
+            "takes the cache's dtype (fp16 or bf16 over an fp8 cache) and device"
+        )
+    if fp8 != (kv_scale is not None) or (
+        kv_scale is not None
+        and (kv_scale.dtype != torch.float32 or kv_scale.device != query.device or kv_scale.numel() != 1)
+    ):
+        raise InvalidArgumentError(
+            "kv_scale: an fp8 latent cache takes its fp32 [1] scale on the query's device, and any other none; got "
+            f"{None if kv_scale is None else (kv_scale.dtype, list(kv_scale.shape))} with a {cache.dtype} cache"
         )
     for name, t in (("block_tables", block_tables), ("token_rows", token_rows), ("token_lens", token_lens)):
         if t.dtype != torch.int32 or t.device != query.device:
@@ -359,11 +385,11 @@ def mla_attention(
         # latents from L2 after the first, instead of from HBM once per head tile.
         grid = (triton.cdiv(heads, block_h), tokens, num_splits)
         _mla_decode_kernel[grid](
-            query, cache, tables, rows, lens, acc, ml, split_len,
+            query, cache, tables, rows, lens, acc, ml, split_len, kv_scale if kv_scale is not None else split_len,
             tables.shape[0], heads, num_blocks, width_cols, scale * _LOG2E, query.stride(0), query.stride(1),
             R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
-            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(cache.dtype),
-            DOT_PRECISION=dot_precision_for(cache.dtype), num_warps=num_warps, num_stages=num_stages,
+            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(query.dtype), DEQUANT=fp8,
+            DOT_PRECISION=dot_precision_for(query.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
             acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits,

@@ -82,10 +82,16 @@ def start_parallel(tp_size: int, device: torch.device, *, timeout_s: float = DEF
     return ParallelRun(TensorParallel(world, rank), TorchDistributed(), device, "gloo")
 
 
-def stop_parallel(run: ParallelRun) -> None:
-    """Leave the group (after the last collective)."""
+def stop_parallel(run: ParallelRun, *, synchronize: bool = False) -> None:
+    """Leave the group (after the last collective). ``synchronize`` (the ranks' normal end):
+    a barrier first, so no rank tears its group down while another still uses it (a rank that
+    exited early once made the store-hosting rank abort at exit under CPU load: "terminate
+    called without an active exception"). Not after an error: the other ranks may never
+    reach it."""
     if run.backend is not None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if synchronize:
+                dist.barrier()
             dist.destroy_process_group()

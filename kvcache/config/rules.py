@@ -281,14 +281,6 @@ def _latent_attention(values: Values) -> list[ConfigProblem]:
             found.append(ConfigProblem(path, "is not supported with latent attention yet; remove it"))
     if values.get("model.attention_sinks") is True:
         found.append(ConfigProblem("model.attention_sinks", "is not supported with latent attention yet; remove it"))
-    cache_dtype = _name(values, "cache.dtype", DTYPES)
-    if cache_dtype is not None and DTYPES[cache_dtype].cache_only:
-        found.append(
-            ConfigProblem(
-                "cache.dtype",
-                f"{cache_dtype} with latent attention: an fp8 latent is not there yet; use the model's dtype",
-            )
-        )
     return found
 
 

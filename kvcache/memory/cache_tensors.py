@@ -136,7 +136,8 @@ class KVCacheTensors:
                 self.storage[t, -1],  # the same tensor for a latent cache (one part)
                 index=i,
                 k_scale=None if s is None else s[i, 0],
-                v_scale=None if s is None else s[i, 1],
+                # A latent cache's K and V views are one tensor: they share the K scale.
+                v_scale=None if s is None else s[i, 1 if self.storage.shape[1] == 2 else 0],
             )
             for i, (_, t) in enumerate(places)
         ]
@@ -206,6 +207,11 @@ class KVCacheTensors:
                 raise InvalidArgumentError(f"{name}: expected a tensor of shape {list(self.scales.shape[2:])}")
             if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
                 raise InvalidArgumentError(f"{name}: every scale must be positive and finite")
+        if self.storage.shape[1] == 1 and not torch.equal(k_scale.to(self.scales), v_scale.to(self.scales)):
+            raise InvalidArgumentError(
+                "k_scale, v_scale: a latent (MLA) cache stores K and V as one tensor with one scale per layer; "
+                "pass the same scale for both"
+            )
         self.scales[layer, 0].copy_(k_scale)
         self.scales[layer, 1].copy_(v_scale)
 

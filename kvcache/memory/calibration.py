@@ -24,7 +24,8 @@ __all__ = ["apply_scales", "scales_from_cache"]
 
 def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6) -> torch.Tensor:
     """fp32 ``[num_layers, 2, num_kv_heads]`` dequantization scales: per layer, K (0) and V
-    (1), each KV head's largest magnitude in ``cache`` times ``margin``, over 448. ``cache``
+    (1), each KV head's largest magnitude in ``cache`` times ``margin``, over 448 (a latent
+    cache's one tensor gives K and V the same scale). ``cache``
     holds the calibration K/V in a 16- or 32-bit dtype; slots never written must hold zeros
     (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. Raises
     InvalidArgumentError for an fp8 cache, a margin below 1 or a non-finite value."""
@@ -34,6 +35,8 @@ def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float 
         raise InvalidArgumentError(f"margin: {margin!r} must be a number in [1, 1000]")
     storage = cache.storage  # [layers, 2, blocks, block_size, kv_heads, head_dim]
     amax = storage.abs().amax(dim=(2, 3, 5)).float()  # [layers, 2, kv_heads]
+    if amax.shape[1] == 1:  # a latent cache (MLA): K and V are one tensor with one scale
+        amax = amax.expand(-1, 2, -1).contiguous()
     if not bool(torch.isfinite(amax).all()):
         raise InvalidArgumentError("cache: holds a non-finite value; fill it with zeros before calibrating")
     return (amax * margin / FP8_MAX).clamp_min(floor)
