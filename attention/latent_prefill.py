@@ -87,11 +87,13 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
 
 def latent_key_slots(prefill: LatentPrefill, meta: AttentionMetadata, num_blocks: int) -> torch.Tensor:
     """int64 [num_keys] cache slots of the decompressed rows' keys, row by row, read from the
-    block tables on the device. A table entry outside ``[0, num_blocks)`` (never one of a
-    valid step) gives slot 0, so a gather never leaves the cache."""
-    bs = meta.block_size
+    block tables on the device. A table entry outside ``[0, num_blocks)``, or a position past
+    the table's width (never in a valid step), gives slot 0 or the table's last entry, so a
+    gather never leaves the cache or the table."""
+    bs, width = meta.block_size, meta.block_tables.shape[1]
     positions = prefill.key_positions.long()
-    blocks = meta.block_tables[prefill.key_rows.long(), positions // bs].long()
+    columns = (positions // bs).clamp(max=max(width - 1, 0))  # a short table reads its last entry
+    blocks = meta.block_tables[prefill.key_rows.long(), columns].long()
     slots = blocks * bs + positions % bs
     return torch.where((blocks >= 0) & (blocks < num_blocks), slots, torch.zeros_like(slots))
 

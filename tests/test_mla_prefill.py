@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from attention.errors import InvalidArgumentError
+from attention.latent_prefill import latent_key_slots, plan_latent_prefill
+from attention.synthetic import synthetic_metadata
 from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
 from attention.triton_kernels.paging import kernels_interpreted
 
@@ -92,3 +94,24 @@ def test_mla_prefill_refuses_bad_inputs_by_name() -> None:
         mla_prefill(q, k[:, :1], pe, [4], [6], **args)
     with pytest.raises(InvalidArgumentError, match="out: expected"):
         mla_prefill(q, k, pe, [4], [6], out=torch.empty(4, 2, 8), **args)
+
+
+def test_plan_latent_prefill_picks_long_rows_and_finds_their_key_slots() -> None:
+    """Rows of at least ``min_tokens`` new tokens, their token indices and every key's slot
+    (row by row, position 0 first) read through the block tables; a hostile table entry gives
+    slot 0 instead of leaving the cache."""
+    meta = synthetic_metadata([(40, 40), (9, 1), (50, 20)], 16, torch.device("cpu"))
+    assert plan_latent_prefill(meta, None) is None and plan_latent_prefill(meta, 41) is None
+    prefill = plan_latent_prefill(meta, 20)
+    assert prefill is not None and prefill.rows == (0, 2)
+    assert prefill.query_lens == (40, 20) and prefill.key_lens == (40, 50)
+    assert prefill.token_index.tolist() == [*range(40), *range(41, 61)]
+    slots = latent_key_slots(prefill, meta, num_blocks=8).tolist()
+    tables = meta.block_tables.tolist()
+    want = [tables[r][p // 16] * 16 + p % 16 for r, n in ((0, 40), (2, 50)) for p in range(n)]
+    assert slots == want
+    meta.block_tables[2, 1] = 10**6  # outside the cache
+    meta.block_tables[0, 0] = -1
+    hostile = latent_key_slots(prefill, meta, num_blocks=8).tolist()
+    assert hostile[:16] == [0] * 16 and hostile[40 + 16 : 40 + 32] == [0] * 16
+    assert hostile[16:40] == want[16:40] and hostile[40 + 32 :] == want[40 + 32 :]
