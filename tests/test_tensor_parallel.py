@@ -340,6 +340,44 @@ def test_kv_groups_under_tensor_parallelism_give_the_single_rank_tokens() -> Non
         assert [r.output for r in requests] == [r.output for r in single]
 
 
+@pytest.mark.parametrize("decompress_from", [None, 16], ids=["absorbed", "decompressed-prefill"])
+def test_latent_attention_under_tensor_parallelism_gives_transformers_tokens(decompress_from: int | None) -> None:
+    """DeepSeek-V3's MLA over two ranks (two of the four query heads each, the latent cache
+    whole on both): the ranks agree on every step and give transformers' greedy tokens, with
+    prompts absorbed or decompressed."""
+    pytest.importorskip("transformers")
+    from examples.model import from_transformers
+    from tests.test_checkpoints import _hf_generate
+    from tests.test_latent_attention import NEW_TOKENS, _deepseek, _prompts
+
+    hf = _deepseek(24, v_head_dim=12)  # values narrower than q_nope: each projection splits by its own width
+    prompts = [_prompts()[i] for i in (0, 2, 4, 1)]
+    want = [_hf_generate(hf, p, NEW_TOKENS)[0] for p in prompts]
+    full = from_transformers(hf)
+
+    def serve(tp: TensorParallel, collective: Any) -> tuple[list[Request], Any]:
+        model = from_transformers(hf, share=False, tp=tp)
+        assert model.layers[0].attn.num_heads == 4 // tp.size
+        assert model.layers[0].attn.kv_b_proj.weight.shape[0] == 4 // tp.size * (16 + 12)
+        config = cache_config_for(full.shape, block_size=32, dtype="float32", num_blocks=9, device="cpu",
+                                  backend="reference")  # fmt: skip
+        engine = engine_for(config, full.shape, fill=float("nan"), tp=tp, collective=collective)
+        assert engine.spec.num_heads == 4 // tp.size and engine.spec.num_kv_heads == 1
+        engine.backend.latent_prefill_min_tokens = decompress_from
+        model.connect(collective)
+        requests = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
+        report = run_requests(
+            model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+            preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=48, max_running=3,
+            collective=collective,
+        )  # fmt: skip
+        return requests, report
+
+    for requests, report in run_ranks(2, lambda c: serve(TensorParallel(2, c.rank), c)):
+        assert report.tp_size == 2 and report.agreement_checks > report.steps
+        assert [r.output for r in requests] == want
+
+
 def test_checkpoint_shards_serve_transformers_tokens(tmp_path: Path) -> None:
     """A Qwen2 checkpoint (q/k/v biases, tied embeddings) loaded per rank from safetensors
     slices, served at tp=2, gives transformers' own greedy tokens."""

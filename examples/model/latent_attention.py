@@ -30,6 +30,7 @@ from torch import nn
 
 from attention import AttentionBackend, LayerCache, StepPlan
 from attention.rotary import RotaryTable, rotate
+from kvcache.parallel.heads import TensorParallel
 
 from .layers import RMSNorm, RowParallelLinear
 from .shape import LlamaShape
@@ -49,16 +50,19 @@ def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
 
 class LatentAttention(nn.Module):
     """MLA attention of one layer (parameter names as transformers' ``DeepseekV3Attention``;
-    ``wo`` is its ``o_proj``). One tensor-parallel rank only."""
+    ``wo`` is its ``o_proj``). Sharded over tensor-parallel ranks, it holds its rank's query
+    heads (their rows of ``q_proj``/``q_b_proj`` and ``kv_b_proj``, their columns of ``wo``)
+    and the whole latent projections: every rank writes and reads the same latent cache."""
 
-    def __init__(self, shape: LlamaShape):
+    def __init__(self, shape: LlamaShape, tp: TensorParallel | None = None):
         super().__init__()
         mla = shape.mla
         if mla is None:
             raise ValueError("shape.mla: LatentAttention needs the shape's latent sizes")
-        self.num_heads = shape.num_heads
+        tp = tp or TensorParallel()
+        self.num_heads = len(tp.shard(shape.num_heads, 1).query_heads)
         self.mla = mla
-        hidden, heads = shape.hidden_size, shape.num_heads
+        hidden, heads = shape.hidden_size, self.num_heads
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.q_proj: nn.Linear | None = None
         self.q_a_proj: nn.Linear | None = None
@@ -74,7 +78,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, INNER_NORM_EPS)
         #: Per head, the key half (n rows) then the value half (v rows), of r columns each.
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.wo = RowParallelLinear(heads * mla.v_head_dim, hidden, bias=False, sharded=False)
+        self.wo = RowParallelLinear(heads * mla.v_head_dim, hidden, bias=False, sharded=tp.is_sharded)
 
     def forward(
         self, x: torch.Tensor, layer: LayerCache, backend: AttentionBackend, plan: StepPlan, rotary: RotaryTable

@@ -147,7 +147,7 @@ class Block(nn.Module):
         if shape.mla is not None:
             from .latent_attention import LatentAttention  # it builds on this module's norms
 
-            self.attn = LatentAttention(shape)
+            self.attn = LatentAttention(shape, tp)
         else:
             self.attn = Attention(shape, tp)
         self.mlp_norm = norm()

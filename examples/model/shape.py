@@ -162,11 +162,9 @@ class LlamaShape:
     def check_tp(self, tp: TensorParallel) -> None:
         """Raise InvalidArgumentError when the model does not split over ``tp.size`` ranks
         (heads, see :mod:`kvcache.parallel.heads`; the MLP width must divide evenly too)."""
-        if self.mla is not None and tp.is_sharded:
-            raise InvalidArgumentError(
-                f"tensor-parallel size {tp.size}: the example's latent attention (MLA) runs on one rank; use --tp 1"
-            )
-        tp.check_heads(self.num_heads, self.num_kv_heads)
+        # MLA: the one latent "KV head" is replicated on every rank (each keeps the whole
+        # latent cache), the query heads are split.
+        tp.check_heads(self.num_heads, 1 if self.mla is not None else self.num_kv_heads)
         if self.intermediate_size % tp.size:
             raise InvalidArgumentError(
                 f"tensor-parallel size {tp.size}: intermediate_size {self.intermediate_size} does not split evenly "

@@ -37,6 +37,16 @@ _SHARDED: dict[str, tuple[int, tuple[Split, ...]]] = {
 }
 
 
+#: Latent attention (MLA): the per-head projections split by query heads, each head's rows (or
+#: columns) as wide as that projection's part per head; the latent projections stay whole.
+_SHARDED_MLA: dict[str, tuple[int, tuple[Split, ...]]] = {
+    "attn.q_proj": (0, ("query heads",)),
+    "attn.q_b_proj": (0, ("query heads",)),
+    "attn.kv_b_proj": (0, ("latent kv_b heads",)),
+    "attn.wo": (1, ("latent value heads",)),
+}
+
+
 @dataclass(frozen=True)
 class Part:
     """One part of a parameter and a rank's share of it.
@@ -54,9 +64,19 @@ class Part:
     offset: int
 
 
+def _head_width(split: Split, shape: LlamaShape) -> int:
+    """Rows (or columns) per head of a part split by heads."""
+    mla = shape.mla
+    if split == "latent kv_b heads" and mla is not None:
+        return mla.qk_nope_head_dim + mla.v_head_dim
+    if split == "latent value heads" and mla is not None:
+        return mla.v_head_dim
+    return shape.head_dim
+
+
 def _part_length(split: Split, shape: LlamaShape) -> int:
-    if split == "query heads":
-        return shape.num_heads * shape.head_dim
+    if split in ("query heads", "latent kv_b heads", "latent value heads"):
+        return shape.num_heads * _head_width(split, shape)
     if split == "kv heads":
         return shape.num_kv_heads * shape.head_dim
     return shape.intermediate_size
@@ -69,9 +89,10 @@ def _share(split: Split, shape: LlamaShape, tp: TensorParallel) -> tuple[int, in
     if split == "mlp":
         width = shape.intermediate_size // tp.size
         return tp.rank * width, width
-    heads = tp.shard(shape.num_heads, shape.num_kv_heads)
-    owned = heads.query_heads if split == "query heads" else heads.kv_heads
-    return owned.start * shape.head_dim, len(owned) * shape.head_dim
+    heads = tp.shard(shape.num_heads, 1 if shape.mla is not None else shape.num_kv_heads)
+    owned = heads.kv_heads if split == "kv heads" else heads.query_heads
+    width = _head_width(split, shape)
+    return owned.start * width, len(owned) * width
 
 
 def param_parts(name: str, full_shape: tuple[int, ...], shape: LlamaShape, tp: TensorParallel) -> list[Part]:
@@ -82,12 +103,14 @@ def param_parts(name: str, full_shape: tuple[int, ...], shape: LlamaShape, tp: T
     wqkv: the rows of the rank's query heads, then of its KV heads for k and for v (the same
     rows on every rank sharing a replicated KV head); wo: the columns of its query heads;
     gate_up: its rows of the MLP width, of gate then of up; down: its columns. Biases follow
-    their rows; wo's and down's bias (added after the all-reduce) stay whole.
+    their rows; wo's and down's bias (added after the all-reduce) stay whole. Latent
+    attention: the rows of the rank's query heads of q_proj / q_b_proj (``head_dim`` each)
+    and kv_b_proj (``qk_nope_head_dim + v_head_dim`` each), wo's columns (``v_head_dim``
+    each); kv_a_proj_with_mqa, q_a_proj and the two inner norms stay whole.
     """
     module, _, kind = name.rpartition(".")
-    rule = next((r for suffix, r in _SHARDED.items() if module.endswith(suffix)), None)
-    if shape.mla is not None and ".attn." in name:
-        rule = None  # latent attention runs on one rank: its parameters are whole
+    rules = _SHARDED_MLA if shape.mla is not None and ".attn." in name else _SHARDED
+    rule = next((r for suffix, r in rules.items() if module.endswith(suffix)), None)
     if rule is None or (kind == "bias" and rule[0] == 1):
         return [Part(0, full_shape[0], 0, full_shape[0], 0)] if full_shape else []
     dim, splits = rule

@@ -413,7 +413,7 @@ class KVCacheConfig(BaseModel):
         (the same on every rank; more than ``bytes_per_block / tp.size`` when KV heads are
         replicated)."""
         m = self.model
-        if m.latent_dim is not None:  # MLA: one latent per token, on one rank
+        if m.latent_dim is not None:  # MLA: every rank holds the whole latent (one per token)
             return self.bytes_per_block
         return 2 * m.num_layers * self.cache.block_size * self.kv_heads_per_rank(tp) * m.head_dim * self.cache.itemsize
 
