@@ -82,6 +82,31 @@ def test_calibrated_scales_fit_what_the_model_writes() -> None:
     assert FP8_MAX / 1.25 / 2 < stored <= FP8_MAX / 1.25 + 1e-3
 
 
+def test_calibration_with_kv_groups_gives_each_layer_its_tensors_amax() -> None:
+    """A windowed and a full layer (two KV groups sharing one layer tensor): calibration gives
+    both layers the amax of that tensor (a scale that fits both), and the fp8 cache then
+    serves."""
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPE, sliding_window=32, window_layers=(True, False))
+    model = random_llama(shape, seed=3, dtype=torch.bfloat16)
+    config = cache_config_for(shape, block_size=32, dtype="float8_e4m3", num_blocks=16, device="cpu",
+                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
+    engine = engine_for(config, shape, fill=0.0)
+    assert engine.cache.layout is not None and engine.cache.num_tensors == 1
+    prompts = [list(range(5, 45)), list(range(60, 67))]
+    scales = calibrate_kv_scales(model, config, engine.cache, prompts)
+    assert scales.shape == (2, 2, shape.num_kv_heads)
+    assert torch.equal(scales[0], scales[1]), "one tensor holds both layers: one scale fits both"
+    assert bool((scales > 1e-6).all())
+    requests = [Request(i, p, 1) for i, p in enumerate(prompts)]  # the calibration prompts' K/V only
+    run_requests(model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+                 preemption=make_preemption("recompute", engine.manager, engine.cache))  # fmt: skip
+    assert all(len(r.output) == 1 for r in requests)
+    stored = float(engine.cache.storage.float().abs().max())
+    assert FP8_MAX / 1.25 / 2 < stored <= FP8_MAX / 1.25 + 1e-3
+
+
 def test_teacher_forcing_appends_the_given_tokens_and_keeps_the_models_logits() -> None:
     model = random_llama(SHAPE, seed=1)
     config = cache_config_for(SHAPE, block_size=32, dtype="float32", num_blocks=32, device="cpu", backend="reference")

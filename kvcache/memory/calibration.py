@@ -25,7 +25,8 @@ __all__ = ["apply_scales", "scales_from_cache"]
 def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6) -> torch.Tensor:
     """fp32 ``[num_layers, 2, num_kv_heads]`` dequantization scales: per layer, K (0) and V
     (1), each KV head's largest magnitude in ``cache`` times ``margin``, over 448 (a latent
-    cache's one tensor gives K and V the same scale). ``cache``
+    cache's one tensor gives K and V the same scale; with KV groups, a layer takes the largest
+    over the layer tensor it shares with one layer of each other group). ``cache``
     holds the calibration K/V in a 16- or 32-bit dtype; slots never written must hold zeros
     (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. Raises
     InvalidArgumentError for an fp8 cache, a margin below 1 or a non-finite value."""
@@ -33,10 +34,15 @@ def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float 
         raise InvalidArgumentError("cache: calibrate from a 16- or 32-bit cache, not an fp8 one")
     if not (isinstance(margin, (int, float)) and 1.0 <= margin <= 1e3):
         raise InvalidArgumentError(f"margin: {margin!r} must be a number in [1, 1000]")
-    storage = cache.storage  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    amax = storage.abs().amax(dim=(2, 3, 5)).float()  # [layers, 2, kv_heads]
+    storage = cache.storage  # [tensors, 2, blocks, block_size, kv_heads, head_dim]
+    amax = storage.abs().amax(dim=(2, 3, 5)).float()  # [tensors, 2, kv_heads]
     if amax.shape[1] == 1:  # a latent cache (MLA): K and V are one tensor with one scale
         amax = amax.expand(-1, 2, -1).contiguous()
+    if cache.layout is not None:
+        # KV groups: tensor t holds one layer of every group, so each of those layers takes
+        # the amax of the whole tensor (the largest of them: a scale that fits all).
+        tensor_of = [cache.layout.place(i)[1] for i in range(cache.layout.num_layers)]
+        amax = amax[torch.tensor(tensor_of, device=amax.device)]
     if not bool(torch.isfinite(amax).all()):
         raise InvalidArgumentError("cache: holds a non-finite value; fill it with zeros before calibrating")
     return (amax * margin / FP8_MAX).clamp_min(floor)
