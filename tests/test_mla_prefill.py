@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention.errors import InvalidArgumentError
+from attention.errors import InvalidArgumentError, MetadataError
 from attention.latent_prefill import latent_key_slots, plan_latent_prefill
 from attention.synthetic import synthetic_metadata
 from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
@@ -115,3 +115,33 @@ def test_plan_latent_prefill_picks_long_rows_and_finds_their_key_slots() -> None
     hostile = latent_key_slots(prefill, meta, num_blocks=8).tolist()
     assert hostile[:16] == [0] * 16 and hostile[40 + 16 : 40 + 32] == [0] * 16
     assert hostile[16:40] == want[16:40] and hostile[40 + 32 :] == want[40 + 32 :]
+
+
+def test_the_backend_refuses_bad_decompressed_inputs_by_name() -> None:
+    """``attend_latent_prefill`` checks every tensor against the plan's rows before running,
+    and a plan without decompressed rows (or another backend's) is refused."""
+    from attention import AttentionSpec, get_backend
+
+    spec = AttentionSpec(4, 1, 40, dtype="float32", softmax_scale=24**-0.5, latent_rank=32)
+    backend = get_backend("reference", spec)
+    backend.latent_prefill_min_tokens = 8
+    meta = synthetic_metadata([(20, 20), (5, 1)], 32, torch.device("cpu"))
+    plan = backend.plan(meta)
+    assert plan.latent_prefill is not None and plan.latent_prefill.rows == (0,)
+    q, kv, pe = torch.randn(20, 4, 24), torch.randn(20, 4, 32), torch.randn(20, 8)
+    assert backend.attend_latent_prefill(q, kv, pe, plan).shape == (20, 4, 16)
+    with pytest.raises(InvalidArgumentError, match="query"):
+        backend.attend_latent_prefill(q[:19], kv, pe, plan)
+    with pytest.raises(InvalidArgumentError, match="kv"):
+        backend.attend_latent_prefill(q, kv[:, :, :16], pe, plan)
+    with pytest.raises(InvalidArgumentError, match="key_pe"):
+        backend.attend_latent_prefill(q, kv, pe[:, :4], plan)
+    with pytest.raises(InvalidArgumentError, match="query"):
+        backend.attend_latent_prefill(q.double(), kv, pe, plan)
+    backend.latent_prefill_min_tokens = None
+    absorbed = backend.plan(meta)
+    with pytest.raises(MetadataError, match="no decompressed rows"):
+        backend.attend_latent_prefill(q, kv, pe, absorbed)
+    other = get_backend("reference", AttentionSpec(8, 1, 40, dtype="float32", latent_rank=32))
+    with pytest.raises(MetadataError, match="not made by this"):
+        other.attend_latent_prefill(q, kv, pe, plan)
