@@ -66,9 +66,9 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
     for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
         if q_len >= min_tokens:
             rows.append(row)
-            tokens.extend(range(start, start + q_len))
-            key_rows.extend([row] * seq_len)
-            key_positions.extend(range(seq_len))
+            tokens += array("i", range(start, start + q_len))
+            key_rows += array("i", [row]) * seq_len
+            key_positions += array("i", range(seq_len))
         start += q_len
     if not rows:
         return None

@@ -311,11 +311,8 @@ class TritonBackend(AttentionBackend):
         if meta.tree_masks is not None:
             raise MetadataError("metadata.tree_masks: latent attention verifies no draft trees yet")
         prefill = plan_latent_prefill(meta, None if graph else self.latent_prefill_min_tokens)
-        rows, lens = causal_queries(meta.seq_lens_host, meta.query_lens_host)
-        if prefill is not None:
-            decompressed = set(prefill.rows)
-            lens = [0 if r in decompressed else n for r, n in zip(rows, lens, strict=True)]
-            rows = [-1 if r in decompressed else r for r in rows]
+        skip = frozenset(prefill.rows) if prefill is not None else frozenset()
+        rows, lens = causal_queries(meta.seq_lens_host, meta.query_lens_host, skip)
         pad = meta.num_tokens - len(rows)
         token_rows = staging.stage("latent_rows", array("i", rows) + array("i", [-1]) * pad)
         token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)

@@ -135,6 +135,7 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         mla_decode(q, c, tables.long(), lens, kv_lora_rank=32, scale=0.1)
     with pytest.raises(InvalidArgumentError, match="query_lens"):
         causal_queries([3], [4])
+    assert causal_queries([5, 4, 3], [2, 3, 1], skip={1}) == ([0, 0, -1, -1, -1, 2], [4, 5, 0, 0, 0, 3])
     with pytest.raises(InvalidArgumentError, match="num_splits"):
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
     with pytest.raises(InvalidArgumentError, match="split_len: expected an int32 \\[1\\] tensor"):

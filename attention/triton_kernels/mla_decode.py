@@ -29,7 +29,7 @@ width, and a length is clamped to ``table_width * block_size``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,17 +248,24 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     tl.store(out + offs_r, acc, mask=r_ok)
 
 
-def causal_queries(seq_lens: Sequence[int], query_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+def causal_queries(
+    seq_lens: Sequence[int], query_lens: Sequence[int], skip: Collection[int] = ()
+) -> tuple[list[int], list[int]]:
     """Per query token of a step (rows in order, a row's new tokens in order): its row, and
-    the latents it sees (its position + 1). Raises InvalidArgumentError for a row with more
-    new tokens than latents."""
+    the latents it sees (its position + 1). The tokens of rows in ``skip`` get row -1 and 0
+    latents (they see nothing: attended elsewhere). Raises InvalidArgumentError for a row
+    with more new tokens than latents."""
     rows: list[int] = []
     lens: list[int] = []
     for r, (s_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         if not 0 <= q_len <= s_len:
             raise InvalidArgumentError(f"query_lens[{r}]: {q_len} new tokens in a row of {s_len}")
-        rows += [r] * q_len
-        lens += range(s_len - q_len + 1, s_len + 1)
+        if r in skip:
+            rows += [-1] * q_len
+            lens += [0] * q_len
+        else:
+            rows += [r] * q_len
+            lens += range(s_len - q_len + 1, s_len + 1)
     return rows, lens
 
 
