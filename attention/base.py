@@ -278,10 +278,16 @@ class AttentionBackend(ABC):
         prefill: LatentPrefill,
         nope: int,
     ) -> torch.Tensor:
-        """Torch, in float32; a backend with a kernel overrides it."""
+        """Torch, in :attr:`torch_math_dtype`; a backend with a kernel overrides it."""
         return reference_latent_prefill(
-            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=torch.float32
+            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=self.torch_math_dtype
         )
+
+    @property
+    def torch_math_dtype(self) -> torch.dtype:
+        """The precision of this backend's torch fallbacks (float32; the reference backend's
+        is its ``compute_dtype``)."""
+        return torch.float32
 
     def _latent_prefill_of(self, plan: StepPlan) -> LatentPrefill:
         if not isinstance(plan, StepPlan) or plan.backend != self.name or plan.spec != self.spec:

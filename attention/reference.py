@@ -13,7 +13,7 @@ import torch
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import cdiv
 from attention.errors import MetadataError
-from attention.latent_prefill import LatentPrefill, plan_latent_prefill, reference_latent_prefill
+from attention.latent_prefill import plan_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.quantize import dequantize, quantize
@@ -42,18 +42,9 @@ class ReferenceBackend(AttentionBackend):
         prefill = plan_latent_prefill(metadata, None if graph else self.latent_prefill_min_tokens)
         return StepPlan(metadata, self.spec, self.name, latent_prefill=prefill)
 
-    def _attend_latent_prefill(
-        self,
-        query: torch.Tensor,
-        kv: torch.Tensor,
-        key_pe: torch.Tensor,
-        plan: StepPlan,
-        prefill: LatentPrefill,
-        nope: int,
-    ) -> torch.Tensor:
-        return reference_latent_prefill(
-            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=self.math_dtype
-        )
+    @property
+    def torch_math_dtype(self) -> torch.dtype:
+        return self.math_dtype
 
     def _check_once(self, plan: StepPlan) -> None:
         if plan is not self._checked:
