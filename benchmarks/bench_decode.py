@@ -22,7 +22,9 @@ and the run goes on (except after a CUDA error that kills the context).
 
 ``--sweep`` also times the decode variants (fused combine, DECODE_SWEEP's tiles, a finer and
 a coarser chunking policy; variants after ``--budget-s`` seconds are skipped, with a note) and
-reports the best per shape; ``--window`` adds sliding-window decode (16 rows, window 4096,
+reports the best per shape; ``--fp8-sweep`` adds fp8-cache variants (the dots in bf16, the
+conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--shapes``
+keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
 
 Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
@@ -30,8 +32,8 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 "decode_window": [rows]}). Without a CUDA GPU it says so and exits 2.
 
 Run (from the project root, on the GPU machine):
-    python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--window]
-        [--out PATH] [--warmup-ms 25] [--rep-ms 100]
+    python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--window]
+        [--shapes 64x4096,32x512] [--out PATH] [--warmup-ms 25] [--rep-ms 100]
 """
 
 from __future__ import annotations
@@ -81,12 +83,20 @@ class DecodeShape:
         return 2 * sum(self.lens) * KV_HEADS * HEAD_DIM * torch.empty((), dtype=DTYPE).element_size()
 
 
-def decode_shapes(quick: bool) -> list[DecodeShape]:
+def decode_shapes(quick: bool, only: str | None = None) -> list[DecodeShape]:
+    """The shapes (``quick``: a subset); ``only``: comma-separated labels to keep (``64x4096``,
+    ``lognormal64(med=2048,s=0.8,cap=16384)``, or a label's prefix such as ``lognormal64(med=2048``)."""
     shapes = [DecodeShape(f"{b}x{n}", (n,) * b) for b, n in (QUICK_UNIFORM if quick else UNIFORM)]
     for rows, median, sigma, cap in LOGNORMAL[:1] if quick else LOGNORMAL:
         rng = random.Random(SEED)
         lens = tuple(max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(rows))
         shapes.append(DecodeShape(f"lognormal{rows}(med={median},s={sigma},cap={cap})", lens))
+    if only:
+        wanted = [w.strip() for w in only.split(",") if w.strip()]
+        shapes = [s for s in shapes if any(s.label == w or (w.startswith("lognormal") and s.label.startswith(w))
+                                           for w in wanted)]  # fmt: skip
+        if not shapes:
+            raise SystemExit(f"--shapes {only!r}: no shape matches; labels are 64x4096, lognormal64(med=2048, ...")
     return shapes
 
 
@@ -157,6 +167,23 @@ def variants(sweep: bool) -> list[Variant]:
 
 #: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales).
 FP8_VARIANT = Variant("fp8 cache", fp8=True)
+
+
+def fp8_variants() -> list[Variant]:
+    """``--fp8-sweep``: the fp8 cache with its dots in the query's dtype (bf16, the conversion
+    the fp16 dots replace), and a grid of tiles (64, 128 tokens), warps (2, 4) and pipeline
+    depths (2-4) around the fp8 default."""
+    from attention.triton_kernels import DecodeConfig, default_decode_config
+
+    base = default_decode_config(HEAD_DIM, DTYPE, FP8)
+    out = [Variant("fp8 cache, bf16 dots", config=dataclasses.replace(base, f16_fp8_dots=False), fp8=True)]
+    for block_n in (64, 128):
+        for warps in (2, 4):
+            for stages in (2, 3, 4):
+                config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+                if config != base:
+                    out.append(Variant(f"fp8 cache, n{block_n} w{warps} s{stages}", config=config, fp8=True))
+    return out
 
 
 # ---- problem -------------------------------------------------------------------------------
@@ -296,12 +323,13 @@ def run_decode(
     copy_tbps: float,
     notes: list[str],
     budget_s: float,
+    fp8_sweep: bool = False,
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
     flash = common.flash_attn_backend(notes, "decode rows")
-    chosen = [*variants(sweep), FP8_VARIANT]
+    chosen = [*variants(sweep), FP8_VARIANT, *(fp8_variants() if fp8_sweep else [])]
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []
@@ -323,7 +351,7 @@ def run_decode(
             for backend_name, variant in todo:
                 if (
                     variant is not None
-                    and variant.name not in ("default", FP8_VARIANT.name)
+                    and variant.name not in ("default", FP8_VARIANT.name, "fp8 cache, bf16 dots")
                     and time.monotonic() > deadline
                 ):
                     skipped += 1
@@ -510,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep", action="store_true", help="also time the decode variants (combine, tiles, chunking policies)"
     )
+    parser.add_argument(
+        "--fp8-sweep", action="store_true", help="also time fp8-cache variants (bf16 dots, other tiles)"
+    )
+    parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="seconds after which sweep variants are skipped")
     parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
     parser.add_argument("--window-only", action="store_true", help="time sliding-window decode only")
@@ -532,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         timer = KernelTimer(min(args.warmup_ms, 10), min(args.rep_ms, 50))
         if not args.window_only:
             decode = run_decode(
-                decode_shapes(args.quick),
+                decode_shapes(args.quick, args.shapes),
                 sweep=args.sweep,
+                fp8_sweep=args.fp8_sweep,
                 timer=timer,
                 copy_tbps=run.copy_tbps,
                 notes=run.notes,

@@ -15,6 +15,9 @@ decode), ``eager_ms`` calls the backend from Python (the backend's argument chec
 launches included). ``vs_flash_attn`` = flash-attn's ms / the row's ms. The header also
 records the device-to-device copy bandwidth of the run.
 
+``--fp8`` adds our kernel over an fp8 copy of the cache (unit scales), checked against SDPA on
+the fp8-rounded K/V.
+
 ``--sweep`` also times the prefill kernel's candidates (``PREFILL_SWEEP``) and prints the best
 per shape, so one GPU run can pick the defaults; ``--sweep-only`` runs the sweep alone. (The
 decode benchmark is bench_decode.py.)
@@ -24,7 +27,7 @@ Prints the table last and writes benchmarks/results/prefill-<YYYY-MM-DD>.json
 exits 2.
 
 Run (from the project root, on the GPU machine):
-    python3 benchmarks/bench_prefill.py [--quick] [--sweep | --sweep-only] [--out PATH]
+    python3 benchmarks/bench_prefill.py [--quick] [--fp8] [--sweep | --sweep-only] [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
 """
 
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from common import DEVICE, DTYPE, HEAD_DIM, HEADS, KV_HEADS, REL_ERR_LIMIT, JsonRow, KernelTimer, fmt
 
+FP8 = torch.float8_e4m3fn
 PREFILL_SHAPES = [(8, 4096), (32, 1024), (2, 16384)]
 QUICK_PREFILL = [(32, 1024)]
 BLOCK_SIZES = (32, 256)
@@ -151,10 +155,15 @@ def _sdpa_fn(p: Problem) -> Callable[[], torch.Tensor]:
 
 
 def _attend_fn(backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tensor, Any]) -> Callable[[], torch.Tensor]:
+    """One layer call of ``backend`` over ``caches`` (an fp8 cache gets unit scales)."""
     from attention import LayerCache
 
     k_cache, v_cache, meta = caches
-    layer = LayerCache(k_cache, v_cache)
+    if k_cache.dtype == FP8:
+        ones = torch.ones(KV_HEADS, dtype=torch.float32, device=DEVICE)
+        layer = LayerCache(k_cache, v_cache, k_scale=ones, v_scale=ones)
+    else:
+        layer = LayerCache(k_cache, v_cache)
     plan = backend.plan(meta)  # once per step, outside the timing
     out = torch.empty_like(p.q)
 
@@ -188,8 +197,10 @@ def _measure(timer: KernelTimer, row: Row, p: Problem, fn: Callable[[], torch.Te
     return row
 
 
-def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str]) -> list[Row]:
-    """SDPA, triton at block 32 and 256 and flash-attn at 256 on every (batch, seq_len)."""
+def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str], fp8: bool = False) -> list[Row]:
+    """SDPA, triton at block 32 and 256 and flash-attn at 256 on every (batch, seq_len); with
+    ``fp8`` also triton over an fp8 copy of the cache (unit scales), checked against SDPA on
+    the fp8-rounded K/V."""
     from attention.triton_backend import TritonBackend
 
     flash = common.flash_attn_backend(notes, "rows")
@@ -209,6 +220,14 @@ def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str]
             if block_size == 256 and flash is not None:
                 fa = Row("prefill", "flash_attn", batch, seq_len, block_size)
                 shape_rows.append(_measure(timer, fa, p, _attend_fn(flash, p, caches), ref))
+            if fp8:
+                rounded = Problem(batch, seq_len, p.q, p.k.to(FP8).to(DTYPE), p.v.to(FP8).to(DTYPE))
+                ref8 = _sdpa_fn(rounded)()
+                caches8 = (caches[0].to(FP8), caches[1].to(FP8), caches[2])
+                backend8 = TritonBackend(common.spec(fp8=True))
+                row = Row("prefill", "triton", batch, seq_len, block_size, variant="fp8 cache")
+                shape_rows.append(_measure(timer, row, p, _attend_fn(backend8, p, caches8), ref8))
+                del rounded, ref8, caches8
             del caches, fn
         common.set_vs_flash_attn(shape_rows)
         rows += shape_rows
@@ -267,7 +286,7 @@ def run_sweep(timer: KernelTimer, shapes: list[tuple[int, int]]) -> list[Row]:
 def print_prefill_table(rows: list[Row]) -> None:
     head = (
         f"{'op':7s} {'backend':10s} {'batch':>5s} {'seq_len':>7s} {'block':>5s} {'ms':>9s} {'eager':>8s} "
-        f"{'TFLOP/s':>8s} {'vs_fa':>6s} {'rel_err':>8s}"
+        f"{'TFLOP/s':>8s} {'vs_fa':>6s} {'rel_err':>8s}  variant"
     )
     common.print_table(
         head,
@@ -275,7 +294,7 @@ def print_prefill_table(rows: list[Row]) -> None:
         lambda r: (
             f"{r.op:7s} {r.backend:10s} {r.batch:5d} {r.seq_len:7d} "
             f"{'-' if r.block_size is None else r.block_size:>5} {fmt(r.ms, '9.4f')} {fmt(r.eager_ms, '8.4f')} "
-            f"{fmt(r.tflops, '8.1f')} {fmt(r.vs_flash_attn, '6.2f')} {fmt(r.rel_err, '8.1e')}"
+            f"{fmt(r.tflops, '8.1f')} {fmt(r.vs_flash_attn, '6.2f')} {fmt(r.rel_err, '8.1e')}  {r.variant or ''}"
         ),
     )
     print(
@@ -292,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short subset of the shapes")
     parser.add_argument("--sweep", action="store_true", help="also sweep the prefill kernel's launch parameters")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep, without the main rows")
+    parser.add_argument("--fp8", action="store_true", help="also time triton over an fp8 cache")
     common.add_run_options(parser, "prefill")
     args = parser.parse_args(argv)
     if not common.require_cuda("bench_prefill"):
@@ -305,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         nonlocal rows, sweep
         if not args.sweep_only:
-            rows = run_main(timer, shapes, run.notes)
+            rows = run_main(timer, shapes, run.notes, fp8=args.fp8)
         if args.sweep or args.sweep_only:
             sweep = run_sweep(KernelTimer(min(args.warmup_ms, 10), min(args.rep_ms, 40)), shapes)
 

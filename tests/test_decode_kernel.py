@@ -440,11 +440,15 @@ def test_launcher_rejects_bad_tree_masks_and_windows(change: str, message: str) 
         )  # fmt: skip
 
 
-def test_fp8_cache_with_per_head_scales() -> None:
-    """float8_e4m3fn K/V with fp32 per-KV-head scales, fp16 query (runs in the interpreter)."""
+@pytest.mark.parametrize("query_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("f16_dots", [True, False], ids=["f16-dots", "query-dtype-dots"])
+def test_fp8_cache_with_per_head_scales(query_dtype: torch.dtype, f16_dots: bool) -> None:
+    """float8_e4m3fn K/V with fp32 per-KV-head scales, 16-bit queries, dots in fp16 or in the
+    query's dtype (runs in the interpreter)."""
     case = _case([45, 130, 7], heads=8, kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32)
     k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.layer.key, case.layer.value))
-    fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=case.query.half())
+    query = case.query.to(query_dtype)
+    fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=query)
     k_scale, v_scale = torch.tensor([0.5, 2.0], device=DEVICE), torch.tensor([1.5, 0.25], device=DEVICE)
     launch = _prepare(fp8, 32, chunk_len=64)
     out = torch.zeros_like(fp8.query)
@@ -459,14 +463,37 @@ def test_fp8_cache_with_per_head_scales() -> None:
         launch.workspace,
         softmax_scale=0.125,
         out=out,
-        config=DecodeConfig(block_n=32),
+        config=DecodeConfig(block_n=32, f16_fp8_dots=f16_dots),
         k_scale=k_scale,
         v_scale=v_scale,
     )
     ranges = [(0, n) for n in case.meta.seq_lens_host]
     deq = dataclasses.replace(fp8, layer=dataclasses.replace(case.layer, key=k8.float(), value=v8.float()))
     ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 0.125, (k_scale, v_scale))
-    _check(out, ref, torch.float16)
+    _check(out, ref, query_dtype)
+
+
+def test_fp8_cache_clamps_queries_past_the_fp16_range() -> None:
+    """A bf16 query beyond fp16's range stays finite under fp16 dots: it is clamped to 65504,
+    the attention of the clamped query (the scores stay finite in fp32)."""
+    case = _case([40, 9], heads=4, kv_heads=1, head_dim=32, block_size=32, dtype=torch.float32)
+    k8, v8 = (c.nan_to_num(0.0).to(torch.float8_e4m3fn) for c in (case.layer.key, case.layer.value))
+    query = case.query.to(torch.bfloat16)
+    query[0, 1, 3] = 1.0e6  # past fp16's 65504
+    fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=query)
+    ones = torch.ones(1, device=DEVICE)
+    launch = _prepare(fp8, 32, chunk_len=64)
+    out = torch.zeros_like(query)
+    paged_decode(
+        query, k8, v8, case.meta.block_tables, launch.rows, launch.items, launch.schedule, launch.workspace,
+        softmax_scale=1e-6, out=out, config=DecodeConfig(block_n=32), k_scale=ones, v_scale=ones,
+    )  # fmt: skip
+    assert torch.isfinite(out[:2]).all()
+    clamped = dataclasses.replace(fp8, query=query.float().clamp(-65504, 65504))
+    ranges = [(0, n) for n in case.meta.seq_lens_host]
+    deq = dataclasses.replace(clamped, layer=dataclasses.replace(case.layer, key=k8.float(), value=v8.float()))
+    ref = _reference(deq, ranges, [0, 1], [0, 1], 1e-6, (ones, ones))
+    _check(out, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from attention.triton_kernels import (
     PREFILL_SWEEP,
     DecodeConfig,
     PrefillConfig,
+    default_decode_config,
     default_prefill_config,
     max_prefill_tiles,
     prefill_tile_index,
@@ -192,6 +193,27 @@ def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
     pure = TritonBackend(spec).plan(_case([(5, 1)], spec, 32, triton_device).meta)
     assert isinstance(pure, TritonStepPlan) and pure.use_decode and pure.prefill is None
     assert pure.decode[0].schedule.row(0)[:2] == (0, 0)
+
+
+@pytest.mark.parametrize("cache", ["float8_e4m3", None])
+def test_fp8_decode_launches_pipeline_deeper_when_a_tile_spans_blocks(cache: str | None, triton_device: str) -> None:
+    """The default one-token launch of an fp8 cache takes 3 stages at blocks shorter than its
+    tile (the next tile's block ids are a dependent load) and 2 at longer ones; a bf16 cache,
+    rows verifying drafts and a given config keep theirs."""
+    spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
+    kv = torch.float8_e4m3fn if cache else None
+    tile = default_decode_config(128, torch.bfloat16, kv).block_n
+    for block_size, deeper in ((32, cache is not None), (tile, False)):
+        case = _case([(300, 1), (40, 1)], spec, block_size, triton_device)
+        (launch,) = TritonBackend(spec).plan(case.meta).decode  # type: ignore[attr-defined]
+        assert launch.config.block_n == tile
+        assert launch.config.num_stages == (3 if deeper else 2), (block_size, launch.config)
+        given = DecodeConfig(block_n=tile, num_warps=4, num_stages=2)
+        (fixed,) = TritonBackend(spec, decode_config=given).plan(case.meta).decode  # type: ignore[attr-defined]
+        assert fixed.config == given
+    drafts = _case([(300, 4)], spec, 32, triton_device)
+    (verify,) = TritonBackend(spec).plan(drafts.meta).decode  # type: ignore[attr-defined]
+    assert verify.config.num_stages == 2
 
 
 def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:

@@ -31,6 +31,7 @@ def main(out_dir: str) -> int:
     config = load_config(DEFAULT_CONFIG)
     run = start_parallel(2, torch.device("cpu"), timeout_s=60)
     tp = run.tp
+    reached_the_end = False  # every rank stops at the same step, so all of them get here
     try:
         shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
         engine = engine_for(config, shape, device="cpu", tp=tp, collective=run.collective)
@@ -58,8 +59,11 @@ def main(out_dir: str) -> int:
         except RankDivergenceError as err:
             outcome.update(error=type(err).__name__, step=err.step, message=str(err))
         Path(out_dir, f"rank{tp.rank}.json").write_text(json.dumps(outcome))
+        reached_the_end = True
     finally:
-        stop_parallel(run)
+        # The barrier of a normal end: without it, rank 0 (the store's host) aborted at exit
+        # once on the GPU machine under load ("terminate called without an active exception").
+        stop_parallel(run, synchronize=reached_the_end)
     return 0
 
 

@@ -34,7 +34,7 @@ import torch
 from attention.checks import same_device
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
-from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
+from attention.triton_kernels.paging import dot_precision_for, f16_dots_for, next_power_of_2, upcast_for
 
 __all__ = [
     "DECODE_SWEEP",
@@ -65,6 +65,9 @@ class DecodeConfig:
     fused_combine: merge split rows inside the chunk kernel (atomic arrival counter, no
                 second launch) instead of a separate combine kernel.
     combine_num_warps: warps of the combine kernel.
+    f16_fp8_dots: with an fp8 cache and 16-bit queries, run the dots in fp16
+                (``paging.f16_dots_for``); False: in the query's dtype (the slower conversion
+                to bf16, kept for comparison).
     """
 
     block_n: int = 64
@@ -72,6 +75,7 @@ class DecodeConfig:
     num_stages: int = 2
     fused_combine: bool = False
     combine_num_warps: int = 4
+    f16_fp8_dots: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -80,7 +84,11 @@ class DecodeConfig:
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
 def default_decode_config(
-    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None, query_len: int = 1
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    query_len: int = 1,
+    block_size: int | None = None,
 ) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
     stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
@@ -95,6 +103,13 @@ def default_decode_config(
     tiles keep more bytes in flight per program (benchmarks/results/verify-sweep-bs32-2026-12-03.json
     and -bs256-: 5 new tokens at 128 x 2048, 128 tokens a tile 1.21x / 1.10x the one-token step at
     blocks 32 / 256 against 1.47x / 1.26x with 64; no other tile, warp or stage count did better).
+
+    An fp8 cache (its dots in fp16) whose tiles span several blocks (``block_size`` below the
+    tile) takes three stages: the next tile's block ids come from the table, a dependent load,
+    and a deeper pipeline hides it. Measured (benchmarks/results/decode-fp8-sweep-2026-12-03.json,
+    24 fp8 variants): at block 32 the geometric mean over 64x4096, 16x16384, 32x512 and
+    LogNormal of the speedup over the bf16 cache is 1.18x with 3 stages against 1.11x with 2;
+    at block 256, 2 stages (1.43x) beat 3 (1.35x).
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
@@ -102,7 +117,9 @@ def default_decode_config(
     block_n = max(16, min(128, tile_bytes // (d_pad * itemsize)))
     q_itemsize = torch.empty((), dtype=dtype).element_size()
     warps = 8 if q_itemsize * d_pad > 512 else 4
-    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=2)
+    spans_blocks = block_size is not None and block_size < block_n
+    stages = 3 if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and spans_blocks else 2
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 #: Launch candidates a GPU sweep times around the default (bf16, head_dim 128): the two
@@ -422,6 +439,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         KV_SCALED=scaled,
+        F16_DOTS=config.f16_fp8_dots and f16_dots_for(query.dtype, k_cache.dtype),
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
         FUSED_COMBINE=config.fused_combine,

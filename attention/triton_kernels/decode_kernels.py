@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.paging import soft_cap, tile_mask, tile_token_offsets
+from attention.triton_kernels.paging import soft_cap, tile_mask, tile_token_offsets, to_f16_operand
 
 __all__ = ["decode_combine_kernel", "decode_items_kernel"]
 
@@ -197,6 +197,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
@@ -222,10 +223,12 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     strides). KV_SCALED (an fp8 cache): K and V are converted to the query's dtype and
     dequantised with per-KV-head fp32 scales, k_scale folded into the score scale and
     v_scale applied to the output (both constant over the head, so the same as scaling
-    every element). SOFTCAP: scores are capped, ``softcap * tanh(s / softcap)`` with
-    ``softcap`` in the same log2 units as ``qk_scale``. SINKS: each head's learned sink logit
-    (``sinks_ptr``, natural units of the scaled scores) joins the softmax's denominator once:
-    here for a row of one chunk, at the merge for a split row.
+    every element). F16_DOTS (an fp8 cache, 16-bit queries): both dots take fp16 operands
+    (``paging.f16_dots_for``), else the query's dtype. SOFTCAP: scores are capped,
+    ``softcap * tanh(s / softcap)`` with ``softcap`` in the same log2 units as ``qk_scale``.
+    SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
+    joins the softmax's denominator once: here for a row of one chunk, at the merge for a
+    split row.
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
@@ -262,7 +265,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     q_mask = tile_mask(q_ok, dd, HEAD_DIM, D_PAD)
     q_off = token64[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh + dd[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-    if UPCAST:
+    if F16_DOTS:
+        q = to_f16_operand(q)
+    elif UPCAST:
         q = q.to(tl.float32)
     scale = qk_scale
     if KV_SCALED:
@@ -294,7 +299,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         kv_mask = tile_mask(valid, dd, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST or KV_SCALED:
+        if UPCAST or KV_SCALED:  # fp8 to fp16 under F16_DOTS (q's dtype then): exact
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale

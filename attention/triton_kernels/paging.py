@@ -16,6 +16,7 @@ import triton.language as tl
 
 __all__ = [
     "dot_precision_for",
+    "f16_dots_for",
     "interpreter_requested",
     "kernels_interpreted",
     "load_tile_pages",
@@ -24,6 +25,7 @@ __all__ = [
     "soft_cap",
     "tile_mask",
     "tile_token_offsets",
+    "to_f16_operand",
     "upcast_for",
 ]
 
@@ -60,6 +62,31 @@ def dot_precision_for(dtype: torch.dtype) -> str:
     recover ~fp32 accuracy, where plain tf32 would cut inputs to 10 mantissa bits and "ieee"
     runs on FMA units and spills registers in the prefill tiles. 16-bit inputs ignore it."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def f16_dots_for(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the decode kernel runs an fp8 cache's dots in fp16: 16-bit queries, fp8 cache.
+
+    Hopper converts a pair of float8_e4m3 values to fp16 in one instruction
+    (``cvt.rn.f16x2.e4m3x2``) but has no such path to bf16, which costs several per value. In
+    decode, which streams K/V at the HBM limit, those conversions set the time: on the H200
+    (benchmarks/results/decode-fp8-2026-12-03.json) an fp8 cache decoded 0.94-1.10x the bf16
+    cache's speed with bf16 dots and 1.34-1.57x with fp16 dots at block 256 (64x4096 to
+    LogNormal). Prefill, compute-bound, keeps the query's dtype: there fp16 dots were 12-16%
+    slower at block 32 and 1-2% slower at block 256 (prefill-fp8-2026-12-03.json).
+
+    fp16 holds every float8_e4m3 / e5m2 value exactly and every bf16 query value of magnitude
+    in [2**-14, 65504] exactly (more mantissa than bf16); queries beyond 65504 are clamped to
+    it. The scores and the output still accumulate in fp32, and p = exp2(s - m) in [0, 1] is
+    rounded to fp16 (finer than bf16) for the P @ V product.
+    """
+    return cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and query_dtype in (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def to_f16_operand(x):  # type: ignore[no-untyped-def]
+    """``x`` as an fp16 dot operand, clamped to fp16's finite range (see :func:`f16_dots_for`)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit
