@@ -4,7 +4,8 @@ The interpreter runs the kernels' semantics but not Triton's GPU compiler, which
 things the interpreter accepts (mismatched dot operand types, unsupported masks or
 atomics). Triton can compile for a target ahead of time with its bundled ptxas, no driver
 needed; the kernels are decorated for the interpreter in this process (tests/conftest.py),
-so the compile runs in a fresh interpreter without TRITON_INTERPRET. It also checks that the
+so the compile runs in a fresh interpreter without TRITON_INTERPRET (an fp8 cache with its
+fp16 dots among the variants). It also checks that the
 K/V loads are still pipelined (cp.async) in both combine modes, the fused arrival counter is
 an acq_rel atomic, and the combine reads partials in 16-byte vectors. (Also compiled, by
 hand, with triton 3.6, the GPU machine's version: every DECODE_SWEEP config, fp8, fp32,
@@ -22,8 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 
-def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False):
-    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_scale_ptr": "*fp32",
+def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False, fp8=False, f16_dots=True):
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
            "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
            "items_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "counters_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "window": "i32"}
@@ -32,7 +34,8 @@ def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=Fa
                  "stride_ot", "stride_oh"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, G_PAD=4, Q_PAD=q_pad, M_PAD=max(16, 4 * q_pad),
-                  HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=64, KV_SCALED=False, UPCAST=False,
+                  HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=128 if fp8 else 64, KV_SCALED=fp8,
+                  F16_DOTS=fp8 and f16_dots, UPCAST=False,
                   DOT_PRECISION="tf32", FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks,
                   TREE=tree)
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -57,12 +60,16 @@ for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused"
                   ("items-bs256-softcap", items_kernel(256, False, True)),
                   ("items-bs32-fused-sinks", items_kernel(32, True, False, True)),
                   ("items-bs32-fused-q8-tree", items_kernel(32, True, q_pad=8, tree=True)),
-                  ("items-bs256-q4", items_kernel(256, False, q_pad=4)), ("combine", combine_kernel()),
+                  ("items-bs256-q4", items_kernel(256, False, q_pad=4)),
+                  ("items-bs256-fp8", items_kernel(256, False, fp8=True)),
+                  ("items-bs256-fp8-bf16-dots", items_kernel(256, False, fp8=True, f16_dots=False)),
+                  ("combine", combine_kernel()),
                   ("combine-sinks", combine_kernel(True))):
     k = triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
     ptx = k.asm["ptx"]
     report[name] = {"shared": k.metadata.shared, "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
                     "acq_rel_atomic": "atom.global.gpu.acq_rel" in ptx,
+                    "conversions": len(re.findall(r"\bcvt\.", ptx)),
                     "vector_loads": len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx))}
 print(json.dumps(report))
 """
@@ -71,10 +78,13 @@ print(json.dumps(report))
 def test_decode_kernels_compile_for_sm90() -> None:
     report = compile_report(_SCRIPT)
     kernels = ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks",
-               "items-bs32-fused-q8-tree", "items-bs256-q4")  # fmt: skip
+               "items-bs32-fused-q8-tree", "items-bs256-q4", "items-bs256-fp8")  # fmt: skip
     for name in kernels:
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"
     assert report["items-bs32-fused"]["acq_rel_atomic"], report
+    fp16_dots, bf16_dots = report["items-bs256-fp8"], report["items-bs256-fp8-bf16-dots"]
+    # fp8 K/V become the dots' fp16 in fewer conversions than bf16 takes (paging.f16_dots_for)
+    assert fp16_dots["conversions"] < bf16_dots["conversions"], report
     for name in ("combine", "combine-sinks"):
         assert report[name]["vector_loads"] > 0, f"{name}: partials no longer read in 16-byte vectors: {report}"

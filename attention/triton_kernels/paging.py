@@ -67,11 +67,11 @@ def dot_precision_for(dtype: torch.dtype) -> str:
 def f16_dots_for(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the decode kernel runs an fp8 cache's dots in fp16: 16-bit queries, fp8 cache.
 
-    Hopper converts a pair of float8_e4m3 values to fp16 in one instruction
-    (``cvt.rn.f16x2.e4m3x2``) but has no such path to bf16, which costs several per value. In
-    decode, which streams K/V at the HBM limit, those conversions set the time: on the H200
-    (benchmarks/results/decode-fp8-2026-12-03.json) an fp8 cache decoded 0.94-1.10x the bf16
-    cache's speed with bf16 dots and 1.34-1.57x with fp16 dots at block 256 (64x4096 to
+    On sm_89 and later a pair of float8_e4m3 values becomes fp16 in one instruction
+    (``cvt.rn.f16x2.e4m3x2``); the conversion to bf16 takes a longer route. In decode, which
+    streams K/V at the HBM limit, those conversions set the time: on the H200
+    (benchmarks/results/decode-fp8-2026-12-03.json) an fp8 cache decoded 0.92-1.05x the bf16
+    cache's speed with bf16 dots and 1.32-1.55x with fp16 dots at block 256 (64x4096 to
     LogNormal). Prefill, compute-bound, keeps the query's dtype: there fp16 dots were 12-16%
     slower at block 32 and 1-2% slower at block 256 (prefill-fp8-2026-12-03.json).
 
