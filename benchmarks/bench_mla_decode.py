@@ -13,7 +13,10 @@ Launches (heads per program, latents per tile, warps, stages) and split lengths 
 shape; the table shows the fastest and what the triton backend's plan picks
 (``default_mla_launch``, ``mla_split_count``, ``mla_split_len``); all are in the JSON.
 
-Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--out FILE]
+``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16);
+``--plan-only`` skips the sweep.
+
+Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ def torch_dense(query: torch.Tensor, dense: torch.Tensor, mask: torch.Tensor) ->
     return torch.bmm(p.to(dense.dtype), dense[..., :RANK])
 
 
-def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float, sms: int) -> list[dict[str, Any]]:
-    """Every launch and split length swept, the plan's choice and torch's dense formulation,
-    for both head counts."""
+def measure_batch(
+    kind: str, timer: KernelTimer, copy_tbps: float, sms: int, *, plan_only: bool = False, fp8: bool = False
+) -> list[dict[str, Any]]:
+    """Every launch and split length swept (``plan_only``: none), the plan's choice and torch's
+    dense formulation, for both head counts; with ``fp8`` also the plan's launch over an fp8
+    copy of the latents (unit scale), its dots in fp16 and in bf16, checked against torch's
+    formulation over the fp8-rounded latents (bandwidth counts the fp8 bytes)."""
     lens = lengths(kind, 0)
     host_tables, num_blocks = shuffled_block_tables(lens, BLOCK, seed=1)
     cache = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE, device="cuda").to(torch.bfloat16)
@@ -78,6 +85,9 @@ def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float, sms: int) -> 
         dense[i, :n] = cache[blocks].reshape(-1, RANK + ROPE)[:n]
     mask = (torch.arange(longest, device="cuda")[None, :] < seq_lens[:, None])[:, None, :]
     latent_bytes = sum(lens) * (RANK + ROPE) * 2
+    cache8 = cache.to(torch.float8_e4m3fn) if fp8 else None
+    dense8 = dense.to(torch.float8_e4m3fn).to(torch.bfloat16) if fp8 else None
+    unit = torch.ones(1, dtype=torch.float32, device="cuda")
     rows: list[dict[str, Any]] = []
     for heads in (128, 16):
         query = torch.randn(len(lens), heads, RANK + ROPE, device="cuda").to(torch.bfloat16)
@@ -86,21 +96,36 @@ def measure_batch(kind: str, timer: KernelTimer, copy_tbps: float, sms: int) -> 
         default = default_mla_launch(heads)
         plan_splits = mla_split_count(len(lens), heads, RANK, default.block_h, tables.shape[1] * BLOCK, sms)
         plan_len = mla_split_len(longest, plan_splits, heads, default.block_n)
-        variants = [(launch, -(-longest // n), n, False) for launch in LAUNCHES[heads] for n in SPLIT_LENS[heads]]
-        for launch, splits, split_len, planned in [*variants, (default, plan_splits, plan_len, True)]:
+        want8 = torch_dense(query, dense8, mask).float() if dense8 is not None else None
+        variants = [
+            (launch, -(-longest // n), n, False, "") for launch in LAUNCHES[heads] for n in SPLIT_LENS[heads]
+        ]
+        todo = [] if plan_only else variants
+        todo.append((default, plan_splits, plan_len, True, ""))
+        if fp8:
+            todo += [(default, plan_splits, plan_len, True, name) for name in ("fp8", "fp8 bf16 dots")]
+        for launch, splits, split_len, planned, latent in todo:
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
-                                   "split_len": split_len, "plan": planned}  # fmt: skip
+                                   "split_len": split_len, "plan": planned, "latent": latent or "bf16"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
+            extra: dict[str, Any] = {}
+            source, expect, nbytes = cache, want, latent_bytes
+            if latent and cache8 is not None and want8 is not None:
+                source, expect, nbytes = cache8, want8, latent_bytes // 2
+                extra = {"kv_scale": unit, "f16_fp8_dots": latent == "fp8"}
 
-            def run(la: MLALaunch = launch, s: int = splits, c: torch.Tensor = chunk) -> torch.Tensor:
-                return mla_decode(query, cache, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
-                                  num_splits=s, split_len=c, **la.__dict__)  # fmt: skip
+            def run(
+                la: MLALaunch = launch, s: int = splits, c: torch.Tensor = chunk,
+                src: torch.Tensor = source, kw: dict[str, Any] = extra,
+            ) -> torch.Tensor:  # fmt: skip
+                return mla_decode(query, src, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
+                                  num_splits=s, split_len=c, **la.__dict__, **kw)  # fmt: skip
 
             try:
                 got = run()
-                err = float((got - want).abs().max() / want.abs().max())
+                err = float((got - expect).abs().max() / expect.abs().max())
                 ms = timer.graph_ms(run)
-                tbps = latent_bytes / (ms * 1e-3) / 1e12
+                tbps = nbytes / (ms * 1e-3) / 1e12
                 flops = sum(lens) * heads * 2 * (2 * RANK + ROPE)
                 row.update(ms=ms, torch_ms=torch_ms, vs_torch=torch_ms / ms, rel_err=err, tbps=tbps,
                            of_copy=tbps / copy_tbps, tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
@@ -115,20 +140,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--rep-ms", type=int, default=60)
+    p.add_argument("--plan-only", action="store_true", help="no launch sweep: the plan's launch only")
+    p.add_argument("--fp8", action="store_true", help="also an fp8 latent at the plan's launch (fp16 and bf16 dots)")
     args = p.parse_args()
     if not require_cuda("bench_mla_decode.py"):
         sys.exit(2)
     timer = KernelTimer(10, args.rep_ms)
     copy_tbps = measure_copy_tbps(timer)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows_out = [row for kind in ("64x4096", "lognormal-128") for row in measure_batch(kind, timer, copy_tbps, sms)]
+    rows_out = [
+        row
+        for kind in ("64x4096", "lognormal-128")
+        for row in measure_batch(kind, timer, copy_tbps, sms, plan_only=args.plan_only, fp8=args.fp8)
+    ]
     print(f"\n{'batch':14} {'heads':>5} {'':>7} {'launch':>16} {'splits':>6} {'per split':>9} {'ms':>7} {'TB/s':>5} "
           f"{'of copy':>7} {'TFLOP/s':>7} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
     for kind in ("64x4096", "lognormal-128"):
         for heads in (128, 16):
             done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
-            picks = [("best", min(done, key=lambda x: x["ms"]))] if done else []
-            picks += [("plan", r) for r in done if r["plan"]]
+            bf16 = [r for r in done if r["latent"] == "bf16"]
+            picks = [("best", min(bf16, key=lambda x: x["ms"]))] if bf16 else []
+            picks += [("plan" if r["latent"] == "bf16" else r["latent"][:7], r) for r in done if r["plan"]]
             for label, r in picks:
                 launch = f"h{r['block_h']} n{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
                 print(

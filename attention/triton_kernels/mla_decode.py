@@ -38,7 +38,13 @@ import triton
 import triton.language as tl
 
 from attention.errors import InvalidArgumentError
-from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
+from attention.triton_kernels.paging import (
+    dot_precision_for,
+    f16_dots_for,
+    next_power_of_2,
+    to_f16_operand,
+    upcast_for,
+)
 
 __all__ = ["MLALaunch", "causal_queries", "default_mla_launch", "mla_attention", "mla_decode", "mla_split_count",
            "mla_split_len"]  # fmt: skip
@@ -119,6 +125,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     DEQUANT: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     h0 = tl.program_id(0) * BLOCK_H
@@ -145,7 +152,9 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     q_row = q_ptr + token.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r[None, :] < R), other=0.0)
     q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
-    if UPCAST:
+    if F16_DOTS:  # fp8 latents: the dots in fp16 (paging.f16_dots_for)
+        q_lat, q_pe = to_f16_operand(q_lat), to_f16_operand(q_pe)
+    elif UPCAST:
         q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
     kv_scale = 1.0
     if DEQUANT:
@@ -298,6 +307,7 @@ def mla_attention(
     block_h: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
+    f16_fp8_dots: bool = True,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -319,6 +329,8 @@ def mla_attention(
     kv_scale:     fp32 [1] on the device, an fp8 cache's dequantization scale (stored value
                   times scale is the latent); given exactly for an fp8 cache.
     block_n, block_h, num_warps, num_stages: the launch (latents per tile, heads per program).
+    f16_fp8_dots: an fp8 latent's dots in fp16 (``paging.f16_dots_for``); False: in the
+                  query's dtype (kept for comparison).
     Returns float32 [T, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
@@ -396,6 +408,7 @@ def mla_attention(
             tables.shape[0], heads, num_blocks, width_cols, scale * _LOG2E, query.stride(0), query.stride(1),
             R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
             BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(query.dtype), DEQUANT=fp8,
+            F16_DOTS=fp8 and f16_fp8_dots and f16_dots_for(query.dtype, cache.dtype),
             DOT_PRECISION=dot_precision_for(query.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
