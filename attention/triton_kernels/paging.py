@@ -65,7 +65,7 @@ def dot_precision_for(dtype: torch.dtype) -> str:
 
 
 def f16_dots_for(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the decode kernel runs an fp8 cache's dots in fp16: 16-bit queries, fp8 cache.
+    """Whether the decode kernels (GQA and MLA) run an fp8 cache's dots in fp16: 16-bit queries.
 
     On sm_89 and later a pair of float8_e4m3 values becomes fp16 in one instruction
     (``cvt.rn.f16x2.e4m3x2``); the conversion to bf16 takes a longer route. In decode, which
