@@ -33,6 +33,7 @@ from attention.quantize import dequantize
 from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
+from attention.value_layout import value_is_readable
 
 __all__ = ["LATENT_PREFILL_MIN_TOKENS", "AttentionBackend", "StepPlan"]
 
@@ -422,9 +423,11 @@ class AttentionBackend(ABC):
         )
         n, bs, kvh, d = layer.key.shape
         check_tensor("layer.value", layer.value, shape=(n, bs, kvh, d), dtype=self.cache_dtype, device=layer.key.device)
-        if not layer.key.is_contiguous() or not layer.value.is_contiguous():
+        if not layer.key.is_contiguous() or not value_is_readable(layer.value):
             raise UnsupportedSettingError(
-                "layer.key/layer.value: expected contiguous tensors (allocate them with kvcache)"
+                "layer.key/layer.value: expected contiguous tensors (the value may also be token-major, "
+                f"attention.value_layout), got strides {layer.key.stride()} and {layer.value.stride()}; "
+                "allocate them with kvcache"
             )
         problems = self.info.problems(
             block_size=bs,

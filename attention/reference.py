@@ -149,7 +149,8 @@ def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_m
                 f"use -1 for a token whose K/V must not be written"
             )
     layer.key.view(n * bs, kvh, d)[slots] = quantize(key[keep], layer.k_scale, layer.key.dtype)
-    layer.value.view(n * bs, kvh, d)[slots] = quantize(value[keep], layer.v_scale, layer.value.dtype)
+    # Indexed by (block, offset): a token-major V (attention.value_layout) has no flat view.
+    layer.value[slots // bs, slots % bs] = quantize(value[keep], layer.v_scale, layer.value.dtype)
 
 
 def _causal_attention(

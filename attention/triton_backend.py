@@ -205,11 +205,8 @@ class TritonBackend(AttentionBackend):
             )
         self.max_decode_query_len = q
         kv_dtype = self.cache_dtype if spec.quantized_cache else None
-        #: Launch parameters of one-token rows; when none were given, a launch takes the default
-        #: for its block size (``default_decode_config(block_size=)``), this is the default at
-        #: blocks as long as the tile.
+        #: Launch parameters of one-token rows (given, or the default).
         self.decode_config = decode_config or default_decode_config(spec.head_dim, self.compute_dtype, kv_dtype)
-        self._decode_config_given = decode_config is not None
         #: Launch parameters of rows of several new tokens (verifying drafts).
         self.verify_decode_config = decode_config or default_decode_config(
             spec.head_dim, self.compute_dtype, kv_dtype, query_len=MAX_DECODE_QUERY_LEN
@@ -373,14 +370,9 @@ class TritonBackend(AttentionBackend):
         programs = _PREFILL_PROGRAMS_PER_SM * self._sms(meta.device)
         return PrefillLaunch(config, tiles, count, programs)
 
-    def _decode_launch_config(self, query_len: int, block_size: int) -> DecodeConfig:
-        """The given decode config, else the default for the launch's rows and block size."""
-        if query_len > 1:
-            return self.verify_decode_config
-        if self._decode_config_given:
-            return self.decode_config
-        kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
-        return default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)
+    def _decode_launch_config(self, query_len: int) -> DecodeConfig:
+        """The launch parameters for rows of up to ``query_len`` new tokens."""
+        return self.verify_decode_config if query_len > 1 else self.decode_config
 
     def _plan_decode(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, graph: bool
@@ -394,7 +386,7 @@ class TritonBackend(AttentionBackend):
         max_items = max_decode_items(meta.padded_batch, kvh, sms, self.decode_policy) if graph else None
         max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
         launch_query_len = max_query_len or max((q_lens[r] for r in rows), default=1)
-        config = self._decode_launch_config(launch_query_len, meta.block_size)
+        config = self._decode_launch_config(launch_query_len)
         launches = []
         partials = 1
         for window in self.windows:

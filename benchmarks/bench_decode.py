@@ -136,6 +136,7 @@ class Variant:
     policy: Any = None  # DecodePolicy | None
     fp8: bool = False  # an fp8 (float8_e4m3) cache instead of bf16
     window: int | None = None
+    contiguous_values: bool = False  # an fp8 V stored contiguous instead of token-major
 
     def backend(self) -> Any:
         from attention.triton_backend import TritonBackend
@@ -165,24 +166,33 @@ def variants(sweep: bool) -> list[Variant]:
     return out
 
 
-#: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales).
+#: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales;
+#: V token-major, as kvcache allocates it: attention.value_layout).
 FP8_VARIANT = Variant("fp8 cache", fp8=True)
 
 
 def fp8_variants() -> list[Variant]:
-    """``--fp8-sweep``: the fp8 cache with its dots in the query's dtype (bf16, the conversion
-    the fp16 dots replace), and a grid of tiles (64, 128 tokens), warps (2, 4) and pipeline
-    depths (2-4) around the fp8 default."""
+    """``--fp8-sweep``: the fp8 cache with V contiguous (the layout before token-major V) at
+    3 and 2 stages, with its dots in the query's dtype (bf16, the conversion the fp16 dots
+    replace), and launches around the fp8 default (tile 64 / 128 tokens, 4 / 8 warps, 2-4
+    stages)."""
     from attention.triton_kernels import DecodeConfig, default_decode_config
 
     base = default_decode_config(HEAD_DIM, DTYPE, FP8)
-    out = [Variant("fp8 cache, bf16 dots", config=dataclasses.replace(base, f16_fp8_dots=False), fp8=True)]
-    for block_n in (64, 128):
-        for warps in (2, 4):
-            for stages in (2, 3, 4):
-                config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
-                if config != base:
-                    out.append(Variant(f"fp8 cache, n{block_n} w{warps} s{stages}", config=config, fp8=True))
+    out = [
+        Variant("fp8 cache, V contiguous", fp8=True, contiguous_values=True),
+        Variant(
+            "fp8 cache, V contiguous, 2 stages",
+            config=dataclasses.replace(base, num_stages=2),
+            fp8=True,
+            contiguous_values=True,
+        ),
+        Variant("fp8 cache, bf16 dots", config=dataclasses.replace(base, f16_fp8_dots=False), fp8=True),
+    ]
+    for block_n, warps, stages in ((128, 4, 2), (128, 4, 4), (128, 8, 3), (64, 4, 3), (64, 4, 4)):
+        config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+        if config != base:
+            out.append(Variant(f"fp8 cache, n{block_n} w{warps} s{stages}", config=config, fp8=True))
     return out
 
 
@@ -199,15 +209,18 @@ class Layers:
     v: torch.Tensor
     meta: Any
     _fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _v8_token_major: list[torch.Tensor] | None = None
 
     @property
     def count(self) -> int:
         return int(self.k.shape[0])
 
-    def layer_caches(self, fp8: bool = False) -> list[Any]:
-        """One LayerCache per layer (an fp8 copy of K/V with unit scales when ``fp8``; made
-        once, lazily, so bf16 runs never pay for it)."""
+    def layer_caches(self, fp8: bool = False, contiguous_values: bool = False) -> list[Any]:
+        """One LayerCache per layer (an fp8 copy of K/V with unit scales when ``fp8``, V
+        token-major unless ``contiguous_values``; made once, lazily, so bf16 runs never pay
+        for it)."""
         from attention import LayerCache
+        from attention.value_layout import token_major_view
 
         if not fp8:
             return [LayerCache(self.k[i], self.v[i], index=i) for i in range(self.count)]
@@ -215,7 +228,14 @@ class Layers:
             ones = torch.ones(KV_HEADS, dtype=torch.float32, device=DEVICE)
             self._fp8 = (self.k.to(FP8), self.v.to(FP8), ones)
         k8, v8, scale = self._fp8
-        return [LayerCache(k8[i], v8[i], index=i, k_scale=scale, v_scale=scale) for i in range(self.count)]
+        if contiguous_values:
+            values = [v8[i] for i in range(self.count)]
+        else:
+            if self._v8_token_major is None:
+                memory = torch.empty_like(v8)
+                self._v8_token_major = [token_major_view(memory[i]).copy_(v8[i]) for i in range(self.count)]
+            values = self._v8_token_major
+        return [LayerCache(k8[i], values[i], index=i, k_scale=scale, v_scale=scale) for i in range(self.count)]
 
 
 def build_layers(shape: DecodeShape, block_size: int) -> Layers:
@@ -275,13 +295,14 @@ def _measure(
     ref: torch.Tensor,
     copy_tbps: float,
     fp8: bool = False,
+    contiguous_values: bool = False,
 ) -> None:
     """Check layer 0 against ``ref``, then time one call per layer (graph and eager).
     Errors are recorded on the row; a CUDA error that kills the context is re-raised."""
     try:
         plan = backend.plan(layers.meta)  # once per step, outside the timing
         out = torch.empty_like(layers.q)
-        caches = layers.layer_caches(fp8)
+        caches = layers.layer_caches(fp8, contiguous_values)
 
         def call(i: int) -> torch.Tensor:
             return backend.attend(layers.q, caches[i], plan, out=out)
@@ -370,7 +391,8 @@ def run_decode(
                 fp8 = variant is not None and variant.fp8
                 if fp8:
                     row.extra["kv_bytes"] = shape.kv_bytes // 2
-                _measure(timer, row, layers, backend, ref8 if fp8 else ref, copy_tbps, fp8=fp8)
+                contiguous = variant is not None and variant.contiguous_values
+                _measure(timer, row, layers, backend, ref8 if fp8 else ref, copy_tbps, fp8, contiguous)
                 _print_row(row)
                 shape_rows.append(row)
             del layers, ref, ref8

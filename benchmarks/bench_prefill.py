@@ -16,7 +16,8 @@ launches included). ``vs_flash_attn`` = flash-attn's ms / the row's ms. The head
 records the device-to-device copy bandwidth of the run.
 
 ``--fp8`` adds our kernel over an fp8 copy of the cache (unit scales), checked against SDPA on
-the fp8-rounded K/V.
+the fp8-rounded K/V: V token-major as kvcache allocates it (``attention.value_layout``), and
+V contiguous.
 
 ``--sweep`` also times the prefill kernel's candidates (``PREFILL_SWEEP``) and prints the best
 per shape, so one GPU run can pick the defaults; ``--sweep-only`` runs the sweep alone. (The
@@ -202,6 +203,7 @@ def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str]
     ``fp8`` also triton over an fp8 copy of the cache (unit scales), checked against SDPA on
     the fp8-rounded K/V."""
     from attention.triton_backend import TritonBackend
+    from attention.value_layout import token_major_view
 
     flash = common.flash_attn_backend(notes, "rows")
     rows: list[Row] = []
@@ -223,11 +225,17 @@ def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str]
             if fp8:
                 rounded = Problem(batch, seq_len, p.q, p.k.to(FP8).to(DTYPE), p.v.to(FP8).to(DTYPE))
                 ref8 = _sdpa_fn(rounded)()
-                caches8 = (caches[0].to(FP8), caches[1].to(FP8), caches[2])
-                backend8 = TritonBackend(common.spec(fp8=True))
-                row = Row("prefill", "triton", batch, seq_len, block_size, variant="fp8 cache")
-                shape_rows.append(_measure(timer, row, p, _attend_fn(backend8, p, caches8), ref8))
-                del rounded, ref8, caches8
+                v8 = caches[1].to(FP8)
+                # V token-major as kvcache allocates an fp8 cache (attention.value_layout), and contiguous.
+                for variant, values in (
+                    ("fp8 cache", token_major_view(torch.empty_like(v8)).copy_(v8)),
+                    ("fp8 cache, V contiguous", v8),
+                ):
+                    caches8 = (caches[0].to(FP8), values, caches[2])
+                    backend8 = TritonBackend(common.spec(fp8=True))
+                    row = Row("prefill", "triton", batch, seq_len, block_size, variant=variant)
+                    shape_rows.append(_measure(timer, row, p, _attend_fn(backend8, p, caches8), ref8))
+                del rounded, ref8, caches8, v8, values
             del caches, fn
         common.set_vs_flash_attn(shape_rows)
         rows += shape_rows

@@ -26,6 +26,7 @@ from attention import BACKENDS, AttentionMetadata, AttentionSpec, LayerCache, Re
 from attention.base import AttentionBackend
 from attention.dtypes import dtype_name
 from attention.quantize import dequantize
+from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache import BlockManager, MetadataBuilder, ScheduledRow
 
 # Element-wise tolerances against a float64 oracle on the same (rounded) inputs; outputs are
@@ -90,11 +91,14 @@ def make_case(
     layer_index: int = 0,
     cache_dtype: torch.dtype | None = None,
     device_check: bool | None = None,
+    token_major_values: bool | None = None,
 ) -> PagedCase:
     """``rows``: (context, new) per row. The layer holds the context tokens' K/V; the step's
     metadata covers the new tokens (padded to ``pad_to`` rows and ``pad_tokens`` tokens when
     given), built by
-    ``MetadataBuilder(device, device_check=device_check)`` (kept in ``case.builder``)."""
+    ``MetadataBuilder(device, device_check=device_check)`` (kept in ``case.builder``).
+    ``token_major_values``: V's memory layout (:mod:`attention.value_layout`); None: as
+    ``kvcache`` allocates it (token-major for an 8-bit cache)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, spec.dtype)
     store_dtype = cache_dtype or getattr(torch, spec.cache_dtype.replace("float8_e4m3", "float8_e4m3fn"))
@@ -107,9 +111,11 @@ def make_case(
     scales = None
     if spec.quantized_cache:
         scales = (torch.rand(2, kvh, generator=gen) * 0.02 + 0.005).to(device)
+    if token_major_values is None:
+        token_major_values = uses_token_major_values(store_dtype)
     layer = LayerCache(
         storage[0, 1:-1],
-        storage[1, 1:-1],
+        token_major_view(storage[1, 1:-1]) if token_major_values else storage[1, 1:-1],
         index=layer_index,
         k_scale=None if scales is None else scales[0],
         v_scale=None if scales is None else scales[1],

@@ -25,6 +25,7 @@ import torch
 
 from attention import BACKENDS, AttentionSpec, get_backend
 from attention.errors import InvalidArgumentError, KVCacheError, MetadataError, UnsupportedSettingError
+from attention.value_layout import is_token_major
 from tests.paged_case import (
     BACKENDS_UNDER_TEST,
     ODD,
@@ -47,11 +48,13 @@ def _run(
     seed: int = 0,
     pad_to: int | None = None,
     block_size: int | None = None,
+    token_major_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, PagedCase]:
     """Write the step's K/V and attend with the backend; return (output, oracle, case)."""
     case = make_case(
-        rows, spec, block_size=block_size or under.block_size, device=under.device, seed=seed, pad_to=pad_to
-    )
+        rows, spec, block_size=block_size or under.block_size, device=under.device, seed=seed, pad_to=pad_to,
+        token_major_values=token_major_values,
+    )  # fmt: skip
     backend = under.make(spec)
     plan = backend.plan(case.meta)
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
@@ -300,15 +303,19 @@ def test_metadata_inconsistent_with_itself_is_refused_at_plan(under: UnderTest) 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fp8_cache(under: UnderTest, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("token_major", [True, False], ids=["v-token-major", "v-contiguous"])
+def test_fp8_cache(under: UnderTest, dtype: torch.dtype, token_major: bool) -> None:
     """An fp8 cache: writes quantize with the layer's per-KV-head scales, reads dequantize.
     The oracle attends over the dequantized values the cache holds, so the only extra error
-    is the kernels' own arithmetic (as for the 16-bit tolerances)."""
+    is the kernels' own arithmetic (as for the 16-bit tolerances). V token-major, as kvcache
+    allocates it, or contiguous (``attention.value_layout``): both are read."""
     if "float8_e4m3" not in BACKENDS[under.name].kv_cache_dtypes:
         pytest.skip(f"{under.name} has no fp8 cache")
     spec = make_spec(8, 2, 64, dtype, kv_cache_dtype="float8_e4m3")
-    out, ref, case = _run(under, [(40, 1), (0, 17), (33, 5), (97, 1)], spec, seed=4)
+    rows = [(40, 1), (0, 17), (33, 5), (97, 1)]
+    out, ref, case = _run(under, rows, spec, seed=4, token_major_values=token_major)
     assert case.layer.key.dtype == torch.float8_e4m3fn
+    assert is_token_major(case.layer.value) == token_major
     _check(out, ref, dtype)
 
 

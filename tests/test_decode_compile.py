@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 
-def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False, fp8=False, f16_dots=True):
+def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False, fp8=False, f16_dots=True,
+                 token_major=False):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
            "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -37,7 +38,7 @@ def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=Fa
                   HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=128 if fp8 else 64, KV_SCALED=fp8,
                   F16_DOTS=fp8 and f16_dots, UPCAST=False,
                   DOT_PRECISION="tf32", FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks,
-                  TREE=tree)
+                  TREE=tree, V_TOKEN_MAJOR=token_major)
     sig.update(dict.fromkeys(consts, "constexpr"))
     # What a launch specialises on: 16-byte aligned pointers (0-12) and strides divisible by
     # 16 (stride_qt, stride_qh, stride_ot, stride_oh); without it no load is vectorised.
@@ -63,6 +64,8 @@ for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused"
                   ("items-bs256-q4", items_kernel(256, False, q_pad=4)),
                   ("items-bs256-fp8", items_kernel(256, False, fp8=True)),
                   ("items-bs256-fp8-bf16-dots", items_kernel(256, False, fp8=True, f16_dots=False)),
+                  ("items-bs256-fp8-token-major", items_kernel(256, False, fp8=True, token_major=True)),
+                  ("items-bs32-fp8-token-major", items_kernel(32, False, fp8=True, token_major=True)),
                   ("combine", combine_kernel()),
                   ("combine-sinks", combine_kernel(True))):
     k = triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
@@ -70,6 +73,7 @@ for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused"
     report[name] = {"shared": k.metadata.shared, "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
                     "acq_rel_atomic": "atom.global.gpu.acq_rel" in ptx,
                     "conversions": len(re.findall(r"\bcvt\.", ptx)),
+                    "byte_smem_reads": len(re.findall(r"ld\.shared\.b8", ptx)),
                     "vector_loads": len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx))}
 print(json.dumps(report))
 """
@@ -78,7 +82,8 @@ print(json.dumps(report))
 def test_decode_kernels_compile_for_sm90() -> None:
     report = compile_report(_SCRIPT)
     kernels = ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks",
-               "items-bs32-fused-q8-tree", "items-bs256-q4", "items-bs256-fp8")  # fmt: skip
+               "items-bs32-fused-q8-tree", "items-bs256-q4", "items-bs256-fp8", "items-bs256-fp8-token-major",
+               "items-bs32-fp8-token-major")  # fmt: skip
     for name in kernels:
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"
@@ -86,5 +91,9 @@ def test_decode_kernels_compile_for_sm90() -> None:
     fp16_dots, bf16_dots = report["items-bs256-fp8"], report["items-bs256-fp8-bf16-dots"]
     # fp8 K/V become the dots' fp16 in fewer conversions than bf16 takes (paging.f16_dots_for)
     assert fp16_dots["conversions"] < bf16_dots["conversions"], report
+    for name in ("items-bs256-fp8-token-major", "items-bs32-fp8-token-major"):
+        # With V's tokens contiguous, P @ V's 8-bit operand leaves shared memory in ldmatrix
+        # rows, not byte by byte (attention.value_layout)
+        assert report[name]["byte_smem_reads"] == 0, report
     for name in ("combine", "combine-sinks"):
         assert report[name]["vector_loads"] > 0, f"{name}: partials no longer read in 16-byte vectors: {report}"

@@ -31,6 +31,7 @@ from attention.triton_kernels import (
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.paging import kernels_interpreted
+from attention.value_layout import is_token_major, token_major_view
 from tests.paged_case import (
     TOLERANCE,
     PagedCase,
@@ -471,6 +472,55 @@ def test_fp8_cache_with_per_head_scales(query_dtype: torch.dtype, f16_dots: bool
     deq = dataclasses.replace(fp8, layer=dataclasses.replace(case.layer, key=k8.float(), value=v8.float()))
     ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 0.125, (k_scale, v_scale))
     _check(out, ref, query_dtype)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "block_n", "head_dim"),
+    [
+        pytest.param(32, 32, 64, id="tile-is-a-block"),
+        pytest.param(64, 32, 72, id="tile-inside-a-block-d72"),
+        pytest.param(32, 64, 64, id="tile-spans-blocks"),
+        pytest.param(96, 64, 64, id="block-96-runs-of-32"),
+    ],
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float16], ids=["fp8", "fp16"])
+def test_token_major_values(cache_dtype: torch.dtype, block_size: int, block_n: int, head_dim: int) -> None:
+    """A token-major V (``attention.value_layout``; kvcache allocates 8-bit caches so) whose
+    stale slots hold NaN: the kernel reads V tiles unmasked inside valid blocks, and a NaN
+    there, times a probability of 0, must not reach the output. (fp16 as well as fp8: the
+    CPU interpreter converts an fp8 NaN to a finite value, so there only fp16 shows it.)"""
+    case = _case([45, 130, 7, 200], heads=8, kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    key = case.layer.key.nan_to_num(0.0).to(cache_dtype)
+    value = case.layer.value.to(cache_dtype)  # unwritten slots stay NaN
+    assert value.float().isnan().any()
+    v_token_major = token_major_view(torch.empty_like(value))
+    v_token_major.copy_(value)
+    assert is_token_major(v_token_major)
+    query = case.query.to(torch.bfloat16 if fp8 else torch.float16)
+    layer = dataclasses.replace(case.layer, key=key, value=v_token_major)
+    scales = (torch.tensor([0.5, 2.0], device=DEVICE), torch.tensor([1.5, 0.25], device=DEVICE)) if fp8 else None
+    launch = _prepare(dataclasses.replace(case, layer=layer, query=query), block_n, chunk_len=2 * block_n)
+    out = torch.zeros_like(query)
+    paged_decode(
+        query,
+        key,
+        v_token_major,
+        case.meta.block_tables,
+        launch.rows,
+        launch.items,
+        launch.schedule,
+        launch.workspace,
+        softmax_scale=0.125,
+        out=out,
+        config=DecodeConfig(block_n=block_n),
+        k_scale=None if scales is None else scales[0],
+        v_scale=None if scales is None else scales[1],
+    )
+    ranges = [(0, n) for n in case.meta.seq_lens_host]
+    plain = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=key.float(), value=value.float()))
+    ref = _reference(dataclasses.replace(plain, query=query), ranges, [0, 1, 2, 3], [0, 1, 2, 3], 0.125, scales)
+    _check(out, ref, query.dtype)
 
 
 def test_fp8_cache_clamps_queries_past_the_fp16_range() -> None:

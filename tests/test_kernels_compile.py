@@ -28,7 +28,8 @@ def rotary(dtype, cache, quantize):
            "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "num_slots": "i64", "max_positions": "i32"}
     for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
-                 "stride_oh", "stride_cb", "stride_ct", "stride_ch"):
+                 "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
+                 "stride_vd"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, Q_CHUNKS=1, BLOCK_SIZE=256,
                   QUANTIZE=quantize, INTERPRETED=False)
@@ -43,8 +44,9 @@ def silu(dtype):
     sig = {"gate_up_ptr": dtype, "out_ptr": dtype, "width": "i32", "stride_g": "i32", "stride_o": "i32"}
     return source(_silu_mul_kernel, sig, dict(BLOCK=1024, ROUND_BF16=False))
 
-def prefill(dtype, persistent, window, softcap=False, sinks=False):
-    sig = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype, "block_tables_ptr": "*i32",
+def prefill(dtype, persistent, window, softcap=False, sinks=False, cache=None, token_major=False):
+    cache = cache or dtype
+    sig = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tile_index_ptr": "*i32",
            "tile_count_ptr": "*i32", "out_ptr": dtype, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
            "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}
@@ -52,8 +54,8 @@ def prefill(dtype, persistent, window, softcap=False, sinks=False):
                  "stride_bt", "stride_ot", "stride_oh"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=256, BLOCK_M=128,
-                  BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window, DEQUANT=False,
-                  PERSISTENT=persistent, SOFTCAP=softcap, SINKS=sinks)
+                  BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window, DEQUANT=cache != dtype,
+                  PERSISTENT=persistent, SOFTCAP=softcap, SINKS=sinks, V_TOKEN_MAJOR=token_major)
     return source(_prefill_kernel, sig, consts)
 
 target = GPUTarget("cuda", 90, 32)
@@ -72,6 +74,8 @@ kernels = {
     "prefill-bf16-persistent-window": prefill("*bf16", True, True),
     "prefill-bf16-window-softcap": prefill("*bf16", False, True, True),
     "prefill-bf16-persistent-sinks": prefill("*bf16", True, False, False, True),
+    "prefill-fp8-token-major": prefill("*bf16", False, False, cache="*fp8e4nv", token_major=True),
+    "prefill-fp8-token-major-window": prefill("*bf16", True, True, cache="*fp8e4nv", token_major=True),
 }
 report = {}
 for name, src in kernels.items():
@@ -85,4 +89,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 14, report
+    assert len(report) == 16, report

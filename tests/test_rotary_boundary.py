@@ -60,6 +60,7 @@ def _check_boundary(under: UnderTest, spec: AttentionSpec, rows: list[tuple[int,
     q, k, v = _fused_views(case)
     inputs = [x.clone() for x in (q, k, v)]
     before = case.storage.clone()
+    before_key, before_value = case.layer.key.clone(), case.layer.value.clone()
     out = backend.rotary_write_kv(q, k, v, case.layer, plan, table)
 
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(inputs, (q, k, v), strict=True)), "inputs changed"
@@ -70,12 +71,17 @@ def _check_boundary(under: UnderTest, spec: AttentionSpec, rows: list[tuple[int,
     slots = case.meta.slot_mapping
     keep = slots >= 0
     kvh, d = spec.num_kv_heads, spec.head_dim
-    key_store = case.storage[0, 1:-1].reshape(-1, kvh, d)
-    value_store = case.storage[1, 1:-1].reshape(-1, kvh, d)
-    # Every slot but the step's keeps its bits (NaN poison, or the context's K/V).
-    untouched = torch.ones(case.storage.shape[:3], dtype=torch.bool, device=slots.device)
-    untouched[:, 1:-1].view(2, -1)[:, slots[keep]] = False
-    assert torch.equal(_bits(case.storage[untouched]), _bits(before[untouched])), "a slot outside the step changed"
+    # Slots through the layer's logical views: an fp8 V is token-major (attention.value_layout).
+    key_store = case.layer.key.reshape(-1, kvh, d)
+    value_store = case.layer.value.reshape(-1, kvh, d)
+    # Every slot but the step's keeps its bits (NaN poison, or the context's K/V), and so do
+    # the poisoned blocks around the cache.
+    untouched = torch.ones(key_store.shape[0], dtype=torch.bool, device=slots.device)
+    untouched[slots[keep]] = False
+    for now, then in ((key_store, before_key), (value_store, before_value)):
+        assert torch.equal(_bits(now[untouched]), _bits(then.reshape(-1, kvh, d)[untouched])), "a slot changed"
+    for edge in (0, -1):
+        assert torch.equal(_bits(case.storage[:, edge]), _bits(before[:, edge])), "a block outside the cache changed"
     want_key = _oracle(case.new_key, positions, table)[keep]
     got_key = dequantize(key_store[slots[keep]], case.layer.k_scale, torch.float64)
     got_value = dequantize(value_store[slots[keep]], case.layer.v_scale, torch.float64)

@@ -196,18 +196,18 @@ def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
 
 
 @pytest.mark.parametrize("cache", ["float8_e4m3", None])
-def test_fp8_decode_launches_pipeline_deeper_when_a_tile_spans_blocks(cache: str | None, triton_device: str) -> None:
-    """The default one-token launch of an fp8 cache takes 3 stages at blocks shorter than its
-    tile (the next tile's block ids are a dependent load) and 2 at longer ones; a bf16 cache,
-    rows verifying drafts and a given config keep theirs."""
+def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: str) -> None:
+    """The default one-token launch of an fp8 cache takes 3 stages at every block size
+    (``default_decode_config``); a bf16 cache, rows verifying drafts and a given config keep
+    theirs."""
     spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
     kv = torch.float8_e4m3fn if cache else None
     tile = default_decode_config(128, torch.bfloat16, kv).block_n
-    for block_size, deeper in ((32, cache is not None), (tile, False)):
+    for block_size in (32, 2 * tile):
         case = _case([(300, 1), (40, 1)], spec, block_size, triton_device)
         (launch,) = TritonBackend(spec).plan(case.meta).decode  # type: ignore[attr-defined]
         assert launch.config.block_n == tile
-        assert launch.config.num_stages == (3 if deeper else 2), (block_size, launch.config)
+        assert launch.config.num_stages == (3 if cache else 2), (block_size, launch.config)
         given = DecodeConfig(block_n=tile, num_warps=4, num_stages=2)
         (fixed,) = TritonBackend(spec, decode_config=given).plan(case.meta).decode  # type: ignore[attr-defined]
         assert fixed.config == given

@@ -43,6 +43,10 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_vb,
+    stride_vs,
+    stride_vc,
+    stride_vd,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -52,6 +56,10 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, head chunk): copy BLOCK_H heads of one token's K and V.
+
+    The K cache's strides are (stride_cb, stride_ct, stride_ch, 1); V has its own
+    (stride_vb, stride_vs, stride_vc, stride_vd): contiguous like K, or token-major
+    (:mod:`attention.value_layout`, stride_vd = block_size).
 
     A slot outside [0, num_slots) -- the -1 of a padded token, or a corrupt id -- masks the
     whole program off, so nothing but the given slots is ever written. QUANTIZE (an fp8
@@ -68,6 +76,7 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_ct + h[:, None] * stride_ch + d[None, :]
+    v_dst = block * stride_vb + offset * stride_vs + h[:, None] * stride_vc + d[None, :] * stride_vd
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     if QUANTIZE:
@@ -83,7 +92,7 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
         v = v.to(v_cache_ptr.dtype.element_ty)
     # Otherwise raw copies (no arithmetic), so bf16 needs no upcast even under the interpreter.
     tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + v_dst, v, mask=mask)
 
 
 def write_kv_cache(
@@ -99,7 +108,8 @@ def write_kv_cache(
 
     key, value:       [num_tokens, num_kv_heads, head_dim], the cache dtype; any token/head
                       strides (e.g. views into a fused QKV projection).
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same shape.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape; k_cache
+                      contiguous, v_cache contiguous or token-major (:mod:`attention.value_layout`).
     slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) is skipped.
     k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache (values are stored divided by them).
     Arguments are assumed checked by the caller (``AttentionBackend.write_kv``).
@@ -131,6 +141,7 @@ def write_kv_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=d_pad,

@@ -35,6 +35,7 @@ from attention.checks import same_device
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import dot_precision_for, f16_dots_for, next_power_of_2, upcast_for
+from attention.value_layout import is_token_major, value_is_readable
 
 __all__ = [
     "DECODE_SWEEP",
@@ -88,7 +89,6 @@ def default_decode_config(
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
     query_len: int = 1,
-    block_size: int | None = None,
 ) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
     stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
@@ -104,12 +104,13 @@ def default_decode_config(
     and -bs256-: 5 new tokens at 128 x 2048, 128 tokens a tile 1.21x / 1.10x the one-token step at
     blocks 32 / 256 against 1.47x / 1.26x with 64; no other tile, warp or stage count did better).
 
-    An fp8 cache (its dots in fp16) whose tiles span several blocks (``block_size`` below the
-    tile) takes three stages: the next tile's block ids come from the table, a dependent load,
-    and a deeper pipeline hides it. Measured (benchmarks/results/decode-fp8-sweep-2026-12-03.json,
-    24 fp8 variants): at block 32 the geometric mean over 64x4096, 16x16384, 32x512 and
-    LogNormal of the speedup over the bf16 cache is 1.18x with 3 stages against 1.11x with 2;
-    at block 256, 2 stages (1.43x) beat 3 (1.35x).
+    An fp8 cache (its dots in fp16, its V token-major as kvcache allocates it,
+    :mod:`attention.value_layout`) takes three stages at every block size: with twice the
+    tokens per byte, a program has more to hide per tile. Measured on the H200
+    (benchmarks/results/decode-fp8-vmajor-2026-12-03.json): at block 256, 3 stages ran
+    64x4096 in 151 us against 182 us with 2, 16x16384 in 166 against 232, LogNormal(2048) in
+    112 against 133; at block 32, 3 stages beat 2 by 5-22%. (With a contiguous fp8 V, 2
+    stages were better at block 256: decode-fp8-sweep-2026-12-03.json.)
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
@@ -117,8 +118,7 @@ def default_decode_config(
     block_n = max(16, min(128, tile_bytes // (d_pad * itemsize)))
     q_itemsize = torch.empty((), dtype=dtype).element_size()
     warps = 8 if q_itemsize * d_pad > 512 else 4
-    spans_blocks = block_size is not None and block_size < block_n
-    stages = 3 if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and spans_blocks else 2
+    stages = 3 if kv_dtype in FP8_KV_DTYPES and query_len <= 1 else 2
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -273,8 +273,11 @@ def check_decode_launch(
             f"k_cache/v_cache: expected two [num_blocks, block_size, kv_heads, head_dim] tensors of one "
             f"shape and dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache: the decode kernel needs contiguous caches")
+    if not (k_cache.is_contiguous() and value_is_readable(v_cache)):
+        raise ValueError(
+            f"k_cache/v_cache: the decode kernel needs a contiguous k_cache and a contiguous or token-major "
+            f"v_cache (attention.value_layout), got strides {k_cache.stride()} and {v_cache.stride()}"
+        )
     _, _, kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
     if query.dim() != 3 or query.shape[2] != head_dim or num_heads % kv_heads:
@@ -360,7 +363,8 @@ def paged_decode(
     query:        [num_tokens, num_heads, head_dim] fp16/bf16/fp32 (any strides but a unit
                   last one is fastest); row d's queries are tokens ``q_tokens[d]`` ..
                   ``q_tokens[d] + q_lens[d] - 1``.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], k_cache contiguous,
+                  v_cache contiguous or token-major (:mod:`attention.value_layout`), the
                   query's dtype, or fp8 (FP8_KV_DTYPES) with ``k_scale`` / ``v_scale``: fp32
                   [num_kv_heads] dequantisation scales (K = k_scale[h] * k_fp8).
     block_tables: int32 [table_rows, max_blocks]; row d reads table row ``table_rows[d]``
@@ -447,6 +451,7 @@ def paged_decode(
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
         TREE=tree_masks is not None and schedule.query_len > 1,
+        V_TOKEN_MAJOR=is_token_major(v_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -25,7 +25,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.paging import soft_cap, tile_mask, tile_token_offsets, to_f16_operand
+from attention.triton_kernels.paging import (
+    finite_operand,
+    soft_cap,
+    tile_mask,
+    tile_token_offsets,
+    to_f16_operand,
+    token_major_offsets,
+)
 
 __all__ = ["decode_combine_kernel", "decode_items_kernel"]
 
@@ -205,6 +212,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     TREE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr = False,
 ):
     """Program (kv_head, i): item i of int32 items [num_item_slots, 10] = (d, kv_start,
     kv_end, partial_slot, table_row, q_token, num_chunks, first_partial, q_len, row_end);
@@ -291,6 +299,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         n = n0 + offs_n
         valid = tl.where(ok, (n >= kv_start) & (n < kv_end), False)
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        if V_TOKEN_MAJOR:
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + dd, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
         # Next tile's ids now: loop-carried, so the pipeliner multi-buffers the K/V copies.
         pages, ok = _tile_pages(
             table_ptr, n0 + BLOCK_N, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N
@@ -298,10 +308,22 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         kv_off = tok[:, None] + head_off + dd[None, :]
         kv_mask = tile_mask(valid, dd, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if UPCAST or KV_SCALED:  # fp8 to fp16 under F16_DOTS (q's dtype then): exact
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if V_TOKEN_MAJOR:
+            if HEAD_DIM != D_PAD:
+                vt = tl.load(v_cache_ptr + vt_off, mask=(dd < HEAD_DIM)[:, None], other=0.0)
+            else:
+                vt = tl.load(v_cache_ptr + vt_off)
+            if UPCAST or KV_SCALED:
+                vt = vt.to(q.dtype)
+            # Read unmasked (16-byte loads along the tokens) inside a valid block: slots past
+            # the row's end may hold NaN, which must not meet p = 0.
+            v = tl.trans(finite_operand(vt))
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if UPCAST or KV_SCALED:
+                v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         if SOFTCAP:
             s = soft_cap(s, softcap)

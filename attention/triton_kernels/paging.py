@@ -1,8 +1,9 @@
 """Helpers shared by the paged-attention kernels: how a token's K/V is found through the block
 table, one online-softmax step, and the host-side facts every launcher needs.
 
-Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a
-row lives in block ``table[row, t // block_size]`` at offset ``t % block_size``. Every address
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (an 8-bit V:
+token-major, :mod:`attention.value_layout`). Token ``t`` of a row lives in block
+``table[row, t // block_size]`` at offset ``t % block_size``. Every address
 is formed in int64 because one layer's cache can exceed 2**31 elements.
 """
 
@@ -17,6 +18,7 @@ import triton.language as tl
 __all__ = [
     "dot_precision_for",
     "f16_dots_for",
+    "finite_operand",
     "interpreter_requested",
     "kernels_interpreted",
     "load_tile_pages",
@@ -26,6 +28,7 @@ __all__ = [
     "tile_mask",
     "tile_token_offsets",
     "to_f16_operand",
+    "token_major_offsets",
     "upcast_for",
 ]
 
@@ -90,6 +93,21 @@ def to_f16_operand(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def finite_operand(x):  # type: ignore[no-untyped-def]
+    """``x`` with NaN replaced by a finite value (and infinities by the largest finite ones):
+    clamped to its dtype's finite range (the min/max instructions return the non-NaN
+    operand). For a value tile read unmasked, whose slots past a row's end may hold any bits:
+    a probability of 0 times NaN would still be NaN. Finite values are unchanged."""
+    if x.dtype == tl.float16:
+        out = tl.clamp(x, -65504.0, 65504.0)
+    elif x.dtype == tl.bfloat16:
+        out = tl.clamp(x, -3.3895313892515355e38, 3.3895313892515355e38)
+    else:
+        out = tl.clamp(x, -3.4028234663852886e38, 3.4028234663852886e38)
+    return out
+
+
+@triton.jit
 def soft_cap(s, cap):  # type: ignore[no-untyped-def]
     """``cap * tanh(s / cap)`` in float32 (tanh as ``2 * sigmoid(2x) - 1``, which saturates
     to +-1 instead of overflowing)."""
@@ -148,6 +166,39 @@ def tile_token_offsets(  # type: ignore[no-untyped-def]
     else:
         offsets = pages * (BLOCK_SIZE * TOKEN_STRIDE) + ((n0 + offs_n) % BLOCK_SIZE) * TOKEN_STRIDE
     return offsets
+
+
+@triton.jit
+def token_major_offsets(  # type: ignore[no-untyped-def]
+    pages,
+    n0,
+    offs_n,
+    rows,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+):
+    """int64 [R, BLOCK_N] element offsets of rows ``rows`` (kv_head * head_dim + d, int32 [R])
+    of tokens ``n0 + offs_n`` in a token-major V cache (:mod:`attention.value_layout`: each
+    block ``[kv_heads, head_dim, BLOCK_SIZE]``, TOKEN_STRIDE = kv_heads * head_dim), given
+    the tokens' block ids from :func:`load_tile_pages`.
+
+    Tokens are contiguous within a block. The compiler is told so, to keep 16-byte loads: a
+    tile inside one block is one run of BLOCK_N tokens starting on a multiple of BLOCK_N;
+    otherwise the tile is cut into runs of ``run`` tokens, the largest power of two dividing
+    BLOCK_SIZE (below BLOCK_N), each starting on a multiple of ``run`` (block boundaries fall
+    on multiples of BLOCK_SIZE, and tiles start on multiples of BLOCK_N).
+    """
+    if BLOCK_SIZE % BLOCK_N == 0:
+        tok = pages * (BLOCK_SIZE * TOKEN_STRIDE) + (n0 % BLOCK_SIZE) + offs_n
+        off = rows.to(tl.int64)[:, None] * BLOCK_SIZE + tok[None, :]
+        off = tl.max_contiguous(tl.multiple_of(off, [1, BLOCK_N]), [1, BLOCK_N])
+    else:
+        run: tl.constexpr = BLOCK_SIZE & -BLOCK_SIZE  # a constexpr, < BLOCK_N here (BLOCK_N is a power of two)
+        tok = pages * (BLOCK_SIZE * TOKEN_STRIDE) + (n0 + offs_n) % BLOCK_SIZE
+        off = rows.to(tl.int64)[:, None] * BLOCK_SIZE + tok[None, :]
+        off = tl.max_contiguous(tl.multiple_of(off, [1, run]), [1, run])
+    return off
 
 
 @triton.jit

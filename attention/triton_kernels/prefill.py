@@ -36,8 +36,10 @@ from attention.triton_kernels.paging import (
     soft_cap,
     tile_mask,
     tile_token_offsets,
+    token_major_offsets,
     upcast_for,
 )
+from attention.value_layout import is_token_major, value_is_readable
 
 __all__ = [
     "PAD_TILE",
@@ -224,6 +226,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     PERSISTENT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
 ):
     """One work item is (tile-index entry, query head). Without PERSISTENT, program ``pid``
     takes item ``pid`` (the grid is the step's tiles x heads). With PERSISTENT (a fixed grid,
@@ -239,7 +242,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
                 tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap, window, num_blocks,
                 num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
                 NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
-                DEQUANT, SOFTCAP, SINKS,
+                DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR,
             )  # fmt: skip
     else:
         _prefill_item(
@@ -247,7 +250,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap,
             window, num_blocks, num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
             NUM_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION,
-            HAS_WINDOW, DEQUANT, SOFTCAP, SINKS,
+            HAS_WINDOW, DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR,
         )  # fmt: skip
 
 
@@ -290,6 +293,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     DEQUANT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
 ):
     """Item (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
@@ -297,7 +301,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     A tile-index entry with row -1 (padding of a fixed grid) computes and writes nothing.
     SOFTCAP: raw scores are capped before the masks, ``softcap * tanh(qk / softcap)``, with
     ``softcap`` the cap divided by the softmax scale (the scale applies after). SINKS: the
-    head's sink logit ``sinks[h]`` joins the denominator at the end."""
+    head's sink logit ``sinks[h]`` joins the denominator at the end. V_TOKEN_MAJOR: the V
+    cache is token-major (:mod:`attention.value_layout`) and V tiles load as [D_PAD, BLOCK_N]."""
     h = item % NUM_HEADS
     entry = tile_index_ptr + 2 * (item // NUM_HEADS)  # < 2**31: the index is sized by tokens
     row = tl.load(entry)
@@ -361,11 +366,19 @@ def _prefill_item(  # type: ignore[no-untyped-def]
             pages = _pages_in_cache(table_row, n0, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
             tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
             kv_off = tok[:, None] + head_off + d[None, :]
-            kv_mask = tile_mask((n < kv_end) & (n >= win_lo), d, HEAD_DIM, D_PAD)
+            n_mask = (n < kv_end) & (n >= win_lo)
+            kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
-            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+            if V_TOKEN_MAJOR:
+                vt_off = token_major_offsets(
+                    pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM
+                )
+                vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None] & n_mask[None, :], other=0.0)
+                v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+            else:
+                v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+                v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:
                 qk = soft_cap(qk, softcap)
@@ -377,17 +390,28 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     pages = _pages_in_cache(table_row, mid_start, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
     for n0 in range(mid_start, full_end, BLOCK_N):
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        if V_TOKEN_MAJOR:
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
-            v = tl.load(v_cache_ptr + kv_off)
+            if V_TOKEN_MAJOR:
+                vt = tl.load(v_cache_ptr + vt_off)
+            else:
+                v = tl.load(v_cache_ptr + kv_off)
         else:
             d_mask = tl.max_constancy(d < HEAD_DIM, 8)[None, :]  # as in tile_mask
             k = tl.load(k_cache_ptr + kv_off, mask=d_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
+            if V_TOKEN_MAJOR:
+                vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
+            else:
+                v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
-        v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+        if V_TOKEN_MAJOR:
+            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+        else:
+            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
@@ -399,13 +423,19 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         if HAS_WINDOW:
             n_mask = n_mask & (n >= win_lo)
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        if V_TOKEN_MAJOR:
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
-        v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+        if V_TOKEN_MAJOR:
+            vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None] & n_mask[None, :], other=0.0)
+            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
@@ -455,7 +485,8 @@ def paged_prefill(
 
     query:           [num_tokens, num_heads, head_dim]; rows query_start_loc[i] ..
                      query_start_loc[i+1]-1 are row i's new tokens.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k_cache contiguous,
+                     v_cache contiguous or token-major (:mod:`attention.value_layout`).
     block_tables:    int32 [batch, max_blocks]; seq_lens int32 [batch];
     query_start_loc: int32 [batch + 1].
     tile_index:      int32 [num_tiles, 2] of (row, tile) from :func:`prefill_tile_index`
@@ -478,8 +509,11 @@ def paged_prefill(
         raise ValueError("tile_count and programs: give both (a fixed grid) or neither")
     if num_tiles == 0:
         return out
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache: the prefill kernel needs contiguous caches")
+    if not (k_cache.is_contiguous() and value_is_readable(v_cache)):
+        raise ValueError(
+            f"k_cache/v_cache: the prefill kernel needs a contiguous k_cache and a contiguous or token-major "
+            f"v_cache (attention.value_layout), got strides {k_cache.stride()} and {v_cache.stride()}"
+        )
     if query.stride(-1) != 1:
         query = query.contiguous()
     grid = num_tiles * num_heads if programs is None else max(1, min(programs, num_tiles * num_heads))
@@ -523,6 +557,7 @@ def paged_prefill(
         PERSISTENT=programs is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        V_TOKEN_MAJOR=is_token_major(v_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -66,6 +66,10 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_vb,
+    stride_vs,
+    stride_vc,
+    stride_vd,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -82,7 +86,9 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
 
     The position is clamped into the table and a slot outside [0, num_slots) (the -1 of a
     padding token, or a corrupt id) writes no K/V, so nothing outside the table, the inputs,
-    q_out and the given slots is ever read or written.
+    q_out and the given slots is ever read or written. The K cache's strides are (stride_cb,
+    stride_ct, stride_ch, 1); V has its own, contiguous or token-major
+    (:mod:`attention.value_layout`).
     """
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -110,6 +116,8 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         kv_mask = kh_mask[:, None] & (j[None, :] < HALF)
         k_lo, k_hi = _rotate_tile(k_ptr, t * stride_kt + kh[:, None] * stride_kh, j, kv_mask, cos, sin, HALF)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kh[:, None] * stride_ch + j[None, :]
+        v_dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kh[:, None] * stride_vc
+        v_dst = v_dst + j[None, :] * stride_vd
         v_src = v_ptr + t * stride_vt + kh[:, None] * stride_vh + j[None, :]
         v_lo = tl.load(v_src, mask=kv_mask)
         v_hi = tl.load(v_src + HALF, mask=kv_mask)
@@ -127,8 +135,8 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
             v_hi_out = v_hi
         tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
         tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
-        tl.store(v_cache_ptr + dst, v_lo_out, mask=kv_mask)
-        tl.store(v_cache_ptr + dst + HALF, v_hi_out, mask=kv_mask)
+        tl.store(v_cache_ptr + v_dst, v_lo_out, mask=kv_mask)
+        tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=kv_mask)
 
 
 def rotary_write_kv(
@@ -148,7 +156,8 @@ def rotary_write_kv(
 
     query:            [num_tokens, num_heads, head_dim]; key, value [num_tokens, num_kv_heads,
                       head_dim]; one dtype, unit stride along head_dim, any other strides.
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k_cache contiguous,
+                      v_cache contiguous or token-major (:mod:`attention.value_layout`).
     slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) writes nothing.
     positions:        int64 [num_tokens]; clamped into the table.
     cos_sin:          float32 [max_positions, head_dim] (``attention.rotary.RotaryTable``).
@@ -191,6 +200,7 @@ def rotary_write_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=kv_heads,
         HALF=half,

@@ -1,9 +1,11 @@
 """The KV-cache tensors: one K and one V tensor per layer, carved from one allocation.
 
 Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (what every backend
-declares). All layers live in one ``[num_layers, 2, num_blocks, block_size, kv_heads,
-head_dim]`` tensor, so the whole cache is a single allocation that either fits or fails
-cleanly, and a block copy across every layer is a single indexing op.
+declares); an 8-bit cache's V holds each block's memory token-major
+(:mod:`attention.value_layout`), a view with that logical shape. All layers live in one
+``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor, so the whole cache
+is a single allocation that either fits or fails cleanly, and a block copy across every
+layer is a single indexing op.
 
 KV groups (a model mixing full and windowed layers, :mod:`kvcache.blocks.groups`): the
 allocation has ``group_size`` layer tensors instead of ``num_layers``, and model layer ``i``
@@ -25,6 +27,7 @@ from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
+from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_BLOCKS
 from kvcache.config.schema import KVCacheConfig
@@ -98,7 +101,10 @@ class KVCacheTensors:
     """Per-layer K/V cache tensors, views into one allocation.
 
     storage: [num_tensors, 2, num_blocks, block_size, num_kv_heads, head_dim] (K at [:, 0],
-             V at [:, 1]), the cache dtype; ``num_tensors`` is the model's layer count, or
+             V at [:, 1]; an 8-bit cache's V blocks are stored token-major, ``[kv_heads,
+             head_dim, block_size]`` each, and ``layer(i).value`` is the permuted view that
+             reads them with the logical shape), the cache dtype; ``num_tensors`` is the
+             model's layer count, or
              ``layout.group_size`` with KV groups. A latent cache (MLA) has one part,
              ``[num_tensors, 1, num_blocks, block_size, 1, latent_dim]``: a layer's K and V
              views are the same tensor.
@@ -130,10 +136,13 @@ class KVCacheTensors:
         if s is not None and s.shape[0] != len(places):
             raise InvalidArgumentError(f"scales: {s.shape[0]} layers of scales for a model of {len(places)} layers")
         self._groups = [group for group, _ in places]
+        two_parts = self.storage.shape[1] == 2
+        token_major = two_parts and uses_token_major_values(self.storage.dtype)
         self._layers = [
             LayerCache(
                 self.storage[t, 0],
-                self.storage[t, -1],  # the same tensor for a latent cache (one part)
+                # The same tensor for a latent cache (one part); an 8-bit V is token-major.
+                token_major_view(self.storage[t, 1]) if token_major else self.storage[t, -1],
                 index=i,
                 k_scale=None if s is None else s[i, 0],
                 # A latent cache's K and V views are one tensor: they share the K scale.
