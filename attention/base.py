@@ -33,7 +33,7 @@ from attention.quantize import dequantize
 from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
-from attention.value_layout import value_is_readable
+from attention.value_layout import is_token_major, value_is_readable
 
 __all__ = ["LATENT_PREFILL_MIN_TOKENS", "AttentionBackend", "StepPlan"]
 
@@ -83,6 +83,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    #: Whether the backend reads a token-major V (``attention.value_layout``, what kvcache
+    #: allocates for 8-bit caches) besides a contiguous one.
+    reads_token_major_values: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec):
         if not isinstance(spec, AttentionSpec):
@@ -423,6 +426,11 @@ class AttentionBackend(ABC):
         )
         n, bs, kvh, d = layer.key.shape
         check_tensor("layer.value", layer.value, shape=(n, bs, kvh, d), dtype=self.cache_dtype, device=layer.key.device)
+        if is_token_major(layer.value) and not self.reads_token_major_values:
+            raise UnsupportedSettingError(
+                f"layer.value: token-major (attention.value_layout), which backend {self.name} does not read; "
+                "pass a contiguous value tensor"
+            )
         if not layer.key.is_contiguous() or not value_is_readable(layer.value):
             raise UnsupportedSettingError(
                 "layer.key/layer.value: expected contiguous tensors (the value may also be token-major, "

@@ -63,6 +63,7 @@ class FlashAttnBackend(AttentionBackend):
     """Paged attention through flash-attn 2 (CUDA, fp16/bf16, block_size % 256 == 0)."""
 
     name = "flash_attn"
+    reads_token_major_values = False  # flash-attn's kernels take contiguous K/V caches
 
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
         return [

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import (
     dot_precision_for,
+    finite_operand,
     load_tile_pages,
     next_power_of_2,
     online_softmax_update,
@@ -358,7 +359,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
 
     # With a window, keys below the tile's first query's window are seen by no query of the
     # tile; their blocks may have been released (and reused, or never written: any bits), so
-    # they are not even loaded: a masked key times a NaN value would still be NaN.
+    # they are not even loaded: a masked key times a NaN value would still be NaN. (A
+    # token-major V is read unmasked, from block ids inside the cache, and made finite.)
     win_lo = first_pos - window + 1
     if HAS_WINDOW:
         for n0 in range(lo, mid_start, BLOCK_N):
@@ -374,8 +376,12 @@ def _prefill_item(  # type: ignore[no-untyped-def]
                 vt_off = token_major_offsets(
                     pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM
                 )
-                vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None] & n_mask[None, :], other=0.0)
-                v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+                # Unmasked along the tokens, as in the diagonal loop below.
+                if HEAD_DIM == D_PAD:
+                    vt = tl.load(v_cache_ptr + vt_off)
+                else:
+                    vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
+                v = tl.trans(finite_operand(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype)))
             else:
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
                 v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
@@ -431,8 +437,14 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
         if V_TOKEN_MAJOR:
-            vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None] & n_mask[None, :], other=0.0)
-            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+            # Unmasked along the tokens (a per-token mask would split the 16-byte loads into
+            # bytes): every block id is inside the cache, and past-the-end slots' bits, made
+            # finite, meet p = 0.
+            if HEAD_DIM == D_PAD:
+                vt = tl.load(v_cache_ptr + vt_off)
+            else:
+                vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
+            v = tl.trans(finite_operand(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype)))
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
