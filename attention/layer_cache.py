@@ -13,8 +13,9 @@ __all__ = ["LayerCache"]
 class LayerCache:
     """One layer's K and V cache tensors.
 
-    key, value: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, the spec's
-                cache dtype (``AttentionSpec.cache_dtype``).
+    key, value: [num_blocks, block_size, num_kv_heads, head_dim], the spec's cache dtype
+                (``AttentionSpec.cache_dtype``); key contiguous, value contiguous or
+                token-major (:mod:`attention.value_layout`; kvcache stores an 8-bit V so).
     index:      the layer's index in the model (which layers use a sliding window).
     k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (the stored
                 value times the scale is the real K/V); None for 16/32-bit caches.
