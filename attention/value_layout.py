@@ -14,8 +14,18 @@ Why: in P @ V the tokens are the reduction dimension. Triton 3.6 feeds an 8-bit 
 operand whose reduction dimension is not contiguous in shared memory one byte at a time (128
 ``ld.shared.b8`` per tile of the fp8 decode kernel, compiled for sm_90), which held fp8 decode
 at 67-75% of the copy bandwidth. With the tokens contiguous those reads become ``ldmatrix``,
-as for K (benchmarks/results/decode-fp8-vmajor-2026-12-03.json). vLLM's first paged-attention
-kernel stored V with the block's tokens innermost for the same reduction.
+as for K. On the H200, on KV-bound batches, fp8 decode against the bf16 cache went from
+1.06-1.31x (block 32) and 1.29-1.57x (block 256) with a contiguous V
+(benchmarks/results/decode-fp8-vmajor-2026-12-03.json) to 1.32-1.41x and 1.51-1.63x, fp8
+bytes at 77-80% of the copy rate (decode-fp8-vmajor-final-2026-12-03.json). Prefill pays
+3-9% for it (prefill-fp8-vmajor-2026-12-03.json). vLLM's
+first paged-attention kernel stored V with the block's tokens innermost for the same
+reduction.
+
+The kernels read V tiles of this layout unmasked along the tokens (a per-token mask would
+split the 16-byte loads into bytes) from block ids inside the cache, and replace non-finite
+values by 0 (:func:`attention.triton_kernels.paging.finite_operand`): slots past a row's end
+may hold any bits, and a probability of 0 times NaN is still NaN.
 
 A block's bytes are one contiguous run in either layout, so block copies, swap, the host and
 disk tiers and prefix-cache digests move blocks without knowing the layout.

@@ -106,11 +106,11 @@ def default_decode_config(
 
     An fp8 cache (its dots in fp16, its V token-major as kvcache allocates it,
     :mod:`attention.value_layout`) takes three stages at every block size: with twice the
-    tokens per byte, a program has more to hide per tile. Measured on the H200
-    (benchmarks/results/decode-fp8-vmajor-2026-12-03.json): at block 256, 3 stages ran
-    64x4096 in 151 us against 182 us with 2, 16x16384 in 166 against 232, LogNormal(2048) in
-    112 against 133; at block 32, 3 stages beat 2 by 5-22%. (With a contiguous fp8 V, 2
-    stages were better at block 256: decode-fp8-sweep-2026-12-03.json.)
+    tokens per byte, a program has more latency to hide per tile. Measured on the H200
+    (benchmarks/results/decode-fp8-vmajor-2026-12-03.json, 3 against 2 stages): at block
+    256, 64x4096 in 154 us against 181, 16x16384 in 171 against 235, LogNormal(2048) in 113
+    against 133; at block 32, 173 against 194, 192 against 248, 127 against 141. (With a
+    contiguous fp8 V, 2 stages were as good or better at block 256.)
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
