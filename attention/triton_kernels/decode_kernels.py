@@ -16,7 +16,8 @@ Scalar conditions join tensor masks through ``tl.where(cond, mask, False)``: the
 Memory safety holds for any metadata: item indices, table rows, query tokens, partial slots
 and counter rows are range-checked; every block id read from the table is checked against
 [0, num_blocks) and an out-of-range id masks its K/V off (never dereferenced, and left out of
-the softmax); table columns are clamped to the table width and kv ranges to
+the softmax; a token-major V tile is read unmasked from block 0 instead, in the cache, and
+its values made finite before they meet p = 0); table columns are clamped to the table width and kv ranges to
 [0, table_width * block_size].
 """
 
@@ -236,7 +237,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     ``softcap * tanh(s / softcap)`` with ``softcap`` in the same log2 units as ``qk_scale``.
     SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
     joins the softmax's denominator once: here for a row of one chunk, at the merge for a
-    split row.
+    split row. V_TOKEN_MAJOR: the V cache is token-major (:mod:`attention.value_layout`);
+    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, non-finite values zeroed.
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
