@@ -16,7 +16,7 @@ from attention.triton_kernels.rotary_write import rotary_write_kv
 from attention.value_layout import is_token_major, token_major_view, uses_token_major_values, value_is_readable
 from examples.engine.parts import cache_config_for
 from examples.model import LlamaShape
-from kvcache import allocate_kv_cache
+from kvcache import BlockManager, SwapSpace, allocate_kv_cache
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 SHAPE = LlamaShape(
@@ -118,3 +118,31 @@ def test_cache_write_kernels_store_token_major_values_where_the_view_reads_them(
     assert is_token_major(got.value)
     assert torch.equal(_bits(got.key), _bits(expected.key))
     assert torch.equal(_bits(got.value), _bits(expected.value))
+
+
+def test_swap_round_trip_keeps_token_major_values() -> None:
+    """Swap moves raw blocks: an fp8 sequence swapped out, its blocks overwritten, and swapped
+    back into other block ids reads the same logical K/V through the token-major view."""
+    config = cache_config_for(
+        SHAPE, block_size=32, dtype="float8_e4m3", num_blocks=6, device="cpu", compute_dtype="bfloat16"
+    )
+    cache = allocate_kv_cache(config, fill=0.0)
+    gen = torch.Generator().manual_seed(2)
+    for i in range(SHAPE.num_layers):
+        layer = cache.layer(i)
+        layer.key.copy_(torch.randn(layer.key.shape, generator=gen).to(FP8))
+        layer.value.copy_(torch.randn(layer.value.shape, generator=gen).to(FP8))
+    manager = BlockManager(6, 32)
+    swap = SwapSpace(manager, cache, 4)
+    manager.allocate("a", 70)  # 3 blocks
+    blocks = manager.block_table("a")
+    before = [(cache.layer(i).key[blocks].clone(), cache.layer(i).value[blocks].clone()) for i in range(3)]
+    swap.swap_out("a")
+    manager.allocate("filler", 32)  # takes a freed block, so "a" comes back elsewhere
+    cache.storage.view(torch.uint8).fill_(0x7F)  # every block overwritten (fp8 NaN)
+    swap.swap_in("a")
+    moved = manager.block_table("a")
+    assert moved != blocks
+    for i, (key, value) in enumerate(before):
+        assert torch.equal(_bits(cache.layer(i).key[moved]), _bits(key))
+        assert torch.equal(_bits(cache.layer(i).value[moved]), _bits(value))
