@@ -16,7 +16,7 @@ from attention.triton_kernels.rotary_write import rotary_write_kv
 from attention.value_layout import is_token_major, token_major_view, uses_token_major_values, value_is_readable
 from examples.engine.parts import cache_config_for
 from examples.model import LlamaShape
-from kvcache import BlockManager, SwapSpace, allocate_kv_cache
+from kvcache import BlockManager, KVCacheTensors, SwapSpace, allocate_kv_cache
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 SHAPE = LlamaShape(
@@ -63,18 +63,24 @@ def test_kvcache_allocates_8bit_values_token_major(dtype: str, token_major: bool
         assert layer.value.data_ptr() == cache.storage[i, 1].data_ptr()
 
 
-def test_block_copies_move_token_major_values_whole() -> None:
-    """copy_blocks moves raw storage; read back through the token-major view, the copied
-    blocks hold the same logical K/V as their sources (every layer, K and V)."""
+def _random_fp8_cache(seed: int) -> KVCacheTensors:
+    """A 6-block fp8 cache (V token-major, as allocated) holding random K/V in every layer."""
     config = cache_config_for(
         SHAPE, block_size=32, dtype="float8_e4m3", num_blocks=6, device="cpu", compute_dtype="bfloat16"
     )
     cache = allocate_kv_cache(config, fill=0.0)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for i in range(SHAPE.num_layers):
         layer = cache.layer(i)
         layer.key.copy_(torch.randn(layer.key.shape, generator=gen).to(FP8))
         layer.value.copy_(torch.randn(layer.value.shape, generator=gen).to(FP8))
+    return cache
+
+
+def test_block_copies_move_token_major_values_whole() -> None:
+    """copy_blocks moves raw storage; read back through the token-major view, the copied
+    blocks hold the same logical K/V as their sources (every layer, K and V)."""
+    cache = _random_fp8_cache(seed=0)
     before = [(cache.layer(i).key.clone(), cache.layer(i).value.clone()) for i in range(SHAPE.num_layers)]
     cache.copy_blocks([(1, 4), (3, 0)])
     for i, (key, value) in enumerate(before):
@@ -123,15 +129,7 @@ def test_cache_write_kernels_store_token_major_values_where_the_view_reads_them(
 def test_swap_round_trip_keeps_token_major_values() -> None:
     """Swap moves raw blocks: an fp8 sequence swapped out, its blocks overwritten, and swapped
     back into other block ids reads the same logical K/V through the token-major view."""
-    config = cache_config_for(
-        SHAPE, block_size=32, dtype="float8_e4m3", num_blocks=6, device="cpu", compute_dtype="bfloat16"
-    )
-    cache = allocate_kv_cache(config, fill=0.0)
-    gen = torch.Generator().manual_seed(2)
-    for i in range(SHAPE.num_layers):
-        layer = cache.layer(i)
-        layer.key.copy_(torch.randn(layer.key.shape, generator=gen).to(FP8))
-        layer.value.copy_(torch.randn(layer.value.shape, generator=gen).to(FP8))
+    cache = _random_fp8_cache(seed=2)
     manager = BlockManager(6, 32)
     swap = SwapSpace(manager, cache, 4)
     manager.allocate("a", 70)  # 3 blocks

@@ -170,6 +170,31 @@ def _to_compute(x, scale, DEQUANT: tl.constexpr, UPCAST: tl.constexpr, dtype: tl
 
 
 @triton.jit
+def _unmasked_token_major_values(  # type: ignore[no-untyped-def]
+    v_cache_ptr,
+    vt_off,
+    d,
+    scale,
+    dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """A token-major V tile (offsets ``vt_off`` [D_PAD, BLOCK_N] from ``token_major_offsets``)
+    as the [BLOCK_N, D_PAD] dot operand, for tiles that may reach past a row's end.
+
+    Loaded unmasked along the tokens (a per-token mask would split the 16-byte loads into
+    bytes): every block id is inside the cache, and the past-the-end slots' bits, made finite
+    (``finite_operand``), meet p = 0."""
+    if HEAD_DIM == D_PAD:
+        vt = tl.load(v_cache_ptr + vt_off)
+    else:
+        vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
+    return tl.trans(finite_operand(_to_compute(vt, scale, DEQUANT, UPCAST, dtype)))
+
+
+@triton.jit
 def _masked_softmax_update(  # type: ignore[no-untyped-def]
     qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
 ):
@@ -376,12 +401,9 @@ def _prefill_item(  # type: ignore[no-untyped-def]
                 vt_off = token_major_offsets(
                     pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM
                 )
-                # Unmasked along the tokens, as in the diagonal loop below.
-                if HEAD_DIM == D_PAD:
-                    vt = tl.load(v_cache_ptr + vt_off)
-                else:
-                    vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
-                v = tl.trans(finite_operand(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype)))
+                v = _unmasked_token_major_values(
+                    v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST
+                )
             else:
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
                 v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
@@ -437,14 +459,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
         if V_TOKEN_MAJOR:
-            # Unmasked along the tokens (a per-token mask would split the 16-byte loads into
-            # bytes): every block id is inside the cache, and past-the-end slots' bits, made
-            # finite, meet p = 0.
-            if HEAD_DIM == D_PAD:
-                vt = tl.load(v_cache_ptr + vt_off)
-            else:
-                vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
-            v = tl.trans(finite_operand(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype)))
+            v = _unmasked_token_major_values(v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST)
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
