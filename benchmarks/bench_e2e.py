@@ -37,6 +37,10 @@ torch.profiler: GPU time per iteration by kernel class (gemm, attention, boundar
 copy; ``step_profile.py``) and the wall time left, which is host work the GPU waited for.
 Cold start: our first prefill step before any warm-up vs after it, and the warm-up time.
 
+``--kv-cache-dtype float8_e4m3`` serves ours from an fp8 cache (unit scales, V token-major as
+``kvcache`` allocates it; compute stays bf16): with ``--profile``, the attention class of the
+per-iteration breakdown against a bf16 run gives the end-to-end attention time fp8 buys.
+
 Every part runs in its own try/except: a failure is recorded under ``errors`` in the JSON and
 the rest still runs. A table is printed last; the JSON goes to ``--out``.
 
@@ -148,6 +152,11 @@ class Settings:
     poisson_budget: int
     profile: bool
     workloads: tuple[str, ...]
+    kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3: an fp8 cache
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def shape(self) -> LlamaShape:
@@ -184,6 +193,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         poisson_budget=args.poisson_budget,
         profile=on_cuda if args.profile is None else args.profile,
         workloads=tuple(args.workloads.split(",")),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -438,8 +448,9 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     longest = max(max(v) for v in peaks.values())
     num_blocks = max(sum(cdiv(p, bs) for p in v) for v in peaks.values()) + 2 * cdiv(longest, bs) + 8
     config = cache_config_for(
-        shape, block_size=bs, dtype=s.dtype, num_blocks=num_blocks, device=s.device, backend=s.backend
-    )
+        shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
+        compute_dtype=s.dtype if s.kv_cache_dtype else None,
+    )  # fmt: skip
     engine = engine_for(config, shape)
     capacity = StepCapacity(
         max_rows=s.max_running,
@@ -451,6 +462,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     )
     out: dict[str, Any] = {
         "backend": engine.backend.name,
+        "cache_dtype": s.cache_dtype,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -648,7 +660,7 @@ def _iteration_stats(
     iterations: list[IterRecord], model: Llama, s: Settings, copy_gbps: float | None
 ) -> dict[str, Any]:
     shape = model.shape
-    itemsize = torch.empty((), dtype=torch_dtype(s.dtype)).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype(s.cache_dtype)).element_size()
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
     weights = weight_bytes(model)
     timed = iterations[1:]  # the first has no period
@@ -999,6 +1011,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int)
     p.add_argument("--backend", choices=("triton", "flash_attn", "reference"))
     p.add_argument("--block-size", type=int)
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("float8_e4m3",),
+        help="our engine's KV cache in fp8 (unit scales; compute stays in the model dtype)",
+    )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")

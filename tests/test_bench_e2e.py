@@ -67,3 +67,21 @@ def test_kernel_classes() -> None:
     assert classify("_rotary_write_kernel") == "boundary"
     assert classify("_rms_norm_kernel") == "elementwise"
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
+
+
+def test_tiny_cpu_run_over_an_fp8_cache() -> None:
+    """``--kv-cache-dtype float8_e4m3``: our engine serves from an fp8 cache (compute stays in
+    the model dtype) and the roofline counts one byte per cached value."""
+    threads = torch.get_num_threads()
+    try:
+        args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst"]
+        doc = _bench().run([*args, "--kv-cache-dtype", "float8_e4m3"])
+    finally:
+        torch.set_num_threads(threads)
+    results, errors = doc["results"], doc["errors"]
+    assert not any(name.startswith(("ours", "model")) for name in errors), errors
+    assert results["ours_engine"]["cache_dtype"] == "float8_e4m3"
+    burst = results["workloads"]["burst"]
+    assert burst["ours"]["generated_tokens"] == burst["workload"]["requests"] * burst["workload"]["new_tokens"]
+    shape = results["model"]["shape"]
+    assert burst["ours"]["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
