@@ -121,7 +121,15 @@ def _prepare(case: PagedCase, block_n: int, **schedule_args: object) -> Launch:
     return Launch(schedule, rows, items, ws)
 
 
-def _run(case: PagedCase, launch: Launch, config: DecodeConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+def _run(
+    case: PagedCase,
+    launch: Launch,
+    config: DecodeConfig,
+    out: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The kernel over the case's query and layer (``scales``: an fp8 cache's (k_scale,
+    v_scale)), softmax scale 1 / sqrt(head_dim)."""
     out = torch.zeros_like(case.query) if out is None else out
     scale = 1.0 / math.sqrt(case.query.shape[2])
     return paged_decode(
@@ -136,6 +144,8 @@ def _run(case: PagedCase, launch: Launch, config: DecodeConfig, out: torch.Tenso
         softmax_scale=scale,
         out=out,
         config=config,
+        k_scale=None if scales is None else scales[0],
+        v_scale=None if scales is None else scales[1],
     )
 
 
@@ -452,25 +462,10 @@ def test_fp8_cache_with_per_head_scales(query_dtype: torch.dtype, f16_dots: bool
     fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=k8, value=v8), query=query)
     k_scale, v_scale = torch.tensor([0.5, 2.0], device=DEVICE), torch.tensor([1.5, 0.25], device=DEVICE)
     launch = _prepare(fp8, 32, chunk_len=64)
-    out = torch.zeros_like(fp8.query)
-    paged_decode(
-        fp8.query,
-        k8,
-        v8,
-        case.meta.block_tables,
-        launch.rows,
-        launch.items,
-        launch.schedule,
-        launch.workspace,
-        softmax_scale=0.125,
-        out=out,
-        config=DecodeConfig(block_n=32, f16_fp8_dots=f16_dots),
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    out = _run(fp8, launch, DecodeConfig(block_n=32, f16_fp8_dots=f16_dots), scales=(k_scale, v_scale))
     ranges = [(0, n) for n in case.meta.seq_lens_host]
     deq = dataclasses.replace(fp8, layer=dataclasses.replace(case.layer, key=k8.float(), value=v8.float()))
-    ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 0.125, (k_scale, v_scale))
+    ref = _reference(deq, ranges, [0, 1, 2], [0, 1, 2], 1 / math.sqrt(64), (k_scale, v_scale))
     _check(out, ref, query_dtype)
 
 
@@ -500,26 +495,13 @@ def test_token_major_values(cache_dtype: torch.dtype, block_size: int, block_n: 
     query = case.query.to(torch.bfloat16 if fp8 else torch.float16)
     layer = dataclasses.replace(case.layer, key=key, value=v_token_major)
     scales = (torch.tensor([0.5, 2.0], device=DEVICE), torch.tensor([1.5, 0.25], device=DEVICE)) if fp8 else None
-    launch = _prepare(dataclasses.replace(case, layer=layer, query=query), block_n, chunk_len=2 * block_n)
-    out = torch.zeros_like(query)
-    paged_decode(
-        query,
-        key,
-        v_token_major,
-        case.meta.block_tables,
-        launch.rows,
-        launch.items,
-        launch.schedule,
-        launch.workspace,
-        softmax_scale=0.125,
-        out=out,
-        config=DecodeConfig(block_n=block_n),
-        k_scale=None if scales is None else scales[0],
-        v_scale=None if scales is None else scales[1],
-    )
+    token_major = dataclasses.replace(case, layer=layer, query=query)
+    launch = _prepare(token_major, block_n, chunk_len=2 * block_n)
+    out = _run(token_major, launch, DecodeConfig(block_n=block_n), scales=scales)
     ranges = [(0, n) for n in case.meta.seq_lens_host]
     plain = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=key.float(), value=value.float()))
-    ref = _reference(dataclasses.replace(plain, query=query), ranges, [0, 1, 2, 3], [0, 1, 2, 3], 0.125, scales)
+    scale = 1 / math.sqrt(head_dim)
+    ref = _reference(dataclasses.replace(plain, query=query), ranges, [0, 1, 2, 3], [0, 1, 2, 3], scale, scales)
     _check(out, ref, query.dtype)
 
 
