@@ -213,7 +213,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     TREE: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr = False,
+    V_TOKEN_MAJOR: tl.constexpr,
 ):
     """Program (kv_head, i): item i of int32 items [num_item_slots, 10] = (d, kv_start,
     kv_end, partial_slot, table_row, q_token, num_chunks, first_partial, q_len, row_end);
