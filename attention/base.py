@@ -33,6 +33,7 @@ from attention.quantize import dequantize
 from attention.rotary import RotaryTable, rotate
 from attention.spec import AttentionSpec
 from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
+from attention.token_scales import layout_problem
 from attention.value_layout import is_token_major, value_is_readable
 
 __all__ = ["LATENT_PREFILL_MIN_TOKENS", "AttentionBackend", "StepPlan"]
@@ -404,7 +405,8 @@ class AttentionBackend(ABC):
                 f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}"
             )
         k = layer.key
-        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, layer.k_scale is None)
+        scales = tuple(None if x is None else (x.data_ptr(), x.shape, x.dtype) for x in (layer.k_scale, layer.v_scale))
+        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales)
         if seen not in self._accepted:
             self._check_layer(layer, meta)
             self._accepted.add(seen)
@@ -431,7 +433,14 @@ class AttentionBackend(ABC):
                 f"layer.value: token-major (attention.value_layout), which backend {self.name} does not read; "
                 "pass a contiguous value tensor"
             )
-        if not layer.key.is_contiguous() or not value_is_readable(layer.value):
+        if spec.token_scaled_cache:
+            problem = layout_problem(layer.key, layer.value, layer.k_scale, layer.v_scale)
+            if problem is not None:
+                raise UnsupportedSettingError(
+                    f"{problem}: an int8 cache's values and per-token scales share each block's memory "
+                    "(attention.token_scales); allocate it with kvcache"
+                )
+        elif not layer.key.is_contiguous() or not value_is_readable(layer.value):
             raise UnsupportedSettingError(
                 "layer.key/layer.value: expected contiguous tensors (the value may also be token-major, "
                 f"attention.value_layout), got strides {layer.key.stride()} and {layer.value.stride()}; "
@@ -447,7 +456,7 @@ class AttentionBackend(ABC):
         if problems:
             p = problems[0]
             raise UnsupportedSettingError(f"layer.key: {p.parameter} {p.value} is refused: {p.reason}; {p.fix}")
-        if spec.quantized_cache:
+        if spec.quantized_cache and not spec.token_scaled_cache:
             for name, scale in (("k_scale", layer.k_scale), ("v_scale", layer.v_scale)):
                 check_tensor(f"layer.{name}", scale, shape=(kvh,), dtype=torch.float32, device=layer.key.device)
         if spec.window_layers is not None:

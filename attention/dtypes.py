@@ -23,8 +23,11 @@ class DtypeInfo:
     torch_name: the attribute of ``torch`` holding it.
     itemsize:   bytes per element.
     aliases:    other spellings people write, accepted with a "did you mean".
-    cache_only: a storage format for the KV cache only (fp8): the model computes in another
-                dtype, and values are scaled when written and read.
+    cache_only: a storage format for the KV cache only (fp8, int8): the model computes in
+                another dtype, and values are scaled when written and read.
+    token_scales: the scale is per (token, KV head), computed when the row is written and
+                stored beside it in the block (int8, :mod:`attention.token_scales`); otherwise
+                a cache-only format has fixed per-(layer, KV head) scales (fp8).
     """
 
     name: str
@@ -32,6 +35,15 @@ class DtypeInfo:
     itemsize: int
     aliases: tuple[str, ...] = ()
     cache_only: bool = False
+    token_scales: bool = False
+
+    def rows_per_block(self, block_size: int, head_dim: int) -> int:
+        """Token rows (``kv_heads * head_dim`` elements each) one block of K or of V takes in
+        memory: ``block_size``, plus the rows that hold the block's per-token fp16 scales
+        (two bytes per token and KV head) for a ``token_scales`` format."""
+        if not self.token_scales:
+            return block_size
+        return block_size + -(-2 * block_size // head_dim)
 
 
 DTYPES: dict[str, DtypeInfo] = {
@@ -42,6 +54,9 @@ DTYPES: dict[str, DtypeInfo] = {
         DtypeInfo("float32", "float32", 4, ("fp32", "float")),
         # OCP fp8 E4M3 (finite max 448), for the KV cache only; vLLM calls it "fp8_e4m3".
         DtypeInfo("float8_e4m3", "float8_e4m3fn", 1, ("fp8", "fp8_e4m3", "float8_e4m3fn"), cache_only=True),
+        # int8 with one fp16 scale per (token, KV head), stored in the block beside the values
+        # (LMDeploy's and TensorRT-LLM's per-token int8 KV formats are of this kind).
+        DtypeInfo("int8", "int8", 1, ("i8",), cache_only=True, token_scales=True),
     )
 }
 

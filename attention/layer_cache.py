@@ -17,8 +17,10 @@ class LayerCache:
                 (``AttentionSpec.cache_dtype``); key contiguous, value contiguous or
                 token-major (:mod:`attention.value_layout`; kvcache stores an 8-bit V so).
     index:      the layer's index in the model (which layers use a sliding window).
-    k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (the stored
-                value times the scale is the real K/V); None for 16/32-bit caches.
+    k_scale, v_scale: dequantization scales (the stored value times the scale is the real K/V):
+                fp32 [num_kv_heads] for an fp8 cache; fp16 [num_blocks, block_size,
+                num_kv_heads], one per token and head, for an int8 cache (views into the
+                blocks' memory, :mod:`attention.token_scales`); None for 16/32-bit caches.
     ``kvcache.KVCacheTensors.layer(i)`` builds these once per layer and hands the same objects
     out every step.
     """

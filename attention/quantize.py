@@ -1,12 +1,15 @@
 """K/V cache quantization in plain torch (the reference's, and the oracle for the kernels).
 
 An fp8 cache stores ``x / scale`` per KV head, saturated to the format's finite range; reading
-multiplies back. 16- and 32-bit caches store values as they are (no scale).
+multiplies back. An int8 cache stores each (token, KV head) row with its own scale
+(:mod:`attention.token_scales`). 16- and 32-bit caches store values as they are (no scale).
 """
 
 from __future__ import annotations
 
 import torch
+
+from attention.token_scales import dequantize_rows
 
 __all__ = ["FP8_MAX", "dequantize", "is_fp8", "quantize"]
 
@@ -31,7 +34,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dty
 
 def dequantize(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """cache: [num_blocks, block_size, kv_heads, head_dim] (or any [..., kv_heads, head_dim])
-    -> values in ``dtype``."""
+    -> values in ``dtype``. ``scale``: fp32 [kv_heads] for fp8; fp16 [num_blocks, block_size,
+    kv_heads] (per token) for int8."""
+    if cache.dtype == torch.int8:
+        if scale is None:
+            raise ValueError("scale: an int8 cache needs its per-token scales")
+        return dequantize_rows(cache, scale, dtype)
     if not is_fp8(cache.dtype):
         return cache.to(dtype)
     if scale is None:

@@ -19,6 +19,7 @@ from attention.metadata import AttentionMetadata
 from attention.quantize import dequantize, quantize
 from attention.spec import AttentionSpec
 from attention.staging import PlanStaging
+from attention.token_scales import quantize_rows
 
 __all__ = ["ReferenceBackend", "scatter_kv"]
 
@@ -135,9 +136,10 @@ def _first_column(seq_len: int, query_len: int, block_size: int, window: int | N
 def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_mapping: torch.Tensor) -> None:
     """The cache write in plain torch (shapes as in ``AttentionBackend.write_kv``): slots of
     -1 are skipped; any other slot outside the cache raises MetadataError and writes nothing.
-    An fp8 cache stores ``value / scale``, saturated to the format's range. Reads the slots on
+    An fp8 cache stores ``value / scale``, saturated to the format's range; an int8 cache
+    stores each row with its own scale (:mod:`attention.token_scales`). Reads the slots on
     the host, so on CUDA it syncs: the fallback when no kernel is available."""
-    n, bs, kvh, d = layer.key.shape
+    n, bs = layer.key.shape[:2]
     keep = slot_mapping != -1
     slots = slot_mapping[keep]
     if slots.numel():
@@ -148,9 +150,19 @@ def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_m
                 f"slot_mapping: slot {bad} is outside the cache's {n * bs} slots ({n} blocks x {bs}); "
                 f"use -1 for a token whose K/V must not be written"
             )
-    layer.key.view(n * bs, kvh, d)[slots] = quantize(key[keep], layer.k_scale, layer.key.dtype)
-    # Indexed by (block, offset): a token-major V (attention.value_layout) has no flat view.
-    layer.value[slots // bs, slots % bs] = quantize(value[keep], layer.v_scale, layer.value.dtype)
+    # Indexed by (block, offset): a token-major V (attention.value_layout) and an int8 cache's
+    # blocks (their scales follow the values) have no flat view.
+    blocks, offsets = slots // bs, slots % bs
+    if layer.key.dtype == torch.int8:
+        for cache, scales, x in ((layer.key, layer.k_scale, key), (layer.value, layer.v_scale, value)):
+            if scales is None:
+                raise ValueError("layer: an int8 cache needs its per-token scales")
+            q, s = quantize_rows(x[keep])
+            cache[blocks, offsets] = q
+            scales[blocks, offsets] = s
+        return
+    layer.key[blocks, offsets] = quantize(key[keep], layer.k_scale, layer.key.dtype)
+    layer.value[blocks, offsets] = quantize(value[keep], layer.v_scale, layer.value.dtype)
 
 
 def _causal_attention(

@@ -97,6 +97,11 @@ class AttentionSpec:
                 raise InvalidArgumentError(
                     f"num_kv_heads: {self.num_kv_heads} with latent_rank; the latent is one KV head, use 1"
                 )
+            if DTYPES[self.cache_dtype].token_scales:
+                raise InvalidArgumentError(
+                    f"kv_cache_dtype: {self.cache_dtype} (a scale per token and head) is not built for a latent "
+                    "cache; use float8_e4m3 or None"
+                )
         if not isinstance(self.attention_sinks, bool):
             raise ArgumentTypeError(f"attention_sinks: expected a bool, got {type(self.attention_sinks).__name__}")
         if self.logit_softcap is not None:
@@ -122,8 +127,14 @@ class AttentionSpec:
 
     @property
     def quantized_cache(self) -> bool:
-        """Whether the cache stores a scaled format (fp8) that kernels must dequantize."""
+        """Whether the cache stores a scaled format (fp8, int8) that kernels must dequantize."""
         return DTYPES[self.cache_dtype].cache_only
+
+    @property
+    def token_scaled_cache(self) -> bool:
+        """Whether the cache is int8 with a scale per (token, KV head) stored in its blocks
+        (:mod:`attention.token_scales`) rather than fp8 with per-KV-head scales."""
+        return DTYPES[self.cache_dtype].token_scales
 
     @property
     def scale(self) -> float:

@@ -281,6 +281,15 @@ def _latent_attention(values: Values) -> list[ConfigProblem]:
             found.append(ConfigProblem(path, "is not supported with latent attention yet; remove it"))
     if values.get("model.attention_sinks") is True:
         found.append(ConfigProblem("model.attention_sinks", "is not supported with latent attention yet; remove it"))
+    cache_dtype = _name(values, "cache.dtype", DTYPES)
+    if cache_dtype is not None and DTYPES[cache_dtype].token_scales:
+        found.append(
+            ConfigProblem(
+                "cache.dtype",
+                f"{cache_dtype} (a scale per token and head) is not built for a latent cache; "
+                "use float8_e4m3 or the model's dtype",
+            )
+        )
     return found
 
 

@@ -390,9 +390,15 @@ class KVCacheConfig(BaseModel):
     @property
     def bytes_per_block(self) -> int:
         """2 (K and V) x layers x block_size x kv_heads x head_dim x itemsize (MLA: layers x
-        block_size x the latent's values x itemsize)."""
+        block_size x the latent's values x itemsize); an int8 cache's blocks also hold their
+        per-token scales (:mod:`attention.token_scales`)."""
         m = self.model
-        return m.num_layers * self.cache.block_size * m.values_per_token_layer * self.cache.itemsize
+        return m.num_layers * self._rows_per_block * m.values_per_token_layer * self.cache.itemsize
+
+    @property
+    def _rows_per_block(self) -> int:
+        """Token rows one block takes: block_size, plus an int8 cache's rows of scales."""
+        return DTYPES[self.cache.dtype].rows_per_block(self.cache.block_size, self.model.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
@@ -415,7 +421,7 @@ class KVCacheConfig(BaseModel):
         m = self.model
         if m.latent_dim is not None:  # MLA: every rank holds the whole latent (one per token)
             return self.bytes_per_block
-        return 2 * m.num_layers * self.cache.block_size * self.kv_heads_per_rank(tp) * m.head_dim * self.cache.itemsize
+        return 2 * m.num_layers * self._rows_per_block * self.kv_heads_per_rank(tp) * m.head_dim * self.cache.itemsize
 
     def bytes_per_token_per_rank(self, tp: TensorParallel | None = None) -> int:
         """K/V bytes one token takes in one rank's cache, across all layers."""

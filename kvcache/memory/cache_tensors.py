@@ -16,6 +16,7 @@ layer index, so a model needs no change beyond passing each layer its group's me
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
+from attention.token_scales import split_block_memory
 from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_BLOCKS
@@ -108,16 +110,22 @@ class KVCacheTensors:
              ``layout.group_size`` with KV groups. A latent cache (MLA) has one part,
              ``[num_tensors, 1, num_blocks, block_size, 1, latent_dim]``: a layer's K and V
              views are the same tensor.
+             An int8 cache (:mod:`attention.token_scales`) has ``rows_per_block`` rows per
+             block instead of ``block_size``: each block's values, then its per-token fp16
+             scales; ``layer(i)`` hands out views of both.
     scales:  fp32 [num_layers, 2, num_kv_heads] dequantization scales of an fp8 cache, per
-             model layer (None otherwise).
+             model layer (None otherwise, int8 included: its scales are in the blocks).
     layout:  the model's KV groups when it has more than one (None: one table per sequence
              serves every layer, and tensor ``i`` is layer ``i``'s).
+    tokens_per_block: the block size of an int8 cache (whose storage has more rows than
+             tokens); None: ``storage.shape[3]``.
     ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time.
     """
 
     storage: torch.Tensor
     scales: torch.Tensor | None = None
     layout: KVGroupLayout | None = None
+    tokens_per_block: int | None = None
     _layers: list[LayerCache] = field(init=False, repr=False)
     _groups: list[int] = field(init=False, repr=False)
 
@@ -138,6 +146,9 @@ class KVCacheTensors:
         self._groups = [group for group, _ in places]
         two_parts = self.storage.shape[1] == 2
         token_major = two_parts and uses_token_major_values(self.storage.dtype)
+        if self.storage.dtype == torch.int8:
+            self._layers = [self._int8_layer(i, t) for i, (_, t) in enumerate(places)]
+            return
         self._layers = [
             LayerCache(
                 self.storage[t, 0],
@@ -150,6 +161,17 @@ class KVCacheTensors:
             )
             for i, (_, t) in enumerate(places)
         ]
+
+    def _int8_layer(self, index: int, tensor: int) -> LayerCache:
+        """Model layer ``index``'s views of an int8 cache's tensor ``tensor``: values and
+        per-token scales of K and of V (:func:`attention.token_scales.split_block_memory`)."""
+        if self.storage.shape[1] != 2 or self.tokens_per_block is None:
+            raise InvalidArgumentError(
+                "storage: an int8 cache has K and V parts and tokens_per_block; allocate it with allocate_kv_cache"
+            )
+        key, k_scale = split_block_memory(self.storage[tensor, 0], self.tokens_per_block, token_major=False)
+        value, v_scale = split_block_memory(self.storage[tensor, 1], self.tokens_per_block, token_major=True)
+        return LayerCache(key, value, index=index, k_scale=k_scale, v_scale=v_scale)
 
     def layer(self, index: int) -> LayerCache:
         """Model layer ``index``'s cache (what ``write_kv`` and ``attend`` take). Raises
@@ -185,7 +207,7 @@ class KVCacheTensors:
 
     @property
     def block_size(self) -> int:
-        return self.storage.shape[3]
+        return self.tokens_per_block if self.tokens_per_block is not None else self.storage.shape[3]
 
     @property
     def device(self) -> torch.device:
@@ -209,7 +231,10 @@ class KVCacheTensors:
         [num_kv_heads] each, positive and finite), e.g. from a calibration run. Applies to K/V
         written from now on; set them before the first write. Raises InvalidArgumentError."""
         if self.scales is None:
-            raise InvalidArgumentError("set_scales: this cache is not fp8; it has no scales")
+            kind = "not fp8"
+            if self.dtype == torch.int8:
+                kind = "int8: its scales are per token, set as each row is written"
+            raise InvalidArgumentError(f"set_scales: this cache is {kind}; it has no per-head scales")
         layer = require_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not isinstance(scale, torch.Tensor) or scale.shape != self.scales.shape[2:]:
@@ -263,7 +288,8 @@ def allocate_kv_cache(
     ``tp.rank``'s share, ``[num_layers, 2, num_blocks, block_size, kv_heads_per_rank,
     head_dim]`` (:mod:`kvcache.parallel.heads`; its block count is ``num_blocks`` as given, which
     must be the same on every rank). ``fill`` initialises every element
-    (tests poison the cache with NaN to prove nothing reads a slot that was never written);
+    (tests poison the cache with NaN to prove nothing reads a slot that was never written;
+    an int8 cache gets bytes 0x7E instead, whose per-token scales are NaN);
     by default the memory is left uninitialised, as in vLLM.
     ``layout``: the model's KV groups (default: ``config.kv_groups()``, from the model's
     ``window_pattern``); with groups the memory of ``num_blocks`` whole-model blocks holds
@@ -306,8 +332,10 @@ def allocate_kv_cache(
     else:
         layout = None
     latent = m.latent_dim  # MLA: one latent per token, its K and V views alias it
-    shape = (tensors, 2, blocks, config.cache.block_size, kv_heads, m.head_dim) if latent is None else (
-        tensors, 1, blocks, config.cache.block_size, 1, latent
+    info = dtype_info(config.cache.dtype)
+    rows = info.rows_per_block(config.cache.block_size, m.head_dim)  # int8: + rows of scales
+    shape = (tensors, 2, blocks, rows, kv_heads, m.head_dim) if latent is None else (
+        tensors, 1, blocks, rows, 1, latent
     )
     dtype = torch_dtype(config.cache.dtype)
     try:
@@ -315,11 +343,13 @@ def allocate_kv_cache(
     except torch.OutOfMemoryError:
         raise _too_big(blocks, per_block, free_device_memory(dev), dev) from None
     if fill is not None:
-        storage.fill_(fill)
+        # int8 holds no NaN: poison its bytes with 0x7E, which its fp16 scales read as NaN.
+        storage.fill_(0x7E if info.token_scales and not math.isfinite(fill) else fill)
     scales = None
-    if dtype_info(config.cache.dtype).cache_only:
+    if info.cache_only and not info.token_scales:
         scales = torch.full((m.num_layers, 2, kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
-    return KVCacheTensors(storage, scales, layout)
+    tokens = config.cache.block_size if info.token_scales else None
+    return KVCacheTensors(storage, scales, layout, tokens)
 
 
 def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:
