@@ -3,7 +3,8 @@
 Shape: bf16, 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B-like); one new token per
 row, the whole row cached. Batches: uniform lengths, and LogNormal lengths (fixed seed) whose
 rows differ by 10x or more, where a kernel sized by its longest row idles most of the GPU.
-Backends: ``triton`` (the default, and an fp8 cache) at block 32 and 256, ``flash_attn`` at
+Backends: ``triton`` (the default, an fp8 cache, and an int8 cache with a scale per token and
+head) at block 32 and 256, ``flash_attn`` at
 block 256 (through ``attention.registry.get_backend``; skipped with a note when flash-attn is
 missing).
 
@@ -137,12 +138,15 @@ class Variant:
     fp8: bool = False  # an fp8 (float8_e4m3) cache instead of bf16
     window: int | None = None
     contiguous_values: bool = False  # an fp8 V stored contiguous instead of token-major
+    int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
 
     def backend(self) -> Any:
         from attention.triton_backend import TritonBackend
 
         return TritonBackend(
-            common.spec(fp8=self.fp8, window=self.window), decode_config=self.config, decode_policy=self.policy
+            common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
+            decode_config=self.config,
+            decode_policy=self.policy,
         )
 
 
@@ -169,6 +173,8 @@ def variants(sweep: bool) -> list[Variant]:
 #: The fp8-cache variant: decode reads half the bytes (float8_e4m3 K/V, per-KV-head scales;
 #: V token-major, as kvcache allocates it: attention.value_layout).
 FP8_VARIANT = Variant("fp8 cache", fp8=True)
+#: The int8-cache variant: int8 K/V with an fp16 scale per (token, KV head) in each block.
+INT8_VARIANT = Variant("int8 cache", int8=True)
 
 
 def fp8_variants() -> list[Variant]:
@@ -210,18 +216,45 @@ class Layers:
     meta: Any
     _fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _v8_token_major: list[torch.Tensor] | None = None
+    _int8: list[Any] | None = None
 
     @property
     def count(self) -> int:
         return int(self.k.shape[0])
 
-    def layer_caches(self, fp8: bool = False, contiguous_values: bool = False) -> list[Any]:
+    def int8_caches(self) -> list[Any]:
+        """One int8 LayerCache per layer (:mod:`attention.token_scales`), holding K/V quantized
+        row by row as the cache write would; made once, lazily."""
+        from attention import LayerCache
+        from attention.dtypes import dtype_info
+        from attention.token_scales import quantize_rows, split_block_memory
+
+        if self._int8 is None:
+            count, num_blocks, bs = self.k.shape[:3]
+            rows = dtype_info("int8").rows_per_block(bs, HEAD_DIM)
+            memory = torch.empty((count, 2, num_blocks, rows, KV_HEADS, HEAD_DIM), dtype=torch.int8, device=DEVICE)
+            self._int8 = []
+            for i in range(count):
+                parts = []
+                for part, x in ((0, self.k[i]), (1, self.v[i])):
+                    values, scales = split_block_memory(memory[i, part], bs, token_major=part == 1)
+                    q, s = quantize_rows(x)
+                    values.copy_(q)
+                    scales.copy_(s)
+                    parts.append((values, scales))
+                (k, ks), (v, vs) = parts
+                self._int8.append(LayerCache(k, v, index=i, k_scale=ks, v_scale=vs))
+        return self._int8
+
+    def layer_caches(self, fp8: bool = False, contiguous_values: bool = False, int8: bool = False) -> list[Any]:
         """One LayerCache per layer (an fp8 copy of K/V with unit scales when ``fp8``, V
         token-major unless ``contiguous_values``; made once, lazily, so bf16 runs never pay
         for it)."""
         from attention import LayerCache
         from attention.value_layout import token_major_view
 
+        if int8:
+            return self.int8_caches()
         if not fp8:
             return [LayerCache(self.k[i], self.v[i], index=i) for i in range(self.count)]
         if self._fp8 is None:
@@ -266,12 +299,17 @@ def build_layers(shape: DecodeShape, block_size: int) -> Layers:
     return Layers(q, k, v, meta)
 
 
-def reference(layers: Layers, fp8: bool = False, window: int | None = None) -> torch.Tensor:
+def reference(layers: Layers, fp8: bool = False, window: int | None = None, int8: bool = False) -> torch.Tensor:
     """float32 [batch, HEADS, HEAD_DIM]: layer 0's attention, row by row from the cache (the
-    fp8-rounded cache when ``fp8``; the last ``window`` tokens when given)."""
+    fp8-rounded cache when ``fp8``, the int8 cache's dequantized values when ``int8``; the
+    last ``window`` tokens when given)."""
+    from attention.token_scales import dequantize_rows, quantize_rows
+
     q, k0, v0, meta = layers.q, layers.k[0], layers.v[0], layers.meta
     if fp8:
         k0, v0 = k0.to(FP8).to(DTYPE), v0.to(FP8).to(DTYPE)
+    if int8:
+        k0, v0 = (dequantize_rows(*quantize_rows(x), torch.float32) for x in (k0, v0))
     bs, group = meta.block_size, HEADS // KV_HEADS
     out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
     for r, n in enumerate(meta.seq_lens_host):
@@ -296,13 +334,14 @@ def _measure(
     copy_tbps: float,
     fp8: bool = False,
     contiguous_values: bool = False,
+    int8: bool = False,
 ) -> None:
     """Check layer 0 against ``ref``, then time one call per layer (graph and eager).
     Errors are recorded on the row; a CUDA error that kills the context is re-raised."""
     try:
         plan = backend.plan(layers.meta)  # once per step, outside the timing
         out = torch.empty_like(layers.q)
-        caches = layers.layer_caches(fp8, contiguous_values)
+        caches = layers.layer_caches(fp8, contiguous_values, int8)
 
         def call(i: int) -> torch.Tensor:
             return backend.attend(layers.q, caches[i], plan, out=out)
@@ -350,7 +389,7 @@ def run_decode(
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
     flash = common.flash_attn_backend(notes, "decode rows")
-    chosen = [*variants(sweep), FP8_VARIANT, *(fp8_variants() if fp8_sweep else [])]
+    chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() if fp8_sweep else [])]
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []
@@ -362,6 +401,7 @@ def run_decode(
                 layers = build_layers(shape, block_size)
                 ref = reference(layers)
                 ref8 = reference(layers, fp8=True)
+                ref_int8 = reference(layers, int8=True)
             except Exception as err:
                 notes.append(f"{shape.label} bs={block_size}: setup failed: {type(err).__name__}: {err}"[:300])
                 traceback.print_exc()
@@ -372,7 +412,7 @@ def run_decode(
             for backend_name, variant in todo:
                 if (
                     variant is not None
-                    and variant.name not in ("default", FP8_VARIANT.name, "fp8 cache, bf16 dots")
+                    and variant.name not in ("default", FP8_VARIANT.name, INT8_VARIANT.name, "fp8 cache, bf16 dots")
                     and time.monotonic() > deadline
                 ):
                     skipped += 1
@@ -389,13 +429,17 @@ def run_decode(
                 )
                 backend = flash if variant is None else variant.backend()
                 fp8 = variant is not None and variant.fp8
+                int8 = variant is not None and variant.int8
                 if fp8:
                     row.extra["kv_bytes"] = shape.kv_bytes // 2
+                if int8:  # the values and each token's two fp16 scales per KV head (K and V)
+                    row.extra["kv_bytes"] = shape.kv_bytes // 2 + sum(shape.lens) * KV_HEADS * 2 * 2
                 contiguous = variant is not None and variant.contiguous_values
-                _measure(timer, row, layers, backend, ref8 if fp8 else ref, copy_tbps, fp8, contiguous)
+                expected = ref8 if fp8 else ref_int8 if int8 else ref
+                _measure(timer, row, layers, backend, expected, copy_tbps, fp8, contiguous, int8)
                 _print_row(row)
                 shape_rows.append(row)
-            del layers, ref, ref8
+            del layers, ref, ref8, ref_int8
             torch.cuda.empty_cache()
         common.set_vs_flash_attn(shape_rows)
         rows += shape_rows
@@ -480,7 +524,7 @@ def best_per_shape(rows: list[DecodeRow]) -> list[dict[str, Any]]:
             if r.backend == "triton"
             and (r.shape, r.block_size) == (shape, bs)
             and r.ok
-            and r.variant != FP8_VARIANT.name
+            and r.variant not in (FP8_VARIANT.name, INT8_VARIANT.name)
         ]
         default = next((r for r in mine if r.variant == "default"), None)
         best = min(mine, key=lambda r: r.ms or math.inf, default=None)
@@ -518,11 +562,12 @@ def print_best(best: list[dict[str, Any]], copy_tbps: float) -> None:
     )
 
 
-def fp8_speedups(rows: list[DecodeRow]) -> list[dict[str, Any]]:
-    """Per (shape, block size): our default bf16 time over our fp8-cache time (> 1: fp8 faster)."""
+def fp8_speedups(rows: list[DecodeRow], variant: str = FP8_VARIANT.name) -> list[dict[str, Any]]:
+    """Per (shape, block size): our default bf16 time over our ``variant`` time (the fp8 or the
+    int8 cache; > 1: the 8-bit cache is faster)."""
     out = []
     for r in rows:
-        if r.variant != FP8_VARIANT.name or not r.ok:
+        if r.variant != variant or not r.ok:
             continue
         base = next(
             (b for b in rows if b.variant == "default" and (b.shape, b.block_size) == (r.shape, r.block_size) and b.ok),
@@ -542,11 +587,11 @@ def fp8_speedups(rows: list[DecodeRow]) -> list[dict[str, Any]]:
     return out
 
 
-def print_fp8(speedups: list[dict[str, Any]]) -> None:
-    print("\ndecode, fp8 cache vs bf16 cache (ours, same block size)")
+def print_fp8(speedups: list[dict[str, Any]], kind: str = "fp8") -> None:
+    print(f"\ndecode, {kind} cache vs bf16 cache (ours, same block size)")
     for s in speedups:
         print(
-            f"  {s['shape']:34s} bs={s['block_size']:<4d} bf16 {s['bf16_ms']:.4f} ms  fp8 {s['fp8_ms']:.4f} ms  "
+            f"  {s['shape']:34s} bs={s['block_size']:<4d} bf16 {s['bf16_ms']:.4f} ms  {kind} {s['fp8_ms']:.4f} ms  "
             f"x{s['speedup']:.2f}  rel_err {s['rel_err']:.1e}"
         )
 
@@ -605,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["decode"] = [r.as_json() for r in decode]
             doc["decode_best"] = best_per_shape(decode)
             doc["decode_fp8"] = fp8_speedups(decode)
+            doc["decode_int8"] = fp8_speedups(decode, INT8_VARIANT.name)
         if window:
             doc["decode_window"] = [r.as_json() for r in window]
         return doc
@@ -615,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     if decode:
         print_decode_table(decode)
         print_fp8(fp8_speedups(decode))
+        print_fp8(fp8_speedups(decode, INT8_VARIANT.name), "int8")
         print_best(best_per_shape(decode), run.copy_tbps)
     return run.finish()
 

@@ -38,8 +38,9 @@ copy; ``step_profile.py``) and the wall time left, which is host work the GPU wa
 Cold start: our first prefill step before any warm-up vs after it, and the warm-up time.
 
 ``--kv-cache-dtype float8_e4m3`` serves ours from an fp8 cache (unit scales, V token-major as
-``kvcache`` allocates it; compute stays bf16): with ``--profile``, the attention class of the
-per-iteration breakdown against a bf16 run gives the end-to-end attention time fp8 buys.
+``kvcache`` allocates it; compute stays bf16), ``--kv-cache-dtype int8`` from an int8 cache
+with a scale per token and head: with ``--profile``, the attention class of the
+per-iteration breakdown against a bf16 run gives the end-to-end attention time they buy.
 
 Every part runs in its own try/except: a failure is recorded under ``errors`` in the JSON and
 the rest still runs. A table is printed last; the JSON goes to ``--out``.
@@ -152,7 +153,7 @@ class Settings:
     poisson_budget: int
     profile: bool
     workloads: tuple[str, ...]
-    kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3: an fp8 cache
+    kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
 
     @property
     def cache_dtype(self) -> str:
@@ -661,7 +662,9 @@ def _iteration_stats(
 ) -> dict[str, Any]:
     shape = model.shape
     itemsize = torch.empty((), dtype=torch_dtype(s.cache_dtype)).element_size()
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    # An int8 cache reads each token's fp16 scale per KV head of K and V besides the values.
+    scale_bytes = 2 if s.cache_dtype == "int8" else 0
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * itemsize + scale_bytes)
     weights = weight_bytes(model)
     timed = iterations[1:]  # the first has no period
     decode = [it for it in timed if it.decode_only]
@@ -1013,8 +1016,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int)
     p.add_argument(
         "--kv-cache-dtype",
-        choices=("float8_e4m3",),
-        help="our engine's KV cache in fp8 (unit scales; compute stays in the model dtype)",
+        choices=("float8_e4m3", "int8"),
+        help="our engine's KV cache in fp8 (unit scales) or int8 (per-token scales); compute stays in the model dtype",
     )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")

@@ -15,9 +15,10 @@ decode), ``eager_ms`` calls the backend from Python (the backend's argument chec
 launches included). ``vs_flash_attn`` = flash-attn's ms / the row's ms. The header also
 records the device-to-device copy bandwidth of the run.
 
-``--fp8`` adds our kernel over an fp8 copy of the cache (unit scales), checked against SDPA on
-the fp8-rounded K/V: V token-major as kvcache allocates it (``attention.value_layout``), and
-V contiguous.
+``--int8`` adds our kernel over an int8 cache (a scale per token and head,
+``attention.token_scales``), checked against SDPA on its dequantized K/V. ``--fp8`` adds our
+kernel over an fp8 copy of the cache (unit scales), checked against SDPA on the fp8-rounded
+K/V: V token-major as kvcache allocates it (``attention.value_layout``), and V contiguous.
 
 ``--sweep`` also times the prefill kernel's candidates (``PREFILL_SWEEP``) and prints the best
 per shape, so one GPU run can pick the defaults; ``--sweep-only`` runs the sweep alone. (The
@@ -28,7 +29,7 @@ Prints the table last and writes benchmarks/results/prefill-<YYYY-MM-DD>.json
 exits 2.
 
 Run (from the project root, on the GPU machine):
-    python3 benchmarks/bench_prefill.py [--quick] [--fp8] [--sweep | --sweep-only] [--out PATH]
+    python3 benchmarks/bench_prefill.py [--quick] [--fp8] [--int8] [--sweep | --sweep-only] [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
 """
 
@@ -155,15 +156,38 @@ def _sdpa_fn(p: Problem) -> Callable[[], torch.Tensor]:
     return run
 
 
-def _attend_fn(backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tensor, Any]) -> Callable[[], torch.Tensor]:
-    """One layer call of ``backend`` over ``caches`` (an fp8 cache gets unit scales)."""
+def int8_layer(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any:
+    """An int8 LayerCache (:mod:`attention.token_scales`) holding ``k_cache``/``v_cache``
+    ([num_blocks, block_size, KV_HEADS, HEAD_DIM]) quantized row by row, as the write does."""
+    from attention import LayerCache
+    from attention.dtypes import dtype_info
+    from attention.token_scales import quantize_rows, split_block_memory
+
+    n, bs = k_cache.shape[:2]
+    rows = dtype_info("int8").rows_per_block(bs, HEAD_DIM)
+    memory = torch.empty((2, n, rows, KV_HEADS, HEAD_DIM), dtype=torch.int8, device=DEVICE)
+    parts = []
+    for i, x in enumerate((k_cache, v_cache)):
+        values, scales = split_block_memory(memory[i], bs, token_major=i == 1)
+        q, scale = quantize_rows(x)
+        values.copy_(q)
+        scales.copy_(scale)
+        parts += [values, scales]
+    return LayerCache(parts[0], parts[2], k_scale=parts[1], v_scale=parts[3])
+
+
+def _attend_fn(
+    backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tensor, Any], layer: Any = None
+) -> Callable[[], torch.Tensor]:
+    """One layer call of ``backend`` over ``caches`` (an fp8 cache gets unit scales), or over
+    ``layer`` (a LayerCache) with ``caches``' metadata when given."""
     from attention import LayerCache
 
     k_cache, v_cache, meta = caches
-    if k_cache.dtype == FP8:
+    if layer is None and k_cache.dtype == FP8:
         ones = torch.ones(KV_HEADS, dtype=torch.float32, device=DEVICE)
         layer = LayerCache(k_cache, v_cache, k_scale=ones, v_scale=ones)
-    else:
+    elif layer is None:
         layer = LayerCache(k_cache, v_cache)
     plan = backend.plan(meta)  # once per step, outside the timing
     out = torch.empty_like(p.q)
@@ -198,10 +222,14 @@ def _measure(timer: KernelTimer, row: Row, p: Problem, fn: Callable[[], torch.Te
     return row
 
 
-def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str], fp8: bool = False) -> list[Row]:
+def run_main(
+    timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str], fp8: bool = False, int8: bool = False
+) -> list[Row]:
     """SDPA, triton at block 32 and 256 and flash-attn at 256 on every (batch, seq_len); with
     ``fp8`` also triton over an fp8 copy of the cache (unit scales), checked against SDPA on
-    the fp8-rounded K/V."""
+    the fp8-rounded K/V; with ``int8`` over an int8 cache (a scale per token and head),
+    checked against SDPA on its dequantized K/V."""
+    from attention.token_scales import dequantize_rows, quantize_rows
     from attention.triton_backend import TritonBackend
     from attention.value_layout import token_major_view
 
@@ -236,6 +264,14 @@ def run_main(timer: KernelTimer, shapes: list[tuple[int, int]], notes: list[str]
                     row = Row("prefill", "triton", batch, seq_len, block_size, variant=variant)
                     shape_rows.append(_measure(timer, row, p, _attend_fn(backend8, p, caches8), ref8))
                 del rounded, ref8, caches8, v8, values
+            if int8:
+                k_int8, v_int8 = (dequantize_rows(*quantize_rows(x), DTYPE) for x in (p.k, p.v))
+                ref_int8 = _sdpa_fn(Problem(batch, seq_len, p.q, k_int8, v_int8))()
+                layer8 = int8_layer(caches[0], caches[1])
+                backend_int8 = TritonBackend(common.spec(int8=True))
+                row = Row("prefill", "triton", batch, seq_len, block_size, variant="int8 cache")
+                shape_rows.append(_measure(timer, row, p, _attend_fn(backend_int8, p, caches, layer8), ref_int8))
+                del k_int8, v_int8, ref_int8, layer8
             del caches, fn
         common.set_vs_flash_attn(shape_rows)
         rows += shape_rows
@@ -320,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep the prefill kernel's launch parameters")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep, without the main rows")
     parser.add_argument("--fp8", action="store_true", help="also time triton over an fp8 cache")
+    parser.add_argument("--int8", action="store_true", help="also time triton over an int8 cache (per-token scales)")
     common.add_run_options(parser, "prefill")
     args = parser.parse_args(argv)
     if not common.require_cuda("bench_prefill"):
@@ -333,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         nonlocal rows, sweep
         if not args.sweep_only:
-            rows = run_main(timer, shapes, run.notes, fp8=args.fp8)
+            rows = run_main(timer, shapes, run.notes, fp8=args.fp8, int8=args.int8)
         if args.sweep or args.sweep_only:
             sweep = run_sweep(KernelTimer(min(args.warmup_ms, 10), min(args.rep_ms, 40)), shapes)
 

@@ -46,9 +46,9 @@ COPY_BYTES = 1 << 30
 DEVICE = "cuda"
 
 
-def spec(*, fp8: bool = False, window: int | None = None) -> Any:
-    """The benchmarks' ``AttentionSpec`` (bf16 compute; an fp8 or bf16 cache, an optional
-    sliding window)."""
+def spec(*, fp8: bool = False, window: int | None = None, int8: bool = False) -> Any:
+    """The benchmarks' ``AttentionSpec`` (bf16 compute; an fp8, int8 or bf16 cache, an
+    optional sliding window)."""
     from attention import AttentionSpec
 
     return AttentionSpec(
@@ -56,7 +56,7 @@ def spec(*, fp8: bool = False, window: int | None = None) -> Any:
         KV_HEADS,
         HEAD_DIM,
         dtype="bfloat16",
-        kv_cache_dtype="float8_e4m3" if fp8 else None,
+        kv_cache_dtype="float8_e4m3" if fp8 else "int8" if int8 else None,
         sliding_window=window,
     )
 

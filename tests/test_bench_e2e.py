@@ -69,19 +69,22 @@ def test_kernel_classes() -> None:
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
 
 
-def test_tiny_cpu_run_over_an_fp8_cache() -> None:
-    """``--kv-cache-dtype float8_e4m3``: our engine serves from an fp8 cache (compute stays in
-    the model dtype) and the roofline counts one byte per cached value."""
+@pytest.mark.parametrize(("cache_dtype", "scale_bytes"), [("float8_e4m3", 0), ("int8", 2)])
+def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int) -> None:
+    """``--kv-cache-dtype float8_e4m3`` / ``int8``: our engine serves from an 8-bit cache
+    (compute stays in the model dtype) and the roofline counts one byte per cached value, plus
+    int8's fp16 scale per token and KV head."""
     threads = torch.get_num_threads()
     try:
         args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst"]
-        doc = _bench().run([*args, "--kv-cache-dtype", "float8_e4m3"])
+        doc = _bench().run([*args, "--kv-cache-dtype", cache_dtype])
     finally:
         torch.set_num_threads(threads)
     results, errors = doc["results"], doc["errors"]
     assert not any(name.startswith(("ours", "model")) for name in errors), errors
-    assert results["ours_engine"]["cache_dtype"] == "float8_e4m3"
+    assert results["ours_engine"]["cache_dtype"] == cache_dtype
     burst = results["workloads"]["burst"]
     assert burst["ours"]["generated_tokens"] == burst["workload"]["requests"] * burst["workload"]["new_tokens"]
     shape = results["model"]["shape"]
-    assert burst["ours"]["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
+    per_head = shape["head_dim"] + scale_bytes
+    assert burst["ours"]["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * per_head
