@@ -480,6 +480,23 @@ def test_gpu_padded_head_dims(under: UnderTest, head_dim: int, rows: list[tuple[
 
 @gpu
 @pytest.mark.parametrize("under", CUDA_BACKENDS)
+@pytest.mark.parametrize(("dtype", "group", "head_dim"), [(torch.bfloat16, 4, 128), (torch.float16, 8, 64)])
+@pytest.mark.parametrize("block", ["smallest", "large"])
+@pytest.mark.parametrize("rows", GPU_ROWS)
+def test_gpu_int8_cache(
+    under: UnderTest, dtype: torch.dtype, group: int, head_dim: int, block: str, rows: list[tuple[int, int]]
+) -> None:
+    """The int8 cache at GPU sizes: long rows split over the sequence, prefill tiles, both
+    block sizes; against the float64 oracle over the dequantized cache."""
+    if "int8" not in BACKENDS[under.name].kv_cache_dtypes:
+        pytest.skip(f"{under.name} has no int8 cache")
+    block_size = under.block_size if block == "smallest" else max(256, 2 * under.block_size)
+    spec = make_spec(2 * group, 2, head_dim, dtype, kv_cache_dtype="int8")
+    _gpu_run(under, rows, spec, block_size, seed=group + head_dim)
+
+
+@gpu
+@pytest.mark.parametrize("under", CUDA_BACKENDS)
 def test_cache_past_int32_offsets(under: UnderTest) -> None:
     """A layer cache of more than 2**31 elements, with the rows' blocks at its far end, so
     every address the kernels form (cache writes and reads) overflows int32."""
