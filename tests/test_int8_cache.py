@@ -72,6 +72,11 @@ def test_int8_needs_a_compute_dtype_and_is_refused_for_a_latent_cache() -> None:
             "model: {num_layers: 1, num_heads: 2, num_kv_heads: 1, head_dim: 64, dtype: bfloat16}\n"
             "cache: {block_size: 256, dtype: int8, num_blocks: 2, device: cpu}\nattention: {backend: flash_attn}\n"
         )
+    with pytest.raises(ConfigError, match=r"cache\.kv_scale: is given with cache\.dtype int8.*remove kv_scale"):
+        parse_config(
+            "model: {num_layers: 1, num_heads: 2, num_kv_heads: 1, head_dim: 16, dtype: bfloat16}\n"
+            "cache: {block_size: 32, dtype: int8, num_blocks: 2, device: cpu, kv_scale: 0.05}\n"
+        )
 
 
 def test_kvcache_lays_each_block_out_as_values_then_scales() -> None:

@@ -69,6 +69,7 @@ def cross_field_problems(values: Values) -> list[ConfigProblem]:
         _heads_divide,
         _one_size,
         _compute_dtype_given,
+        _scale_fits_the_dtype,
         _window_pattern,
         _latent_attention,
         _backend_supports,
@@ -193,6 +194,23 @@ def _compute_dtype_given(values: Values) -> list[ConfigProblem]:
             "model.dtype",
             f"is required when cache.dtype is {cache_dtype}, a storage format for the cache only "
             f"(the model cannot compute in it); set model.dtype: {' or '.join(_preferred_compute())}",
+        )
+    ]
+
+
+def _scale_fits_the_dtype(values: Values) -> list[ConfigProblem]:
+    """cache.kv_scale is the starting scale of an fp8 cache; an int8 cache computes a scale per
+    token as it writes, so a kv_scale set with it (to anything but the default, 1.0) would be
+    silently ignored: refuse it."""
+    cache_dtype = _name(values, "cache.dtype", DTYPES)
+    scale = values.get("cache.kv_scale")
+    if cache_dtype is None or not DTYPES[cache_dtype].token_scales or scale is None or scale == 1.0:
+        return []
+    return [
+        ConfigProblem(
+            "cache.kv_scale",
+            f"is given with cache.dtype {cache_dtype}, which computes a scale per token and KV head as it "
+            "writes; remove kv_scale",
         )
     ]
 
