@@ -262,8 +262,8 @@ BACKENDS: dict[str, BackendInfo] = {
             block_sizes=MultipleOf(32, 1024),
             head_dims=MultipleOf(8, 256),
             dtypes=_COMPUTE_DTYPES,
-            # int8 (per-token scales) has no kernels yet: the reference backend serves it.
-            kv_cache_dtypes=tuple(name for name, info in DTYPES.items() if not info.token_scales),
+            # Every dtype: int8's per-token scales are read in the kernels (attention.token_scales).
+            kv_cache_dtypes=tuple(DTYPES),
             devices=("cuda",),
             min_compute_capability=(8, 0),
             sliding_window=True,

@@ -24,10 +24,11 @@ from triton.compiler import ASTSource
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 
 def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=False, fp8=False, f16_dots=True,
-                 token_major=False):
-    kv = "*fp8e4nv" if fp8 else "*bf16"
-    sig = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": "*fp32",
-           "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
+                 token_major=False, int8=False):
+    kv = "*fp8e4nv" if fp8 else "*i8" if int8 else "*bf16"
+    scale = "*fp16" if int8 else "*fp32"
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "k_scale_ptr": scale,
+           "v_scale_ptr": scale, "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
            "items_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
            "counters_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "window": "i32"}
     for name in ("num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
@@ -35,10 +36,12 @@ def items_kernel(block_size, fused, softcap=False, sinks=False, q_pad=1, tree=Fa
                  "stride_ot", "stride_oh"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, G_PAD=4, Q_PAD=q_pad, M_PAD=max(16, 4 * q_pad),
-                  HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=128 if fp8 else 64, KV_SCALED=fp8,
+                  HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=block_size, BLOCK_N=128 if fp8 or int8 else 64,
+                  BLOCK_STRIDE=(block_size + (2 * block_size + 127) // 128 if int8 else block_size) * 8 * 128,
+                  KV_SCALED=fp8, TOKEN_SCALES=int8,
                   F16_DOTS=fp8 and f16_dots, UPCAST=False,
                   DOT_PRECISION="tf32", FUSED_COMBINE=fused, MERGE_CHUNKS=32, SOFTCAP=softcap, SINKS=sinks,
-                  TREE=tree, V_TOKEN_MAJOR=token_major)
+                  TREE=tree, V_TOKEN_MAJOR=token_major or int8)
     sig.update(dict.fromkeys(consts, "constexpr"))
     # What a launch specialises on: 16-byte aligned pointers (0-12) and strides divisible by
     # 16 (stride_qt, stride_qh, stride_ot, stride_oh); without it no load is vectorised.
@@ -66,6 +69,8 @@ for name, src in (("items-bs256", items_kernel(256, False)), ("items-bs32-fused"
                   ("items-bs256-fp8-bf16-dots", items_kernel(256, False, fp8=True, f16_dots=False)),
                   ("items-bs256-fp8-token-major", items_kernel(256, False, fp8=True, token_major=True)),
                   ("items-bs32-fp8-token-major", items_kernel(32, False, fp8=True, token_major=True)),
+                  ("items-bs256-int8", items_kernel(256, False, int8=True)),
+                  ("items-bs32-fused-int8-q4", items_kernel(32, True, q_pad=4, int8=True)),
                   ("combine", combine_kernel()),
                   ("combine-sinks", combine_kernel(True))):
     k = triton.compile(src, target=target, options=dict(num_warps=4, num_stages=2))
@@ -83,7 +88,7 @@ def test_decode_kernels_compile_for_sm90() -> None:
     report = compile_report(_SCRIPT)
     kernels = ("items-bs256", "items-bs32-fused", "items-bs256-softcap", "items-bs32-fused-sinks",
                "items-bs32-fused-q8-tree", "items-bs256-q4", "items-bs256-fp8", "items-bs256-fp8-token-major",
-               "items-bs32-fp8-token-major")  # fmt: skip
+               "items-bs32-fp8-token-major", "items-bs256-int8", "items-bs32-fused-int8-q4")  # fmt: skip
     for name in kernels:
         assert report[name]["cp_async"] > 0, f"{name}: K/V loads are no longer pipelined: {report}"
         assert report[name]["shared"] < 100 * 1024, f"{name}: shared memory grew: {report}"
@@ -91,7 +96,7 @@ def test_decode_kernels_compile_for_sm90() -> None:
     fp16_dots, bf16_dots = report["items-bs256-fp8"], report["items-bs256-fp8-bf16-dots"]
     # fp8 K/V become the dots' fp16 in fewer conversions than bf16 takes (paging.f16_dots_for)
     assert fp16_dots["conversions"] < bf16_dots["conversions"], report
-    for name in ("items-bs256-fp8-token-major", "items-bs32-fp8-token-major"):
+    for name in ("items-bs256-fp8-token-major", "items-bs32-fp8-token-major", "items-bs256-int8"):
         # With V's tokens contiguous, P @ V's 8-bit operand leaves shared memory in ldmatrix
         # rows, not byte by byte (attention.value_layout)
         assert report[name]["byte_smem_reads"] == 0, report

@@ -23,16 +23,18 @@ def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
     return ASTSource(fn, sig, constexprs=consts)
 
-def rotary(dtype, cache, quantize):
+def rotary(dtype, cache, quantize, int8=False):
+    scale = "*fp16" if int8 else "*fp32"
     sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "q_out_ptr": dtype, "k_cache_ptr": cache,
            "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
-           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "num_slots": "i64", "max_positions": "i32"}
-    for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+           "k_scale_ptr": scale, "v_scale_ptr": scale, "num_slots": "i64", "max_positions": "i32"}
+    for name in ("stride_sb", "stride_st", "stride_sh",
+                 "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
                  "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
                  "stride_vd"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, Q_CHUNKS=1, BLOCK_SIZE=256,
-                  QUANTIZE=quantize, INTERPRETED=False)
+                  QUANTIZE=quantize, TOKEN_SCALES=int8, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
 
 def norm(dtype, add):
@@ -46,16 +48,19 @@ def silu(dtype):
 
 def prefill(dtype, persistent, window, softcap=False, sinks=False, cache=None, token_major=False):
     cache = cache or dtype
+    int8 = cache == "*i8"
+    scale = "*fp16" if int8 else "*fp32"
     sig = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
            "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "tile_index_ptr": "*i32",
-           "tile_count_ptr": "*i32", "out_ptr": dtype, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+           "tile_count_ptr": "*i32", "out_ptr": dtype, "k_scale_ptr": scale, "v_scale_ptr": scale,
            "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}
     for name in ("window", "num_blocks", "num_tokens", "table_width", "max_tiles", "stride_qt", "stride_qh",
                  "stride_bt", "stride_ot", "stride_oh"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=256, BLOCK_M=128,
-                  BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window, DEQUANT=cache != dtype,
-                  PERSISTENT=persistent, SOFTCAP=softcap, SINKS=sinks, V_TOKEN_MAJOR=token_major)
+                  BLOCK_N=128, UPCAST=False, DOT_PRECISION="tf32", HAS_WINDOW=window,
+                  DEQUANT=cache != dtype and not int8, PERSISTENT=persistent, SOFTCAP=softcap, SINKS=sinks,
+                  V_TOKEN_MAJOR=token_major or int8, BLOCK_STRIDE=(260 if int8 else 256) * 8 * 128, TOKEN_SCALES=int8)
     return source(_prefill_kernel, sig, consts)
 
 target = GPUTarget("cuda", 90, 32)
@@ -64,6 +69,7 @@ kernels = {
     "rotary-fp16": rotary("*fp16", "*fp16", False),
     "rotary-fp32": rotary("*fp32", "*fp32", False),
     "rotary-bf16-fp8-cache": rotary("*bf16", "*fp8e4nv", True),
+    "rotary-bf16-int8-cache": rotary("*bf16", "*i8", False, int8=True),
     "norm-bf16": norm("*bf16", False),
     "add-norm-bf16": norm("*bf16", True),
     "add-norm-fp32": norm("*fp32", True),
@@ -76,6 +82,7 @@ kernels = {
     "prefill-bf16-persistent-sinks": prefill("*bf16", True, False, False, True),
     "prefill-fp8-token-major": prefill("*bf16", False, False, cache="*fp8e4nv", token_major=True),
     "prefill-fp8-token-major-window": prefill("*bf16", True, True, cache="*fp8e4nv", token_major=True),
+    "prefill-int8-persistent-window": prefill("*bf16", True, True, cache="*i8"),
 }
 report = {}
 for name, src in kernels.items():
@@ -89,4 +96,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 16, report
+    assert len(report) == 18, report

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
 
-__all__ = ["write_kv_cache"]
+__all__ = ["quantize_int8_rows", "write_kv_cache"]
 
 # Elements one program moves per tensor; a [heads, head_dim] tile of this size keeps the
 # copy in registers with 16-byte accesses and leaves enough programs to cover the GPU.
@@ -27,6 +27,44 @@ def _round_to_e4m3_grid(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _round_to_bf16_grid(x):  # type: ignore[no-untyped-def]
+    """Round fp32 ``x`` to bf16's 8 significant bits (to nearest, ties to even) with integer
+    ops, keeping it fp32. Only under Triton's CPU interpreter, whose fp32 to bf16 cast
+    truncates; the GPU's conversion rounds to nearest."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_int8_rows(x, mask):  # type: ignore[no-untyped-def]
+    """fp32 ``x`` [rows, n] (one (token, KV head) row each; lanes outside ``mask`` ignored) ->
+    (int8 values [rows, n], fp16 scales [rows]) as :func:`attention.token_scales.quantize_rows`
+    computes them, bit for bit: ``scale = fp16(min(max|row| / 127, 65504))``, ``y = x /
+    scale`` in fp32 with the stored scale, ``sign(y) * floor(|y| + 0.5)`` clamped to +-127,
+    and 0 where the scale is 0. Both divisions are IEEE-rounded (``div_rn``): Triton's
+    default fp32 division on the GPU is approximate, and one ulp moves a value across a
+    rounding boundary."""
+    scale = int8_row_scale(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1))
+    return int8_row_values(x, scale), scale
+
+
+@triton.jit
+def int8_row_scale(amax):  # type: ignore[no-untyped-def]
+    """fp32 [rows] largest magnitudes -> fp16 [rows] scales (see :func:`quantize_int8_rows`)."""
+    return tl.minimum(tl.math.div_rn(amax, 127.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def int8_row_values(x, scale):  # type: ignore[no-untyped-def]
+    """fp32 ``x`` [rows, n] divided by fp16 ``scale`` [rows] -> int8 (see :func:`quantize_int8_rows`)."""
+    s = scale.to(tl.float32)[:, None]
+    y = tl.where(s > 0.0, tl.math.div_rn(x, tl.where(s > 0.0, s, 1.0)), 0.0)
+    r = tl.minimum(tl.floor(tl.abs(y) + 0.5), 127.0)
+    return tl.where(y < 0.0, -r, r).to(tl.int8)
+
+
+@triton.jit
 def _cache_write_kernel(  # type: ignore[no-untyped-def]
     key_ptr,
     value_ptr,
@@ -36,6 +74,9 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     k_scale_ptr,
     v_scale_ptr,
     num_slots,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -53,6 +94,7 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, head chunk): copy BLOCK_H heads of one token's K and V.
@@ -64,6 +106,10 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     A slot outside [0, num_slots) -- the -1 of a padded token, or a corrupt id -- masks the
     whole program off, so nothing but the given slots is ever written. QUANTIZE (an fp8
     cache): store ``x / scale[head]`` saturated to +-448 (float8_e4m3's largest finite value).
+    TOKEN_SCALES (an int8 cache, :mod:`attention.token_scales`): each (token, head) row is
+    quantized with its own scale (:func:`quantize_int8_rows`), stored at ``k_scale_ptr`` /
+    ``v_scale_ptr`` + block * stride_sb + offset * stride_st + head * stride_sh (fp16
+    elements; both scale views share these strides).
     """
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -79,7 +125,13 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     v_dst = block * stride_vb + offset * stride_vs + h[:, None] * stride_vc + d[None, :] * stride_vd
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    if QUANTIZE:
+    if TOKEN_SCALES:
+        k, k_row_scale = quantize_int8_rows(k.to(tl.float32), mask)
+        v, v_row_scale = quantize_int8_rows(v.to(tl.float32), mask)
+        s_dst = block * stride_sb + offset * stride_st + h * stride_sh
+        tl.store(k_scale_ptr + s_dst, k_row_scale, mask=h < heads)
+        tl.store(v_scale_ptr + s_dst, v_row_scale, mask=h < heads)
+    elif QUANTIZE:
         h_mask = h < heads
         k_scale = tl.load(k_scale_ptr + h, mask=h_mask, other=1.0)
         v_scale = tl.load(v_scale_ptr + h, mask=h_mask, other=1.0)
@@ -111,7 +163,11 @@ def write_kv_cache(
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same shape; k_cache
                       contiguous, v_cache contiguous or token-major (:mod:`attention.value_layout`).
     slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) is skipped.
-    k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache (values are stored divided by them).
+    k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache (values are stored divided by them);
+                      for an int8 cache (k_cache/v_cache then laid out as
+                      :func:`attention.token_scales.split_block_memory` lays them out) the
+                      fp16 [num_blocks, block_size, num_kv_heads] per-token scales, written
+                      with each row (:func:`attention.token_scales.quantize_rows`, bit for bit).
     Arguments are assumed checked by the caller (``AttentionBackend.write_kv``).
     """
     num_tokens = slot_mapping.shape[0]
@@ -125,6 +181,8 @@ def write_kv_cache(
     d_pad = next_power_of_2(max(head_dim, 16))
     block_h = min(next_power_of_2(kv_heads), max(1, _TILE_ELEMENTS // d_pad))
     grid = (num_tokens, triton.cdiv(kv_heads, block_h))
+    token_scales = k_cache.dtype == torch.int8
+    scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
     _cache_write_kernel[grid](
         key,
         value,
@@ -134,6 +192,7 @@ def write_kv_cache(
         k_scale if k_scale is not None else slot_mapping,  # unused unless QUANTIZE
         v_scale if v_scale is not None else slot_mapping,
         num_blocks * block_size,
+        *scale_strides,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -147,7 +206,8 @@ def write_kv_cache(
         D_PAD=d_pad,
         BLOCK_H=block_h,
         BLOCK_SIZE=block_size,
-        QUANTIZE=k_scale is not None,
+        QUANTIZE=k_scale is not None and not token_scales,
+        TOKEN_SCALES=token_scales,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )

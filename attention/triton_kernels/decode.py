@@ -32,14 +32,22 @@ from dataclasses import dataclass
 import torch
 
 from attention.checks import same_device
+from attention.token_scales import layout_problem
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
-from attention.triton_kernels.paging import dot_precision_for, f16_dots_for, next_power_of_2, upcast_for
+from attention.triton_kernels.paging import (
+    cache_block_stride,
+    dot_precision_for,
+    f16_dots_for,
+    next_power_of_2,
+    upcast_for,
+)
 from attention.value_layout import is_token_major, value_is_readable
 
 __all__ = [
     "DECODE_SWEEP",
     "FP8_KV_DTYPES",
+    "TOKEN_SCALED_KV_DTYPES",
     "DecodeConfig",
     "DecodeWorkspace",
     "allocate_decode_workspace",
@@ -55,6 +63,9 @@ _MERGE_CHUNKS = 32
 _QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: KV-cache dtypes read with per-KV-head dequantisation scales.
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: KV-cache dtypes read with a scale per (token, KV head) stored in each block
+#: (:mod:`attention.token_scales`).
+TOKEN_SCALED_KV_DTYPES = (torch.int8,)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,9 @@ def default_decode_config(
     256, 64x4096 in 154 us against 181, 16x16384 in 171 against 235, LogNormal(2048) in 113
     against 133; at block 32, 173 against 194, 192 against 248, 127 against 141. (With a
     contiguous fp8 V, 2 stages were as good or better at block 256.)
+
+    An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
+    same tiles and three stages; not yet measured on a GPU.
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
@@ -118,7 +132,8 @@ def default_decode_config(
     block_n = max(16, min(128, tile_bytes // (d_pad * itemsize)))
     q_itemsize = torch.empty((), dtype=dtype).element_size()
     warps = 8 if q_itemsize * d_pad > 512 else 4
-    stages = 3 if kv_dtype in FP8_KV_DTYPES and query_len <= 1 else 2
+    one_byte = kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES
+    stages = 3 if one_byte and query_len <= 1 else 2
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -273,7 +288,12 @@ def check_decode_launch(
             f"k_cache/v_cache: expected two [num_blocks, block_size, kv_heads, head_dim] tensors of one "
             f"shape and dtype, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
         )
-    if not (k_cache.is_contiguous() and value_is_readable(v_cache)):
+    token_scaled = k_cache.dtype in TOKEN_SCALED_KV_DTYPES
+    if token_scaled:
+        problem = layout_problem(k_cache, v_cache, scales[0], scales[1])
+        if problem is not None:
+            raise ValueError(f"{problem}: an int8 cache is read as attention.token_scales lays it out")
+    elif not (k_cache.is_contiguous() and value_is_readable(v_cache)):
         raise ValueError(
             f"k_cache/v_cache: the decode kernel needs a contiguous k_cache and a contiguous or token-major "
             f"v_cache (attention.value_layout), got strides {k_cache.stride()} and {v_cache.stride()}"
@@ -290,15 +310,21 @@ def check_decode_launch(
             f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
     fp8 = k_cache.dtype in FP8_KV_DTYPES
-    if not fp8 and k_cache.dtype != query.dtype:
-        raise ValueError(f"k_cache: dtype {k_cache.dtype} differs from the query's {query.dtype} (or is not fp8)")
+    if not (fp8 or token_scaled) and k_cache.dtype != query.dtype:
+        raise ValueError(
+            f"k_cache: dtype {k_cache.dtype} differs from the query's {query.dtype} (or is not fp8 or int8)"
+        )
     for name, s in zip(("k_scale", "v_scale"), scales, strict=True):
+        if token_scaled:
+            continue  # checked with the layout above
         bad = s is None or s.dtype != torch.float32 or tuple(s.shape) != (kv_heads,) or s.device != k_cache.device
         if fp8 and bad:
             got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
             raise ValueError(f"{name}: an fp8 cache needs fp32 [{kv_heads}] scales on {k_cache.device}, got {got}")
         if not fp8 and s is not None:
-            raise ValueError(f"{name}: given for a {k_cache.dtype} cache; scales apply only to fp8 caches")
+            raise ValueError(
+                f"{name}: given for a {k_cache.dtype} cache; scales apply only to fp8 caches (and int8's own)"
+            )
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[1] < 1:
         raise ValueError(
             f"block_tables: expected int32 [rows, >= 1 blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
@@ -366,7 +392,11 @@ def paged_decode(
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], k_cache contiguous,
                   v_cache contiguous or token-major (:mod:`attention.value_layout`), the
                   query's dtype, or fp8 (FP8_KV_DTYPES) with ``k_scale`` / ``v_scale``: fp32
-                  [num_kv_heads] dequantisation scales (K = k_scale[h] * k_fp8).
+                  [num_kv_heads] dequantisation scales (K = k_scale[h] * k_fp8), or int8
+                  laid out as :func:`attention.token_scales.split_block_memory` lays it out
+                  (V token-major, block stride past the values) with ``k_scale`` /
+                  ``v_scale``: its fp16 [num_blocks, block_size, num_kv_heads] per-token
+                  scales (K[b, t, h] = k_scale[b, t, h] * k_int8[b, t, h]).
     block_tables: int32 [table_rows, max_blocks]; row d reads table row ``table_rows[d]``
                   (a persistent table may have more rows than the step).
     rows, items:  int32 [>= grid_rows, 5] and [>= grid_items, 10] from :func:`decode_metadata`.
@@ -400,6 +430,7 @@ def paged_decode(
     group = num_heads // kv_heads
     d_pad = next_power_of_2(max(head_dim, 16))
     scaled = k_cache.dtype in FP8_KV_DTYPES
+    token_scaled = k_cache.dtype in TOKEN_SCALED_KV_DTYPES
     ws = workspace
     num_q_tokens = min(query.shape[0], out.shape[0])
     g_pad = next_power_of_2(group)
@@ -442,7 +473,9 @@ def paged_decode(
         D_PAD=d_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
+        BLOCK_STRIDE=cache_block_stride(k_cache),
         KV_SCALED=scaled,
+        TOKEN_SCALES=token_scaled,
         F16_DOTS=config.f16_fp8_dots and f16_dots_for(query.dtype, k_cache.dtype),
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
@@ -451,7 +484,7 @@ def paged_decode(
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
         TREE=tree_masks is not None and schedule.query_len > 1,
-        V_TOKEN_MAJOR=is_token_major(v_cache),
+        V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -33,6 +33,7 @@ from attention.triton_kernels.paging import (
     tile_token_offsets,
     to_f16_operand,
     token_major_offsets,
+    token_scale_offsets,
 )
 
 __all__ = ["decode_combine_kernel", "decode_items_kernel"]
@@ -74,10 +75,14 @@ def _tile_pages(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):  # type: ignore[no-untyped-def]
+def _softmax_step(  # type: ignore[no-untyped-def]
+    s, v, m_i, l_i, acc, v_cols, DOT_PRECISION: tl.constexpr, V_COLS: tl.constexpr
+):
     """Fold one tile into the running softmax (FlashAttention-2 recurrence, log2 domain).
 
     s: fp32 [M, N] scores already scaled by softmax_scale * log2(e), -inf where masked.
+    V_COLS (an int8 cache): P's columns are multiplied by ``v_cols``, fp32 [N] per-token V
+    scales (0 for tokens not seen), before P meets the int8 values; else ``v_cols`` is unused.
     Unlike the prefill helper, a tile may be entirely masked (out-of-range block ids): a row
     whose running max is still -inf subtracts 0 instead, so it stays at l = 0, acc = 0
     rather than turning NaN.
@@ -87,6 +92,8 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):  # type: ig
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if V_COLS:
+        p = p * v_cols[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -204,7 +211,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
     F16_DOTS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -228,17 +237,24 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     with a ``window`` > 0 only the last ``window`` positions up to its own. With Q_PAD = 1
     none of these masks is compiled: the item's range is the row's.
 
-    K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous (compile-time
-    strides). KV_SCALED (an fp8 cache): K and V are converted to the query's dtype and
-    dequantised with per-KV-head fp32 scales, k_scale folded into the score scale and
-    v_scale applied to the output (both constant over the head, so the same as scaling
-    every element). F16_DOTS (an fp8 cache, 16-bit queries): both dots take fp16 operands
+    K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous within a block,
+    blocks BLOCK_STRIDE elements apart (compile-time strides). KV_SCALED (an fp8 cache): K
+    and V are converted to the query's dtype and dequantised with per-KV-head fp32 scales,
+    k_scale folded into the score scale and v_scale applied to the output (both constant
+    over the head, so the same as scaling every element). TOKEN_SCALES (an int8 cache,
+    :mod:`attention.token_scales`; V token-major): K and V are converted to the query's
+    dtype (exact: |v| <= 127); ``k_scale_ptr`` / ``v_scale_ptr`` are the fp16 per-token
+    scales (``LayerCache.k_scale``), read per tile as a [BLOCK_N] vector masked to the valid
+    tokens (other=0, so a stale NaN scale past a row's end is never read); the scores are
+    multiplied by the K scales, P's columns by the V scales before the P @ V product.
+    F16_DOTS (an fp8 cache, 16-bit queries): both dots take fp16 operands
     (``paging.f16_dots_for``), else the query's dtype. SOFTCAP: scores are capped,
     ``softcap * tanh(s / softcap)`` with ``softcap`` in the same log2 units as ``qk_scale``.
     SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
     joins the softmax's denominator once: here for a row of one chunk, at the merge for a
     split row. V_TOKEN_MAJOR: the V cache is token-major (:mod:`attention.value_layout`);
-    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, non-finite values zeroed.
+    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, non-finite values zeroed
+    (not for int8, whose values are all finite).
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
@@ -300,9 +316,11 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     for n0 in range(first, kv_end, BLOCK_N):
         n = n0 + offs_n
         valid = tl.where(ok, (n >= kv_start) & (n < kv_end), False)
-        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
-            vt_off = token_major_offsets(pages, n0, offs_n, head_off + dd, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + dd, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
+        if TOKEN_SCALES:
+            s_off = token_scale_offsets(pages, n0, offs_n, kvh, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
         # Next tile's ids now: loop-carried, so the pipeliner multi-buffers the K/V copies.
         pages, ok = _tile_pages(
             table_ptr, n0 + BLOCK_N, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N
@@ -310,23 +328,30 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
         kv_off = tok[:, None] + head_off + dd[None, :]
         kv_mask = tile_mask(valid, dd, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST or KV_SCALED:  # fp8 to fp16 under F16_DOTS (q's dtype then): exact
+        if UPCAST or KV_SCALED or TOKEN_SCALES:  # fp8 to fp16 under F16_DOTS (q's dtype then), int8: exact
             k = k.to(q.dtype)
         if V_TOKEN_MAJOR:
             if HEAD_DIM != D_PAD:
                 vt = tl.load(v_cache_ptr + vt_off, mask=(dd < HEAD_DIM)[:, None], other=0.0)
             else:
                 vt = tl.load(v_cache_ptr + vt_off)
-            if UPCAST or KV_SCALED:
+            if UPCAST or KV_SCALED or TOKEN_SCALES:
                 vt = vt.to(q.dtype)
-            # Read unmasked (16-byte loads along the tokens) inside a valid block: slots past
-            # the row's end may hold NaN, which must not meet p = 0.
-            v = tl.trans(finite_operand(vt))
+            if TOKEN_SCALES:  # noqa: SIM108 (compile-time) int8 is finite: past the row's end p * 0 = 0
+                v = tl.trans(vt)
+            else:
+                # Read unmasked (16-byte loads along the tokens) inside a valid block: slots past
+                # the row's end may hold NaN, which must not meet p = 0.
+                v = tl.trans(finite_operand(vt))
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if UPCAST or KV_SCALED:
                 v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        v_cols = scale  # unused unless TOKEN_SCALES
+        if TOKEN_SCALES:
+            s = s * tl.load(k_scale_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[None, :]
+            v_cols = tl.load(v_scale_ptr + s_off, mask=valid, other=0.0).to(tl.float32)
         if SOFTCAP:
             s = soft_cap(s, softcap)
         if Q_PAD > 1:
@@ -338,7 +363,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
             s = tl.where(valid[None, :] & seen, s, float("-inf"))
         else:
             s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, v_cols, DOT_PRECISION, TOKEN_SCALES)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -15,7 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.dtypes import dtype_info
+
 __all__ = [
+    "cache_block_stride",
     "dot_precision_for",
     "f16_dots_for",
     "finite_operand",
@@ -29,6 +32,7 @@ __all__ = [
     "tile_token_offsets",
     "to_f16_operand",
     "token_major_offsets",
+    "token_scale_offsets",
     "upcast_for",
 ]
 
@@ -147,18 +151,21 @@ def tile_token_offsets(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
 ):
-    """int64 [BLOCK_N] element offsets, in a contiguous cache whose tokens are TOKEN_STRIDE
-    (= kv_heads * head_dim) elements apart, of tokens ``n0 + offs_n`` given their block ids
+    """int64 [BLOCK_N] element offsets, in a cache whose tokens are TOKEN_STRIDE (= kv_heads
+    * head_dim) elements apart within a block and whose blocks are BLOCK_STRIDE elements
+    apart (``block_size * TOKEN_STRIDE``, or more for an int8 cache, whose blocks also hold
+    their scales: :func:`cache_block_stride`), of tokens ``n0 + offs_n`` given their block ids
     from :func:`load_tile_pages`.
 
     The strides are compile-time constants, so the compiler knows every token row starts on
     a multiple of 8 elements (head_dim is a multiple of 8) and keeps 16-byte accesses.
     """
     if BLOCK_SIZE % BLOCK_N == 0:
-        offsets = pages * (BLOCK_SIZE * TOKEN_STRIDE) + ((n0 % BLOCK_SIZE) + offs_n) * TOKEN_STRIDE
+        offsets = pages * BLOCK_STRIDE + ((n0 % BLOCK_SIZE) + offs_n) * TOKEN_STRIDE
     else:
-        offsets = pages * (BLOCK_SIZE * TOKEN_STRIDE) + ((n0 + offs_n) % BLOCK_SIZE) * TOKEN_STRIDE
+        offsets = pages * BLOCK_STRIDE + ((n0 + offs_n) % BLOCK_SIZE) * TOKEN_STRIDE
     return offsets
 
 
@@ -170,12 +177,12 @@ def token_major_offsets(  # type: ignore[no-untyped-def]
     rows,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TOKEN_STRIDE: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
 ):
     """int64 [R, BLOCK_N] element offsets of rows ``rows`` (kv_head * head_dim + d, int32 [R])
     of tokens ``n0 + offs_n`` in a token-major V cache (:mod:`attention.value_layout`: each
-    block ``[kv_heads, head_dim, BLOCK_SIZE]``, TOKEN_STRIDE = kv_heads * head_dim), given
-    the tokens' block ids from :func:`load_tile_pages`.
+    block ``[kv_heads, head_dim, BLOCK_SIZE]``, blocks BLOCK_STRIDE elements apart, see
+    :func:`tile_token_offsets`), given the tokens' block ids from :func:`load_tile_pages`.
 
     Tokens are contiguous within a block. The compiler is told so, to keep 16-byte loads: a
     tile inside one block is one run of BLOCK_N tokens starting on a multiple of BLOCK_N;
@@ -184,15 +191,50 @@ def token_major_offsets(  # type: ignore[no-untyped-def]
     on multiples of BLOCK_SIZE, and tiles start on multiples of BLOCK_N).
     """
     if BLOCK_SIZE % BLOCK_N == 0:
-        tok = pages * (BLOCK_SIZE * TOKEN_STRIDE) + (n0 % BLOCK_SIZE) + offs_n
+        tok = pages * BLOCK_STRIDE + (n0 % BLOCK_SIZE) + offs_n
         off = rows.to(tl.int64)[:, None] * BLOCK_SIZE + tok[None, :]
         off = tl.max_contiguous(tl.multiple_of(off, [1, BLOCK_N]), [1, BLOCK_N])
     else:
         run: tl.constexpr = BLOCK_SIZE & -BLOCK_SIZE  # a constexpr, < BLOCK_N here (BLOCK_N is a power of two)
-        tok = pages * (BLOCK_SIZE * TOKEN_STRIDE) + (n0 + offs_n) % BLOCK_SIZE
+        tok = pages * BLOCK_STRIDE + (n0 + offs_n) % BLOCK_SIZE
         off = rows.to(tl.int64)[:, None] * BLOCK_SIZE + tok[None, :]
         off = tl.max_contiguous(tl.multiple_of(off, [1, run]), [1, run])
     return off
+
+
+@triton.jit
+def token_scale_offsets(  # type: ignore[no-untyped-def]
+    pages,
+    n0,
+    offs_n,
+    kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+):
+    """int64 [BLOCK_N] offsets, in fp16 elements from ``LayerCache.k_scale`` / ``v_scale``'s
+    first element, of KV head ``kv_head``'s per-token scales of tokens ``n0 + offs_n`` in an
+    int8 cache (:mod:`attention.token_scales`: each block's scales ``[kv_heads, BLOCK_SIZE]``
+    right after its values, blocks BLOCK_STRIDE bytes apart), given the tokens' block ids from
+    :func:`load_tile_pages`. One head's scales of one block are contiguous, so a tile inside
+    one block reads its scales in one vector load."""
+    base = pages * (BLOCK_STRIDE // 2) + kv_head * BLOCK_SIZE
+    if BLOCK_SIZE % BLOCK_N == 0:  # noqa: SIM108 (a compile-time branch)
+        off = base + (n0 % BLOCK_SIZE) + offs_n
+    else:
+        off = base + (n0 + offs_n) % BLOCK_SIZE
+    return off
+
+
+def cache_block_stride(cache: torch.Tensor) -> int:
+    """Elements from one block of a ``[num_blocks, block_size, kv_heads, head_dim]`` K or V
+    cache to the next, from its shape and dtype (not its strides, which a one-block tensor
+    leaves free): ``block_size * kv_heads * head_dim``, or for an int8 cache the rows that
+    also hold the block's scales (:func:`attention.dtypes.DtypeInfo.rows_per_block`)."""
+    _, block_size, kv_heads, head_dim = cache.shape
+    if cache.dtype == torch.int8:
+        return dtype_info("int8").rows_per_block(block_size, head_dim) * kv_heads * head_dim
+    return block_size * kv_heads * head_dim
 
 
 @triton.jit
@@ -211,7 +253,7 @@ def tile_mask(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def online_softmax_update(  # type: ignore[no-untyped-def]
-    qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
+    qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION: tl.constexpr, V_COLS: tl.constexpr
 ):
     """Fold one key tile into the running softmax state (FlashAttention-2 recurrence).
 
@@ -221,11 +263,16 @@ def online_softmax_update(  # type: ignore[no-untyped-def]
     m_i: fp32 [M] running max of ``qk * qk_scale`` (log2 domain); l_i: fp32 [M] running sum;
     acc: fp32 [M, D] unnormalised output. ``qk_scale`` = softmax_scale * log2(e), so exp2
     replaces exp and the scale folds into one multiply-add per score.
+    V_COLS (an int8 cache): ``v_cols`` fp32 [N] holds each key's V scale (0 for keys not
+    seen), and P's columns are multiplied by it before P meets the int8 values; otherwise
+    ``v_cols`` is unused.
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if V_COLS:
+        p = p * v_cols[None, :]
     # The rescaled output is the MMA's accumulator input, so the product adds in place.
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc

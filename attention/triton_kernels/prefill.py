@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.token_scales import layout_problem
 from attention.triton_kernels.paging import (
+    cache_block_stride,
     dot_precision_for,
     finite_operand,
     load_tile_pages,
@@ -38,6 +40,7 @@ from attention.triton_kernels.paging import (
     tile_mask,
     tile_token_offsets,
     token_major_offsets,
+    token_scale_offsets,
     upcast_for,
 )
 from attention.value_layout import is_token_major, value_is_readable
@@ -159,14 +162,36 @@ def _pages_in_cache(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _to_compute(x, scale, DEQUANT: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+def _to_compute(  # type: ignore[no-untyped-def]
+    x, scale, DEQUANT: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr, TOKEN_SCALES: tl.constexpr
+):
     """A loaded K/V tile in the dtype the dots take: an fp8 tile times its KV head's scale;
-    float32 under the interpreter's bf16 workaround (UPCAST); else as loaded."""
+    an int8 tile converted as it is (exact: |v| <= 127; its per-token scales apply to the
+    scores and to P); float32 under the interpreter's bf16 workaround (UPCAST, then ``dtype``
+    is float32); else as loaded."""
     if DEQUANT:
         x = (x.to(tl.float32) * scale).to(dtype)
-    elif UPCAST:
-        x = x.to(tl.float32)
+    elif UPCAST or TOKEN_SCALES:
+        x = x.to(dtype)
     return x
+
+
+@triton.jit
+def _token_scales(  # type: ignore[no-untyped-def]
+    k_scale_ptr, v_scale_ptr, pages, n0, offs_n, kv_head, mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """An int8 cache's fp16 per-token K and V scales of KV head ``kv_head`` for tokens ``n0 +
+    offs_n`` (fp32 [BLOCK_N] each). MASKED: read only where ``mask`` holds (0 elsewhere), so
+    the stale (NaN) scales of slots never written are never read."""
+    off = token_scale_offsets(pages, n0, offs_n, kv_head, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
+    if MASKED:
+        ks = tl.load(k_scale_ptr + off, mask=mask, other=0.0)
+        vs = tl.load(v_scale_ptr + off, mask=mask, other=0.0)
+    else:
+        ks = tl.load(k_scale_ptr + off)
+        vs = tl.load(v_scale_ptr + off)
+    return ks.to(tl.float32), vs.to(tl.float32)
 
 
 @triton.jit
@@ -180,32 +205,38 @@ def _unmasked_token_major_values(  # type: ignore[no-untyped-def]
     D_PAD: tl.constexpr,
     DEQUANT: tl.constexpr,
     UPCAST: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
 ):
     """A token-major V tile (offsets ``vt_off`` [D_PAD, BLOCK_N] from ``token_major_offsets``)
     as the [BLOCK_N, D_PAD] dot operand, for tiles that may reach past a row's end.
 
     Loaded unmasked along the tokens (a per-token mask would split the 16-byte loads into
     bytes): every block id is inside the cache, and the past-the-end slots' bits, made finite
-    (``finite_operand``), meet p = 0."""
+    (``finite_operand``), meet p = 0. (int8 values are always finite: no select.)"""
     if HEAD_DIM == D_PAD:
         vt = tl.load(v_cache_ptr + vt_off)
     else:
         vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
-    return tl.trans(finite_operand(_to_compute(vt, scale, DEQUANT, UPCAST, dtype)))
+    vt = _to_compute(vt, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)
+    if not TOKEN_SCALES:
+        vt = finite_operand(vt)
+    return tl.trans(vt)
 
 
 @triton.jit
 def _masked_softmax_update(  # type: ignore[no-untyped-def]
-    qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
+    qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION: tl.constexpr, V_COLS: tl.constexpr
 ):
     """:func:`online_softmax_update` for tiles where a row may see no key at all (the left
     edge of a sliding window): a row whose running max is still -inf contributes nothing
-    instead of NaN."""
+    instead of NaN. V_COLS: P's columns times ``v_cols`` (an int8 cache's V scales)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if V_COLS:
+        p = p * v_cols[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -253,6 +284,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
 ):
     """One work item is (tile-index entry, query head). Without PERSISTENT, program ``pid``
     takes item ``pid`` (the grid is the step's tiles x heads). With PERSISTENT (a fixed grid,
@@ -268,7 +301,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
                 tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap, window, num_blocks,
                 num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, NUM_HEADS,
                 NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION, HAS_WINDOW,
-                DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR,
+                DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR, BLOCK_STRIDE, TOKEN_SCALES,
             )  # fmt: skip
     else:
         _prefill_item(
@@ -276,7 +309,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             query_start_loc_ptr, tile_index_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap,
             window, num_blocks, num_tokens, table_width, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
             NUM_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, UPCAST, DOT_PRECISION,
-            HAS_WINDOW, DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR,
+            HAS_WINDOW, DEQUANT, SOFTCAP, SINKS, V_TOKEN_MAJOR, BLOCK_STRIDE, TOKEN_SCALES,
         )  # fmt: skip
 
 
@@ -320,6 +353,8 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
 ):
     """Item (head, tile): heads vary fastest so the query heads of one KV group run side
     by side and share each K/V tile through L2. With HAS_WINDOW, a query at position p sees
@@ -328,7 +363,12 @@ def _prefill_item(  # type: ignore[no-untyped-def]
     SOFTCAP: raw scores are capped before the masks, ``softcap * tanh(qk / softcap)``, with
     ``softcap`` the cap divided by the softmax scale (the scale applies after). SINKS: the
     head's sink logit ``sinks[h]`` joins the denominator at the end. V_TOKEN_MAJOR: the V
-    cache is token-major (:mod:`attention.value_layout`) and V tiles load as [D_PAD, BLOCK_N]."""
+    cache is token-major (:mod:`attention.value_layout`) and V tiles load as [D_PAD, BLOCK_N].
+    Blocks of K and V are BLOCK_STRIDE elements apart. TOKEN_SCALES (an int8 cache,
+    :mod:`attention.token_scales`): ``k_scale_ptr`` / ``v_scale_ptr`` are the fp16 per-token
+    scales; the raw scores are multiplied by the keys' K scales (before the cap), P's columns
+    by their V scales, each read per tile as a [BLOCK_N] vector (masked where a tile may reach
+    past the row's end or below the window: stale NaN scales are never read)."""
     h = item % NUM_HEADS
     entry = tile_index_ptr + 2 * (item // NUM_HEADS)  # < 2**31: the index is sized by tokens
     row = tl.load(entry)
@@ -391,35 +431,46 @@ def _prefill_item(  # type: ignore[no-untyped-def]
         for n0 in range(lo, mid_start, BLOCK_N):
             n = n0 + offs_n
             pages = _pages_in_cache(table_row, n0, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
-            tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+            tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
             kv_off = tok[:, None] + head_off + d[None, :]
             n_mask = (n < kv_end) & (n >= win_lo)
             kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+            k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
             if V_TOKEN_MAJOR:
-                vt_off = token_major_offsets(
-                    pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM
-                )
+                vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
                 v = _unmasked_token_major_values(
-                    v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST
+                    v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST, TOKEN_SCALES
                 )
             else:
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-                v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+                v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            v_cols = qk_scale  # unused unless TOKEN_SCALES
+            if TOKEN_SCALES:
+                ks, v_cols = _token_scales(
+                    k_scale_ptr, v_scale_ptr, pages, n0, offs_n, h // GROUP, n_mask, BLOCK_SIZE, BLOCK_N,
+                    BLOCK_STRIDE, True,
+                )  # fmt: skip
+                qk = qk * ks[None, :]
             if SOFTCAP:
                 qk = soft_cap(qk, softcap)
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
-            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION, TOKEN_SCALES)
 
     # Block ids run one tile ahead (see load_tile_pages), across both loops.
     pages = _pages_in_cache(table_row, mid_start, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
     for n0 in range(mid_start, full_end, BLOCK_N):
-        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
-            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
+        v_cols = qk_scale  # unused unless TOKEN_SCALES
+        if TOKEN_SCALES:  # every key of a full tile was written: no mask
+            ks, v_cols = _token_scales(
+                k_scale_ptr, v_scale_ptr, pages, n0, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE,
+                False,
+            )  # fmt: skip
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
@@ -435,44 +486,56 @@ def _prefill_item(  # type: ignore[no-untyped-def]
                 vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
             else:
                 v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
-        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         if V_TOKEN_MAJOR:
-            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype))
+            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES))
         else:
-            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if TOKEN_SCALES:
+            qk = qk * ks[None, :]
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
-        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION, TOKEN_SCALES)
 
     for n0 in range(full_end, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < kv_end
         if HAS_WINDOW:
             n_mask = n_mask & (n >= win_lo)
-        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+        tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
-            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM)
+            vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
+        v_cols = qk_scale  # unused unless TOKEN_SCALES
+        if TOKEN_SCALES:
+            ks, v_cols = _token_scales(
+                k_scale_ptr, v_scale_ptr, pages, n0, offs_n, h // GROUP, n_mask, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE,
+                True,
+            )  # fmt: skip
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         kv_mask = tile_mask(n_mask, d, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype)
+        k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         if V_TOKEN_MAJOR:
-            v = _unmasked_token_major_values(v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST)
+            v = _unmasked_token_major_values(
+                v_cache_ptr, vt_off, d, v_scale, q.dtype, HEAD_DIM, D_PAD, DEQUANT, UPCAST, TOKEN_SCALES
+            )
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype)
+            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if TOKEN_SCALES:
+            qk = qk * ks[None, :]
         if SOFTCAP:
             qk = soft_cap(qk, softcap)
         if HAS_WINDOW:
             visible = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
-            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            m_i, l_i, acc = _masked_softmax_update(qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION, TOKEN_SCALES)
         else:
             qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            m_i, l_i, acc = online_softmax_update(qk, v, m_i, l_i, acc, qk_scale, v_cols, DOT_PRECISION, TOKEN_SCALES)
 
     if SINKS:  # one more term in the denominator: 2^(sink - m), with the max taken over it too
         sink = tl.load(sinks_ptr + h) * 1.4426950408889634
@@ -521,7 +584,10 @@ def paged_prefill(
                      is padding and computes nothing.
     out:             [num_tokens, num_heads, head_dim], query's dtype, last dim contiguous.
     window:          sliding window (a query sees this many keys, itself included); None: all.
-    k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache (else None).
+    k_scale, v_scale: fp32 [num_kv_heads] dequantization scales of an fp8 cache; for an int8
+                     cache (laid out as :func:`attention.token_scales.split_block_memory` lays
+                     it out, V token-major) its fp16 [num_blocks, block_size, num_kv_heads]
+                     per-token scales; else None.
     tile_count, programs: a fixed grid (CUDA graphs): ``programs`` persistent programs share
                      the first ``tile_count[0]`` entries (int32 [1] on the device; clamped to
                      ``num_tiles``) of a padded ``tile_index``. The launch then depends only
@@ -536,7 +602,12 @@ def paged_prefill(
         raise ValueError("tile_count and programs: give both (a fixed grid) or neither")
     if num_tiles == 0:
         return out
-    if not (k_cache.is_contiguous() and value_is_readable(v_cache)):
+    token_scaled = k_cache.dtype == torch.int8
+    if token_scaled:
+        problem = layout_problem(k_cache, v_cache, k_scale, v_scale)
+        if problem is not None:
+            raise ValueError(f"{problem}: an int8 cache is read as attention.token_scales lays it out")
+    elif not (k_cache.is_contiguous() and value_is_readable(v_cache)):
         raise ValueError(
             f"k_cache/v_cache: the prefill kernel needs a contiguous k_cache and a contiguous or token-major "
             f"v_cache (attention.value_layout), got strides {k_cache.stride()} and {v_cache.stride()}"
@@ -580,11 +651,13 @@ def paged_prefill(
         UPCAST=upcast_for(query.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
         HAS_WINDOW=window is not None,
-        DEQUANT=k_scale is not None,
+        DEQUANT=k_scale is not None and not token_scaled,
         PERSISTENT=programs is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
-        V_TOKEN_MAJOR=is_token_major(v_cache),
+        V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
+        BLOCK_STRIDE=cache_block_stride(k_cache),
+        TOKEN_SCALES=token_scaled,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -2,7 +2,9 @@
 the rotated Q, in one kernel (instead of a gather, a dozen elementwise ops and the cache write).
 
 Numbers follow :func:`attention.rotary.rotate`: float32 math, one rounding to the output dtype
-(and, for an fp8 cache, the same scaling and saturation as the cache write).
+(and, for an fp8 cache, the same scaling and saturation as the cache write). For an int8
+cache the rotated K is first rounded to the input's dtype, as the composed boundary
+(:func:`attention.rotary.rotate`, then the cache write) rounds it, so both store the same bits.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.cache_write import _round_to_e4m3_grid
+from attention.triton_kernels.cache_write import (
+    _round_to_bf16_grid,
+    _round_to_e4m3_grid,
+    int8_row_scale,
+    int8_row_values,
+)
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
 
 __all__ = ["rotary_write_kv"]
@@ -41,6 +48,31 @@ def _quantize(x, scale_ptr, h, h_mask, dtype, INTERPRETED: tl.constexpr):  # typ
 
 
 @triton.jit
+def _as_input_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """fp32 ``x`` rounded to ``dtype`` (to nearest even) and back to fp32 (the interpreter's
+    fp32 to bf16 cast truncates, so there bf16 is rounded with integer ops)."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        return _round_to_bf16_grid(x)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_int8_halves(  # type: ignore[no-untyped-def]
+    lo, hi, mask, cache_ptr, dst, stride_d, scale_ptr, s_dst, s_mask, HALF: tl.constexpr
+):
+    """Quantize rows whose halves are fp32 ``lo`` / ``hi`` [heads, HALF_PAD] (lanes outside
+    ``mask`` ignored) with one scale per row over both halves, as
+    :func:`~.cache_write.quantize_int8_rows` does; store the int8 values at ``cache_ptr +
+    dst`` (+ ``HALF * stride_d`` for the upper half) and the fp16 scales at ``scale_ptr +
+    s_dst`` where ``s_mask``."""
+    amax = tl.maximum(tl.max(tl.where(mask, tl.abs(lo), 0.0), axis=1), tl.max(tl.where(mask, tl.abs(hi), 0.0), axis=1))
+    scale = int8_row_scale(amax)
+    tl.store(cache_ptr + dst, int8_row_values(lo, scale), mask=mask)
+    tl.store(cache_ptr + dst + HALF * stride_d, int8_row_values(hi, scale), mask=mask)
+    tl.store(scale_ptr + s_dst, scale, mask=s_mask)
+
+
+@triton.jit
 def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
@@ -55,6 +87,9 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     v_scale_ptr,
     num_slots,
     max_positions,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -78,6 +113,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     Q_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
@@ -88,7 +124,9 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     padding token, or a corrupt id) writes no K/V, so nothing outside the table, the inputs,
     q_out and the given slots is ever read or written. The K cache's strides are (stride_cb,
     stride_ct, stride_ch, 1); V has its own, contiguous or token-major
-    (:mod:`attention.value_layout`).
+    (:mod:`attention.value_layout`). TOKEN_SCALES (an int8 cache): each (token, KV head) row
+    gets its own fp16 scale, stored at ``k_scale_ptr`` / ``v_scale_ptr`` + block * stride_sb
+    + offset * stride_st + head * stride_sh, as the cache write stores it.
     """
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -122,21 +160,34 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         v_lo = tl.load(v_src, mask=kv_mask)
         v_hi = tl.load(v_src + HALF, mask=kv_mask)
         dtype = k_cache_ptr.dtype.element_ty
-        if QUANTIZE:
-            k_lo_out = _quantize(k_lo, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
-            k_hi_out = _quantize(k_hi, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
-            v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
-            v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+        if TOKEN_SCALES:
+            # K as the composed boundary stores it: rotated, rounded to the input's dtype, quantized.
+            k_in = k_ptr.dtype.element_ty
+            s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kh * stride_sh
+            _store_int8_halves(
+                _as_input_dtype(k_lo, k_in, INTERPRETED), _as_input_dtype(k_hi, k_in, INTERPRETED), kv_mask,
+                k_cache_ptr, dst, 1, k_scale_ptr, s_dst, kh_mask, HALF,
+            )  # fmt: skip
+            _store_int8_halves(
+                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+                kh_mask, HALF,
+            )  # fmt: skip
         else:
-            # V is a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
-            k_lo_out = k_lo.to(dtype)
-            k_hi_out = k_hi.to(dtype)
-            v_lo_out = v_lo
-            v_hi_out = v_hi
-        tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
-        tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
-        tl.store(v_cache_ptr + v_dst, v_lo_out, mask=kv_mask)
-        tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=kv_mask)
+            if QUANTIZE:
+                k_lo_out = _quantize(k_lo, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+                k_hi_out = _quantize(k_hi, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+                v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+                v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
+            else:
+                # V is a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
+                k_lo_out = k_lo.to(dtype)
+                k_hi_out = k_hi.to(dtype)
+                v_lo_out = v_lo
+                v_hi_out = v_hi
+            tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
+            tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
+            tl.store(v_cache_ptr + v_dst, v_lo_out, mask=kv_mask)
+            tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=kv_mask)
 
 
 def rotary_write_kv(
@@ -161,7 +212,10 @@ def rotary_write_kv(
     slot_mapping:     int64 [num_tokens]; -1 (and any id outside the cache) writes nothing.
     positions:        int64 [num_tokens]; clamped into the table.
     cos_sin:          float32 [max_positions, head_dim] (``attention.rotary.RotaryTable``).
-    k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache.
+    k_scale, v_scale: fp32 [num_kv_heads] for an fp8 cache; for an int8 cache (laid out as
+                      :func:`attention.token_scales.split_block_memory` lays it out) the fp16
+                      [num_blocks, block_size, num_kv_heads] per-token scales, written with
+                      each row.
     Returns a new contiguous [num_tokens, num_heads, head_dim] tensor of query's dtype.
     Arguments are assumed checked by the caller (``AttentionBackend.rotary_write_kv``).
     """
@@ -175,6 +229,8 @@ def rotary_write_kv(
     block_h = min(next_power_of_2(max(num_heads, kv_heads)), max(1, _TILE_ELEMENTS // half_pad))
     q_chunks = triton.cdiv(num_heads, block_h)
     grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, block_h))
+    token_scales = k_cache.dtype == torch.int8
+    scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
     _rotary_write_kernel[grid](
         query,
         key,
@@ -189,6 +245,7 @@ def rotary_write_kv(
         v_scale if v_scale is not None else cos_sin,
         num_blocks * block_size,
         cos_sin.shape[0],
+        *scale_strides,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -208,7 +265,8 @@ def rotary_write_kv(
         BLOCK_H=block_h,
         Q_CHUNKS=q_chunks,
         BLOCK_SIZE=block_size,
-        QUANTIZE=k_scale is not None,
+        QUANTIZE=k_scale is not None and not token_scales,
+        TOKEN_SCALES=token_scales,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )
