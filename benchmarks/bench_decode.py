@@ -177,6 +177,17 @@ FP8_VARIANT = Variant("fp8 cache", fp8=True)
 INT8_VARIANT = Variant("int8 cache", int8=True)
 
 
+def int8_variants() -> list[Variant]:
+    """``--fp8-sweep`` also times the int8 cache at other pipeline depths."""
+    from attention.triton_kernels import default_decode_config
+
+    base = default_decode_config(HEAD_DIM, DTYPE, torch.int8)
+    return [
+        Variant("int8 cache, 2 stages", config=dataclasses.replace(base, num_stages=2), int8=True),
+        Variant("int8 cache, 4 stages", config=dataclasses.replace(base, num_stages=4), int8=True),
+    ]
+
+
 def fp8_variants() -> list[Variant]:
     """``--fp8-sweep``: the fp8 cache with V contiguous (the layout before token-major V) at
     3 and 2 stages, with its dots in the query's dtype (bf16, the conversion the fp16 dots
@@ -389,7 +400,7 @@ def run_decode(
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
     flash = common.flash_attn_backend(notes, "decode rows")
-    chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() if fp8_sweep else [])]
+    chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []

@@ -228,7 +228,7 @@ def run_main(
     """SDPA, triton at block 32 and 256 and flash-attn at 256 on every (batch, seq_len); with
     ``fp8`` also triton over an fp8 copy of the cache (unit scales), checked against SDPA on
     the fp8-rounded K/V; with ``int8`` over an int8 cache (a scale per token and head),
-    checked against SDPA on its dequantized K/V."""
+    checked against SDPA on its dequantized K/V, with its dots in fp16 (the default) and in bf16."""
     from attention.token_scales import dequantize_rows, quantize_rows
     from attention.triton_backend import TritonBackend
     from attention.value_layout import token_major_view

@@ -45,6 +45,13 @@ TOLERANCE = {
 # mantissa bits (P and the output are rounded to it: ~4e-3 relative each); fp16 keeps 11, about
 # 8x tighter. fp32 runs its products as "tf32x3" (~2^-21 each) with approximate exp2: ~1e-6.
 REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-5}
+
+
+def int8_output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose tolerance an int8 cache's output meets with ``dtype`` queries: the
+    kernels take P times the per-token V scales in bf16 for 16-bit queries
+    (``attention.triton_kernels.paging.int8_values``), so fp16 queries get bf16's."""
+    return torch.bfloat16 if dtype == torch.float16 else dtype
 #: Odd token counts: one token, either side of a 32-token block, a partial last block.
 ODD = [1, 31, 32, 33, 97]
 

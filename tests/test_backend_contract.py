@@ -34,6 +34,7 @@ from tests.paged_case import (
     TOLERANCE,
     PagedCase,
     UnderTest,
+    int8_output_dtype,
     int8_views,
     make_case,
     make_spec,
@@ -360,7 +361,7 @@ def test_int8_cache(under: UnderTest, dtype: torch.dtype) -> None:
     expect = _int8_rows_written(case, before, case.meta.slot_mapping)
     assert torch.equal(case.storage, expect), "the write differs from the reference quantization"
     out = backend.attend(case.query, case.layer, plan)
-    _check(out[: case.meta.num_real_tokens], reference_output(case), dtype)
+    _check(out[: case.meta.num_real_tokens], reference_output(case), int8_output_dtype(dtype))
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
@@ -492,7 +493,8 @@ def test_gpu_int8_cache(
         pytest.skip(f"{under.name} has no int8 cache")
     block_size = under.block_size if block == "smallest" else max(256, 2 * under.block_size)
     spec = make_spec(2 * group, 2, head_dim, dtype, kv_cache_dtype="int8")
-    _gpu_run(under, rows, spec, block_size, seed=group + head_dim)
+    out, ref, _ = _run(under, rows, spec, block_size=block_size, seed=group + head_dim)
+    assert rel_err(out, ref) < REL_TOLERANCE[int8_output_dtype(dtype)]
 
 
 @gpu

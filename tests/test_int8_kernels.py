@@ -25,7 +25,7 @@ from attention.staging import StepCapacity
 from attention.token_scales import quantize_rows
 from attention.triton_backend import TritonBackend, TritonStepPlan
 from attention.triton_kernels import DecodeConfig, default_decode_config, rotary_write_kv, write_kv_cache
-from tests.paged_case import TOLERANCE, PagedCase, int8_views, make_case, make_spec
+from tests.paged_case import TOLERANCE, PagedCase, int8_output_dtype, int8_views, make_case, make_spec
 
 #: (heads, kv_heads, head_dim, block_size, dtype): GQA 2 and 3, padded lanes, tiles inside a
 #: block and tiles across blocks, every compute dtype.
@@ -136,8 +136,9 @@ def _oracle(case: PagedCase, layer: LayerCache, sinks: torch.Tensor | None = Non
 def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert not out.isnan().any(), "NaN in the output: a kernel read an unwritten value or scale"
     # The oracle reads the same int8 values and scales, so what is left is the kernels' own
-    # rounding in the compute dtype (paged_case.TOLERANCE): P and the output rounded once each.
-    torch.testing.assert_close(out.double(), ref.double(), **TOLERANCE[dtype])
+    # rounding (paged_case.TOLERANCE): P and the output rounded once each, P in bf16 for
+    # 16-bit queries (paged_case.int8_output_dtype).
+    torch.testing.assert_close(out.double(), ref.double(), **TOLERANCE[int8_output_dtype(dtype)])
 
 
 def _write_and_attend(
@@ -252,3 +253,28 @@ def test_warmup_compiles_every_int8_variant(triton_device: str) -> None:
     spec = _spec(2, 1, 16, torch.float16)
     capacity = StepCapacity(max_rows=2, max_tokens=20, max_blocks_per_seq=3)
     assert TritonBackend(spec).warmup(32, capacity, torch.device(triton_device)) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiny_values_keep_their_precision_with_fp16_queries(dtype: torch.dtype, triton_device: str) -> None:
+    """V of magnitude 1e-4 has scales near 1e-6: P times them would fall into fp16's
+    subnormals (whose steps are 6e-8); the kernels take that product in bf16 even for fp16
+    queries (paging.int8_values), so decode and prefill stay as close to the oracle, relative
+    to the output's size, as for values of magnitude 1."""
+    spec = _spec(4, 2, 16, dtype)
+    rows = [(70, 1), (0, 40), (33, 5)]
+    case = make_case(rows, spec, block_size=32, device=triton_device, seed=3)
+    # Every cached value rewritten at 1e-4 of its size (the context through the reference write).
+    bs, start = 32, 0
+    for row, (context, new) in enumerate(rows):
+        pos = torch.arange(context, device=triton_device)
+        slots = case.meta.block_tables[row, pos // bs].long() * bs + pos % bs
+        ctx = slice(start, start + context)
+        scatter_kv(case.all_key[ctx], case.all_value[ctx] * 1e-4, case.layer, slots)
+        start += context + new
+    tiny = dataclasses.replace(case, new_value=case.new_value * 1e-4)
+    out, _ = _write_and_attend(TritonBackend(spec), tiny)
+    ref = _oracle(tiny, tiny.layer)
+    size = ref.abs().max()
+    assert size < 1e-3, "the values should be tiny"
+    _check(out[: tiny.meta.num_real_tokens] / size, ref / size, dtype)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import (
     finite_operand,
+    int8_values,
     soft_cap,
     tile_mask,
     tile_token_offsets,
@@ -72,6 +73,22 @@ def _tile_pages(  # type: ignore[no-untyped-def]
         page = tl.load(table_ptr + col, mask=tl.where(row_ok, n < kv_end, False), other=-1)
     ok = (page >= 0) & (page < num_blocks)
     return tl.where(ok, page, 0).to(tl.int64), ok
+
+
+@triton.jit
+def _tile_token_scales(  # type: ignore[no-untyped-def]
+    k_scale_ptr, v_scale_ptr, pages, ok, n0, offs_n, kv_start, kv_end, kvh, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_STRIDE: tl.constexpr,
+):  # fmt: skip
+    """An int8 cache's fp16 per-token K and V scales of KV head ``kvh`` for the tile of tokens
+    ``n0 + offs_n`` whose block ids are ``pages`` (``ok``: they are usable), as fp32 [BLOCK_N]
+    each; 0 for tokens outside ``[kv_start, kv_end)``, whose stale (NaN) scales are never read."""
+    n = n0 + offs_n
+    valid = tl.where(ok, (n >= kv_start) & (n < kv_end), False)
+    off = token_scale_offsets(pages, n0, offs_n, kvh, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
+    ks = tl.load(k_scale_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    vs = tl.load(v_scale_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    return ks, vs
 
 
 @triton.jit
@@ -313,18 +330,29 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, BLOCK_N)
     first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned (one table read per tile)
     pages, ok = _tile_pages(table_ptr, first, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N)
+    k_cols = qk_scale  # TOKEN_SCALES: this tile's K and V scales, loaded one tile ahead
+    v_cols = qk_scale
+    if TOKEN_SCALES:
+        k_cols, v_cols = _tile_token_scales(
+            k_scale_ptr, v_scale_ptr, pages, ok, first, offs_n, kv_start, kv_end, kvh, BLOCK_SIZE, BLOCK_N,
+            BLOCK_STRIDE,
+        )  # fmt: skip
     for n0 in range(first, kv_end, BLOCK_N):
         n = n0 + offs_n
         valid = tl.where(ok, (n >= kv_start) & (n < kv_end), False)
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
             vt_off = token_major_offsets(pages, n0, offs_n, head_off + dd, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
-        if TOKEN_SCALES:
-            s_off = token_scale_offsets(pages, n0, offs_n, kvh, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
         # Next tile's ids now: loop-carried, so the pipeliner multi-buffers the K/V copies.
         pages, ok = _tile_pages(
             table_ptr, n0 + BLOCK_N, offs_n, kv_end, table_width, num_blocks, row_ok, BLOCK_SIZE, BLOCK_N
         )
+        tile_k_cols, tile_v_cols = k_cols, v_cols
+        if TOKEN_SCALES:  # the next tile's scales now, so their latency hides behind this tile's dots
+            k_cols, v_cols = _tile_token_scales(
+                k_scale_ptr, v_scale_ptr, pages, ok, n0 + BLOCK_N, offs_n, kv_start, kv_end, kvh, BLOCK_SIZE,
+                BLOCK_N, BLOCK_STRIDE,
+            )  # fmt: skip
         kv_off = tok[:, None] + head_off + dd[None, :]
         kv_mask = tile_mask(valid, dd, HEAD_DIM, D_PAD)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -335,11 +363,11 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                 vt = tl.load(v_cache_ptr + vt_off, mask=(dd < HEAD_DIM)[:, None], other=0.0)
             else:
                 vt = tl.load(v_cache_ptr + vt_off)
-            if UPCAST or KV_SCALED or TOKEN_SCALES:
-                vt = vt.to(q.dtype)
-            if TOKEN_SCALES:  # noqa: SIM108 (compile-time) int8 is finite: past the row's end p * 0 = 0
-                v = tl.trans(vt)
+            if TOKEN_SCALES:  # int8 is finite: past the row's end p * 0 = 0
+                v = tl.trans(int8_values(vt, q.dtype))
             else:
+                if UPCAST or KV_SCALED:
+                    vt = vt.to(q.dtype)
                 # Read unmasked (16-byte loads along the tokens) inside a valid block: slots past
                 # the row's end may hold NaN, which must not meet p = 0.
                 v = tl.trans(finite_operand(vt))
@@ -348,10 +376,8 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
             if UPCAST or KV_SCALED:
                 v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        v_cols = scale  # unused unless TOKEN_SCALES
         if TOKEN_SCALES:
-            s = s * tl.load(k_scale_ptr + s_off, mask=valid, other=0.0).to(tl.float32)[None, :]
-            v_cols = tl.load(v_scale_ptr + s_off, mask=valid, other=0.0).to(tl.float32)
+            s = s * tile_k_cols[None, :]
         if SOFTCAP:
             s = soft_cap(s, softcap)
         if Q_PAD > 1:
@@ -363,7 +389,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
             s = tl.where(valid[None, :] & seen, s, float("-inf"))
         else:
             s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, v_cols, DOT_PRECISION, TOKEN_SCALES)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, tile_v_cols, DOT_PRECISION, TOKEN_SCALES)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

@@ -18,10 +18,12 @@ import triton.language as tl
 from attention.dtypes import dtype_info
 
 __all__ = [
+    "INTERPRETED",
     "cache_block_stride",
     "dot_precision_for",
     "f16_dots_for",
     "finite_operand",
+    "int8_values",
     "interpreter_requested",
     "kernels_interpreted",
     "load_tile_pages",
@@ -94,6 +96,23 @@ def f16_dots_for(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 def to_f16_operand(x):  # type: ignore[no-untyped-def]
     """``x`` as an fp16 dot operand, clamped to fp16's finite range (see :func:`f16_dots_for`)."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+#: Whether the kernels run in Triton's CPU interpreter, as a compile-time constant.
+INTERPRETED: tl.constexpr = tl.constexpr(_INTERPRETED_AT_IMPORT)
+
+
+@triton.jit
+def int8_values(x, query_dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+    """An int8 cache's V tile as the P @ V operand (exact: |v| <= 127). bf16 for 16-bit
+    queries: P is multiplied by the per-token V scales before the product, and bf16 keeps
+    fp32's range where fp16 would flush the products of small scales (1e-6 for a V of
+    magnitude 1e-4) into its subnormals; bf16 also holds P to the 8 bits int8 V has. fp32 for
+    fp32 queries, and under the interpreter (whose bf16 dots are wrong)."""
+    if query_dtype == tl.float32 or INTERPRETED:
+        return x.to(tl.float32)
+    else:
+        return x.to(tl.bfloat16)
 
 
 @triton.jit

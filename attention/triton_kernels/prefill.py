@@ -33,6 +33,7 @@ from attention.triton_kernels.paging import (
     cache_block_stride,
     dot_precision_for,
     finite_operand,
+    int8_values,
     load_tile_pages,
     next_power_of_2,
     online_softmax_update,
@@ -177,6 +178,18 @@ def _to_compute(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _to_values(  # type: ignore[no-untyped-def]
+    x, scale, DEQUANT: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr, TOKEN_SCALES: tl.constexpr
+):
+    """A loaded V tile as the P @ V operand: as :func:`_to_compute`, except an int8 tile, which
+    becomes bf16 for 16-bit queries (``paging.int8_values``: P times the V scales needs bf16's
+    range)."""
+    if TOKEN_SCALES:
+        return int8_values(x, dtype)
+    return _to_compute(x, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)
+
+
+@triton.jit
 def _token_scales(  # type: ignore[no-untyped-def]
     k_scale_ptr, v_scale_ptr, pages, n0, offs_n, kv_head, mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_STRIDE: tl.constexpr, MASKED: tl.constexpr,
@@ -217,10 +230,9 @@ def _unmasked_token_major_values(  # type: ignore[no-untyped-def]
         vt = tl.load(v_cache_ptr + vt_off)
     else:
         vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
-    vt = _to_compute(vt, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)
-    if not TOKEN_SCALES:
-        vt = finite_operand(vt)
-    return tl.trans(vt)
+    if TOKEN_SCALES:  # int8 is finite: past the row's end p * 0 = 0
+        return tl.trans(int8_values(vt, dtype))
+    return tl.trans(finite_operand(_to_compute(vt, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)))
 
 
 @triton.jit
@@ -444,7 +456,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
                 )
             else:
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-                v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
+                v = _to_values(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             v_cols = qk_scale  # unused unless TOKEN_SCALES
             if TOKEN_SCALES:
@@ -461,17 +473,24 @@ def _prefill_item(  # type: ignore[no-untyped-def]
 
     # Block ids run one tile ahead (see load_tile_pages), across both loops.
     pages = _pages_in_cache(table_row, mid_start, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
+    next_ks = qk_scale  # TOKEN_SCALES: the full tiles' scales, loaded one tile ahead
+    next_vs = qk_scale
+    if TOKEN_SCALES:  # every key of a full tile was written: no mask (the ids are in the cache)
+        next_ks, next_vs = _token_scales(
+            k_scale_ptr, v_scale_ptr, pages, mid_start, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N,
+            BLOCK_STRIDE, False,
+        )  # fmt: skip
     for n0 in range(mid_start, full_end, BLOCK_N):
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
             vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
-        v_cols = qk_scale  # unused unless TOKEN_SCALES
-        if TOKEN_SCALES:  # every key of a full tile was written: no mask
-            ks, v_cols = _token_scales(
-                k_scale_ptr, v_scale_ptr, pages, n0, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE,
-                False,
-            )  # fmt: skip
+        ks, v_cols = next_ks, next_vs
         pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
+        if TOKEN_SCALES:  # the next tile's now, so their latency hides behind this tile's dots
+            next_ks, next_vs = _token_scales(
+                k_scale_ptr, v_scale_ptr, pages, n0 + BLOCK_N, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N,
+                BLOCK_STRIDE, False,
+            )  # fmt: skip
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
@@ -488,9 +507,9 @@ def _prefill_item(  # type: ignore[no-untyped-def]
                 v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
         k = _to_compute(k, k_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         if V_TOKEN_MAJOR:
-            v = tl.trans(_to_compute(vt, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES))
+            v = tl.trans(_to_values(vt, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES))
         else:
-            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
+            v = _to_values(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if TOKEN_SCALES:
             qk = qk * ks[None, :]
@@ -523,7 +542,7 @@ def _prefill_item(  # type: ignore[no-untyped-def]
             )
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = _to_compute(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
+            v = _to_values(v, v_scale, DEQUANT, UPCAST, q.dtype, TOKEN_SCALES)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if TOKEN_SCALES:
             qk = qk * ks[None, :]
