@@ -83,6 +83,8 @@ kernels = {
     "prefill-fp8-token-major": prefill("*bf16", False, False, cache="*fp8e4nv", token_major=True),
     "prefill-fp8-token-major-window": prefill("*bf16", True, True, cache="*fp8e4nv", token_major=True),
     "prefill-int8-persistent-window": prefill("*bf16", True, True, cache="*i8"),
+    # fp16 queries: V (and P) become bf16, not the query's dtype (paging.int8_values).
+    "prefill-int8-fp16-window": prefill("*fp16", False, True, cache="*i8"),
 }
 report = {}
 for name, src in kernels.items():
@@ -96,4 +98,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 18, report
+    assert len(report) == 19, report

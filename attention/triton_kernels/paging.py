@@ -109,10 +109,11 @@ def int8_values(x, query_dtype: tl.constexpr):  # type: ignore[no-untyped-def]
     fp32's range where fp16 would flush the products of small scales (1e-6 for a V of
     magnitude 1e-4) into its subnormals; bf16 also holds P to the 8 bits int8 V has. fp32 for
     fp32 queries, and under the interpreter (whose bf16 dots are wrong)."""
-    if query_dtype == tl.float32 or INTERPRETED:
-        return x.to(tl.float32)
+    if query_dtype == tl.float32 or INTERPRETED:  # noqa: SIM108 (a compile-time branch)
+        x = x.to(tl.float32)
     else:
-        return x.to(tl.bfloat16)
+        x = x.to(tl.bfloat16)
+    return x
 
 
 @triton.jit

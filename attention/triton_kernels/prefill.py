@@ -184,9 +184,12 @@ def _to_values(  # type: ignore[no-untyped-def]
     """A loaded V tile as the P @ V operand: as :func:`_to_compute`, except an int8 tile, which
     becomes bf16 for 16-bit queries (``paging.int8_values``: P times the V scales needs bf16's
     range)."""
-    if TOKEN_SCALES:
-        return int8_values(x, dtype)
-    return _to_compute(x, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)
+    # One return (see _unmasked_token_major_values).
+    if TOKEN_SCALES:  # noqa: SIM108 (a compile-time branch)
+        x = int8_values(x, dtype)
+    else:
+        x = _to_compute(x, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)
+    return x
 
 
 @triton.jit
@@ -230,9 +233,13 @@ def _unmasked_token_major_values(  # type: ignore[no-untyped-def]
         vt = tl.load(v_cache_ptr + vt_off)
     else:
         vt = tl.load(v_cache_ptr + vt_off, mask=(d < HEAD_DIM)[:, None], other=0.0)
+    # One return: Triton 3.6 types every return statement it reaches, and a compile-time
+    # branch's early return does not stop it reaching the next one.
     if TOKEN_SCALES:  # int8 is finite: past the row's end p * 0 = 0
-        return tl.trans(int8_values(vt, dtype))
-    return tl.trans(finite_operand(_to_compute(vt, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES)))
+        vt = int8_values(vt, dtype)
+    else:
+        vt = finite_operand(_to_compute(vt, scale, DEQUANT, UPCAST, dtype, TOKEN_SCALES))
+    return tl.trans(vt)
 
 
 @triton.jit
