@@ -53,12 +53,12 @@ def _spiky(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return x.to(dtype)
 
 
-def _fresh_storage(blocks: int, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+def _fresh_storage(blocks: int, block_size: int, kv_heads: int, head_dim: int, device: str) -> torch.Tensor:
     """An int8 layer's storage (see paged_case.int8_views), every byte 0x7E."""
     from attention.dtypes import dtype_info
 
     rows = dtype_info("int8").rows_per_block(block_size, head_dim)
-    return torch.full((2, blocks + 2, rows, kv_heads, head_dim), 0x7E, dtype=torch.int8)
+    return torch.full((2, blocks + 2, rows, kv_heads, head_dim), 0x7E, dtype=torch.int8, device=device)
 
 
 WRITE_SHAPES = [
@@ -72,25 +72,27 @@ WRITE_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True], ids=["write", "rotary-write"])
 def test_writes_match_the_reference_bit_for_bit(
-    kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, fused: bool
+    kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, fused: bool, triton_device: str
 ) -> None:
     """write_kv_cache and rotary_write_kv store exactly the bytes scatter_kv stores (values and
     fp16 scales, after rotation for the fused kernel) and leave every other byte -- other
     slots, scale padding, the guard blocks -- as it was; a slot of -1 or outside the cache
     writes nothing."""
     blocks, tokens = 4, 9
-    key = _spiky((tokens, kv_heads, head_dim), dtype, seed=head_dim)
-    value = _spiky((tokens, kv_heads, head_dim), dtype, seed=head_dim + 1)
+    dev = triton_device
+    key = _spiky((tokens, kv_heads, head_dim), dtype, seed=head_dim).to(dev)
+    value = _spiky((tokens, kv_heads, head_dim), dtype, seed=head_dim + 1).to(dev)
     n_slots = blocks * block_size
     slots = torch.tensor([5, -1, n_slots - 1, 3, block_size, n_slots, 2 * block_size + 7, 1, block_size - 1])
-    got = _fresh_storage(blocks, block_size, kv_heads, head_dim)
+    slots = slots.to(dev)
+    got = _fresh_storage(blocks, block_size, kv_heads, head_dim, dev)
     want = got.clone()
     layer, oracle = int8_views(got, block_size), int8_views(want, block_size)
     kept = torch.where(slots < n_slots, slots, -1)  # the reference refuses an id outside the cache
     if fused:
-        table = RotaryTable.build(1.0 / 500.0 ** (torch.arange(0, head_dim, 2).float() / head_dim), 300)
-        positions = torch.tensor([3, 0, 7, 100, 5, 9, 2, 299, 40])
-        query = torch.randn(tokens, 2 * kv_heads, head_dim).to(dtype)
+        table = RotaryTable.build(1.0 / 500.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim), 300)
+        positions = torch.tensor([3, 0, 7, 100, 5, 9, 2, 299, 40], device=dev)
+        query = torch.randn(tokens, 2 * kv_heads, head_dim).to(dtype=dtype, device=dev)
         rotary_write_kv(
             query, key, value, layer.key, layer.value, slots, positions, table.cos_sin, layer.k_scale, layer.v_scale
         )
@@ -103,16 +105,18 @@ def test_writes_match_the_reference_bit_for_bit(
     assert not layer.k_scale.flatten(0, 1)[kept[kept >= 0]].isnan().any(), "a written scale is missing"
 
 
-def test_write_rounds_like_the_reference_at_ties() -> None:
+def test_write_rounds_like_the_reference_at_ties(triton_device: str) -> None:
     """Values that land exactly on x.5 after the division round away from zero, and the
     division is the correctly rounded one: a row whose scale is 1 (max 127) and whose values
     are k + 0.5 stores k + 1 (-k - 1 for negatives)."""
     d, kvh, bs = 16, 1, 32
     row = torch.tensor([127.0, -0.5, 0.5, 1.5, -1.5, 2.5, 63.5, -63.5, 126.5, 0.25, 0.75, -0.75, 3.0, 0.0, -127, 1])
-    key = row.view(1, kvh, d)
-    storage = _fresh_storage(1, bs, kvh, d)
+    key = row.view(1, kvh, d).to(triton_device)
+    storage = _fresh_storage(1, bs, kvh, d, triton_device)
     layer = int8_views(storage, bs)
-    write_kv_cache(key, key, layer.key, layer.value, torch.tensor([0]), layer.k_scale, layer.v_scale)
+    write_kv_cache(
+        key, key, layer.key, layer.value, torch.tensor([0], device=triton_device), layer.k_scale, layer.v_scale
+    )
     q, scale = quantize_rows(key)
     assert scale.item() == 1.0
     assert torch.equal(layer.key[0, 0], q[0]) and torch.equal(layer.value[0, 0], q[0])
