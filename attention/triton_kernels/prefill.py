@@ -480,24 +480,19 @@ def _prefill_item(  # type: ignore[no-untyped-def]
 
     # Block ids run one tile ahead (see load_tile_pages), across both loops.
     pages = _pages_in_cache(table_row, mid_start, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
-    next_ks = qk_scale  # TOKEN_SCALES: the full tiles' scales, loaded one tile ahead
-    next_vs = qk_scale
-    if TOKEN_SCALES:  # every key of a full tile was written: no mask (the ids are in the cache)
-        next_ks, next_vs = _token_scales(
-            k_scale_ptr, v_scale_ptr, pages, mid_start, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N,
-            BLOCK_STRIDE, False,
-        )  # fmt: skip
     for n0 in range(mid_start, full_end, BLOCK_N):
         tok = tile_token_offsets(pages, n0, offs_n, BLOCK_SIZE, BLOCK_N, NUM_KV_HEADS * HEAD_DIM, BLOCK_STRIDE)
         if V_TOKEN_MAJOR:
             vt_off = token_major_offsets(pages, n0, offs_n, head_off + d, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE)
-        ks, v_cols = next_ks, next_vs
-        pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
-        if TOKEN_SCALES:  # the next tile's now, so their latency hides behind this tile's dots
-            next_ks, next_vs = _token_scales(
-                k_scale_ptr, v_scale_ptr, pages, n0 + BLOCK_N, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N,
-                BLOCK_STRIDE, False,
+        v_cols = qk_scale  # unused unless TOKEN_SCALES
+        if TOKEN_SCALES:  # every key of a full tile was written: no mask. (Loading them one tile
+            # ahead, as decode does, made prefill 6-12% slower on the H200:
+            # benchmarks/results/prefill-int8-2026-12-04.json against prefill-int8-first-.)
+            ks, v_cols = _token_scales(
+                k_scale_ptr, v_scale_ptr, pages, n0, offs_n, h // GROUP, offs_n, BLOCK_SIZE, BLOCK_N, BLOCK_STRIDE,
+                False,
             )  # fmt: skip
+        pages = _pages_in_cache(table_row, n0 + BLOCK_N, offs_n, kv_end, num_blocks, BLOCK_SIZE, BLOCK_N)
         kv_off = tok[:, None] + head_off + d[None, :]
         if HEAD_DIM == D_PAD:
             k = tl.load(k_cache_ptr + kv_off)
