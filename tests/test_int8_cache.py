@@ -193,10 +193,16 @@ def test_swap_round_trip_keeps_values_and_scales() -> None:
         assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
-def test_an_int8_cache_has_no_per_head_scales_to_set() -> None:
-    cache = allocate_kv_cache(_config())
+def test_an_int8_cache_has_no_per_head_scales_to_set_or_calibrate() -> None:
+    from kvcache.memory.calibration import apply_scales, scales_from_cache
+
+    cache = allocate_kv_cache(_config(), fill=0.0)
     with pytest.raises(InvalidArgumentError, match="int8: its scales are per token"):
         cache.set_scales(0, torch.ones(2), torch.ones(2))
+    with pytest.raises(InvalidArgumentError, match="not an 8-bit one"):
+        scales_from_cache(cache)  # its bytes are values and scales, not K/V to take the largest of
+    with pytest.raises(InvalidArgumentError, match="scales: expected shape None"):
+        apply_scales(cache, torch.ones(3, 2, 2))
 
 
 def test_the_example_runs_over_an_int8_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -209,4 +215,25 @@ def test_the_example_runs_over_an_int8_cache(tmp_path: Path, capsys: pytest.Capt
         "attention: {backend: reference}\n"
     )
     assert main(["--config", str(config), "--quiet", "--requests", "6", "--preempt", "swap"]) == 0
+    assert "requests: 6 (6 finished" in capsys.readouterr().out
+
+
+def test_kv_groups_over_an_int8_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model mixing windowed and full layers (KV groups): the int8 cache holds group_size
+    layer tensors, each layer's views land on its group's tensor, and the example serves it."""
+    from examples.decode_loop import main
+
+    text = (
+        "model: {num_layers: 4, num_heads: 4, num_kv_heads: 2, head_dim: 16, dtype: float32, sliding_window: 48,\n"
+        "        window_pattern: [true, false, true, false]}\n"
+        "cache: {block_size: 32, dtype: int8, num_blocks: 24, device: cpu}\n"
+        "attention: {backend: reference}\n"
+    )
+    cache = allocate_kv_cache(parse_config(text))
+    assert cache.layout is not None and cache.num_tensors == 2 and cache.block_size == 32
+    assert cache.layer(0).key.data_ptr() == cache.layer(1).key.data_ptr() == cache.storage[0, 0].data_ptr()
+    assert cache.layer(2).key.data_ptr() == cache.storage[1, 0].data_ptr()
+    config = tmp_path / "groups.yaml"
+    config.write_text(text)
+    assert main(["--config", str(config), "--quiet", "--requests", "6"]) == 0
     assert "requests: 6 (6 finished" in capsys.readouterr().out

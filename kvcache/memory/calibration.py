@@ -30,8 +30,11 @@ def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float 
     holds the calibration K/V in a 16- or 32-bit dtype; slots never written must hold zeros
     (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. Raises
     InvalidArgumentError for an fp8 cache, a margin below 1 or a non-finite value."""
-    if cache.scales is not None:
-        raise InvalidArgumentError("cache: calibrate from a 16- or 32-bit cache, not an fp8 one")
+    if cache.scales is not None or cache.dtype.itemsize == 1:
+        raise InvalidArgumentError(
+            f"cache: {cache.dtype}; calibrate from a 16- or 32-bit cache, not an 8-bit one (an int8 cache "
+            "needs no calibration: its scales are per token)"
+        )
     if not (isinstance(margin, (int, float)) and 1.0 <= margin <= 1e3):
         raise InvalidArgumentError(f"margin: {margin!r} must be a number in [1, 1000]")
     storage = cache.storage  # [tensors, 2, blocks, block_size, kv_heads, head_dim]
