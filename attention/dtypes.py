@@ -6,6 +6,7 @@ the torch dtype up when a tensor is about to be made. Adding a dtype is one entr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,11 +40,17 @@ class DtypeInfo:
 
     def rows_per_block(self, block_size: int, head_dim: int) -> int:
         """Token rows (``kv_heads * head_dim`` elements each) one block of K or of V takes in
-        memory: ``block_size``, plus the rows that hold the block's per-token fp16 scales
-        (two bytes per token and KV head) for a ``token_scales`` format."""
+        memory: ``block_size``, plus for a ``token_scales`` format the rows that hold the
+        block's per-token fp16 scales (two bytes per token and KV head), rounded up so that
+        the rows added are a multiple of the largest power of two dividing ``block_size``
+        elements: every block then starts where the kernels' aligned (16-byte) loads assume
+        (for head_dim 64, 128 and 256 no rounding is needed)."""
         if not self.token_scales:
             return block_size
-        return block_size + -(-2 * block_size // head_dim)
+        extra = -(-2 * block_size // head_dim)
+        align = block_size & -block_size
+        unit = align // math.gcd(head_dim, align)  # extra * head_dim must be a multiple of align
+        return block_size + -(-extra // unit) * unit
 
 
 DTYPES: dict[str, DtypeInfo] = {

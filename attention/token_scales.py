@@ -14,7 +14,8 @@ head_dim)`` rows of ``kv_heads * head_dim`` bytes (:meth:`attention.dtypes.Dtype
   head_dim]``, V token-major ``[kv_heads, head_dim, block_size]`` (:mod:`attention.value_layout`);
 - then the scales, fp16 ``[kv_heads, block_size]`` (one head's scales side by side, so a
   kernel reads a tile's scales in one vector load);
-- then padding up to the row boundary.
+- then padding up to the row boundary (and, for a head_dim that is not a power of two, up to
+  rows that keep every block aligned: :meth:`attention.dtypes.DtypeInfo.rows_per_block`).
 
 So the scales travel with their block: block copies, swap, the host and disk tiers and digests
 move whole blocks without knowing the format. The tensors a backend sees are views of that

@@ -37,6 +37,20 @@ def test_rows_per_block_hold_the_values_and_two_bytes_per_token_and_head() -> No
     assert info.rows_per_block(256, 128) == 260
     assert info.rows_per_block(32, 16) == 36
     assert dtype_info("float8_e4m3").rows_per_block(32, 16) == 32
+    assert info.rows_per_block(32, 24) == 36  # 3 rows would hold the scales; 4 keep blocks aligned
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 96, 160, 256, 1024])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 40, 64, 72, 96, 128, 200, 256])
+def test_blocks_start_where_the_kernels_aligned_loads_assume(block_size: int, head_dim: int) -> None:
+    """Every block's start (values and scales) is a multiple of the largest power of two
+    dividing block_size elements for any kv_heads (the token-major V offsets promise Triton
+    that much contiguity), and the rows hold the scales."""
+    rows = dtype_info("int8").rows_per_block(block_size, head_dim)
+    extra = (rows - block_size) * head_dim
+    assert extra >= 2 * block_size, "the scales must fit"
+    assert extra % (block_size & -block_size) == 0
+    assert extra < 2 * block_size + (block_size & -block_size) * head_dim, "no more padding than alignment needs"
 
 
 def test_config_counts_the_scales_in_bytes_per_token() -> None:

@@ -124,7 +124,10 @@ def default_decode_config(
     contiguous fp8 V, 2 stages were as good or better at block 256.)
 
     An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
-    same tiles and three stages; not yet measured on a GPU.
+    same tiles and three stages. On the H200 (benchmarks/results/decode-int8-2026-12-04.json),
+    over the bench's shapes, 2 stages ran 1.05x / 1.01x and 4 stages 0.94x / 0.97x the speed
+    of 3 at block 32 / 256 (geometric means), 2 winning 16x16384 and losing 64x4096 at block
+    32: not enough to differ from fp8.
     """
     d_pad = next_power_of_2(max(head_dim, 16))
     itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()
