@@ -16,7 +16,7 @@ from attention.dtypes import dtype_info
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.spec import AttentionSpec
-from attention.token_scales import split_block_memory
+from attention.token_scales import layer_views
 
 __all__ = ["scratch_layer", "synthetic_metadata"]
 
@@ -60,15 +60,13 @@ def scratch_layer(
     spec: AttentionSpec, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype, index: int = 0
 ) -> LayerCache:
     """A zeroed one-layer cache of ``num_blocks`` blocks (unit scales for an fp8 cache; an
-    int8 cache laid out as :func:`attention.token_scales.split_block_memory` lays it out,
+    int8 cache laid out as :func:`attention.token_scales.layer_views` lays it out,
     its scales zero)."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if spec.token_scaled_cache:
         rows = dtype_info(spec.cache_dtype).rows_per_block(block_size, spec.head_dim)
         memory = torch.zeros((2, num_blocks, rows, spec.num_kv_heads, spec.head_dim), dtype=torch.int8, device=device)
-        key, k_scale = split_block_memory(memory[0], block_size, token_major=False)
-        value, v_scale = split_block_memory(memory[1], block_size, token_major=True)
-        return LayerCache(key, value, index=index, k_scale=k_scale, v_scale=v_scale)
+        return layer_views(memory, block_size, index)
     scales = torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device) if spec.quantized_cache else None
     return LayerCache(
         torch.zeros(shape, dtype=dtype, device=device),

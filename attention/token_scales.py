@@ -32,14 +32,17 @@ from __future__ import annotations
 import torch
 
 from attention.dtypes import dtype_info
+from attention.layer_cache import LayerCache
 
 __all__ = [
     "INT8_MAX",
     "SCALE_DTYPE",
     "SCALE_MAX",
     "dequantize_rows",
+    "layer_views",
     "layout_problem",
     "quantize_rows",
+    "quantized_layer",
     "split_block_memory",
 ]
 
@@ -80,6 +83,29 @@ def split_block_memory(
         values = stored.view(n, block_size, kvh, d)
     scales = flat[:, n_values : n_values + 2 * block_size * kvh].view(SCALE_DTYPE)
     return values, scales.view(n, kvh, block_size).transpose(1, 2)
+
+
+def layer_views(memory: torch.Tensor, block_size: int, index: int = 0) -> LayerCache:
+    """One layer's int8 memory, ``[2, num_blocks, rows, kv_heads, head_dim]`` (K, then V; each
+    part contiguous), as the :class:`~attention.LayerCache` the backends take: K's and V's
+    values and scales from :func:`split_block_memory`, V token-major."""
+    key, k_scale = split_block_memory(memory[0], block_size, token_major=False)
+    value, v_scale = split_block_memory(memory[1], block_size, token_major=True)
+    return LayerCache(key, value, index=index, k_scale=k_scale, v_scale=v_scale)
+
+
+def quantized_layer(key: torch.Tensor, value: torch.Tensor, index: int = 0) -> LayerCache:
+    """A new int8 layer cache holding ``key`` and ``value`` (dense ``[num_blocks, block_size,
+    kv_heads, head_dim]``, any float dtype), every row quantized as the cache write quantizes
+    it (benchmarks and tests build caches this way)."""
+    n, bs, kvh, d = key.shape
+    rows = dtype_info("int8").rows_per_block(bs, d)
+    layer = layer_views(torch.empty((2, n, rows, kvh, d), dtype=torch.int8, device=key.device), bs, index)
+    for dense, values, scales in ((key, layer.key, layer.k_scale), (value, layer.value, layer.v_scale)):
+        q, scale = quantize_rows(dense)
+        values.copy_(q)
+        scales.copy_(scale)  # type: ignore[union-attr]
+    return layer
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -236,25 +236,10 @@ class Layers:
     def int8_caches(self) -> list[Any]:
         """One int8 LayerCache per layer (:mod:`attention.token_scales`), holding K/V quantized
         row by row as the cache write would; made once, lazily."""
-        from attention import LayerCache
-        from attention.dtypes import dtype_info
-        from attention.token_scales import quantize_rows, split_block_memory
+        from attention.token_scales import quantized_layer
 
         if self._int8 is None:
-            count, num_blocks, bs = self.k.shape[:3]
-            rows = dtype_info("int8").rows_per_block(bs, HEAD_DIM)
-            memory = torch.empty((count, 2, num_blocks, rows, KV_HEADS, HEAD_DIM), dtype=torch.int8, device=DEVICE)
-            self._int8 = []
-            for i in range(count):
-                parts = []
-                for part, x in ((0, self.k[i]), (1, self.v[i])):
-                    values, scales = split_block_memory(memory[i, part], bs, token_major=part == 1)
-                    q, s = quantize_rows(x)
-                    values.copy_(q)
-                    scales.copy_(s)
-                    parts.append((values, scales))
-                (k, ks), (v, vs) = parts
-                self._int8.append(LayerCache(k, v, index=i, k_scale=ks, v_scale=vs))
+            self._int8 = [quantized_layer(self.k[i], self.v[i], index=i) for i in range(self.count)]
         return self._int8
 
     def layer_caches(self, fp8: bool = False, contiguous_values: bool = False, int8: bool = False) -> list[Any]:

@@ -156,26 +156,6 @@ def _sdpa_fn(p: Problem) -> Callable[[], torch.Tensor]:
     return run
 
 
-def int8_layer(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any:
-    """An int8 LayerCache (:mod:`attention.token_scales`) holding ``k_cache``/``v_cache``
-    ([num_blocks, block_size, KV_HEADS, HEAD_DIM]) quantized row by row, as the write does."""
-    from attention import LayerCache
-    from attention.dtypes import dtype_info
-    from attention.token_scales import quantize_rows, split_block_memory
-
-    n, bs = k_cache.shape[:2]
-    rows = dtype_info("int8").rows_per_block(bs, HEAD_DIM)
-    memory = torch.empty((2, n, rows, KV_HEADS, HEAD_DIM), dtype=torch.int8, device=DEVICE)
-    parts = []
-    for i, x in enumerate((k_cache, v_cache)):
-        values, scales = split_block_memory(memory[i], bs, token_major=i == 1)
-        q, scale = quantize_rows(x)
-        values.copy_(q)
-        scales.copy_(scale)
-        parts += [values, scales]
-    return LayerCache(parts[0], parts[2], k_scale=parts[1], v_scale=parts[3])
-
-
 def _attend_fn(
     backend: Any, p: Problem, caches: tuple[torch.Tensor, torch.Tensor, Any], layer: Any = None
 ) -> Callable[[], torch.Tensor]:
@@ -229,7 +209,7 @@ def run_main(
     ``fp8`` also triton over an fp8 copy of the cache (unit scales), checked against SDPA on
     the fp8-rounded K/V; with ``int8`` over an int8 cache (a scale per token and head),
     checked against SDPA on its dequantized K/V, with its dots in fp16 (the default) and in bf16."""
-    from attention.token_scales import dequantize_rows, quantize_rows
+    from attention.token_scales import dequantize_rows, quantize_rows, quantized_layer
     from attention.triton_backend import TritonBackend
     from attention.value_layout import token_major_view
 
@@ -267,7 +247,7 @@ def run_main(
             if int8:
                 k_int8, v_int8 = (dequantize_rows(*quantize_rows(x), DTYPE) for x in (p.k, p.v))
                 ref_int8 = _sdpa_fn(Problem(batch, seq_len, p.q, k_int8, v_int8))()
-                layer8 = int8_layer(caches[0], caches[1])
+                layer8 = quantized_layer(caches[0], caches[1])
                 backend_int8 = TritonBackend(common.spec(int8=True))
                 row = Row("prefill", "triton", batch, seq_len, block_size, variant="int8 cache")
                 shape_rows.append(_measure(timer, row, p, _attend_fn(backend_int8, p, caches, layer8), ref_int8))

@@ -26,7 +26,7 @@ from attention import BACKENDS, AttentionMetadata, AttentionSpec, LayerCache, Re
 from attention.base import AttentionBackend
 from attention.dtypes import dtype_info, dtype_name
 from attention.quantize import dequantize
-from attention.token_scales import split_block_memory
+from attention.token_scales import layer_views
 from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache import BlockManager, MetadataBuilder, ScheduledRow
 
@@ -174,9 +174,7 @@ def _int8_layer(
 
 def int8_views(storage: torch.Tensor, block_size: int, index: int = 0) -> LayerCache:
     """The int8 layer cache of a case's storage ``[2, num_blocks + 2, rows, kvh, d]`` (views)."""
-    key, k_scale = split_block_memory(storage[0, 1:-1], block_size, token_major=False)
-    value, v_scale = split_block_memory(storage[1, 1:-1], block_size, token_major=True)
-    return LayerCache(key, value, index, k_scale, v_scale)
+    return layer_views(storage[:, 1:-1], block_size, index)
 
 
 def copy_layer(case: PagedCase) -> LayerCache:

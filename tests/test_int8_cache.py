@@ -251,3 +251,18 @@ def test_kv_groups_over_an_int8_cache(tmp_path: Path, capsys: pytest.CaptureFixt
     config.write_text(text)
     assert main(["--config", str(config), "--quiet", "--requests", "6"]) == 0
     assert "requests: 6 (6 finished" in capsys.readouterr().out
+
+
+def test_quantized_layer_holds_dense_kv_as_the_write_stores_it() -> None:
+    """attention.token_scales.quantized_layer (what the benchmarks build caches with): the
+    layout the kernels take, and each row's values and scale as quantize_rows gives them."""
+    from attention.token_scales import quantized_layer
+
+    gen = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(3, 32, 2, 16, generator=gen).bfloat16() for _ in range(2))
+    layer = quantized_layer(key, value, index=4)
+    assert layer.index == 4 and layer_problem(layer) is None
+    for dense, values, scales in ((key, layer.key, layer.k_scale), (value, layer.value, layer.v_scale)):
+        q, s = quantize_rows(dense)
+        assert scales is not None
+        assert torch.equal(values, q) and torch.equal(scales, s)

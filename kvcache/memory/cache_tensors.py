@@ -28,7 +28,7 @@ from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
 from attention.layer_cache import LayerCache
-from attention.token_scales import split_block_memory
+from attention.token_scales import layer_views
 from attention.value_layout import token_major_view, uses_token_major_values
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_BLOCKS
@@ -164,14 +164,12 @@ class KVCacheTensors:
 
     def _int8_layer(self, index: int, tensor: int) -> LayerCache:
         """Model layer ``index``'s views of an int8 cache's tensor ``tensor``: values and
-        per-token scales of K and of V (:func:`attention.token_scales.split_block_memory`)."""
+        per-token scales of K and of V (:func:`attention.token_scales.layer_views`)."""
         if self.storage.shape[1] != 2 or self.tokens_per_block is None:
             raise InvalidArgumentError(
                 "storage: an int8 cache has K and V parts and tokens_per_block; allocate it with allocate_kv_cache"
             )
-        key, k_scale = split_block_memory(self.storage[tensor, 0], self.tokens_per_block, token_major=False)
-        value, v_scale = split_block_memory(self.storage[tensor, 1], self.tokens_per_block, token_major=True)
-        return LayerCache(key, value, index=index, k_scale=k_scale, v_scale=v_scale)
+        return layer_views(self.storage[tensor], self.tokens_per_block, index)
 
     def layer(self, index: int) -> LayerCache:
         """Model layer ``index``'s cache (what ``write_kv`` and ``attend`` take). Raises
