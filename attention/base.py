@@ -405,7 +405,9 @@ class AttentionBackend(ABC):
                 f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}"
             )
         k = layer.key
-        scales = tuple(None if x is None else (x.data_ptr(), x.shape, x.dtype) for x in (layer.k_scale, layer.v_scale))
+        # The scales' addresses too: an int8 cache's kernels address them from the key's layout.
+        ks, vs = layer.k_scale, layer.v_scale
+        scales = None if ks is None else (ks.data_ptr(), None if vs is None else vs.data_ptr())
         seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales)
         if seen not in self._accepted:
             self._check_layer(layer, meta)
