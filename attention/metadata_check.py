@@ -7,7 +7,10 @@ would make a kernel (ours, or a library's such as flash-attn) touch memory it mu
   ending within the step's tokens; a real row (``seq_len > 0``) has ``1 <= query_len <=
   seq_len``;
 - block tables: every entry a row reads (positions below ``seq_len``, or within the sliding
-  window when every layer is windowed) is a block in ``[0, num_blocks)``;
+  window when every layer is windowed) is a block in ``[0, num_blocks)``, and column 0 of
+  every row. A row whose length is repaired to 0 still has its table checked over the length
+  as given (the whole width when that length is out of range): a backend that plans from the
+  host's lengths, as flash-attn's does, reads those entries whatever the device length says;
 - slots: each new token's slot is ``-1`` or exactly the slot of its position through the
   row's block table (so a write can only land in the row's own block); padding rows, tokens
   after the last row, and every token of a step whose query starts needed repair get -1;
@@ -133,16 +136,18 @@ def _check_in_torch(meta: AttentionMetadata, num_blocks: int, window: int | None
             slots[tok] = -1
     for i in range(rows):
         s = int(seq_lens[i])
+        table_len = s  # the columns to check, as the kernel's table_len
         if not 0 <= s <= width * bs:
             note(1, i, i, s)
             seq_lens[i] = s = 0
+            table_len = width * bs
         q0, q1 = int(qsl[i]), int(qsl[i + 1])
         q = q1 - q0
         if s > 0 and not 1 <= q <= s:
             note(3, i, i, q)
             seq_lens[i] = s = 0
-        first = 0 if window is None else max(0, s - q - window + 1) // bs
-        for col in range(first, -(-s // bs)):
+        first = 0 if window is None or s == 0 else max(0, s - q - window + 1) // bs
+        for col in range(first, max(-(-table_len // bs), 1)):
             b = int(tables[i, col])
             if not 0 <= b < num_blocks:
                 note(4, i, col, b)

@@ -358,7 +358,9 @@ class TritonBackend(AttentionBackend):
         height fixed too (never shrunk to this step's longest row)."""
         q_lens = meta.query_lens_host
         longest = None if fixed else max(q_lens[r] for r in rows)
-        config = self.prefill_config or default_prefill_config(self.spec.head_dim, self.compute_dtype, longest)
+        config = self.prefill_config or default_prefill_config(
+            self.spec.head_dim, self.compute_dtype, longest, meta.block_size
+        )
         pairs = prefill_tile_index(meta.seq_lens_host, q_lens, config.block_m, rows)
         values = array("i", [v for pair in pairs for v in pair])
         if not fixed:

@@ -48,6 +48,10 @@ CONFIGS = [
     MLAPrefillConfig(128, 32, 8, 3),
     MLAPrefillConfig(128, 128, 8, 2),
     MLAPrefillConfig(64, 64, 4, 3),
+    # One warpgroup for a 128-row tile (results/prefill-ceiling-2026-12-04.md).
+    MLAPrefillConfig(128, 64, 4, 3),
+    MLAPrefillConfig(128, 64, 4, 2),
+    MLAPrefillConfig(128, 32, 4, 3),
 ]
 
 

@@ -145,3 +145,57 @@ def test_values_past_int32_are_reported(use_triton: bool, field: str, code: int,
     check.run(case.meta, case.layer.num_blocks, None)
     with pytest.raises(MetadataError, match=re.escape(VIOLATIONS[code])):
         _reported(check)
+
+
+def _unsafe_host_columns(case: PagedCase, window: int | None) -> list[tuple[int, int, int]]:
+    """(row, column, entry) of every block-table entry outside [0, num_blocks) that a backend
+    planning from the host's lengths reads (flash-attn: its K lengths are staged from
+    ``seq_lens_host``; a padding row reads column 0)."""
+    meta, bs, num_blocks = case.meta, case.meta.block_size, case.layer.num_blocks
+    tables = meta.block_tables.tolist()
+    read: list[tuple[int, int]] = []
+    for row, (s, q) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
+        first = 0 if window is None else max(0, s - q - window + 1) // bs
+        read += [(row, col) for col in range(first, -(-s // bs))]
+    read += [(row, 0) for row in range(meta.batch, meta.padded_batch)]
+    return [(r, c, tables[r][c]) for r, c in read if not 0 <= tables[r][c] < num_blocks]
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(step=steps(), data=st.data(), use_triton=st.booleans())
+def test_every_entry_a_host_planned_backend_reads_is_repaired(
+    step: Step, data: st.DataObject, use_triton: bool
+) -> None:
+    """A row whose device length the check sets to 0 (its length, starts or query length were
+    bad) is still read by flash-attn over its host length: its table entries must be repaired
+    all the same. (Found on the H200 by the backend fuzz: a broken start zeroed a row's length
+    before its corrupt block id was looked at, and flash-attn read block 2**31 - 1.)"""
+    case, check = _case(_device(), step, use_triton)
+    _, planted = corrupt(data, case, step.window)
+    check.run(case.meta, case.layer.num_blocks, step.window)
+    with pytest.raises(MetadataError):
+        _reported(check)
+    unsafe = _unsafe_host_columns(case, step.window)
+    assert not unsafe, f"after {planted}: (row, column, block) {unsafe} left for a backend that trusts its plan"
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_row_zeroed_for_its_starts_has_its_table_repaired(
+    use_triton: bool, window: int | None, triton_device: str
+) -> None:
+    """The H200 fuzz example, fixed: row 1's block id corrupt and its end start pulled back to
+    0. The repaired starts give row 1 no token, so its length is set to 0; its table entry is
+    repaired all the same."""
+    case, check = _case(triton_device, Step([(54, 1), (42, 1)], window=window), use_triton)
+    case.meta.block_tables[1, 0] = 2**31 - 1
+    case.meta.query_start_loc[2] = 0
+    check.run(case.meta, case.layer.num_blocks, window)
+    with pytest.raises(MetadataError, match=re.escape(VIOLATIONS[2])):
+        _reported(check)
+    assert int(case.meta.seq_lens[1]) == 0
+    assert _unsafe_host_columns(case, window) == []

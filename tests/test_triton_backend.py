@@ -162,6 +162,13 @@ def test_prefill_tile_shrinks_to_short_rows() -> None:
     assert default_prefill_config(128, torch.bfloat16, max_query_len=64).block_m == 64
 
 
+def test_prefill_key_tiles_stay_inside_small_blocks() -> None:
+    small = default_prefill_config(128, torch.bfloat16, block_size=32)
+    assert (small.block_m, small.block_n, small.num_warps) == (128, 32, 4)
+    assert default_prefill_config(128, torch.bfloat16, block_size=256).block_n == 128
+    assert default_prefill_config(128, torch.bfloat16, max_query_len=5, block_size=64).block_m == 16
+
+
 # ---- the plan ----------------------------------------------------------------------------
 
 
@@ -277,7 +284,8 @@ def test_mixed_graph_plans_depend_only_on_the_bucket(layer_index: int, triton_de
         ))]  # fmt: skip
         plans.append(plan)
     first = plans[0]
-    assert first.prefill is not None and first.prefill.config == default_prefill_config(32, torch.float16)
+    assert first.prefill is not None
+    assert first.prefill.config == default_prefill_config(32, torch.float16, block_size=32)
     for other in plans[1:]:
         assert other.prefill is not None
         assert other.prefill.config == first.prefill.config

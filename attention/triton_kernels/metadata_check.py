@@ -86,6 +86,10 @@ def _check_kernel(  # type: ignore[no-untyped-def]
         _repair_starts(qsl_ptr, slots_ptr, flag_ptr, num_rows, num_tokens, CHUNK)
     s = tl.load(seq_lens_ptr + i)
     bad_len = (s < 0) | (s > WIDTH * BLOCK_SIZE)
+    # The table columns to check: a row's length repaired to 0 below stops none of its reads
+    # by a backend that plans from the host's lengths (flash-attn), so they cover the length
+    # as given (the whole width when that is out of range) and column 0 (a padding row's).
+    table_len = tl.where(bad_len, WIDTH * BLOCK_SIZE, s)
     if bad_len:
         _note(flag_ptr, 1, i, i, s)
         tl.store(seq_lens_ptr + i, 0)
@@ -106,9 +110,9 @@ def _check_kernel(  # type: ignore[no-untyped-def]
     s = tl.where(bad_q | bad_start, 0, s)
     row = tables_ptr + i.to(tl.int64) * stride_bt
     first = 0
-    if HAS_WINDOW:
-        first = tl.maximum(s - q - window + 1, 0) // BLOCK_SIZE
-    last = tl.cdiv(s, BLOCK_SIZE)
+    if HAS_WINDOW:  # a row whose length was repaired: every column (its window is unknown)
+        first = tl.where(s > 0, tl.maximum(s - q - window + 1, 0) // BLOCK_SIZE, 0)
+    last = tl.maximum(tl.cdiv(table_len, BLOCK_SIZE), 1)
     offs = tl.arange(0, CHUNK)
     for c0 in range(first, last, CHUNK):
         cols = c0 + offs

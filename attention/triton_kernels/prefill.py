@@ -86,18 +86,26 @@ PREFILL_SWEEP: tuple[PrefillConfig, ...] = tuple(
     for bm, bn, w, s in (
         (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
         (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 3),
+        # One warpgroup for a 128-row tile: a stripped kernel ran fastest so on the H200
+        # (benchmarks/results/prefill-ceiling-2026-12-04.md).
+        (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2), (128, 32, 4, 3),
     )
 )  # fmt: skip
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
-def default_prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int | None = None) -> PrefillConfig:
+def default_prefill_config(
+    head_dim: int, dtype: torch.dtype, max_query_len: int | None = None, block_size: int | None = None
+) -> PrefillConfig:
     """Hopper defaults: the Q tile plus ``num_stages`` K and V tiles fit in shared memory
     (228 KiB per SM) and the accumulators in registers. Checked by compiling for sm_90: the
     16-bit configurations run on warpgroup MMA with 16-byte async copies and no register
     spills; fp32 ("tf32x3" products need about three times the registers) keeps tiles small
     and still spills a little at head_dim 128 and 256 -- it is the accuracy path, not the
     fast one.
+
+    Blocks of fewer than 128 tokens (``block_size``) take key tiles of 32 with one warpgroup
+    (128 x 32, 4 warps): a tile then lies in one block (one table entry, contiguous rows).
 
     With ``max_query_len`` (the longest row this step) below the tile height, the tile
     shrinks to it (>= 16): short extend rows would otherwise compute mostly masked rows.
@@ -110,6 +118,10 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int
         # 128 x 128 tiles: fastest of the sweep at 4 of 6 shapes on the H200 (bf16, d=128), up
         # to 1.14x over 128 x 64 (benchmarks/results/attention-sweep-2026-12-02.json).
         config = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        if block_size is not None and block_size < 128:
+            # 1.04-1.26x over 128 x 128 at block 32 on the H200 (bf16, d=128: 8x4096, 32x1024,
+            # 2x16384; benchmarks/results/prefill-sweep-2026-12-04.json).
+            config = PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
     else:
         config = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
     if max_query_len is not None and max_query_len < config.block_m:
