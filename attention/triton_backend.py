@@ -358,8 +358,11 @@ class TritonBackend(AttentionBackend):
         height fixed too (never shrunk to this step's longest row)."""
         q_lens = meta.query_lens_host
         longest = None if fixed else max(q_lens[r] for r in rows)
+        # An fp8 cache keeps the wide tiles at every block size (the small-block tile measured
+        # 7-15% slower for it at block 32: benchmarks/results/prefill-blocks-2026-12-04.json).
+        fp8 = self.spec.quantized_cache and not self.spec.token_scaled_cache
         config = self.prefill_config or default_prefill_config(
-            self.spec.head_dim, self.compute_dtype, longest, meta.block_size
+            self.spec.head_dim, self.compute_dtype, longest, None if fp8 else meta.block_size
         )
         pairs = prefill_tile_index(meta.seq_lens_host, q_lens, config.block_m, rows)
         values = array("i", [v for pair in pairs for v in pair])

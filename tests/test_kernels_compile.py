@@ -33,8 +33,8 @@ def rotary(dtype, cache, quantize, int8=False):
                  "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
                  "stride_vd"):
         sig[name] = "i32"
-    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, Q_CHUNKS=1, BLOCK_SIZE=256,
-                  QUANTIZE=quantize, TOKEN_SCALES=int8, INTERPRETED=False)
+    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, KV_BLOCK_H=8, Q_CHUNKS=1,
+                  BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
 
 def norm(dtype, add):

@@ -102,6 +102,7 @@ SHAPES = [
     pytest.param(8, 2, 128, id="gqa4-d128"),
     pytest.param(7, 1, 32, id="gqa7-d32"),
     pytest.param(6, 3, 40, id="gqa2-d40"),  # half of 40 pads to 32 lanes
+    pytest.param(32, 32, 256, id="gqa1-d256"),  # 16 heads a tile: two query and two K/V programs
 ]
 
 

@@ -105,7 +105,8 @@ def default_prefill_config(
     fast one.
 
     Blocks of fewer than 128 tokens (``block_size``) take key tiles of 32 with one warpgroup
-    (128 x 32, 4 warps): a tile then lies in one block (one table entry, contiguous rows).
+    (128 x 32, 4 warps): a tile then lies in one block (one table entry, contiguous rows). The
+    backend passes no ``block_size`` for an fp8 cache, which measured slower so.
 
     With ``max_query_len`` (the longest row this step) below the tile height, the tile
     shrinks to it (>= 16): short extend rows would otherwise compute mostly masked rows.

@@ -110,6 +110,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    KV_BLOCK_H: tl.constexpr,
     Q_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
@@ -117,7 +118,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
-    others rotate BLOCK_H KV heads of K and store them with the same heads of V at the
+    others rotate KV_BLOCK_H KV heads of K and store them with the same heads of V at the
     token's slot.
 
     The position is clamped into the table and a slot outside [0, num_slots) (the -1 of a
@@ -145,7 +146,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         tl.store(out, q_lo.to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF, q_hi.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
-        kh = (chunk - Q_CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        kh = (chunk - Q_CHUNKS) * KV_BLOCK_H + tl.arange(0, KV_BLOCK_H)
         slot = tl.load(slot_ptr + t)
         # An invalid slot shrinks the head range to nothing (a scalar select: the interpreter
         # mistypes scalar & tensor).
@@ -228,7 +229,10 @@ def rotary_write_kv(
     half_pad = next_power_of_2(max(half, 16))
     block_h = min(next_power_of_2(max(num_heads, kv_heads)), max(1, _TILE_ELEMENTS // half_pad))
     q_chunks = triton.cdiv(num_heads, block_h)
-    grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, block_h))
+    # K/V tiles as tall as the KV heads, no taller: masked rows of a query-sized tile still
+    # cost an int8 cache's row maxima (cross-thread shuffles) in the one K/V program of a token.
+    kv_block_h = min(next_power_of_2(kv_heads), block_h)
+    grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, kv_block_h))
     token_scales = k_cache.dtype == torch.int8
     scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
     _rotary_write_kernel[grid](
@@ -263,6 +267,7 @@ def rotary_write_kv(
         HALF=half,
         HALF_PAD=half_pad,
         BLOCK_H=block_h,
+        KV_BLOCK_H=kv_block_h,
         Q_CHUNKS=q_chunks,
         BLOCK_SIZE=block_size,
         QUANTIZE=k_scale is not None and not token_scales,
