@@ -408,7 +408,8 @@ class AttentionBackend(ABC):
         # The scales' addresses too: an int8 cache's kernels address them from the key's layout.
         ks, vs = layer.k_scale, layer.v_scale
         scales = None if ks is None else (ks.data_ptr(), None if vs is None else vs.data_ptr())
-        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales)
+        centre = None if layer.k_centre is None else layer.k_centre.data_ptr()
+        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales, centre)
         if seen not in self._accepted:
             self._check_layer(layer, meta)
             self._accepted.add(seen)
@@ -422,6 +423,25 @@ class AttentionBackend(ABC):
                 f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device"
             )
         return meta
+
+    def _check_key_centre(self, centre: torch.Tensor, kv_heads: int, head_dim: int, device: torch.device) -> None:
+        """Key centring (``LayerCache.k_centre``) is exact only where a common shift of a
+        query's scores changes nothing, and built for the int8 cache only."""
+        spec = self.spec
+        if not spec.token_scaled_cache:
+            raise UnsupportedSettingError(
+                f"layer.k_centre: key centring is built for the int8 cache, not {spec.cache_dtype}; "
+                "pass a layer without it"
+            )
+        if spec.logit_softcap is not None or spec.attention_sinks:
+            what = "a score cap" if spec.logit_softcap is not None else "attention sinks"
+            raise UnsupportedSettingError(
+                f"layer.k_centre: with {what} a common shift of a query's scores changes the softmax, so "
+                "centred keys would change the output; leave the keys uncentred for this model"
+            )
+        check_tensor("layer.k_centre", centre, shape=(kv_heads, head_dim), dtype=torch.float32, device=device)
+        if not centre.is_contiguous():
+            raise UnsupportedSettingError(f"layer.k_centre: strides {centre.stride()}; pass a contiguous tensor")
 
     def _check_layer(self, layer: LayerCache, meta: AttentionMetadata) -> None:
         spec = self.spec
@@ -461,5 +481,7 @@ class AttentionBackend(ABC):
         if spec.quantized_cache and not spec.token_scaled_cache:
             for name, scale in (("k_scale", layer.k_scale), ("v_scale", layer.v_scale)):
                 check_tensor(f"layer.{name}", scale, shape=(kvh,), dtype=torch.float32, device=layer.key.device)
+        if layer.k_centre is not None:
+            self._check_key_centre(layer.k_centre, kvh, d, layer.key.device)
         if spec.window_layers is not None:
             spec.window_of(layer.index)  # raises for a layer index outside the pattern

@@ -21,6 +21,11 @@ class LayerCache:
                 fp32 [num_kv_heads] for an fp8 cache; fp16 [num_blocks, block_size,
                 num_kv_heads], one per token and head, for an int8 cache (views into the
                 blocks' memory, :mod:`attention.token_scales`); None for 16/32-bit caches.
+    k_centre:   fp32 [num_kv_heads, head_dim] subtracted from every key before an int8 cache
+                stores it (key centring, :meth:`kvcache.KVCacheTensors.set_key_centres`), or
+                None. It is never added back: it shifts all of a query's scores by the same
+                ``q . k_centre``, which the softmax ignores, while the rows left to quantize
+                are smaller. Refused with a score cap or attention sinks (not shift-invariant).
     ``kvcache.KVCacheTensors.layer(i)`` builds these once per layer and hands the same objects
     out every step.
     """
@@ -30,6 +35,7 @@ class LayerCache:
     index: int = 0
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_centre: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -137,7 +137,8 @@ def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_m
     """The cache write in plain torch (shapes as in ``AttentionBackend.write_kv``): slots of
     -1 are skipped; any other slot outside the cache raises MetadataError and writes nothing.
     An fp8 cache stores ``value / scale``, saturated to the format's range; an int8 cache
-    stores each row with its own scale (:mod:`attention.token_scales`). Reads the slots on
+    stores each row with its own scale (:mod:`attention.token_scales`), K less its
+    ``layer.k_centre`` (in float32) when the layer has one. Reads the slots on
     the host, so on CUDA it syncs: the fallback when no kernel is available."""
     n, bs = layer.key.shape[:2]
     keep = slot_mapping != -1
@@ -154,10 +155,11 @@ def scatter_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerCache, slot_m
     # blocks (their scales follow the values) have no flat view.
     blocks, offsets = slots // bs, slots % bs
     if layer.key.dtype == torch.int8:
-        for cache, scales, x in ((layer.key, layer.k_scale, key), (layer.value, layer.v_scale, value)):
+        centred = key[keep].float() - layer.k_centre if layer.k_centre is not None else key[keep]
+        for cache, scales, x in ((layer.key, layer.k_scale, centred), (layer.value, layer.v_scale, value[keep])):
             if scales is None:
                 raise ValueError("layer: an int8 cache needs its per-token scales")
-            q, s = quantize_rows(x[keep])
+            q, s = quantize_rows(x)
             cache[blocks, offsets] = q
             scales[blocks, offsets] = s
         return

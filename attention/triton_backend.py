@@ -430,7 +430,10 @@ class TritonBackend(AttentionBackend):
     # ---- per layer ---------------------------------------------------------------------
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, layer: LayerCache, plan: StepPlan) -> None:
-        write_kv_cache(key, value, layer.key, layer.value, plan.metadata.slot_mapping, layer.k_scale, layer.v_scale)
+        meta = plan.metadata
+        write_kv_cache(
+            key, value, layer.key, layer.value, meta.slot_mapping, layer.k_scale, layer.v_scale, layer.k_centre
+        )
 
     def _rotary_write_kv(
         self,
@@ -453,6 +456,7 @@ class TritonBackend(AttentionBackend):
             rotary.cos_sin,
             layer.k_scale,
             layer.v_scale,
+            layer.k_centre,
         )
 
     def _attend(

@@ -15,7 +15,10 @@ Runs:
   ``--calibration`` prompts prefilled into a bf16 cache, margin ``--margin``
   (:func:`examples.engine.calibration.calibrate_kv_scales`);
 - ``int8``: bf16 compute, int8 cache with a scale per (token, KV head) computed as each row is
-  written (:mod:`attention.token_scales`; nothing to calibrate).
+  written (:mod:`attention.token_scales`; nothing to calibrate);
+- ``int8-centred``: the same with keys stored less their mean per (layer, KV head, channel)
+  over the first ``--calibration`` prompts prefilled into a bf16 cache
+  (:func:`examples.engine.calibration.calibrate_key_centres`).
 
 Reported against the bf16 run: greedy token agreement (position by position), identical
 requests, first divergence; and teacher-forced (each fp8 run re-fed the bf16 run's tokens):
@@ -47,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.engine.calibration import calibrate_kv_scales  # noqa: E402
+from examples.engine.calibration import calibrate_key_centres, calibrate_kv_scales  # noqa: E402
 from examples.engine.loop import run_requests  # noqa: E402
 from examples.engine.parts import engine_for  # noqa: E402
 from examples.engine.scheduler import Request, make_preemption  # noqa: E402
@@ -118,11 +121,18 @@ def serve(
     *,
     forced: list[list[int]] | None = None,
     calibrate: tuple[list[list[int]], float] | None = None,
+    centre_on: list[list[int]] | None = None,
+    keep_logits: bool = True,
 ) -> dict[str, Any]:
+    """Serve ``prompts`` (greedy, or teacher-forced on ``forced``); ``keep_logits``: return
+    every position's logits in float64 (about 1.6 GB per run at 64 x 64 tokens: a greedy run
+    compared by its tokens only drops them)."""
     engine = engine_for(config, model.shape)
     scales = None
     if calibrate is not None:
         scales = calibrate_kv_scales(model, config, engine.cache, calibrate[0], margin=calibrate[1])
+    if centre_on is not None:
+        calibrate_key_centres(model, config, engine.cache, centre_on)
     requests = [
         Request(i, list(p), new_tokens, forced=None if forced is None else forced[i]) for i, p in enumerate(prompts)
     ]
@@ -130,11 +140,11 @@ def serve(
     report = run_requests(
         model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
         preemption=make_preemption("recompute", engine.manager, engine.cache), overlap=forced is None,
-        record_logits=True, token_budget=512, max_running=32,
+        record_logits=keep_logits, token_budget=512, max_running=32,
     )  # fmt: skip
     return {
         "tokens": [list(r.output) for r in requests],
-        "logits": [torch.stack(report.logits[r.req_id]).double() for r in requests],
+        "logits": [torch.stack(report.logits[r.req_id]).double() for r in requests] if keep_logits else None,
         "seconds": time.perf_counter() - start,
         "scales": None if scales is None else scales,
     }
@@ -173,7 +183,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--gguf", default=None)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--calibration", type=int, default=8, help="prompts the fp8 scales are calibrated on")
+    p.add_argument(
+        "--calibration", type=int, default=8, help="prompts the fp8 scales and the int8 key centres come from"
+    )
     p.add_argument("--margin", type=float, default=1.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -190,17 +202,22 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     bf16 = from_transformers(hf, share=False, dtype=torch.bfloat16)
     blocks = sum(-(-(len(q) + args.new_tokens) // 32) for q in prompts) + 8
     runs: dict[str, Any] = {}
-    runs["fp32"] = serve(fp32, config_for(fp32, "float32", "float32", blocks), prompts, args.new_tokens)
+    runs["fp32"] = serve(
+        fp32, config_for(fp32, "float32", "float32", blocks), prompts, args.new_tokens, keep_logits=False
+    )
     runs["bf16"] = serve(bf16, config_for(bf16, "bfloat16", "bfloat16", blocks), prompts, args.new_tokens)
     ref = runs["bf16"]
     fp8 = config_for(bf16, "bfloat16", "float8_e4m3", blocks)
     calib = (prompts[: args.calibration], args.margin)
-    runs["fp8-static"] = serve(bf16, fp8, prompts, args.new_tokens)
-    runs["fp8-calibrated"] = serve(bf16, fp8, prompts, args.new_tokens, calibrate=calib)
+    runs["fp8-static"] = serve(bf16, fp8, prompts, args.new_tokens, keep_logits=False)
+    runs["fp8-calibrated"] = serve(bf16, fp8, prompts, args.new_tokens, calibrate=calib, keep_logits=False)
     int8 = config_for(bf16, "bfloat16", "int8", blocks)
-    runs["int8"] = serve(bf16, int8, prompts, args.new_tokens)
+    runs["int8"] = serve(bf16, int8, prompts, args.new_tokens, keep_logits=False)
+    centre_on = prompts[: args.calibration]
+    runs["int8-centred"] = serve(bf16, int8, prompts, args.new_tokens, centre_on=centre_on, keep_logits=False)
     forced = {
         "int8": serve(bf16, int8, prompts, args.new_tokens, forced=ref["tokens"]),
+        "int8-centred": serve(bf16, int8, prompts, args.new_tokens, forced=ref["tokens"], centre_on=centre_on),
         "fp8-static": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"]),
         "fp8-calibrated": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"], calibrate=calib),
         "fp32": serve(

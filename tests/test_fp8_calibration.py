@@ -171,7 +171,7 @@ def test_smollm2_fp8_cache_against_bf16() -> None:
         torch.set_num_threads(threads)
     r = doc["results"]
     fp32 = r["fp32"]["teacher_forced_vs_bf16"]
-    for name in ("fp8-static", "fp8-calibrated", "int8"):
+    for name in ("fp8-static", "fp8-calibrated", "int8", "int8-centred"):
         tf = r[name]["teacher_forced_vs_bf16"]
         assert tf["top1_agreement"] >= 0.85, (name, tf)
         assert tf["mean_kl"] < 0.05, (name, tf)

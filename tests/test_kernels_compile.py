@@ -27,14 +27,15 @@ def rotary(dtype, cache, quantize, int8=False):
     scale = "*fp16" if int8 else "*fp32"
     sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "q_out_ptr": dtype, "k_cache_ptr": cache,
            "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
-           "k_scale_ptr": scale, "v_scale_ptr": scale, "num_slots": "i64", "max_positions": "i32"}
+           "k_scale_ptr": scale, "v_scale_ptr": scale, "k_centre_ptr": "*fp32", "num_slots": "i64",
+           "max_positions": "i32"}
     for name in ("stride_sb", "stride_st", "stride_sh",
                  "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
                  "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
                  "stride_vd"):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, KV_BLOCK_H=8, Q_CHUNKS=1,
-                  BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, INTERPRETED=False)
+                  BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, CENTRE_K=int8, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
 
 def norm(dtype, add):

@@ -73,6 +73,7 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     slot_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_centre_ptr,
     num_slots,
     stride_sb,
     stride_st,
@@ -95,6 +96,7 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
+    CENTRE_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, head chunk): copy BLOCK_H heads of one token's K and V.
@@ -109,7 +111,8 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     TOKEN_SCALES (an int8 cache, :mod:`attention.token_scales`): each (token, head) row is
     quantized with its own scale (:func:`quantize_int8_rows`), stored at ``k_scale_ptr`` /
     ``v_scale_ptr`` + block * stride_sb + offset * stride_st + head * stride_sh (fp16
-    elements; both scale views share these strides).
+    elements; both scale views share these strides). CENTRE_K: K less ``k_centre`` (fp32
+    [NUM_KV_HEADS, HEAD_DIM], contiguous) is what an int8 cache quantizes.
     """
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -126,7 +129,10 @@ def _cache_write_kernel(  # type: ignore[no-untyped-def]
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     if TOKEN_SCALES:
-        k, k_row_scale = quantize_int8_rows(k.to(tl.float32), mask)
+        k = k.to(tl.float32)
+        if CENTRE_K:
+            k = k - tl.load(k_centre_ptr + h[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        k, k_row_scale = quantize_int8_rows(k, mask)
         v, v_row_scale = quantize_int8_rows(v.to(tl.float32), mask)
         s_dst = block * stride_sb + offset * stride_st + h * stride_sh
         tl.store(k_scale_ptr + s_dst, k_row_scale, mask=h < heads)
@@ -155,6 +161,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_centre: torch.Tensor | None = None,
 ) -> None:
     """Write ``key[t]``/``value[t]`` into slot ``slot_mapping[t]`` of ``k_cache``/``v_cache``.
 
@@ -168,6 +175,8 @@ def write_kv_cache(
                       :func:`attention.token_scales.split_block_memory` lays them out) the
                       fp16 [num_blocks, block_size, num_kv_heads] per-token scales, written
                       with each row (:func:`attention.token_scales.quantize_rows`, bit for bit).
+    k_centre:         an int8 cache's key centre, fp32 [num_kv_heads, head_dim] contiguous:
+                      K less it (in fp32) is quantized (``LayerCache.k_centre``); else None.
     Arguments are assumed checked by the caller (``AttentionBackend.write_kv``).
     """
     num_tokens = slot_mapping.shape[0]
@@ -191,6 +200,7 @@ def write_kv_cache(
         slot_mapping,
         k_scale if k_scale is not None else slot_mapping,  # unused unless QUANTIZE
         v_scale if v_scale is not None else slot_mapping,
+        k_centre if k_centre is not None else slot_mapping,  # unused unless CENTRE_K
         num_blocks * block_size,
         *scale_strides,
         key.stride(0),
@@ -208,6 +218,7 @@ def write_kv_cache(
         BLOCK_SIZE=block_size,
         QUANTIZE=k_scale is not None and not token_scales,
         TOKEN_SCALES=token_scales,
+        CENTRE_K=token_scales and k_centre is not None,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )

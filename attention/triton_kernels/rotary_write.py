@@ -85,6 +85,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     table_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_centre_ptr,
     num_slots,
     max_positions,
     stride_sb,
@@ -115,6 +116,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
+    CENTRE_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
@@ -127,7 +129,9 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     stride_ct, stride_ch, 1); V has its own, contiguous or token-major
     (:mod:`attention.value_layout`). TOKEN_SCALES (an int8 cache): each (token, KV head) row
     gets its own fp16 scale, stored at ``k_scale_ptr`` / ``v_scale_ptr`` + block * stride_sb
-    + offset * stride_st + head * stride_sh, as the cache write stores it.
+    + offset * stride_st + head * stride_sh, as the cache write stores it. CENTRE_K: the
+    rotated K, rounded to the input's dtype, less ``k_centre`` (fp32 [NUM_KV_HEADS, 2 * HALF])
+    is what the int8 cache quantizes, as the cache write does.
     """
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -165,10 +169,13 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
             # K as the composed boundary stores it: rotated, rounded to the input's dtype, quantized.
             k_in = k_ptr.dtype.element_ty
             s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kh * stride_sh
-            _store_int8_halves(
-                _as_input_dtype(k_lo, k_in, INTERPRETED), _as_input_dtype(k_hi, k_in, INTERPRETED), kv_mask,
-                k_cache_ptr, dst, 1, k_scale_ptr, s_dst, kh_mask, HALF,
-            )  # fmt: skip
+            k_lo = _as_input_dtype(k_lo, k_in, INTERPRETED)
+            k_hi = _as_input_dtype(k_hi, k_in, INTERPRETED)
+            if CENTRE_K:
+                centre = k_centre_ptr + kh[:, None] * (2 * HALF) + j[None, :]
+                k_lo = k_lo - tl.load(centre, mask=kv_mask, other=0.0)
+                k_hi = k_hi - tl.load(centre + HALF, mask=kv_mask, other=0.0)
+            _store_int8_halves(k_lo, k_hi, kv_mask, k_cache_ptr, dst, 1, k_scale_ptr, s_dst, kh_mask, HALF)
             _store_int8_halves(
                 v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
                 kh_mask, HALF,
@@ -202,6 +209,7 @@ def rotary_write_kv(
     cos_sin: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_centre: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate ``query``/``key`` at ``positions``, write rotated K and V to ``slot_mapping``'s
     slots, return the rotated query.
@@ -217,6 +225,8 @@ def rotary_write_kv(
                       :func:`attention.token_scales.split_block_memory` lays it out) the fp16
                       [num_blocks, block_size, num_kv_heads] per-token scales, written with
                       each row.
+    k_centre:         an int8 cache's key centre, fp32 [num_kv_heads, head_dim] contiguous
+                      (``LayerCache.k_centre``), or None.
     Returns a new contiguous [num_tokens, num_heads, head_dim] tensor of query's dtype.
     Arguments are assumed checked by the caller (``AttentionBackend.rotary_write_kv``).
     """
@@ -247,6 +257,7 @@ def rotary_write_kv(
         cos_sin,
         k_scale if k_scale is not None else cos_sin,  # unused unless QUANTIZE
         v_scale if v_scale is not None else cos_sin,
+        k_centre if k_centre is not None else cos_sin,  # unused unless CENTRE_K
         num_blocks * block_size,
         cos_sin.shape[0],
         *scale_strides,
@@ -272,6 +283,7 @@ def rotary_write_kv(
         BLOCK_SIZE=block_size,
         QUANTIZE=k_scale is not None and not token_scales,
         TOKEN_SCALES=token_scales,
+        CENTRE_K=token_scales and k_centre is not None,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )

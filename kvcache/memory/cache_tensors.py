@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,13 +119,17 @@ class KVCacheTensors:
              serves every layer, and tensor ``i`` is layer ``i``'s).
     tokens_per_block: the block size of an int8 cache (whose storage has more rows than
              tokens); None: ``storage.shape[3]``.
-    ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time.
+    key_centres: an int8 cache's key centring, fp32 [num_layers, num_kv_heads, head_dim]
+             (:meth:`set_key_centres`), or None.
+    ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time (until
+    :meth:`set_key_centres` replaces them).
     """
 
     storage: torch.Tensor
     scales: torch.Tensor | None = None
     layout: KVGroupLayout | None = None
     tokens_per_block: int | None = None
+    key_centres: torch.Tensor | None = None
     _layers: list[LayerCache] = field(init=False, repr=False)
     _groups: list[int] = field(init=False, repr=False)
 
@@ -148,7 +152,12 @@ class KVCacheTensors:
         token_major = two_parts and uses_token_major_values(self.storage.dtype)
         if self.storage.dtype == torch.int8:
             self._layers = [self._int8_layer(i, t) for i, (_, t) in enumerate(places)]
+            if self.key_centres is not None:
+                centres, self.key_centres = self.key_centres, None
+                self.set_key_centres(centres)
             return
+        if self.key_centres is not None:
+            raise InvalidArgumentError(f"key_centres: key centring is built for the int8 cache, not {self.dtype}")
         self._layers = [
             LayerCache(
                 self.storage[t, 0],
@@ -246,6 +255,34 @@ class KVCacheTensors:
             )
         self.scales[layer, 0].copy_(k_scale)
         self.scales[layer, 1].copy_(v_scale)
+
+    def set_key_centres(self, centres: torch.Tensor) -> None:
+        """Centre the keys of an int8 cache: from now on layer ``i``'s keys are stored less
+        ``centres[i]`` (fp32-convertible ``[num_layers, num_kv_heads, head_dim]``, finite),
+        e.g. the mean key of a calibration run (:func:`kvcache.memory.calibration.
+        key_centres_from_cache`). A real model's keys carry a large per-channel bias; without
+        it each row's int8 scale fits the row's own variation. Nothing is added back: every
+        score of a query moves by the same ``q . centre``, which the softmax ignores (a backend
+        refuses centred keys where it would not: a score cap, attention sinks).
+
+        Set them before the first write (keys already stored stay as they were, and a query's
+        shift would then differ between them); ``layer(i)`` hands out new LayerCache objects.
+        Raises InvalidArgumentError, changing nothing, for another cache dtype or a bad tensor."""
+        if self.dtype != torch.int8:
+            raise InvalidArgumentError(
+                f"set_key_centres: this cache is {self.dtype}; key centring is built for the int8 cache"
+            )
+        head = self._layers[0].key.shape[2:]
+        want = [self.num_layers, *head]
+        if not isinstance(centres, torch.Tensor) or list(centres.shape) != want:
+            got = list(centres.shape) if isinstance(centres, torch.Tensor) else type(centres).__name__
+            raise InvalidArgumentError(
+                f"centres: expected a tensor of shape {want} (layers, KV heads, head_dim), got {got}"
+            )
+        if not centres.is_floating_point() or not bool(torch.isfinite(centres).all()):
+            raise InvalidArgumentError("centres: expected finite floating-point values")
+        self.key_centres = centres.to(device=self.device, dtype=torch.float32).contiguous()
+        self._layers = [replace(layer, k_centre=self.key_centres[i]) for i, layer in enumerate(self._layers)]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer's K and V (e.g. the pairs

@@ -9,6 +9,10 @@ pass filled (for example the first prompts, prefilled into a bf16 cache), and tu
 scales that map that magnitude, times ``margin``, onto float8_e4m3's largest finite value. The
 scales are then fixed (:meth:`KVCacheTensors.set_scales`), so every later write and read uses
 them, as vLLM's and TensorRT-LLM's calibrated per-head KV scales are.
+
+An int8 cache needs no scales (each row has its own) but gains from key centring:
+:func:`key_centres_from_cache` takes the mean key per layer, KV head and channel from the same
+kind of calibration pass, for :meth:`KVCacheTensors.set_key_centres`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from attention.errors import InvalidArgumentError
 from attention.quantize import FP8_MAX
 from kvcache.memory.cache_tensors import KVCacheTensors
 
-__all__ = ["apply_scales", "scales_from_cache"]
+__all__ = ["apply_scales", "key_centres_from_cache", "scales_from_cache"]
 
 
 def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6) -> torch.Tensor:
@@ -59,3 +63,28 @@ def apply_scales(cache: KVCacheTensors, scales: torch.Tensor) -> None:
         raise InvalidArgumentError(f"scales: expected shape {want} for an fp8 cache, got {list(scales.shape)}")
     for layer in range(cache.num_layers):
         cache.set_scales(layer, scales[layer, 0].to(cache.scales.device), scales[layer, 1].to(cache.scales.device))
+
+
+def key_centres_from_cache(cache: KVCacheTensors) -> torch.Tensor:
+    """fp32 ``[num_layers, num_kv_heads, head_dim]``: per layer, the mean key (after rotary,
+    as stored) over the slots a calibration pass wrote into ``cache``, a 16- or 32-bit cache
+    allocated with ``fill=0`` (a slot whose key is all zeros counts as never written). With KV
+    groups, a layer takes the mean of the layer tensor it shares (any fixed centre is exact;
+    the tensor's mean fits the layers that share it). Raises InvalidArgumentError for an 8-bit
+    or latent cache, a non-finite value, or a cache nothing was written to."""
+    if cache.dtype.itemsize == 1:
+        raise InvalidArgumentError(f"cache: {cache.dtype}; take the key centres from a 16- or 32-bit cache")
+    if cache.storage.shape[1] != 2:
+        raise InvalidArgumentError("cache: a latent (MLA) cache; its latent is both K and V and is not centred")
+    keys = cache.storage[:, 0].float()  # [tensors, blocks, block_size, kv_heads, head_dim]
+    if not bool(torch.isfinite(keys).all()):
+        raise InvalidArgumentError("cache: holds a non-finite value; fill it with zeros before calibrating")
+    written = (keys != 0).any(dim=-1, keepdim=True)  # [tensors, blocks, block_size, kv_heads, 1]
+    count = written.sum(dim=(1, 2))  # [tensors, kv_heads, 1]
+    if not bool((count > 0).all()):
+        raise InvalidArgumentError("cache: no key was written for some layer; prefill calibration prompts first")
+    means = keys.sum(dim=(1, 2)) / count  # [tensors, kv_heads, head_dim]
+    if cache.layout is not None:
+        tensor_of = [cache.layout.place(i)[1] for i in range(cache.layout.num_layers)]
+        means = means[torch.tensor(tensor_of, device=means.device)]
+    return means
