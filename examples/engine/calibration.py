@@ -58,9 +58,7 @@ def calibrate_key_centres(
     Raises ValueError for no prompts, and InvalidArgumentError for a cache other than int8
     (before any prefill)."""
     if int8_cache.dtype != torch.int8:
-        raise InvalidArgumentError(
-            f"int8_cache: a {int8_cache.dtype} cache; key centring is built for the int8 cache"
-        )
+        raise InvalidArgumentError(f"int8_cache: a {int8_cache.dtype} cache; key centring is built for the int8 cache")
     scratch = _calibration_prefill(model, config, int8_cache.device, prompts, backend)
     centres = key_centres_from_cache(scratch)
     int8_cache.set_key_centres(centres)
