@@ -116,7 +116,7 @@ def make_case(
     for i, (context, new) in enumerate(rows):
         manager.allocate(i, context + new)
     if store_dtype == torch.int8:  # values and per-token scales share each block's memory
-        storage, layer = _int8_layer(manager.num_blocks, block_size, kvh, d, device, layer_index)
+        storage, layer = int8_layer(manager.num_blocks, block_size, kvh, d, device, layer_index)
     else:
         storage = torch.full((2, manager.num_blocks + 2, block_size, kvh, d), float("nan"), device=device)
         storage = storage.to(store_dtype)
@@ -161,8 +161,8 @@ def make_case(
     return PagedCase(spec, query, new_key, new_value, layer, storage, meta, all_key, all_value, builder)
 
 
-def _int8_layer(
-    num_blocks: int, block_size: int, kvh: int, d: int, device: str, index: int
+def int8_layer(
+    num_blocks: int, block_size: int, kvh: int, d: int, device: str, index: int = 0
 ) -> tuple[torch.Tensor, LayerCache]:
     """An int8 layer (:mod:`attention.token_scales`) of ``num_blocks`` blocks inside a storage
     of ``num_blocks + 2`` (a guard block at each end), every byte 0x7E: the scales of slots

@@ -25,7 +25,7 @@ from attention.staging import StepCapacity
 from attention.token_scales import quantize_rows
 from attention.triton_backend import TritonBackend, TritonStepPlan
 from attention.triton_kernels import DecodeConfig, default_decode_config, rotary_write_kv, write_kv_cache
-from tests.paged_case import TOLERANCE, PagedCase, int8_output_dtype, int8_views, make_case, make_spec
+from tests.paged_case import TOLERANCE, PagedCase, int8_layer, int8_output_dtype, int8_views, make_case, make_spec
 
 #: (heads, kv_heads, head_dim, block_size, dtype): GQA 2 and 3, padded lanes, tiles inside a
 #: block and tiles across blocks, every compute dtype.
@@ -53,14 +53,6 @@ def _spiky(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return x.to(dtype)
 
 
-def _fresh_storage(blocks: int, block_size: int, kv_heads: int, head_dim: int, device: str) -> torch.Tensor:
-    """An int8 layer's storage (see paged_case.int8_views), every byte 0x7E."""
-    from attention.dtypes import dtype_info
-
-    rows = dtype_info("int8").rows_per_block(block_size, head_dim)
-    return torch.full((2, blocks + 2, rows, kv_heads, head_dim), 0x7E, dtype=torch.int8, device=device)
-
-
 WRITE_SHAPES = [
     pytest.param(3, 16, 32, id="kvh3-d16-bs32"),
     pytest.param(2, 24, 96, id="kvh2-d24-bs96"),
@@ -85,9 +77,9 @@ def test_writes_match_the_reference_bit_for_bit(
     n_slots = blocks * block_size
     slots = torch.tensor([5, -1, n_slots - 1, 3, block_size, n_slots, 2 * block_size + 7, 1, block_size - 1])
     slots = slots.to(dev)
-    got = _fresh_storage(blocks, block_size, kv_heads, head_dim, dev)
+    got, layer = int8_layer(blocks, block_size, kv_heads, head_dim, dev)
     want = got.clone()
-    layer, oracle = int8_views(got, block_size), int8_views(want, block_size)
+    oracle = int8_views(want, block_size)
     kept = torch.where(slots < n_slots, slots, -1)  # the reference refuses an id outside the cache
     if fused:
         table = RotaryTable.build(1.0 / 500.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim), 300)
@@ -112,8 +104,7 @@ def test_write_rounds_like_the_reference_at_ties(triton_device: str) -> None:
     d, kvh, bs = 16, 1, 32
     row = torch.tensor([127.0, -0.5, 0.5, 1.5, -1.5, 2.5, 63.5, -63.5, 126.5, 0.25, 0.75, -0.75, 3.0, 0.0, -127, 1])
     key = row.view(1, kvh, d).to(triton_device)
-    storage = _fresh_storage(1, bs, kvh, d, triton_device)
-    layer = int8_views(storage, bs)
+    _, layer = int8_layer(1, bs, kvh, d, triton_device)
     write_kv_cache(
         key, key, layer.key, layer.value, torch.tensor([0], device=triton_device), layer.k_scale, layer.v_scale
     )

@@ -27,7 +27,7 @@ from examples.engine.parts import cache_config_for
 from examples.model import LlamaShape
 from kvcache import KVCacheConfig, allocate_kv_cache
 from kvcache.memory.calibration import key_centres_from_cache
-from tests.paged_case import BACKENDS_UNDER_TEST, UnderTest, int8_views, make_case, make_spec
+from tests.paged_case import BACKENDS_UNDER_TEST, UnderTest, int8_layer, int8_views, make_case, make_spec
 
 
 def _biased_keys(tokens: int, kv_heads: int, head_dim: int, seed: int, bias: float = 8.0) -> torch.Tensor:
@@ -35,13 +35,6 @@ def _biased_keys(tokens: int, kv_heads: int, head_dim: int, seed: int, bias: flo
     gen = torch.Generator().manual_seed(seed)
     offset = torch.randn(kv_heads, head_dim, generator=gen) * bias
     return offset + torch.randn(tokens, kv_heads, head_dim, generator=gen)
-
-
-def _int8_storage(blocks: int, block_size: int, kv_heads: int, head_dim: int, device: str) -> torch.Tensor:
-    from attention.dtypes import dtype_info
-
-    rows = dtype_info("int8").rows_per_block(block_size, head_dim)
-    return torch.full((2, blocks + 2, rows, kv_heads, head_dim), 0x7E, dtype=torch.int8, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -54,9 +47,9 @@ def test_centred_writes_store_the_rows_less_the_centre(dtype: torch.dtype, fused
     value = torch.randn(tokens, kvh, d, generator=torch.Generator().manual_seed(2)).to(dtype=dtype, device=dev)
     centre = key.float().mean(0) + 0.37  # not the exact mean: any fixed centre must be applied as given
     slots = torch.tensor([4, -1, 3 * bs - 1, 0, bs, 2 * bs + 5, 9], device=dev)
-    got = _int8_storage(blocks, bs, kvh, d, dev)
+    got, plain = int8_layer(blocks, bs, kvh, d, dev)
     want = got.clone()
-    layer = dataclasses.replace(int8_views(got, bs), k_centre=centre)
+    layer = dataclasses.replace(plain, k_centre=centre)
     oracle = dataclasses.replace(int8_views(want, bs), k_centre=centre)
     if fused:
         table = RotaryTable.build(1.0 / 500.0 ** (torch.arange(0, d, 2, device=dev).float() / d), 64)
@@ -236,10 +229,10 @@ def test_key_centres_refuse_8_bit_and_empty_caches() -> None:
 def test_dequantized_centred_keys_differ_from_the_keys_by_the_centre_only() -> None:
     """What the reference stores reads back as ``k - centre`` to int8 precision (the centre is
     not added back: the cache holds the centred keys)."""
-    storage = _int8_storage(2, 32, 2, 16, "cpu")
+    _, plain = int8_layer(2, 32, 2, 16, "cpu")
     key = _biased_keys(5, 2, 16, seed=9)
     centre = key.mean(0)
-    layer: LayerCache = dataclasses.replace(int8_views(storage, 32), k_centre=centre)
+    layer: LayerCache = dataclasses.replace(plain, k_centre=centre)
     scatter_kv(key, key, layer, torch.arange(5))
     assert layer.k_scale is not None and layer.v_scale is not None
     back = dequantize_rows(layer.key.flatten(0, 1)[:5], layer.k_scale.flatten(0, 1)[:5], torch.float32)
