@@ -472,6 +472,9 @@ class TritonBackend(AttentionBackend):
         result = torch.empty_like(query) if out is None else out
         if plan.latent is not None and self.spec.latent_rank is not None:
             rank = self.spec.latent_rank
+            # The kernel stores the first latent_rank channels of each head in place (unit
+            # channel stride, a 16- or 32-bit float), else into a temporary copied over.
+            in_place = result.stride(-1) == 1 and result.dtype in (torch.float32, torch.float16, torch.bfloat16)
             values = mla_attention(
                 query if query.stride(-1) == 1 else query.contiguous(),
                 layer.key,
@@ -487,8 +490,10 @@ class TritonBackend(AttentionBackend):
                 block_n=plan.latent.launch.block_n,
                 num_warps=plan.latent.launch.num_warps,
                 num_stages=plan.latent.launch.num_stages,
+                out=result if in_place else None,
             )
-            result[..., :rank] = values
+            if not in_place:
+                result[..., :rank] = values
             result[..., rank:] = 0  # not values: only the first latent_rank channels are defined
             return result
         # The kernels store rows with unit stride along head_dim; anything else goes through

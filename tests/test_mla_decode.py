@@ -124,6 +124,25 @@ def test_bad_block_ids_are_masked_not_read() -> None:
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())), "a row with no valid block attends to nothing"
 
 
+def test_the_output_goes_where_asked() -> None:
+    """``out`` (the channels before the rotary part of a bf16 attention output, as the backend
+    passes it) gets the first R channels of every token and head and nothing else, launch
+    after launch; a second head tile and tokens that see nothing included."""
+    lens, heads, rank, rope = [90, 3, 64, 0, 41], 20, 32, 16
+    query, cache, tables, latents = _case(lens, heads, rank, rope, 16, torch.float32, seed=6)
+    q, c, t = query.to(DEVICE, torch.bfloat16), cache.to(DEVICE, torch.bfloat16), tables.to(DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    want = _reference(q.double().cpu(), [lat.to(torch.bfloat16).double() for lat in latents], rank, 0.2)
+    target = torch.full((len(lens), heads, rank + rope), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    for splits in (1, 4):
+        got = mla_decode(q, c, t, seq, kv_lora_rank=rank, scale=0.2, num_splits=splits, out=target)
+        assert got.data_ptr() == target.data_ptr() and got.shape == (len(lens), heads, rank)
+        err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err < 2e-2, err
+        assert (target[..., rank:] == 7.0).all(), "only the first kv_lora_rank channels are written"
+        assert not target[3, :, :rank].any(), "a token that sees nothing gets zeros"
+
+
 def test_bad_arguments_are_refused_naming_them() -> None:
     query, cache, tables, _ = _case([8], 4, 32, 16, 32, torch.float32)
     q, c, lens = query.float(), cache.float(), torch.tensor([8], dtype=torch.int32)
@@ -140,6 +159,9 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
     with pytest.raises(InvalidArgumentError, match="split_len: expected an int32 \\[1\\] tensor"):
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, split_len=torch.tensor([8]))
+    for bad_out in (torch.empty(1, 4, 16), torch.empty(1, 4, 32, dtype=torch.float64), torch.empty(1, 32, 4).mT):
+        with pytest.raises(InvalidArgumentError, match="out: expected"):
+            mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, out=bad_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

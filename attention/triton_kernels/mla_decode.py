@@ -215,11 +215,13 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     lens_ptr,  # int32 [T]
     rows_ptr,  # int32 [T]
     chunk_ptr,  # int32 [1]
-    out_ptr,  # fp32 [T, H, R]
+    out_ptr,  # [T, H, >= R] (channels contiguous)
     num_rows,
     num_heads,
     table_width,
     splits,
+    stride_ot,
+    stride_oh,
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -253,8 +255,8 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
         acc = acc * w_run + a_s * w_s
         m_run = m_new
     acc = acc / tl.where(l_run > 0, l_run, 1.0)
-    out = out_ptr + (token.to(tl.int64) * num_heads + head) * R
-    tl.store(out + offs_r, acc, mask=r_ok)
+    out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out + offs_r, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
 def causal_queries(
@@ -308,6 +310,7 @@ def mla_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     f16_fp8_dots: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -331,7 +334,10 @@ def mla_attention(
     block_n, block_h, num_warps, num_stages: the launch (latents per tile, heads per program).
     f16_fp8_dots: an fp8 latent's dots in fp16 (``paging.f16_dots_for``); False: in the
                   query's dtype (kept for comparison).
-    Returns float32 [T, H, R]: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
+    out:          where to store, [T, H, >= R] of fp32, fp16 or bf16 with contiguous
+                  channels (the first R are written, nothing else); default a new fp32
+                  [T, H, R].
+    Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
     """
@@ -388,6 +394,18 @@ def mla_attention(
             f"split_len: expected an int32 [1] tensor on {query.device}, got {split_len.dtype} "
             f"{list(split_len.shape)} on {split_len.device}"
         )
+    if out is not None and (
+        out.dim() != 3
+        or tuple(out.shape[:2]) != (tokens, heads)
+        or out.shape[2] < kv_lora_rank
+        or out.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or out.device != query.device
+        or out.stride(2) != 1
+    ):
+        raise InvalidArgumentError(
+            f"out: expected [{tokens}, {heads}, >= {kv_lora_rank}] fp32, fp16 or bf16 with contiguous channels on "
+            f"{query.device}, got {list(out.shape)} {out.dtype} on {out.device} with strides {list(out.stride())}"
+        )
     rank, rope = kv_lora_rank, dim - kv_lora_rank
     tables = block_tables.contiguous()
     width_cols = tables.shape[1]
@@ -398,7 +416,8 @@ def mla_attention(
         split_len = torch.full((1,), chunk, dtype=torch.int32, device=query.device)
     acc = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=query.device)
     ml = torch.empty(tokens, num_splits, heads, 2, dtype=torch.float32, device=query.device)
-    out = torch.zeros(tokens, heads, rank, dtype=torch.float32, device=query.device)
+    if out is None:  # (the merge stores every token and head: nothing to zero)
+        out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=query.device)
     if tokens and heads:
         # Head tiles vary fastest: the programs of one token run side by side and read its
         # latents from L2 after the first, instead of from HBM once per head tile.
@@ -412,7 +431,8 @@ def mla_attention(
             DOT_PRECISION=dot_precision_for(query.dtype), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
-            acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits,
-            R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_N=block_n, BLOCK_SIZE=block_size, num_warps=4,
+            acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits, out.stride(0),
+            out.stride(1), R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
+            num_warps=4,
         )  # fmt: skip
-    return out
+    return out[..., :rank]
