@@ -473,8 +473,8 @@ class TritonBackend(AttentionBackend):
         if plan.latent is not None and self.spec.latent_rank is not None:
             rank = self.spec.latent_rank
             # The kernel stores the first latent_rank channels of each head in place (unit
-            # channel stride, a 16- or 32-bit float), else into a temporary copied over.
-            in_place = result.stride(-1) == 1 and result.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            # channel stride; the dtype is the compute dtype, checked), else into a temporary.
+            in_place = result.stride(-1) == 1
             values = mla_attention(
                 query if query.stride(-1) == 1 else query.contiguous(),
                 layer.key,
