@@ -59,14 +59,14 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
-from attention.triton_kernels.mla_decode import (
-    MLALaunch,
-    causal_queries,
-    default_mla_launch,
-    mla_attention,
-    mla_split_count,
-    mla_split_len,
+from attention.triton_kernels.mla_balanced import (
+    MLAWork,
+    min_program_latents,
+    mla_work_len,
+    mla_work_programs,
+    plan_mla_work,
 )
+from attention.triton_kernels.mla_decode import MLALaunch, causal_queries, default_mla_launch, mla_attention
 from attention.triton_kernels.mla_prefill import default_mla_prefill_config, mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
 
@@ -129,13 +129,12 @@ class PrefillLaunch:
 class LatentLaunch:
     """The MLA kernel's launch for one step: per query token (padding included), its table
     row (-1: none, for padding) and the latents it sees (int32 [num_tokens] each, on the
-    device); the splits per token along its latents (the grid: from the step's shape) and
-    the latents per split (int32 [1] on the device: from the step's lengths); the tiles."""
+    device); the balanced schedule of its tiles (programs from the step's shape, their tiles
+    from its lengths: :func:`plan_mla_work`, staged); the tiles."""
 
     token_rows: torch.Tensor
     token_lens: torch.Tensor
-    num_splits: int
-    split_len: torch.Tensor
+    work: MLAWork
     launch: MLALaunch
 
 
@@ -246,7 +245,8 @@ class TritonBackend(AttentionBackend):
             return [
                 BufferRequest("latent_rows", torch.int32, capacity.max_tokens, staged=True),
                 BufferRequest("latent_lens", torch.int32, capacity.max_tokens, staged=True),
-                BufferRequest("latent_split_len", torch.int32, 1, staged=True),
+                BufferRequest("latent_work", torch.int32, mla_work_len(capacity.max_tokens, self._mla_programs(None)),
+                              staged=True),
             ]
         rows = capacity.max_rows
         sms = self._sms(None)
@@ -276,6 +276,11 @@ class TritonBackend(AttentionBackend):
             device = torch.device("cuda" if torch.cuda.is_available() and not kernels_interpreted() else "cpu")
         return _num_sms(device)
 
+    def _mla_programs(self, device: torch.device | None) -> int:
+        """Programs per head tile of the balanced MLA schedule on this device."""
+        launch = default_mla_launch(self.spec.num_heads)
+        return mla_work_programs(self.spec.num_heads, launch.block_h, launch.programs_per_sm, self._sms(device))
+
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """On a graph step both kernels' launches depend only on the bucket: the decode grid on
         its rows; the prefill launch exists when the bucket has more tokens than rows (room
@@ -303,9 +308,9 @@ class TritonBackend(AttentionBackend):
 
     def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """Every query token to the MLA kernel: its row and causal length, padding tokens with
-        row -1 (they see nothing). The split count from the step's shape alone (padded tokens,
-        table width: :func:`mla_split_count`), so a graph bucket replays the grid it captured;
-        the latents per split from its lengths (:func:`mla_split_len`), staged on the device.
+        row -1 (they see nothing). The programs from the device alone (:meth:`_mla_programs`),
+        so a graph bucket replays the grid it captured; the tiles each takes from the step's
+        lengths (:func:`plan_mla_work`), staged on the device.
 
         On an eager step, rows of at least ``latent_prefill_min_tokens`` new tokens attend
         decompressed instead (``plan.latent_prefill``): their tokens get row -1 here too."""
@@ -317,14 +322,10 @@ class TritonBackend(AttentionBackend):
         pad = meta.num_tokens - len(rows)
         token_rows = staging.stage("latent_rows", array("i", rows) + array("i", [-1]) * pad)
         token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)
-        spec, launch = self.spec, default_mla_launch(self.spec.num_heads)
-        table_len = meta.block_tables.shape[1] * meta.block_size
-        splits = mla_split_count(
-            meta.num_tokens, spec.num_heads, spec.latent_rank or 0, launch.block_h, table_len, self._sms(meta.device)
-        )
-        chunk = mla_split_len(max(lens, default=0), splits, spec.num_heads, launch.block_n)
-        split_len = staging.stage("latent_split_len", array("i", [chunk]))
-        latent = LatentLaunch(token_rows, token_lens, splits, split_len, launch)
+        launch = default_mla_launch(self.spec.num_heads)
+        programs = self._mla_programs(meta.device)
+        work = plan_mla_work(lens + [0] * pad, programs, launch.block_n, min_program_latents(self.spec.num_heads))
+        latent = LatentLaunch(token_rows, token_lens, MLAWork(staging.stage("latent_work", work), programs), launch)
         return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent, latent_prefill=prefill)
 
     def _attend_latent_prefill(
@@ -483,14 +484,15 @@ class TritonBackend(AttentionBackend):
                 plan.latent.token_lens,
                 kv_lora_rank=rank,
                 scale=self.spec.scale,
-                num_splits=plan.latent.num_splits,
-                split_len=plan.latent.split_len,
                 kv_scale=layer.k_scale,
+                out=result if in_place else None,
+                work=plan.latent.work,
                 block_h=plan.latent.launch.block_h,
                 block_n=plan.latent.launch.block_n,
                 num_warps=plan.latent.launch.num_warps,
                 num_stages=plan.latent.launch.num_stages,
-                out=result if in_place else None,
+                unrolled=plan.latent.launch.unrolled,
+                f16_fp8_dots=plan.latent.launch.f16_fp8_dots,
             )
             if not in_place:
                 result[..., :rank] = values

@@ -10,8 +10,11 @@ medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each 
 latents come from HBM), the split merge included. Bandwidth: the latent bytes the step must
 read (every row's tokens once) over the time, against the device copy bandwidth of this run.
 Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per
-shape; the table shows the fastest and what the triton backend's plan picks
-(``default_mla_launch``, ``mla_split_count``, ``mla_split_len``); all are in the JSON.
+shape on the split schedule; the table shows the fastest of them ("best"), the split
+schedule's own plan ("split": ``mla_split_count``, ``mla_split_len``) and what the triton
+backend runs ("plan": ``default_mla_launch`` on the length-balanced schedule,
+``attention.triton_kernels.mla_balanced``, its programs in the splits column); all are in the
+JSON.
 
 ``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16);
 ``--plan-only`` skips the sweep.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from common import KernelTimer, measure_copy_tbps, require_cuda, shuffled_block_tables
 
+from attention.triton_kernels.mla_balanced import MLAWork, min_program_latents, mla_work_programs, plan_mla_work
 from attention.triton_kernels.mla_decode import (
     MLALaunch,
     default_mla_launch,
@@ -97,17 +101,27 @@ def measure_batch(
         plan_splits = mla_split_count(len(lens), heads, RANK, default.block_h, tables.shape[1] * BLOCK, sms)
         plan_len = mla_split_len(longest, plan_splits, heads, default.block_n)
         want8 = torch_dense(query, dense8, mask).float() if dense8 is not None else None
+        programs = mla_work_programs(heads, default.block_h, default.programs_per_sm, sms)
+        work = MLAWork(torch.tensor(plan_mla_work(lens, programs, default.block_n, min_program_latents(heads)),
+                                    dtype=torch.int32, device="cuda"), programs)  # fmt: skip
         variants = [
             (launch, -(-longest // n), n, False, "") for launch in LAUNCHES[heads] for n in SPLIT_LENS[heads]
         ]
         todo = [] if plan_only else variants
-        todo.append((default, plan_splits, plan_len, True, ""))
+        # The split schedule's own plan, then the balanced schedule the triton backend runs
+        # (``splits``: its programs per head tile; ``split_len`` 0).
+        todo += [(default, plan_splits, plan_len, False, "split plan"), (default, programs, 0, True, "")]
         if fp8:
-            todo += [(default, plan_splits, plan_len, True, name) for name in ("fp8", "fp8 bf16 dots")]
+            todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
         for launch, splits, split_len, planned, latent in todo:
+            split_plan = latent == "split plan"
+            latent = "" if split_plan else latent
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
-                                   "split_len": split_len, "plan": planned, "latent": latent or "bf16"}  # fmt: skip
+                                   "split_len": split_len, "plan": planned, "split_plan": split_plan,
+                                   "latent": latent or "bf16",
+                                   "schedule": "balanced" if planned else "split"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
+            schedule: dict[str, Any] = {"work": work} if planned else {"num_splits": splits, "split_len": chunk}
             extra: dict[str, Any] = {}
             source, expect, nbytes = cache, want, latent_bytes
             if latent and cache8 is not None and want8 is not None:
@@ -115,11 +129,12 @@ def measure_batch(
                 extra = {"kv_scale": unit, "f16_fp8_dots": latent == "fp8"}
 
             def run(
-                la: MLALaunch = launch, s: int = splits, c: torch.Tensor = chunk,
-                src: torch.Tensor = source, kw: dict[str, Any] = extra,
+                la: MLALaunch = launch, sched: dict[str, Any] = schedule, src: torch.Tensor = source,
+                kw: dict[str, Any] = extra,
             ) -> torch.Tensor:  # fmt: skip
+                args = {**la.kernel_args(), **({} if "work" in sched else {"unrolled": 0}), **kw}
                 return mla_decode(query, src, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
-                                  num_splits=s, split_len=c, **la.__dict__, **kw)  # fmt: skip
+                                  **sched, **args)  # fmt: skip
 
             try:
                 got = run()
@@ -159,7 +174,9 @@ def main() -> None:
         for heads in (128, 16):
             done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
             bf16 = [r for r in done if r["latent"] == "bf16"]
-            picks = [("best", min(bf16, key=lambda x: x["ms"]))] if bf16 else []
+            splits = [r for r in bf16 if r["schedule"] == "split"]
+            picks = [("best", min(splits, key=lambda x: x["ms"]))] if splits else []
+            picks += [("split", r) for r in splits if r["split_plan"]]
             picks += [("plan" if r["latent"] == "bf16" else r["latent"][:7], r) for r in done if r["plan"]]
             for label, r in picks:
                 launch = f"h{r['block_h']} n{r['block_n']} w{r['num_warps']} s{r['num_stages']}"

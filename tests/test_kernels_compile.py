@@ -1,5 +1,6 @@
 """The fused boundary kernel, the prefill kernel (its launch per tile and its persistent
-fixed-grid form) and the model's elementwise kernels compile for the H200 (sm_90) without a
+fixed-grid form), the MLA decode kernels (split and balanced schedules, bf16 and fp8 latents)
+and the model's elementwise kernels compile for the H200 (sm_90) without a
 GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU compiler
 rejects programs its CPU interpreter runs (a name bound to two types in the branches of an
 ``if``, say), so the interpreter tests alone would let such a kernel reach the GPU."""
@@ -18,6 +19,8 @@ from triton.compiler import ASTSource
 from attention.triton_kernels.rotary_write import _rotary_write_kernel
 from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
 from attention.triton_kernels.prefill import _prefill_kernel
+from attention.triton_kernels.mla_decode import _mla_decode_kernel, _mla_merge_kernel
+from attention.triton_kernels.mla_balanced import _mla_balanced_kernel, _mla_balanced_merge_kernel
 
 def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
@@ -64,8 +67,40 @@ def prefill(dtype, persistent, window, softcap=False, sinks=False, cache=None, t
                   V_TOKEN_MAJOR=token_major or int8, BLOCK_STRIDE=(260 if int8 else 256) * 8 * 128, TOKEN_SCALES=int8)
     return source(_prefill_kernel, sig, consts)
 
+def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0):
+    sig = {"q_ptr": dtype, "cache_ptr": cache, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32"}
+    sig.update({"work_ptr": "*i32"} if balanced else {})
+    sig.update({"acc_ptr": "*fp32", "ml_ptr": "*fp32"})
+    sig.update({"kv_scale_ptr": "*fp32"} if balanced else {"chunk_ptr": "*i32", "kv_scale_ptr": "*fp32"})
+    names = ("num_tokens", "num_slots") if balanced else ()
+    for name in (*names, "num_rows", "num_heads", "num_blocks", "table_width"):
+        sig[name] = "i32"
+    sig.update({"scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32"})
+    fp8 = cache == "*fp8e4nv"
+    consts = dict(R=512, E=64, BLOCK_R=512, BLOCK_E=64, BLOCK_H=16, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+                  UPCAST=False, DEQUANT=fp8, F16_DOTS=fp8, DOT_PRECISION="tf32")
+    if balanced:
+        consts["UNROLLED"] = unrolled
+    return source(_mla_balanced_kernel if balanced else _mla_decode_kernel, sig, consts)
+
+def mla_merge(balanced):
+    if balanced:
+        sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16", "num_tokens": "i32",
+               "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512))
+    sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",
+           "out_ptr": "*bf16", "num_rows": "i32", "num_heads": "i32", "table_width": "i32", "splits": "i32",
+           "stride_ot": "i32", "stride_oh": "i32"}
+    return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64))
+
 target = GPUTarget("cuda", 90, 32)
 kernels = {
+    "mla-split-bf16": mla("*bf16", "*bf16", False),
+    "mla-split-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", False, block_size=32, block_n=64),
+    "mla-balanced-bf16-unrolled": mla("*bf16", "*bf16", True, unrolled=2),
+    "mla-balanced-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", True, block_size=32, block_n=64),
+    "mla-merge-split": mla_merge(False),
+    "mla-merge-balanced": mla_merge(True),
     "rotary-bf16": rotary("*bf16", "*bf16", False),
     "rotary-fp16": rotary("*fp16", "*fp16", False),
     "rotary-fp32": rotary("*fp32", "*fp32", False),
@@ -99,4 +134,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 19, report
+    assert len(report) == 25, report

@@ -20,7 +20,9 @@ device (``split_len``), so a CUDA graph captured for a fixed grid takes each ste
 can leave room for many splits and a step with short rows sets a small chunk. A split beyond
 a token's latents returns at once; the others store their fp32 partial output, running max
 and sum, and a second kernel merges, per token and head, only the splits its latents reach
-(log-sum-exp).
+(log-sum-exp). With ``work=``, the same inner loop (:mod:`attention.triton_kernels.mla_tiles`)
+runs on a length-balanced schedule instead (:mod:`attention.triton_kernels.mla_balanced`):
+faster on batches of uneven lengths, what the triton backend plans.
 
 Memory safety holds for any table: block ids outside ``[0, num_blocks)`` mask their tokens
 off (never dereferenced, and out of the softmax), table columns are clamped to the table
@@ -38,6 +40,14 @@ import triton
 import triton.language as tl
 
 from attention.errors import InvalidArgumentError
+from attention.triton_kernels.mla_balanced import (
+    MIN_PROGRAM_LATENTS,
+    MLAWork,
+    launch_mla_balanced,
+    min_program_latents,
+    mla_work_len,
+)
+from attention.triton_kernels.mla_tiles import attend_latents
 from attention.triton_kernels.paging import (
     dot_precision_for,
     f16_dots_for,
@@ -50,51 +60,60 @@ __all__ = ["MLALaunch", "causal_queries", "default_mla_launch", "mla_attention",
            "mla_split_len"]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
-#: Latents per split, at least.
-MIN_SPLIT_LEN = 256
 #: The splits' fp32 partial outputs of one launch, at most (bytes).
 MAX_PARTIAL_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
 class MLALaunch:
-    """Heads per program, latents per tile, warps and pipeline stages of the MLA kernel."""
+    """Heads per program, latents per tile, warps and pipeline stages of the MLA kernels; for
+    the balanced schedule (:mod:`attention.triton_kernels.mla_balanced`) also the programs
+    resident per SM (what shared memory allows) and the segments run unrolled; whether an fp8
+    latent's dots run in fp16 (else in the query's dtype)."""
 
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    programs_per_sm: int = 1
+    unrolled: int = 0
+    f16_fp8_dots: bool = True
+
+    def kernel_args(self) -> dict[str, int | bool]:
+        """The keyword arguments :func:`mla_attention` takes from this launch."""
+        return dict(block_h=self.block_h, block_n=self.block_n, num_warps=self.num_warps,
+                    num_stages=self.num_stages, unrolled=self.unrolled, f16_fp8_dots=self.f16_fp8_dots)  # fmt: skip
 
 
 def default_mla_launch(heads: int) -> MLALaunch:
     """Tiles of 16 heads up to 16 heads (memory-bound: one program streams a token's latents
-    for all of them), else of 64 (compute-bound: DeepSeek-V3's 128 heads on one GPU). The
-    fastest launches of ``benchmarks/bench_mla_decode.py`` on the H200
-    (``results/mla-decode-2026-12-03.json``)."""
+    for all of them; 3 stages of 32 x 576 bf16 leave room for two programs per SM), else of 64
+    (compute-bound: DeepSeek-V3's 128 heads on one GPU; one program per SM). The fastest
+    launches of ``benchmarks/bench_mla_decode.py`` on the H200 (``results/mla-decode-2026-12-03.json``;
+    the balanced schedule's: ``results/mla-decode-balanced-2026-12-04.md``). An fp8 latent's
+    dots run in fp16 at 16 heads (its conversion is the cheaper one: 1.2x faster than bf16
+    dots), in bf16 at 64 (the fp16 operand's clamp costs more where compute is the limit:
+    1.2x slower; ``results/mla-decode-balanced-2026-12-04.json``)."""
     if heads <= 16:
-        return MLALaunch(16, 32, 4, 3)
-    return MLALaunch(64, 64, 8, 2)
+        return MLALaunch(16, 32, 4, 3, programs_per_sm=2, unrolled=2, f16_fp8_dots=True)
+    return MLALaunch(64, 64, 8, 2, programs_per_sm=1, unrolled=0, f16_fp8_dots=False)
 
 
 def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
     """Splits per token for a launch of this shape (a CUDA graph's grid: no lengths): enough
-    programs to give every SM eight, at most ``table_len / MIN_SPLIT_LEN`` and at most what
+    programs to give every SM eight, at most ``table_len / MIN_PROGRAM_LATENTS`` and at most what
     :data:`MAX_PARTIAL_BYTES` of partial outputs hold."""
     tokens = max(1, num_tokens)
     programs = tokens * -(-heads // block_h)
     by_gpu = -(-8 * num_sms // programs)
     by_memory = MAX_PARTIAL_BYTES // (tokens * heads * rank * 4)
-    return max(1, min(by_gpu, by_memory, table_len // MIN_SPLIT_LEN))
+    return max(1, min(by_gpu, by_memory, table_len // MIN_PROGRAM_LATENTS))
 
 
 def mla_split_len(longest: int, num_splits: int, heads: int, block_n: int) -> int:
     """Latents per split for a step whose longest token sees ``longest``: the splits cover it,
-    and a split reads at least ``64 * min(heads, 16)`` latents (1,024 from 16 heads on), so
-    with few heads (memory-bound) the partial outputs it writes and the merge reads
-    (``heads * kv_lora_rank`` floats) stay near 6% of its latent bytes; with many heads the
-    kernel is compute-bound and that traffic matters less than spreading the work."""
-    floor = max(MIN_SPLIT_LEN, 64 * min(heads, 16))
-    chunk = max(floor, -(-longest // num_splits))
+    and a split reads at least :func:`~attention.triton_kernels.mla_balanced.min_program_latents`."""
+    chunk = max(min_program_latents(heads), -(-longest // num_splits))
     return -(-chunk // block_n) * block_n
 
 
@@ -132,11 +151,9 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     token = tl.program_id(1)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
-    D: tl.constexpr = R + E
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
-    offs_n = tl.arange(0, BLOCK_N)
     head_ok = offs_h < num_heads
     row = tl.load(rows_ptr + token)
     row_ok = (row >= 0) & (row < num_rows)
@@ -163,42 +180,11 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
         kv_scale = tl.load(kv_scale_ptr)
         scale_log2 = scale_log2 * kv_scale
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table_row = table_ptr + row.to(tl.int64) * table_width
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n
-        in_row = n < end
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # The tile lies in one block (n0 is a multiple of BLOCK_N): one table entry, and
-            # its latents are one contiguous run of BLOCK_N * D values (wide loads).
-            col = tl.maximum(tl.minimum(n0 // BLOCK_SIZE, table_width - 1), 0)
-            page = tl.load(table_row + col)
-            page_ok = (page >= 0) & (page < num_blocks)
-            ok = tl.where(page_ok, in_row, False)  # (the interpreter takes no "mask & scalar")
-            first = tl.where(page_ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n0 % BLOCK_SIZE)
-            lat_ptr = cache_ptr + first * D + offs_n[:, None] * D
-        else:
-            col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
-            page = tl.load(table_row + col, mask=in_row, other=-1)
-            ok = in_row & (page >= 0) & (page < num_blocks)
-            slot = tl.where(ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n % BLOCK_SIZE)
-            lat_ptr = cache_ptr + slot[:, None] * D
-        c = tl.load(lat_ptr + offs_r[None, :], mask=ok[:, None] & (offs_r[None, :] < R), other=0.0)
-        pe = tl.load(lat_ptr + R + offs_e[None, :], mask=ok[:, None] & (offs_e[None, :] < E), other=0.0)
-        if UPCAST or DEQUANT:
-            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
-        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_latents(
+        q_lat, q_pe, cache_ptr, table_row, start, end, num_blocks, table_width, scale_log2, R, E, BLOCK_R, BLOCK_E,
+        BLOCK_H, BLOCK_N, BLOCK_SIZE, UPCAST or DEQUANT, DOT_PRECISION,
+    )  # fmt: skip
 
     if DEQUANT:
         acc = acc * kv_scale
@@ -311,6 +297,8 @@ def mla_attention(
     num_stages: int = 2,
     f16_fp8_dots: bool = True,
     out: torch.Tensor | None = None,
+    work: MLAWork | None = None,
+    unrolled: int = 0,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -337,6 +325,10 @@ def mla_attention(
     out:          where to store, [T, H, >= R] of fp32, fp16 or bf16 with contiguous
                   channels (the first R are written, nothing else); default a new fp32
                   [T, H, R].
+    work:         the balanced schedule instead of splits (:mod:`attention.triton_kernels.
+                  mla_balanced`: ``plan_mla_work`` over the same ``token_lens`` and
+                  ``block_n``, staged); then ``num_splits`` and ``split_len`` stay unset.
+    unrolled:     with ``work``, a program's segments run outside its loop over tokens (0-4).
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
@@ -406,18 +398,31 @@ def mla_attention(
             f"out: expected [{tokens}, {heads}, >= {kv_lora_rank}] fp32, fp16 or bf16 with contiguous channels on "
             f"{query.device}, got {list(out.shape)} {out.dtype} on {out.device} with strides {list(out.stride())}"
         )
+    if work is not None:
+        _check_work(work, tokens, query.device, num_splits, split_len, unrolled)
     rank, rope = kv_lora_rank, dim - kv_lora_rank
     tables = block_tables.contiguous()
     width_cols = tables.shape[1]
     rows, lens = token_rows.contiguous(), token_lens.contiguous()
+    consts = dict(
+        R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(query.dtype), DEQUANT=fp8,
+        F16_DOTS=fp8 and f16_fp8_dots and f16_dots_for(query.dtype, cache.dtype),
+        DOT_PRECISION=dot_precision_for(query.dtype),
+    )  # fmt: skip
+    if out is None:  # (the merge stores every token and head: nothing to zero)
+        out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=query.device)
+    if work is not None:
+        if tokens and heads:
+            launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
+                                unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+        return out[..., :rank]
     if split_len is None:
         per_split = -(-width_cols * block_size // num_splits)
         chunk = max(block_n, -(-per_split // block_n) * block_n)
         split_len = torch.full((1,), chunk, dtype=torch.int32, device=query.device)
     acc = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=query.device)
     ml = torch.empty(tokens, num_splits, heads, 2, dtype=torch.float32, device=query.device)
-    if out is None:  # (the merge stores every token and head: nothing to zero)
-        out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=query.device)
     if tokens and heads:
         # Head tiles vary fastest: the programs of one token run side by side and read its
         # latents from L2 after the first, instead of from HBM once per head tile.
@@ -425,14 +430,33 @@ def mla_attention(
         _mla_decode_kernel[grid](
             query, cache, tables, rows, lens, acc, ml, split_len, kv_scale if kv_scale is not None else split_len,
             tables.shape[0], heads, num_blocks, width_cols, scale * _LOG2E, query.stride(0), query.stride(1),
-            R=rank, E=rope, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_E=next_power_of_2(max(rope, 16)),
-            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_SIZE=block_size, UPCAST=upcast_for(query.dtype), DEQUANT=fp8,
-            F16_DOTS=fp8 and f16_fp8_dots and f16_dots_for(query.dtype, cache.dtype),
-            DOT_PRECISION=dot_precision_for(query.dtype), num_warps=num_warps, num_stages=num_stages,
+            **consts, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
             acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits, out.stride(0),
-            out.stride(1), R=rank, BLOCK_R=next_power_of_2(max(rank, 16)), BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            num_warps=4,
+            out.stride(1), R=rank, BLOCK_R=consts["BLOCK_R"], BLOCK_N=block_n, BLOCK_SIZE=block_size, num_warps=4,
         )  # fmt: skip
     return out[..., :rank]
+
+
+def _check_work(
+    work: MLAWork, tokens: int, device: torch.device, num_splits: int, split_len: torch.Tensor | None, unrolled: int
+) -> None:
+    """Raises InvalidArgumentError unless ``work`` is a staged schedule for ``tokens`` query
+    tokens on ``device``, with no split arguments beside it."""
+    if num_splits != 1 or split_len is not None:
+        raise InvalidArgumentError(
+            f"work: a balanced schedule takes no splits, got num_splits={num_splits} and split_len "
+            f"{'set' if split_len is not None else 'unset'}; leave them at their defaults"
+        )
+    if not 1 <= work.programs <= 65535 or not 0 <= unrolled <= 4:
+        raise InvalidArgumentError(
+            f"work.programs, unrolled: {work.programs} and {unrolled}; expected [1, 65535] and [0, 4]"
+        )
+    want = mla_work_len(tokens, work.programs)
+    data = work.data
+    if data.dtype != torch.int32 or data.device != device or tuple(data.shape) != (want,):
+        raise InvalidArgumentError(
+            f"work.data: expected an int32 [{want}] tensor on {device} (mla_work_len({tokens}, {work.programs})), "
+            f"got {data.dtype} {list(data.shape)} on {data.device}; plan it with plan_mla_work for these tokens"
+        )

@@ -1,0 +1,84 @@
+"""The inner loop of the MLA decode kernels: one tile of query heads against a run of a
+token's latents, with an online softmax (shared by the split and the balanced schedules,
+:mod:`attention.triton_kernels.mla_decode` and :mod:`attention.triton_kernels.mla_balanced`).
+
+A latent is ``D = R + E`` values (``R`` = kv_lora_rank, the compressed K/V; ``E`` =
+qk_rope_head_dim); the cache is ``[num_blocks, BLOCK_SIZE, 1, D]``. Latent ``n`` of a row
+lives in block ``table_row[n // BLOCK_SIZE]`` at offset ``n % BLOCK_SIZE``. Block ids outside
+``[0, num_blocks)`` mask their latents off (never dereferenced, and out of the softmax), and
+table columns are clamped to the table width, so any table is memory-safe.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["attend_latents"]
+
+
+@triton.jit
+def attend_latents(  # type: ignore[no-untyped-def]
+    q_lat,  # [BLOCK_H, BLOCK_R]: the heads' W_UK^T q_nope (zeros past R)
+    q_pe,  # [BLOCK_H, BLOCK_E]: their rotary part (zeros past E)
+    cache_ptr,
+    table_row,  # pointer to the row's block table entries
+    start,  # first latent, a multiple of BLOCK_N (negative: 0)
+    end,  # one past the last latent (latents of a row: [0, seq_len))
+    num_blocks,
+    table_width,
+    scale_log2,  # softmax scale times log2(e) (times an fp8 latent's scale)
+    R: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CONVERT: tl.constexpr,  # latents converted to q_lat's dtype before the dots
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of the heads over latents ``[start, end)``: returns the running max m
+    (log2 domain, [BLOCK_H]; -inf where nothing was seen), the sum l ([BLOCK_H]) and the
+    unnormalized output ``sum_n exp2(s_n - m) * latent_n[:R]`` ([BLOCK_H, BLOCK_R], fp32)."""
+    D: tl.constexpr = R + E
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    start = tl.maximum(start, 0)  # (a start that overflowed int32 reads from the row's first tile)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        in_row = n < end
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The tile lies in one block (n0 is a multiple of BLOCK_N): one table entry, and
+            # its latents are one contiguous run of BLOCK_N * D values (wide loads).
+            col = tl.maximum(tl.minimum(n0 // BLOCK_SIZE, table_width - 1), 0)
+            page = tl.load(table_row + col)
+            page_ok = (page >= 0) & (page < num_blocks)
+            ok = tl.where(page_ok, in_row, False)  # (the interpreter takes no "mask & scalar")
+            first = tl.where(page_ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n0 % BLOCK_SIZE)
+            lat_ptr = cache_ptr + first * D + offs_n[:, None] * D
+        else:
+            col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
+            page = tl.load(table_row + col, mask=in_row, other=-1)
+            ok = in_row & (page >= 0) & (page < num_blocks)
+            slot = tl.where(ok, page, 0).to(tl.int64) * BLOCK_SIZE + (n % BLOCK_SIZE)
+            lat_ptr = cache_ptr + slot[:, None] * D
+        c = tl.load(lat_ptr + offs_r[None, :], mask=ok[:, None] & (offs_r[None, :] < R), other=0.0)
+        pe = tl.load(lat_ptr + R + offs_e[None, :], mask=ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        if CONVERT:
+            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc

@@ -1,0 +1,202 @@
+"""The balanced MLA decode schedule (attention.triton_kernels.mla_balanced): the host plan's
+invariants, and the kernels on it against the float64 reference (in Triton's CPU interpreter
+without a GPU: small shapes; the cache holds NaN in every slot no row owns, see
+tests/test_mla_decode.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attention.errors import InvalidArgumentError
+from attention.triton_kernels.mla_balanced import MLAWork, mla_work_len, mla_work_programs, plan_mla_work
+from attention.triton_kernels.mla_decode import causal_queries, mla_attention
+from tests.test_mla_decode import DEVICE, _case, _reference
+
+
+def _decode(work: list[int], tokens: int, programs: int):  # type: ignore[no-untyped-def]
+    """(cu, programs as (first tile, end tile, first token, last token, first slot), token slots)."""
+    cu = work[: tokens + 1]
+    prog = [tuple(work[tokens + 1 + 5 * p : tokens + 6 + 5 * p]) for p in range(programs)]
+    slots = [tuple(work[tokens + 1 + 5 * programs + 2 * t : tokens + 3 + 5 * programs + 2 * t]) for t in range(tokens)]
+    return cu, prog, slots
+
+
+def _check_plan(lens: list[int], programs: int, block_n: int, min_latents: int) -> list[tuple[int, ...]]:
+    """Asserts the plan's invariants; returns the busy programs."""
+    work = list(plan_mla_work(lens, programs, block_n, min_latents))
+    assert len(work) == mla_work_len(len(lens), programs)
+    cu, prog, slots = _decode(work, len(lens), programs)
+    assert cu == [0] + [sum(-(-max(n, 0) // block_n) for n in lens[: t + 1]) for t in range(len(lens))]
+    busy = [p for p in prog if p[0] < p[1]]
+    assert all(p == (0, 0, 0, -1, 0) for p in prog[len(busy) :]), "idle programs come last and hold nothing"
+    # The busy programs' ranges tile [0, total) in order.
+    assert [p[0] for p in busy] == [0, *(p[1] for p in busy[:-1])][: len(busy)]
+    assert (busy[-1][1] if busy else 0) == cu[-1]
+    share = max(1, -(-cu[-1] // programs), -(-min_latents // block_n))
+    expected_slot = 0
+    touched: dict[int, list[int]] = {}
+    for first, end, t0, t1, slot in busy:
+        assert end - first <= share + share // 8 or (first, end, t0, t1, slot) == busy[-1]
+        assert cu[t0] <= first < cu[t0 + 1] and cu[t1] < end <= cu[t1 + 1], "first and last token hold the range"
+        assert slot == expected_slot, "a program's slots follow the previous program's"
+        for t in range(t0, t1 + 1):
+            if cu[t + 1] > cu[t]:
+                touched.setdefault(t, []).append(expected_slot)
+                expected_slot += 1
+    assert expected_slot <= programs + len(lens)
+    for t, (first_slot, count) in enumerate(slots):
+        want = touched.get(t, [])
+        assert count == len(want) and (not want or want == list(range(first_slot, first_slot + count))), t
+    return busy
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_plan_shares_every_tile_once(seed: int) -> None:
+    rng = random.Random(seed)
+    lens = [rng.choice([0, 1, rng.randint(1, 80), rng.randint(100, 3000)]) for _ in range(rng.randint(1, 40))]
+    programs = rng.choice([1, 2, 3, 7, 64, 264])
+    busy = _check_plan(lens, programs, rng.choice([16, 32, 64]), rng.choice([16, 256, 1024]))
+    assert len(busy) <= programs
+
+
+def test_the_plan_leaves_no_sliver_of_a_token() -> None:
+    """64 rows of 4,096 latents over 264 programs: 32 tiles each, four per row, none crossing a
+    row (the H200 measured crossings 7% slower there); a row's remainder of at most an eighth
+    of a share goes with the program that has the rest of it."""
+    busy = _check_plan([4096] * 64, 264, 32, 1024)
+    assert len(busy) == 256 and all(t0 == t1 for _, _, t0, t1, _ in busy)
+    busy = _check_plan([100, 3], 2, 16, 16)  # 7 + 1 tiles, shares of 4: the last tile rides along
+    assert [(g0, g1) for g0, g1, *_ in busy] == [(0, 4), (4, 8)]
+
+
+def test_short_steps_use_few_programs() -> None:
+    """A program takes at least ``min_latents``: one row of 1,024 latents is one program."""
+    assert len(_check_plan([1024], 264, 32, 1024)) == 1
+    assert len(_check_plan([0, 0, 0], 8, 32, 256)) == 0, "nothing to attend: no busy program"
+    assert mla_work_programs(16, 16, 2, 132) == 264 and mla_work_programs(128, 64, 1, 132) == 66
+
+
+def _run(lens: list[int], heads: int, rank: int, rope: int, block_size: int, dtype: torch.dtype, *, block_n: int,
+         programs: int, unrolled: int, min_latents: int = 16, rows=None, seed: int = 0, **kw):  # type: ignore[no-untyped-def]
+    query, cache, tables, latents = _case(lens, heads, rank, rope, block_size, torch.float64, seed=seed)
+    token_rows = list(range(len(lens))) if rows is None else rows
+    token_lens = [n if r >= 0 else 0 for n, r in zip(lens, token_rows, strict=True)]
+    work = plan_mla_work(token_lens, programs, block_n, min_latents)
+    out = mla_attention(
+        query.to(DEVICE, dtype), kw.pop("cache", cache.to(DEVICE, dtype)), tables.to(DEVICE),
+        torch.tensor(token_rows, dtype=torch.int32, device=DEVICE),
+        torch.tensor(token_lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=rank, scale=0.2,
+        work=MLAWork(torch.tensor(work, dtype=torch.int32, device=DEVICE), programs), block_n=block_n,
+        unrolled=unrolled, **kw,
+    )  # fmt: skip
+    return out, query, latents
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "rank", "rope", "block_size", "block_n", "programs", "unrolled"),
+    [
+        ([1, 37, 64, 5], 4, 32, 16, 32, 16, 3, 2),  # partial blocks and tiles, programs across rows
+        ([100, 0, 33, 7], 16, 64, 16, 16, 32, 5, 0),  # blocks of 16 under tiles of 32, an empty row
+        ([250, 1], 20, 32, 8, 32, 32, 4, 1),  # a second head tile, a narrow rotary part
+        ([3, 2, 1], 4, 32, 16, 16, 16, 40, 2),  # more programs than tiles
+        ([90, 91, 92, 3, 3, 3, 3, 40], 4, 32, 16, 64, 16, 2, 2),  # programs of many segments (the loop)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_balanced_kernels_match_float64(lens, heads, rank, rope, block_size, block_n, programs, unrolled,  # type: ignore[no-untyped-def]
+                                            dtype) -> None:  # fmt: skip
+    out, query, latents = _run(lens, heads, rank, rope, block_size, dtype, block_n=block_n, programs=programs,
+                               unrolled=unrolled)  # fmt: skip
+    want = _reference(query.to(dtype).double(), [lat.to(dtype).double() for lat in latents], rank, 0.2)
+    assert out.shape == (len(lens), heads, rank) and torch.isfinite(out).all(), "read an unowned (NaN) slot"
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize("f16_dots", [True, False], ids=["fp16-dots", "bf16-dots"])
+def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
+    """An fp8 cache with its scale (dots in fp16 as at 16 heads, or in the query's bf16 as at
+    64), the result stored into the first R channels of a bf16 output; padding tokens (row -1)
+    get zeros."""
+    lens, rank, rope, heads = [70, 5, 33, 0], 32, 16, 4
+    _, cache, _, latents = _case(lens, heads, rank, rope, 16, torch.float64, seed=5)
+    kv_scale = 0.05
+    stored = (cache / kv_scale).to(torch.float8_e4m3fn).to(DEVICE)
+    target = torch.full((len(lens), heads, rank + rope), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out, query, _ = _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=2, seed=5,
+                         rows=[0, 1, -1, 3], cache=stored, kv_scale=torch.tensor([kv_scale], device=DEVICE),
+                         out=target, f16_fp8_dots=f16_dots)  # fmt: skip
+    assert out.data_ptr() == target.data_ptr()
+    dequantized = [(lat / kv_scale).to(torch.float8_e4m3fn).double() * kv_scale for lat in latents]
+    want = _reference(query.to(torch.bfloat16).double(), dequantized, rank, 0.2)
+    want[2] = 0
+    err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 3e-2, err
+    assert (target[..., rank:] == 7.0).all() and not target[2, :, :rank].any() and not target[3, :, :rank].any()
+
+
+def test_causal_rows_on_the_balanced_schedule() -> None:
+    """Rows of several new tokens (each sees its prefix), as the backend plans them."""
+    lens, new, rank, rope, heads = [70, 33, 9], [6, 1, 9], 32, 16, 4
+    _, cache, tables, latents = _case(lens, heads, rank, rope, 32, torch.float64, seed=3)
+    rows, token_lens = causal_queries(lens, new)
+    queries = torch.randn(len(rows), heads, rank + rope, generator=torch.Generator().manual_seed(4),
+                          dtype=torch.float64)  # fmt: skip
+    work = plan_mla_work(token_lens, 4, 16, 16)
+    out = mla_attention(
+        queries.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE),
+        torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+        torch.tensor(token_lens, dtype=torch.int32, device=DEVICE),
+        kv_lora_rank=rank, scale=0.2, work=MLAWork(torch.tensor(work, dtype=torch.int32, device=DEVICE), 4),
+        block_n=16, unrolled=1,
+    )  # fmt: skip
+    want = torch.stack([
+        _reference(queries[t : t + 1], [latents[r][:n]], rank, 0.2)[0]
+        for t, (r, n) in enumerate(zip(rows, token_lens, strict=True))
+    ])  # fmt: skip
+    assert (out.double().cpu() - want).abs().max().item() < 2e-3
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interpreter's numpy on garbage sums)
+@pytest.mark.parametrize("seed", range(3))
+def test_any_work_array_stays_inside_the_buffers(seed: int) -> None:
+    """A work array of random values (a caller's bug) reads and writes nothing outside the
+    cache and the partial buffers: the launch completes and the cache is untouched (on the
+    GPU an out-of-bounds access would fault; the interpreter raises on one)."""
+    lens = [40, 12, 7]
+    query, cache, tables, _ = _case(lens, 4, 32, 16, 16, torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    programs = 3
+    junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs),), generator=gen, dtype=torch.int64)
+    junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50  # small values too, which reach the loops
+    c = cache.float().to(DEVICE)
+    before = c.clone()
+    mla_attention(
+        query.float().to(DEVICE), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=32, scale=0.1, block_n=16, unrolled=1,
+        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs),
+    )  # fmt: skip
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(c.isnan(), before.isnan()) and torch.equal(c.nan_to_num(), before.nan_to_num())
+
+
+def test_bad_work_is_refused_naming_it() -> None:
+    query, cache, tables, _ = _case([8], 4, 32, 16, 32, torch.float32)
+    q, c = query.float(), cache.float()
+    rows, lens = torch.zeros(1, dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    good = torch.tensor(plan_mla_work([8], 2, 32, 16), dtype=torch.int32)
+    for work, match in (
+        (MLAWork(good[:-1], 2), "work.data: expected an int32 \\[14\\]"),
+        (MLAWork(good.long(), 2), "work.data"),
+        (MLAWork(good, 0), "work.programs"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            mla_attention(q, c, tables, rows, lens, kv_lora_rank=32, scale=0.1, work=work)
+    with pytest.raises(InvalidArgumentError, match="a balanced schedule takes no splits"):
+        mla_attention(q, c, tables, rows, lens, kv_lora_rank=32, scale=0.1, work=MLAWork(good, 2), num_splits=2)
+    with pytest.raises(InvalidArgumentError, match="unrolled"):
+        mla_attention(q, c, tables, rows, lens, kv_lora_rank=32, scale=0.1, work=MLAWork(good, 2), unrolled=9)
