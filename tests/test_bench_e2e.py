@@ -57,9 +57,9 @@ def test_tiny_cpu_run_serves_both_engines_and_writes_json(tmp_path: Path, capsys
 
 
 def test_kernel_classes() -> None:
-    from step_profile import classify  # benchmarks/ is on sys.path once bench_e2e is loaded
+    _bench()  # first: benchmarks/ is on sys.path once bench_e2e is loaded
+    from step_profile import classify
 
-    _bench()
     assert classify("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
     assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert classify("decode_items_kernel") == "attention"
