@@ -473,8 +473,10 @@ class TritonBackend(AttentionBackend):
         result = torch.empty_like(query) if out is None else out
         if plan.latent is not None and self.spec.latent_rank is not None:
             rank = self.spec.latent_rank
-            # The kernel stores the first latent_rank channels of each head in place (unit
-            # channel stride; the dtype is the compute dtype, checked), else into a temporary.
+            # The kernel stores the first latent_rank channels of each head in place and zeroes
+            # the rotary ones after them (only the first latent_rank are defined) when the
+            # channels have unit stride (the dtype is the compute dtype, checked), else it
+            # stores into a temporary.
             in_place = result.stride(-1) == 1
             values = mla_attention(
                 query if query.stride(-1) == 1 else query.contiguous(),
@@ -493,10 +495,11 @@ class TritonBackend(AttentionBackend):
                 num_stages=plan.latent.launch.num_stages,
                 unrolled=plan.latent.launch.unrolled,
                 f16_fp8_dots=plan.latent.launch.f16_fp8_dots,
+                zero_rest=in_place,
             )
             if not in_place:
                 result[..., :rank] = values
-            result[..., rank:] = 0  # not values: only the first latent_rank channels are defined
+                result[..., rank:] = 0
             return result
         # The kernels store rows with unit stride along head_dim; anything else goes through
         # a temporary.

@@ -7,7 +7,8 @@ Shapes: DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576 bf16 values per t
 heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at shuffled ids;
 batches 64 x 4096 and 128 rows of LogNormal(median 2048, sigma 0.8) lengths. Times are
 medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
-latents come from HBM), the split merge included. Bandwidth: the latent bytes the step must
+latents come from HBM), the merge included, called as the triton backend calls it (into the
+bf16 attention output, the rotary channels zeroed by the merge). Bandwidth: the latent bytes the step must
 read (every row's tokens once) over the time, against the device copy bandwidth of this run.
 Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per
 shape on the split schedule; the table shows the fastest of them ("best"), the split
@@ -40,7 +41,7 @@ from attention.triton_kernels.mla_balanced import MLAWork, min_program_latents, 
 from attention.triton_kernels.mla_decode import (
     MLALaunch,
     default_mla_launch,
-    mla_decode,
+    mla_attention,
     mla_split_count,
     mla_split_len,
 )
@@ -93,8 +94,11 @@ def measure_batch(
     dense8 = dense.to(torch.float8_e4m3fn).to(torch.bfloat16) if fp8 else None
     unit = torch.ones(1, dtype=torch.float32, device="cuda")
     rows: list[dict[str, Any]] = []
+    row_ids = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     for heads in (128, 16):
         query = torch.randn(len(lens), heads, RANK + ROPE, device="cuda").to(torch.bfloat16)
+        # As the triton backend calls it: into the bf16 attention output, rotary channels zeroed.
+        out = torch.empty_like(query)
         want = torch_dense(query, dense, mask).float()
         torch_ms = timer.graph_ms(lambda: torch_dense(query, dense, mask))  # noqa: B023 (used in this iteration)
         default = default_mla_launch(heads)
@@ -133,12 +137,12 @@ def measure_batch(
                 kw: dict[str, Any] = extra,
             ) -> torch.Tensor:  # fmt: skip
                 args = {**la.kernel_args(), **({} if "work" in sched else {"unrolled": 0}), **kw}
-                return mla_decode(query, src, tables, seq_lens, kv_lora_rank=RANK, scale=SCALE,  # noqa: B023
-                                  **sched, **args)  # fmt: skip
+                return mla_attention(query, src, tables, row_ids, seq_lens, kv_lora_rank=RANK,  # noqa: B023
+                                     scale=SCALE, out=out, zero_rest=True, **sched, **args)  # noqa: B023  # fmt: skip
 
             try:
                 got = run()
-                err = float((got - expect).abs().max() / expect.abs().max())
+                err = float((got.float() - expect).abs().max() / expect.abs().max())
                 ms = timer.graph_ms(run)
                 tbps = nbytes / (ms * 1e-3) / 1e12
                 flops = sum(lens) * heads * 2 * (2 * RANK + ROPE)

@@ -86,12 +86,13 @@ def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0):
 def mla_merge(balanced):
     if balanced:
         sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16", "num_tokens": "i32",
-               "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32"}
-        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512))
+               "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
+               "tail": "i32"}
+        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64))
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",
            "out_ptr": "*bf16", "num_rows": "i32", "num_heads": "i32", "table_width": "i32", "splits": "i32",
-           "stride_ot": "i32", "stride_oh": "i32"}
-    return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64))
+           "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
+    return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64, BLOCK_TAIL=0))
 
 target = GPUTarget("cuda", 90, 32)
 kernels = {

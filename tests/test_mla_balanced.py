@@ -136,6 +136,11 @@ def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
     err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < 3e-2, err
     assert (target[..., rank:] == 7.0).all() and not target[2, :, :rank].any() and not target[3, :, :rank].any()
+    _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=2, seed=5, rows=[0, 1, -1, 3],
+         cache=stored, kv_scale=torch.tensor([kv_scale], device=DEVICE), out=target, zero_rest=True)  # fmt: skip
+    assert not target[..., rank:].any(), "zero_rest: the rotary channels are zeroed"
+    err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 3e-2, err
 
 
 def test_causal_rows_on_the_balanced_schedule() -> None:

@@ -141,6 +141,11 @@ def test_the_output_goes_where_asked() -> None:
         assert err < 2e-2, err
         assert (target[..., rank:] == 7.0).all(), "only the first kv_lora_rank channels are written"
         assert not target[3, :, :rank].any(), "a token that sees nothing gets zeros"
+    mla_decode(q, c, t, seq, kv_lora_rank=rank, scale=0.2, num_splits=2, out=target[..., : rank + 5], zero_rest=True)
+    assert not target[..., rank : rank + 5].any(), "zero_rest: the channels after R up to out's width are zeroed"
+    assert (target[..., rank + 5 :] == 7.0).all(), "and none past out's width"
+    err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 2e-2, err
 
 
 def test_bad_arguments_are_refused_naming_them() -> None:

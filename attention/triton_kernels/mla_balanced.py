@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.mla_tiles import attend_latents
-from attention.triton_kernels.paging import to_f16_operand
+from attention.triton_kernels.mla_tiles import attend_latents, store_merged
+from attention.triton_kernels.paging import next_power_of_2, to_f16_operand
 
 __all__ = ["MLAWork", "launch_mla_balanced", "min_program_latents", "mla_work_len", "mla_work_programs",
            "plan_mla_work"]  # fmt: skip
@@ -249,8 +249,10 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     num_heads,
     stride_ot,
     stride_oh,
+    tail,  # channels after the first R to zero
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     """One (token, head): the log-sum-exp merge of its slots (a token without any: zeros)."""
     token = tl.program_id(0)
@@ -276,8 +278,7 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
         acc = acc * w_run + a_s * w_s
         m_run = m_new
     acc = acc / tl.where(l_run > 0, l_run, 1.0)
-    out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(out + offs_r, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
+    store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 
 
 def launch_mla_balanced(
@@ -292,12 +293,14 @@ def launch_mla_balanced(
     scale_log2: float,
     consts: dict[str, Any],
     *,
+    tail: int,
     unrolled: int,
     num_warps: int,
     num_stages: int,
 ) -> None:
     """Both kernels on arguments :func:`attention.triton_kernels.mla_decode.mla_attention` has
-    checked; ``consts``: the attention kernel's compile-time arguments but ``UNROLLED``."""
+    checked; ``consts``: the attention kernel's compile-time arguments but ``UNROLLED``;
+    ``tail``: channels of ``out`` after the first R the merge zeroes."""
     tokens, heads, _ = query.shape
     rank = consts["R"]
     slots = work.programs + tokens  # a program's segments: the tokens it touches
@@ -309,6 +312,6 @@ def launch_mla_balanced(
         **consts, UNROLLED=unrolled, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _mla_balanced_merge_kernel[(tokens, heads)](
-        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), R=rank,
-        BLOCK_R=consts["BLOCK_R"], num_warps=4,
+        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=rank,
+        BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, num_warps=4,
     )  # fmt: skip

@@ -47,7 +47,7 @@ from attention.triton_kernels.mla_balanced import (
     min_program_latents,
     mla_work_len,
 )
-from attention.triton_kernels.mla_tiles import attend_latents
+from attention.triton_kernels.mla_tiles import attend_latents, store_merged
 from attention.triton_kernels.paging import (
     dot_precision_for,
     f16_dots_for,
@@ -208,10 +208,12 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     splits,
     stride_ot,
     stride_oh,
+    tail,  # channels after the first R to zero
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     """One (token, head): the log-sum-exp merge of the splits its latents reach (split 0
     always; a token that sees nothing gives zeros)."""
@@ -241,8 +243,7 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
         acc = acc * w_run + a_s * w_s
         m_run = m_new
     acc = acc / tl.where(l_run > 0, l_run, 1.0)
-    out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(out + offs_r, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
+    store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 
 
 def causal_queries(
@@ -299,6 +300,7 @@ def mla_attention(
     out: torch.Tensor | None = None,
     work: MLAWork | None = None,
     unrolled: int = 0,
+    zero_rest: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -329,6 +331,8 @@ def mla_attention(
                   mla_balanced`: ``plan_mla_work`` over the same ``token_lens`` and
                   ``block_n``, staged); then ``num_splits`` and ``split_len`` stay unset.
     unrolled:     with ``work``, a program's segments run outside its loop over tokens (0-4).
+    zero_rest:    also store zeros into ``out``'s channels after the first R (the triton
+                  backend's output is ``R + E`` wide; this saves it a kernel per layer).
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
@@ -412,10 +416,12 @@ def mla_attention(
     )  # fmt: skip
     if out is None:  # (the merge stores every token and head: nothing to zero)
         out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=query.device)
+    tail = out.shape[2] - rank if zero_rest else 0
+    block_tail = next_power_of_2(tail) if tail else 0
     if work is not None:
         if tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
-                                unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                                tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
         return out[..., :rank]
     if split_len is None:
         per_split = -(-width_cols * block_size // num_splits)
@@ -434,7 +440,8 @@ def mla_attention(
         )  # fmt: skip
         _mla_merge_kernel[(tokens, heads)](
             acc, ml, lens, rows, split_len, out, tables.shape[0], heads, width_cols, num_splits, out.stride(0),
-            out.stride(1), R=rank, BLOCK_R=consts["BLOCK_R"], BLOCK_N=block_n, BLOCK_SIZE=block_size, num_warps=4,
+            out.stride(1), tail, R=rank, BLOCK_R=consts["BLOCK_R"], BLOCK_N=block_n, BLOCK_SIZE=block_size,
+            BLOCK_TAIL=block_tail, num_warps=4,
         )  # fmt: skip
     return out[..., :rank]
 

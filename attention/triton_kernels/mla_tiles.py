@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["attend_latents"]
+__all__ = ["attend_latents", "store_merged"]
 
 
 @triton.jit
@@ -82,3 +82,20 @@ def attend_latents(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def store_merged(  # type: ignore[no-untyped-def]
+    out_ptr, token, head, stride_ot, stride_oh, acc, tail,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):  # fmt: skip
+    """A merge's last step: one (token, head)'s output ``acc`` ([BLOCK_R], the first R
+    channels) into ``out`` in its dtype, then zeros into the ``tail`` channels after them
+    (``BLOCK_TAIL``: a power of two >= tail, 0 for none)."""
+    out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(out + offs_r, acc.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+    if BLOCK_TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        zeros = tl.zeros([BLOCK_TAIL], tl.float32)
+        tl.store(out + R + offs_t, zeros.to(out_ptr.dtype.element_ty), mask=offs_t < tail)
