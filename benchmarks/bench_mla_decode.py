@@ -8,8 +8,9 @@ heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at sh
 batches 64 x 4096 and 128 rows of LogNormal(median 2048, sigma 0.8) lengths. Times are
 medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
 latents come from HBM), the merge included, called as the triton backend calls it (into the
-bf16 attention output, the rotary channels zeroed by the merge). Bandwidth: the latent bytes the step must
-read (every row's tokens once) over the time, against the device copy bandwidth of this run.
+bf16 attention output, the rotary channels zeroed by the merge). Bandwidth: the latent bytes
+the step must read (every row's tokens once) over the time, against the device copy bandwidth
+of this run.
 Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per
 shape on the split schedule; the table shows the fastest of them ("best"), the split
 schedule's own plan ("split": ``mla_split_count``, ``mla_split_len``) and what the triton

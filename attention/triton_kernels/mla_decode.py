@@ -325,8 +325,8 @@ def mla_attention(
     f16_fp8_dots: an fp8 latent's dots in fp16 (``paging.f16_dots_for``); False: in the
                   query's dtype (kept for comparison).
     out:          where to store, [T, H, >= R] of fp32, fp16 or bf16 with contiguous
-                  channels (the first R are written, nothing else); default a new fp32
-                  [T, H, R].
+                  channels (the first R are written, nothing else unless ``zero_rest``);
+                  default a new fp32 [T, H, R].
     work:         the balanced schedule instead of splits (:mod:`attention.triton_kernels.
                   mla_balanced`: ``plan_mla_work`` over the same ``token_lens`` and
                   ``block_n``, staged); then ``num_splits`` and ``split_len`` stay unset.
