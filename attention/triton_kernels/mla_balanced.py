@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.mla_tiles import attend_latents, store_merged
+from attention.triton_kernels.mla_tiles import attend_latents, fold_partial, store_merged
 from attention.triton_kernels.paging import next_power_of_2, to_f16_operand
 
 __all__ = ["MLAWork", "launch_mla_balanced", "min_program_latents", "mla_work_len", "mla_work_programs",
@@ -260,23 +260,12 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     entry = work_ptr + num_tokens + 1 + 5 * num_programs + 2 * token
     first = tl.minimum(tl.maximum(tl.load(entry), 0), num_slots)
     stop = tl.minimum(first + tl.maximum(tl.load(entry + 1), 0), num_slots)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(first, stop):
         base = (s + 0 * first).to(tl.int64) * num_heads + head  # (a tensor under the interpreter too)
-        m_s = tl.load(ml_ptr + base * 2)
-        l_s = tl.load(ml_ptr + base * 2 + 1)
-        a_s = tl.load(acc_ptr + base * R + offs_r, mask=r_ok, other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_run = tl.exp2(m_run - m_safe)
-        w_s = tl.exp2(m_s - m_safe)
-        l_run = l_run * w_run + l_s * w_s
-        acc = acc * w_run + a_s * w_s
-        m_run = m_new
+        m_run, l_run, acc = fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R, BLOCK_R)
     acc = acc / tl.where(l_run > 0, l_run, 1.0)
     store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 

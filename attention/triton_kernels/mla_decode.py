@@ -47,7 +47,7 @@ from attention.triton_kernels.mla_balanced import (
     min_program_latents,
     mla_work_len,
 )
-from attention.triton_kernels.mla_tiles import attend_latents, store_merged
+from attention.triton_kernels.mla_tiles import attend_latents, fold_partial, store_merged
 from attention.triton_kernels.paging import (
     dot_precision_for,
     f16_dots_for,
@@ -225,23 +225,12 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     seq_len = tl.where(row_ok, seq_len, 0)
     chunk = tl.cdiv(tl.maximum(tl.load(chunk_ptr), 1), BLOCK_N) * BLOCK_N  # as the attention kernel rounds it
     used = tl.minimum(tl.maximum((seq_len + chunk - 1) // chunk, 1), splits)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_R], tl.float32)
     for s in range(0, used):
         base = (token.to(tl.int64) * splits + s) * num_heads + head
-        m_s = tl.load(ml_ptr + base * 2)
-        l_s = tl.load(ml_ptr + base * 2 + 1)
-        a_s = tl.load(acc_ptr + base * R + offs_r, mask=r_ok, other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_run = tl.exp2(m_run - m_safe)
-        w_s = tl.exp2(m_s - m_safe)
-        l_run = l_run * w_run + l_s * w_s
-        acc = acc * w_run + a_s * w_s
-        m_run = m_new
+        m_run, l_run, acc = fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R, BLOCK_R)
     acc = acc / tl.where(l_run > 0, l_run, 1.0)
     store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 

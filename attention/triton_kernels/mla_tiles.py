@@ -1,6 +1,7 @@
-"""The inner loop of the MLA decode kernels: one tile of query heads against a run of a
-token's latents, with an online softmax (shared by the split and the balanced schedules,
-:mod:`attention.triton_kernels.mla_decode` and :mod:`attention.triton_kernels.mla_balanced`).
+"""What the MLA decode kernels share (the split and the balanced schedules,
+:mod:`attention.triton_kernels.mla_decode` and :mod:`attention.triton_kernels.mla_balanced`):
+the inner loop, one tile of query heads against a run of a token's latents with an online
+softmax, and the merge's steps (fold a partial output in, store the result).
 
 A latent is ``D = R + E`` values (``R`` = kv_lora_rank, the compressed K/V; ``E`` =
 qk_rope_head_dim); the cache is ``[num_blocks, BLOCK_SIZE, 1, D]``. Latent ``n`` of a row
@@ -14,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["attend_latents", "store_merged"]
+__all__ = ["attend_latents", "fold_partial", "store_merged"]
 
 
 @triton.jit
@@ -82,6 +83,22 @@ def attend_latents(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R: tl.constexpr, BLOCK_R: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A merge's step: the partial output in slot ``base`` (``acc_ptr[base * R : + R]``, its
+    max and sum at ``ml_ptr[2 * base]``) folded into the running ``m_run``, ``l_run`` and
+    ``acc`` ([BLOCK_R]) by log-sum-exp; returns the three."""
+    offs_r = tl.arange(0, BLOCK_R)
+    m_s = tl.load(ml_ptr + base * 2)
+    l_s = tl.load(ml_ptr + base * 2 + 1)
+    a_s = tl.load(acc_ptr + base * R + offs_r, mask=offs_r < R, other=0.0)
+    m_new = tl.maximum(m_run, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w_run = tl.exp2(m_run - m_safe)
+    w_s = tl.exp2(m_s - m_safe)
+    return m_new, l_run * w_run + l_s * w_s, acc * w_run + a_s * w_s
 
 
 @triton.jit
