@@ -36,8 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.mla_tiles import attend_latents, fold_partial, store_merged
-from attention.triton_kernels.paging import next_power_of_2, to_f16_operand
+from attention.triton_kernels.mla_tiles import (
+    attend_latents,
+    fold_partial,
+    load_queries,
+    store_merged,
+    store_partial,
+    token_extent,
+)
+from attention.triton_kernels.paging import next_power_of_2
 
 __all__ = ["MLAWork", "launch_mla_balanced", "min_program_latents", "mla_work_len", "mla_work_programs",
            "plan_mla_work"]  # fmt: skip
@@ -141,25 +148,15 @@ def _segment(  # type: ignore[no-untyped-def]
     busy = seg_end > seg_start
     if busy:
         offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_e = tl.arange(0, BLOCK_E)
         head_ok = offs_h < num_heads
-        row = tl.load(rows_ptr + t)
-        row_ok = (row >= 0) & (row < num_rows)
-        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + t), 0), table_width * BLOCK_SIZE)
-        seq_len = tl.where(row_ok, seq_len, 0)
+        row, seq_len = token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE)
         # Tile counts clamped before they become latents (no int32 overflow, whatever the array).
         most = tl.cdiv(table_width * BLOCK_SIZE, BLOCK_N)
         start = tl.minimum(tl.maximum(seg_start - t_first, 0), most) * BLOCK_N
         end = tl.minimum(tl.minimum(tl.maximum(seg_end - t_first, 0), most) * BLOCK_N, seq_len)
-        q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
-        q_lat = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-        q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
-        if F16_DOTS:  # fp8 latents: the dots in fp16 (paging.f16_dots_for)
-            q_lat, q_pe = to_f16_operand(q_lat), to_f16_operand(q_pe)
-        elif UPCAST:
-            q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
-        table_row = table_ptr + tl.where(row_ok, row, 0).to(tl.int64) * table_width
+        q_lat, q_pe = load_queries(q_ptr, t, offs_h, head_ok, stride_qt, stride_qh, R, E, BLOCK_R, BLOCK_E, UPCAST,
+                                   F16_DOTS)  # fmt: skip
+        table_row = table_ptr + row.to(tl.int64) * table_width
         m_i, l_i, acc = attend_latents(
             q_lat, q_pe, cache_ptr, table_row, start, end, num_blocks, table_width, scale_log2, R, E, BLOCK_R,
             BLOCK_E, BLOCK_H, BLOCK_N, BLOCK_SIZE, UPCAST or DEQUANT, DOT_PRECISION,
@@ -169,9 +166,7 @@ def _segment(  # type: ignore[no-untyped-def]
         slot_ok = (slot >= 0) & (slot < num_slots)
         keep = tl.where(slot_ok, head_ok, False)  # (the interpreter takes no "mask & scalar")
         base = tl.where(slot_ok, slot, 0).to(tl.int64) * num_heads + offs_h.to(tl.int64)
-        tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=keep[:, None] & (offs_r[None, :] < R))
-        tl.store(ml_ptr + base * 2, m_i, mask=keep)
-        tl.store(ml_ptr + base * 2 + 1, l_i, mask=keep)
+        store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R, BLOCK_R)
     return slot + busy.to(tl.int32)
 
 

@@ -47,12 +47,18 @@ from attention.triton_kernels.mla_balanced import (
     min_program_latents,
     mla_work_len,
 )
-from attention.triton_kernels.mla_tiles import attend_latents, fold_partial, store_merged
+from attention.triton_kernels.mla_tiles import (
+    attend_latents,
+    fold_partial,
+    load_queries,
+    store_merged,
+    store_partial,
+    token_extent,
+)
 from attention.triton_kernels.paging import (
     dot_precision_for,
     f16_dots_for,
     next_power_of_2,
-    to_f16_operand,
     upcast_for,
 )
 
@@ -152,27 +158,16 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     offs_h = h0 + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_e = tl.arange(0, BLOCK_E)
     head_ok = offs_h < num_heads
-    row = tl.load(rows_ptr + token)
-    row_ok = (row >= 0) & (row < num_rows)
-    row = tl.where(row_ok, row, 0)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
-    seq_len = tl.where(row_ok, seq_len, 0)
+    row, seq_len = token_extent(rows_ptr, lens_ptr, token, num_rows, table_width, BLOCK_SIZE)
     chunk = tl.cdiv(tl.maximum(tl.load(chunk_ptr), 1), BLOCK_N) * BLOCK_N  # as the merge rounds it
     start = split * chunk
     if start >= seq_len and split > 0:
         return  # the merge reads only the splits a token's latents reach (and split 0)
     end = tl.minimum(start + chunk, seq_len)
 
-    q_row = q_ptr + token.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-    q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
-    if F16_DOTS:  # fp8 latents: the dots in fp16 (paging.f16_dots_for)
-        q_lat, q_pe = to_f16_operand(q_lat), to_f16_operand(q_pe)
-    elif UPCAST:
-        q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
+    q_lat, q_pe = load_queries(q_ptr, token, offs_h, head_ok, stride_qt, stride_qh, R, E, BLOCK_R, BLOCK_E, UPCAST,
+                               F16_DOTS)  # fmt: skip
     kv_scale = 1.0
     if DEQUANT:
         # fp8 latents convert exactly to the query's dtype; their scale multiplies the scores
@@ -189,9 +184,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     if DEQUANT:
         acc = acc * kv_scale
     base = (token.to(tl.int64) * splits + split) * num_heads + offs_h.to(tl.int64)
-    tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=head_ok[:, None] & (offs_r[None, :] < R))
-    tl.store(ml_ptr + base * 2, m_i, mask=head_ok)
-    tl.store(ml_ptr + base * 2 + 1, l_i, mask=head_ok)
+    store_partial(acc_ptr, ml_ptr, base, head_ok, acc, m_i, l_i, R, BLOCK_R)
 
 
 @triton.jit

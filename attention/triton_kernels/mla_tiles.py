@@ -15,7 +15,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["attend_latents", "fold_partial", "store_merged"]
+from attention.triton_kernels.paging import to_f16_operand
+
+__all__ = ["attend_latents", "fold_partial", "load_queries", "store_merged", "store_partial", "token_extent"]
+
+
+@triton.jit
+def token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Query token ``t``'s table row (0 for a row outside ``[0, num_rows)``) and the latents it
+    sees: its length clamped to ``[0, table_width * BLOCK_SIZE]``, 0 without a row."""
+    row = tl.load(rows_ptr + t)
+    row_ok = (row >= 0) & (row < num_rows)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + t), 0), table_width * BLOCK_SIZE)
+    return tl.where(row_ok, row, 0), tl.where(row_ok, seq_len, 0)
+
+
+@triton.jit
+def load_queries(  # type: ignore[no-untyped-def]
+    q_ptr, t, offs_h, head_ok, stride_qt, stride_qh,
+    R: tl.constexpr, E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr, F16_DOTS: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s queries of heads ``offs_h``: ``q_lat`` [BLOCK_H, BLOCK_R] and ``q_pe``
+    [BLOCK_H, BLOCK_E] (zeros past R, E and outside ``head_ok``), as the dots take them: fp16
+    for an fp8 latent's fp16 dots (``paging.f16_dots_for``), fp32 under ``UPCAST``."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_E)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h.to(tl.int64)[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_r[None, :], mask=head_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    q_pe = tl.load(q_row + R + offs_e[None, :], mask=head_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+    if F16_DOTS:
+        q_lat, q_pe = to_f16_operand(q_lat), to_f16_operand(q_pe)
+    elif UPCAST:
+        q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
+    return q_lat, q_pe
 
 
 @triton.jit
@@ -83,6 +116,16 @@ def attend_latents(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R: tl.constexpr, BLOCK_R: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A partial output: ``acc`` [BLOCK_H, BLOCK_R] (its first R channels), ``m_i`` and ``l_i``
+    [BLOCK_H] into the slots ``base`` (int64 [BLOCK_H]: slot * heads + head) where ``keep``."""
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=keep[:, None] & (offs_r[None, :] < R))
+    tl.store(ml_ptr + base * 2, m_i, mask=keep)
+    tl.store(ml_ptr + base * 2 + 1, l_i, mask=keep)
 
 
 @triton.jit
