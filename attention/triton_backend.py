@@ -62,6 +62,7 @@ from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     min_program_latents,
+    mla_direct_store,
     mla_work_len,
     mla_work_programs,
     plan_mla_work,
@@ -310,7 +311,8 @@ class TritonBackend(AttentionBackend):
         """Every query token to the MLA kernel: its row and causal length, padding tokens with
         row -1 (they see nothing). The programs from the device alone (:meth:`_mla_programs`),
         so a graph bucket replays the grid it captured; the tiles each takes from the step's
-        lengths (:func:`plan_mla_work`), staged on the device.
+        lengths (:func:`plan_mla_work`), staged on the device; a step of many tokens planned
+        ``direct`` (:func:`mla_direct_store`), which bounds its partial outputs.
 
         On an eager step, rows of at least ``latent_prefill_min_tokens`` new tokens attend
         decompressed instead (``plan.latent_prefill``): their tokens get row -1 here too."""
@@ -324,8 +326,12 @@ class TritonBackend(AttentionBackend):
         token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)
         launch = default_mla_launch(self.spec.num_heads)
         programs = self._mla_programs(meta.device)
-        work = plan_mla_work(lens + [0] * pad, programs, launch.block_n, min_program_latents(self.spec.num_heads))
-        latent = LatentLaunch(token_rows, token_lens, MLAWork(staging.stage("latent_work", work), programs), launch)
+        heads, tokens = self.spec.num_heads, meta.num_tokens
+        # Fixed by the token count (the bucket's, padded, in a graph), not by the lengths.
+        direct = mla_direct_store(tokens, programs, heads, self.spec.latent_rank or 0)
+        work = plan_mla_work(lens + [0] * pad, programs, launch.block_n, min_program_latents(heads), direct=direct)
+        staged = MLAWork(staging.stage("latent_work", work), programs, direct)
+        latent = LatentLaunch(token_rows, token_lens, staged, launch)
         return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent, latent_prefill=prefill)
 
     def _attend_latent_prefill(

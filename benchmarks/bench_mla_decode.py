@@ -5,7 +5,8 @@ a float32 softmax), same run.
 
 Shapes: DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576 bf16 values per token), 128
 heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at shuffled ids;
-batches 64 x 4096 and 128 rows of LogNormal(median 2048, sigma 0.8) lengths. Times are
+batches 64 x 4096, 512 x 512 (many short rows) and 128 rows of LogNormal(median 2048, sigma
+0.8) lengths. Times are
 medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
 latents come from HBM), the merge included, called as the triton backend calls it (into the
 bf16 attention output, the rotary channels zeroed by the merge). Bandwidth: the latent bytes
@@ -15,13 +16,15 @@ Launches (heads per program, latents per tile, warps, stages) and split lengths 
 shape on the split schedule; the table shows the fastest of them ("best"), the split
 schedule's own plan ("split": ``mla_split_count``, ``mla_split_len``) and what the triton
 backend runs ("plan": ``default_mla_launch`` on the length-balanced schedule,
-``attention.triton_kernels.mla_balanced``, its programs in the splits column); all are in the
-JSON.
+``attention.triton_kernels.mla_balanced``, its programs in the splits column, planned
+``direct`` when the backend would), and that schedule planned the other way ("direct": tokens
+of one segment stored by their program, or "slots": a partial output for every token); all
+are in the JSON.
 
 ``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16);
 ``--plan-only`` skips the sweep.
 
-Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--out FILE]
+Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--batches B,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ from typing import Any
 import torch
 from common import KernelTimer, measure_copy_tbps, require_cuda, shuffled_block_tables
 
-from attention.triton_kernels.mla_balanced import MLAWork, min_program_latents, mla_work_programs, plan_mla_work
+from attention.triton_kernels.mla_balanced import (
+    MLAWork,
+    min_program_latents,
+    mla_direct_store,
+    mla_work_programs,
+    plan_mla_work,
+)
 from attention.triton_kernels.mla_decode import (
     MLALaunch,
     default_mla_launch,
@@ -58,9 +67,14 @@ LAUNCHES = {
 SPLIT_LENS = {16: [512, 1024, 2048], 128: [1024, 4096]}
 
 
+#: The batches: uniform rows, short rows (many tokens, each a few tiles), LogNormal lengths.
+BATCHES = ("64x4096", "512x512", "lognormal-128")
+
+
 def lengths(kind: str, seed: int) -> list[int]:
-    if kind == "64x4096":
-        return [4096] * 64
+    if kind in ("64x4096", "512x512"):
+        rows, length = kind.split("x")
+        return [int(length)] * int(rows)
     rng = random.Random(seed)
     return [max(16, min(16384, int(rng.lognormvariate(math.log(2048), 0.8)))) for _ in range(128)]
 
@@ -107,8 +121,13 @@ def measure_batch(
         plan_len = mla_split_len(longest, plan_splits, heads, default.block_n)
         want8 = torch_dense(query, dense8, mask).float() if dense8 is not None else None
         programs = mla_work_programs(heads, default.block_h, default.programs_per_sm, sms)
-        work = MLAWork(torch.tensor(plan_mla_work(lens, programs, default.block_n, min_program_latents(heads)),
-                                    dtype=torch.int32, device="cuda"), programs)  # fmt: skip
+        rule = mla_direct_store(len(lens), programs, heads, RANK)  # as the triton backend plans it
+        works = {
+            direct: MLAWork(torch.tensor(plan_mla_work(lens, programs, default.block_n, min_program_latents(heads),
+                                                       direct=direct), dtype=torch.int32, device="cuda"),
+                            programs, direct)
+            for direct in (False, True)
+        }  # fmt: skip
         variants = [
             (launch, -(-longest // n), n, False, "") for launch in LAUNCHES[heads] for n in SPLIT_LENS[heads]
         ]
@@ -116,17 +135,23 @@ def measure_batch(
         # The split schedule's own plan, then the balanced schedule the triton backend runs
         # (``splits``: its programs per head tile; ``split_len`` 0).
         todo += [(default, plan_splits, plan_len, False, "split plan"), (default, programs, 0, True, "")]
+        # The balanced schedule planned the other way (direct stores or slots for every token).
+        todo += [(default, programs, 0, True, "slots" if rule else "direct")]
         if fp8:
             todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
         for launch, splits, split_len, planned, latent in todo:
             split_plan = latent == "split plan"
-            latent = "" if split_plan else latent
+            direct = rule != (latent in ("slots", "direct"))  # that row: planned the other way
+            latent = "" if latent in ("split plan", "slots", "direct") else latent
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
                                    "split_len": split_len, "plan": planned, "split_plan": split_plan,
-                                   "latent": latent or "bf16",
+                                   "latent": latent or "bf16", "direct": planned and direct,
+                                   "as_backend": planned and direct == rule,
                                    "schedule": "balanced" if planned else "split"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
-            schedule: dict[str, Any] = {"work": work} if planned else {"num_splits": splits, "split_len": chunk}
+            schedule: dict[str, Any] = (
+                {"work": works[direct]} if planned else {"num_splits": splits, "split_len": chunk}
+            )
             extra: dict[str, Any] = {}
             source, expect, nbytes = cache, want, latent_bytes
             if latent and cache8 is not None and want8 is not None:
@@ -156,33 +181,48 @@ def measure_batch(
     return rows
 
 
+def _plan_label(row: dict[str, Any]) -> str:
+    """The table's label of a balanced-schedule row: "plan" for the backend's plan, "direct" or
+    "slots" for the other way of planning it, the latent's name for the fp8 rows."""
+    if row["latent"] != "bf16":
+        return str(row["latent"])[:7]
+    if row["as_backend"]:
+        return "plan"
+    return "direct" if row["direct"] else "slots"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--rep-ms", type=int, default=60)
     p.add_argument("--plan-only", action="store_true", help="no launch sweep: the plan's launch only")
     p.add_argument("--fp8", action="store_true", help="also an fp8 latent at the plan's launch (fp16 and bf16 dots)")
+    p.add_argument("--batches", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
     args = p.parse_args()
     if not require_cuda("bench_mla_decode.py"):
         sys.exit(2)
+    batches = [b for b in args.batches.split(",") if b]
+    unknown = [b for b in batches if b not in BATCHES]
+    if unknown or not batches:
+        p.error(f"--batches: {args.batches!r}; choose among {', '.join(BATCHES)}")
     timer = KernelTimer(10, args.rep_ms)
     copy_tbps = measure_copy_tbps(timer)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows_out = [
         row
-        for kind in ("64x4096", "lognormal-128")
+        for kind in batches
         for row in measure_batch(kind, timer, copy_tbps, sms, plan_only=args.plan_only, fp8=args.fp8)
     ]
     print(f"\n{'batch':14} {'heads':>5} {'':>7} {'launch':>16} {'splits':>6} {'per split':>9} {'ms':>7} {'TB/s':>5} "
           f"{'of copy':>7} {'TFLOP/s':>7} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
-    for kind in ("64x4096", "lognormal-128"):
+    for kind in batches:
         for heads in (128, 16):
             done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
             bf16 = [r for r in done if r["latent"] == "bf16"]
             splits = [r for r in bf16 if r["schedule"] == "split"]
             picks = [("best", min(splits, key=lambda x: x["ms"]))] if splits else []
             picks += [("split", r) for r in splits if r["split_plan"]]
-            picks += [("plan" if r["latent"] == "bf16" else r["latent"][:7], r) for r in done if r["plan"]]
+            picks += [(_plan_label(r), r) for r in done if r["plan"]]
             for label, r in picks:
                 launch = f"h{r['block_h']} n{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
                 print(

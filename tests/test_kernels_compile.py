@@ -67,28 +67,30 @@ def prefill(dtype, persistent, window, softcap=False, sinks=False, cache=None, t
                   V_TOKEN_MAJOR=token_major or int8, BLOCK_STRIDE=(260 if int8 else 256) * 8 * 128, TOKEN_SCALES=int8)
     return source(_prefill_kernel, sig, consts)
 
-def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0):
+def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0, direct=False):
     sig = {"q_ptr": dtype, "cache_ptr": cache, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32"}
     sig.update({"work_ptr": "*i32"} if balanced else {})
     sig.update({"acc_ptr": "*fp32", "ml_ptr": "*fp32"})
-    sig.update({"kv_scale_ptr": "*fp32"} if balanced else {"chunk_ptr": "*i32", "kv_scale_ptr": "*fp32"})
+    sig.update({"out_ptr": dtype} if balanced else {"chunk_ptr": "*i32"})
+    sig["kv_scale_ptr"] = "*fp32"
     names = ("num_tokens", "num_slots") if balanced else ()
     for name in (*names, "num_rows", "num_heads", "num_blocks", "table_width"):
         sig[name] = "i32"
     sig.update({"scale_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32"})
+    sig.update({"stride_ot": "i32", "stride_oh": "i32"} if balanced else {})
     fp8 = cache == "*fp8e4nv"
     consts = dict(R=512, E=64, BLOCK_R=512, BLOCK_E=64, BLOCK_H=16, BLOCK_N=block_n, BLOCK_SIZE=block_size,
                   UPCAST=False, DEQUANT=fp8, F16_DOTS=fp8, DOT_PRECISION="tf32")
     if balanced:
-        consts["UNROLLED"] = unrolled
+        consts.update(UNROLLED=unrolled, DIRECT=direct)
     return source(_mla_balanced_kernel if balanced else _mla_decode_kernel, sig, consts)
 
-def mla_merge(balanced):
+def mla_merge(balanced, direct=False):
     if balanced:
         sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16", "num_tokens": "i32",
                "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
                "tail": "i32"}
-        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64))
+        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64, DIRECT=direct))
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",
            "out_ptr": "*bf16", "num_rows": "i32", "num_heads": "i32", "table_width": "i32", "splits": "i32",
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
@@ -100,8 +102,10 @@ kernels = {
     "mla-split-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", False, block_size=32, block_n=64),
     "mla-balanced-bf16-unrolled": mla("*bf16", "*bf16", True, unrolled=2),
     "mla-balanced-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", True, block_size=32, block_n=64),
+    "mla-balanced-bf16-direct-64-heads": mla("*bf16", "*bf16", True, direct=True),
     "mla-merge-split": mla_merge(False),
     "mla-merge-balanced": mla_merge(True),
+    "mla-merge-balanced-direct": mla_merge(True, direct=True),
     "rotary-bf16": rotary("*bf16", "*bf16", False),
     "rotary-fp16": rotary("*fp16", "*fp16", False),
     "rotary-fp32": rotary("*fp32", "*fp32", False),
@@ -135,4 +139,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 25, report
+    assert len(report) == 27, report

@@ -118,16 +118,30 @@ def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None, de
         torch.testing.assert_close(torch.stack(report.logits[req.req_id]), logits, atol=LOGITS_ATOL, rtol=0)
 
 
+def _note_direct(plan, seen: list[bool]):  # type: ignore[no-untyped-def]
+    """``plan``, after noting whether its latent launch was planned direct."""
+    if plan.latent is not None:
+        seen.append(plan.latent.work.direct)
+    return plan
+
+
 @pytest.mark.parametrize(
-    ("graphs", "decompress_from"),
-    [(False, None), (False, 16), (True, 16)],
-    ids=["eager", "eager-decompressed", "cuda-graphs-decompressed"],
+    ("graphs", "decompress_from", "direct"),
+    [(False, None, False), (False, None, True), (False, 16, False), (True, 16, False), (True, 16, True)],
+    ids=["eager", "eager-direct", "eager-decompressed", "cuda-graphs-decompressed", "cuda-graphs-direct"],
 )
-def test_latent_attention_on_triton_matches_transformers(graphs: bool, decompress_from: int | None) -> None:
+def test_latent_attention_on_triton_matches_transformers(
+    graphs: bool, decompress_from: int | None, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The triton backend's MLA kernels (absorbed for every token, or decompressed prefill
     rows beside absorbed decode rows; Triton's CPU interpreter without a GPU, and CUDA graphs
-    for decode steps on one): transformers' tokens and logits."""
+    for decode steps on one): transformers' tokens and logits. ``direct``: every step planned
+    direct (tokens of one segment stored by their program), as steps of many tokens are."""
     pytest.importorskip("triton")
+    import attention.triton_kernels.mla_balanced as balanced
+
+    if direct:
+        monkeypatch.setattr(balanced, "DIRECT_STORE_BYTES", -1)
     from attention.triton_kernels import kernels_interpreted
 
     if not kernels_interpreted() and not torch.cuda.is_available():
@@ -144,6 +158,9 @@ def test_latent_attention_on_triton_matches_transformers(graphs: bool, decompres
     assert engine.backend.name == "triton" and engine.spec.latent_rank == 32
     engine.backend.latent_prefill_min_tokens = decompress_from
     decompressed = _count_decompressed(engine.backend)
+    plan = engine.backend.plan
+    directs: list[bool] = []
+    monkeypatch.setattr(engine.backend, "plan", lambda *a, **k: _note_direct(plan(*a, **k), directs))
     prompts = [_prompts()[i] for i in (0, 2, 4)]
     requests = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
     report = run_requests(
@@ -154,6 +171,7 @@ def test_latent_attention_on_triton_matches_transformers(graphs: bool, decompres
     if graphs:
         assert report.graph_replays.get("decode", 0) > 0, report.graph_replays
     assert (decompressed[0] > 0) == (decompress_from is not None), decompressed
+    assert directs and set(directs) == {direct}, "the steps were planned as asked"
     for prompt, req in zip(prompts, requests, strict=True):
         tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
         assert req.output == tokens, f"prompt of {len(prompt)}"

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from attention.errors import InvalidArgumentError
-from attention.triton_kernels.mla_balanced import MLAWork, mla_work_len, mla_work_programs, plan_mla_work
+from attention.triton_kernels.mla_balanced import (
+    DIRECT_STORE_BYTES,
+    MLAWork,
+    mla_direct_store,
+    mla_work_len,
+    mla_work_programs,
+    mla_work_slots,
+    plan_mla_work,
+)
 from attention.triton_kernels.mla_decode import causal_queries, mla_attention
 from tests.test_mla_decode import DEVICE, _case, _reference
 
@@ -24,32 +32,42 @@ def _decode(work: list[int], tokens: int, programs: int):  # type: ignore[no-unt
     return cu, prog, slots
 
 
-def _check_plan(lens: list[int], programs: int, block_n: int, min_latents: int) -> list[tuple[int, ...]]:
+def _check_plan(
+    lens: list[int], programs: int, block_n: int, min_latents: int, direct: bool = False
+) -> list[tuple[int, ...]]:
     """Asserts the plan's invariants; returns the busy programs."""
-    work = list(plan_mla_work(lens, programs, block_n, min_latents))
+    work = list(plan_mla_work(lens, programs, block_n, min_latents, direct=direct))
     assert len(work) == mla_work_len(len(lens), programs)
     cu, prog, slots = _decode(work, len(lens), programs)
     assert cu == [0] + [sum(-(-max(n, 0) // block_n) for n in lens[: t + 1]) for t in range(len(lens))]
     busy = [p for p in prog if p[0] < p[1]]
-    assert all(p == (0, 0, 0, -1, 0) for p in prog[len(busy) :]), "idle programs come last and hold nothing"
+    assert all(p == (0, 0, 0, -1, -1) for p in prog[len(busy) :]), "idle programs come last and hold nothing"
     # The busy programs' ranges tile [0, total) in order.
     assert [p[0] for p in busy] == [0, *(p[1] for p in busy[:-1])][: len(busy)]
     assert (busy[-1][1] if busy else 0) == cu[-1]
     share = max(1, -(-cu[-1] // programs), -(-min_latents // block_n))
-    expected_slot = 0
-    touched: dict[int, list[int]] = {}
-    for first, end, t0, t1, slot in busy:
-        assert end - first <= share + share // 8 or (first, end, t0, t1, slot) == busy[-1]
+    touching: dict[int, list[int]] = {}  # token -> the programs with a segment of it
+    for p, (first, end, t0, t1, _) in enumerate(busy):
+        assert end - first <= share + share // 8 or p == len(busy) - 1
         assert cu[t0] <= first < cu[t0 + 1] and cu[t1] < end <= cu[t1 + 1], "first and last token hold the range"
-        assert slot == expected_slot, "a program's slots follow the previous program's"
         for t in range(t0, t1 + 1):
             if cu[t + 1] > cu[t]:
-                touched.setdefault(t, []).append(expected_slot)
-                expected_slot += 1
-    assert expected_slot <= programs + len(lens)
+                touching.setdefault(t, []).append(p)
+    # Tokens with slots (direct: the split ones) own consecutive slots, one per segment,
+    # numbered from 0 without gaps; the others have first slot -1.
+    slotted = [t for t in sorted(touching) if len(touching[t]) > (1 if direct else 0)]
+    expected_slot = 0
     for t, (first_slot, count) in enumerate(slots):
-        want = touched.get(t, [])
-        assert count == len(want) and (not want or want == list(range(first_slot, first_slot + count))), t
+        assert count == len(touching.get(t, [])), t
+        assert first_slot == (expected_slot if t in slotted else -1), t
+        expected_slot += count if t in slotted else 0
+    assert expected_slot <= mla_work_slots(programs, len(lens), direct)
+    # The slot a program's segment takes: its first token's in the program field (by the
+    # program's place among the token's), a later token's first (it starts in the program).
+    for p, (_, _, t0, t1, slot) in enumerate(busy):
+        assert slot == (slots[t0][0] + touching[t0].index(p) if t0 in slotted else -1), p
+        for t in range(t0 + 1, t1 + 1):
+            assert t not in touching or touching[t][0] == p, "a program's later tokens start in it"
     return busy
 
 
@@ -58,8 +76,11 @@ def test_the_plan_shares_every_tile_once(seed: int) -> None:
     rng = random.Random(seed)
     lens = [rng.choice([0, 1, rng.randint(1, 80), rng.randint(100, 3000)]) for _ in range(rng.randint(1, 40))]
     programs = rng.choice([1, 2, 3, 7, 64, 264])
-    busy = _check_plan(lens, programs, rng.choice([16, 32, 64]), rng.choice([16, 256, 1024]))
+    block_n, min_latents = rng.choice([16, 32, 64]), rng.choice([16, 256, 1024])
+    busy = _check_plan(lens, programs, block_n, min_latents)
     assert len(busy) <= programs
+    direct = _check_plan(lens, programs, block_n, min_latents, direct=True)
+    assert [p[:4] for p in direct] == [p[:4] for p in busy], "direct changes only slots"
 
 
 def test_the_plan_leaves_no_sliver_of_a_token() -> None:
@@ -80,16 +101,17 @@ def test_short_steps_use_few_programs() -> None:
 
 
 def _run(lens: list[int], heads: int, rank: int, rope: int, block_size: int, dtype: torch.dtype, *, block_n: int,
-         programs: int, unrolled: int, min_latents: int = 16, rows=None, seed: int = 0, **kw):  # type: ignore[no-untyped-def]
+         programs: int, unrolled: int, min_latents: int = 16, rows=None, seed: int = 0, direct: bool = False,
+         **kw):  # type: ignore[no-untyped-def]  # fmt: skip
     query, cache, tables, latents = _case(lens, heads, rank, rope, block_size, torch.float64, seed=seed)
     token_rows = list(range(len(lens))) if rows is None else rows
     token_lens = [n if r >= 0 else 0 for n, r in zip(lens, token_rows, strict=True)]
-    work = plan_mla_work(token_lens, programs, block_n, min_latents)
+    work = plan_mla_work(token_lens, programs, block_n, min_latents, direct=direct)
     out = mla_attention(
         query.to(DEVICE, dtype), kw.pop("cache", cache.to(DEVICE, dtype)), tables.to(DEVICE),
         torch.tensor(token_rows, dtype=torch.int32, device=DEVICE),
         torch.tensor(token_lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=rank, scale=0.2,
-        work=MLAWork(torch.tensor(work, dtype=torch.int32, device=DEVICE), programs), block_n=block_n,
+        work=MLAWork(torch.tensor(work, dtype=torch.int32, device=DEVICE), programs, direct), block_n=block_n,
         unrolled=unrolled, **kw,
     )  # fmt: skip
     return out, query, latents
@@ -106,21 +128,44 @@ def _run(lens: list[int], heads: int, rank: int, rope: int, block_size: int, dty
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
 def test_the_balanced_kernels_match_float64(lens, heads, rank, rope, block_size, block_n, programs, unrolled,  # type: ignore[no-untyped-def]
-                                            dtype) -> None:  # fmt: skip
+                                            dtype, direct) -> None:  # fmt: skip
     out, query, latents = _run(lens, heads, rank, rope, block_size, dtype, block_n=block_n, programs=programs,
-                               unrolled=unrolled)  # fmt: skip
+                               unrolled=unrolled, direct=direct)  # fmt: skip
     want = _reference(query.to(dtype).double(), [lat.to(dtype).double() for lat in latents], rank, 0.2)
     assert out.shape == (len(lens), heads, rank) and torch.isfinite(out).all(), "read an unowned (NaN) slot"
     err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < (2e-3 if dtype == torch.float32 else 2e-2), err
 
 
+def test_many_short_tokens_store_whole_and_keep_the_partial_buffer_small() -> None:
+    """200 short rows over 3 programs, planned direct: nearly every token lies whole in one
+    program, which stores it (no slot); only the tokens a program boundary cuts take slots, at
+    most 2 per program, however many tokens the step has. Steps whose slots would pass
+    DIRECT_STORE_BYTES are planned so."""
+    rng = random.Random(7)
+    lens = [rng.randint(0, 40) for _ in range(200)]
+    work = plan_mla_work(lens, 3, 16, 16, direct=True)
+    _, _, slots = _decode(list(work), len(lens), 3)
+    assert sum(1 for first, count in slots if count == 1 and first == -1) >= 195
+    assert sum(c for first, c in slots if first >= 0) <= mla_work_slots(3, 200, True) == 6
+    out, query, latents = _run(lens, 4, 32, 16, 16, torch.float32, block_n=16, programs=3, unrolled=2, seed=7,
+                               direct=True)  # fmt: skip
+    want = _reference(query.double(), [lat.double() for lat in latents], 32, 0.2)
+    assert (out.double().cpu() - want).abs().max().item() < 2e-3
+    # 128 heads x 512 channels (256 KiB a slot): 66 programs and 128 tokens stay under the
+    # budget (50 MB), 512 tokens would take 151 MB.
+    per_slot = 128 * 512 * 4
+    assert not mla_direct_store(128, 66, 128, 512) and (66 + 128) * per_slot <= DIRECT_STORE_BYTES
+    assert mla_direct_store(512, 66, 128, 512) and not mla_direct_store(512, 264, 16, 512)
+
+
 @pytest.mark.parametrize("f16_dots", [True, False], ids=["fp16-dots", "bf16-dots"])
 def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
     """An fp8 cache with its scale (dots in fp16 as at 16 heads, or in the query's bf16 as at
-    64), the result stored into the first R channels of a bf16 output; padding tokens (row -1)
-    get zeros."""
+    64), the result stored into the first R channels of a bf16 output (planned direct with
+    the fp16 dots); padding tokens (row -1) get zeros."""
     lens, rank, rope, heads = [70, 5, 33, 0], 32, 16, 4
     _, cache, _, latents = _case(lens, heads, rank, rope, 16, torch.float64, seed=5)
     kv_scale = 0.05
@@ -128,7 +173,7 @@ def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
     target = torch.full((len(lens), heads, rank + rope), 7.0, dtype=torch.bfloat16, device=DEVICE)
     out, query, _ = _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=2, seed=5,
                          rows=[0, 1, -1, 3], cache=stored, kv_scale=torch.tensor([kv_scale], device=DEVICE),
-                         out=target, f16_fp8_dots=f16_dots)  # fmt: skip
+                         out=target, f16_fp8_dots=f16_dots, direct=f16_dots)  # fmt: skip
     assert out.data_ptr() == target.data_ptr()
     dequantized = [(lat / kv_scale).to(torch.float8_e4m3fn).double() * kv_scale for lat in latents]
     want = _reference(query.to(torch.bfloat16).double(), dequantized, rank, 0.2)
@@ -137,7 +182,8 @@ def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
     assert err < 3e-2, err
     assert (target[..., rank:] == 7.0).all() and not target[2, :, :rank].any() and not target[3, :, :rank].any()
     _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=2, seed=5, rows=[0, 1, -1, 3],
-         cache=stored, kv_scale=torch.tensor([kv_scale], device=DEVICE), out=target, zero_rest=True)  # fmt: skip
+         cache=stored, kv_scale=torch.tensor([kv_scale], device=DEVICE), out=target, zero_rest=True,
+         direct=f16_dots)  # fmt: skip
     assert not target[..., rank:].any(), "zero_rest: the rotary channels are zeroed"
     err = (target[..., :rank].double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < 3e-2, err
@@ -169,7 +215,8 @@ def test_causal_rows_on_the_balanced_schedule() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_any_work_array_stays_inside_the_buffers(seed: int) -> None:
     """A work array of random values (a caller's bug) reads and writes nothing outside the
-    cache and the partial buffers: the launch completes and the cache is untouched (on the
+    cache, the partial buffers and the output (direct stores too, seeds 1 and 2): the launch
+    completes, the cache is untouched and so is the memory around the output (on the
     GPU an out-of-bounds access would fault; the interpreter raises on one)."""
     lens = [40, 12, 7]
     query, cache, tables, _ = _case(lens, 4, 32, 16, 16, torch.float32, seed=seed)
@@ -179,14 +226,17 @@ def test_any_work_array_stays_inside_the_buffers(seed: int) -> None:
     junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50  # small values too, which reach the loops
     c = cache.float().to(DEVICE)
     before = c.clone()
+    # The output: rows 1..3 of a larger tensor, whose rows 0 and 4 must stay as they are.
+    outer = torch.full((5, 4, 48), 3.0, device=DEVICE)
     mla_attention(
         query.float().to(DEVICE), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=32, scale=0.1, block_n=16, unrolled=1,
-        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs),
+        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
     )  # fmt: skip
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(c.isnan(), before.isnan()) and torch.equal(c.nan_to_num(), before.nan_to_num())
+    assert (outer[0] == 3.0).all() and (outer[4] == 3.0).all() and (outer[1:4, :, 32:] == 3.0).all()
 
 
 def test_bad_work_is_refused_naming_it() -> None:

@@ -8,21 +8,34 @@ others a sliver, and the last wave runs part-empty. Here the host numbers the st
 ``tiles / programs`` of them, as one *segment* per token the range touches; a range that would
 leave a sliver of a token (at most an eighth of a share) takes the rest of the token too. Each
 segment stores a partial output (fp32, unnormalized), its running max and sum into a slot of
-its own, and a second kernel merges each token's slots (log-sum-exp).
+its own, and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens``
+slots at most.
+
+A step of many tokens (``direct``, :func:`mla_direct_store`: when those slots would pass
+:data:`DIRECT_STORE_BYTES`) gives slots only to the tokens split across programs: a token that
+one segment covers whole is normalized and stored into the output by its program. Only a
+program's first and last tokens can be split, so such a step uses at most ``2 * programs``
+slots, whatever its token count (:func:`mla_work_slots`). Not always, because the larger
+epilogue slows the kernel where few tokens are whole: on the H200 3-4% at 128 heads on 64 x
+4096 and LogNormal rows, 1% at 16 heads; 512 rows of 512 run 4% faster direct at 16 heads
+(``results/mla-decode-direct-2026-12-04.md``).
 
 The plan is made on the host from the step's lengths (:func:`plan_mla_work`) and staged on the
 device as one int32 array (:class:`MLAWork`), so a CUDA graph captured for a fixed
 ``programs`` replays any step of its shape. Layout, for ``T`` query tokens and ``P`` programs:
 
 - ``[0, T + 1)``: tile offsets; token ``t`` holds tiles ``[cu[t], cu[t + 1])``;
-- ``[T + 1, T + 1 + 5 P)``: per program: first tile, end tile, first token, last token, first
-  slot (a program with no tiles: ``0, 0, 0, -1, 0``);
-- then ``2 T``: per token, its first slot and its slot count (its segments' slots are
-  consecutive).
+- ``[T + 1, T + 1 + 5 P)``: per program: first tile, end tile, first token, last token, and
+  the slot of its first token's segment (-1 when that token has no slot; a program with no
+  tiles: ``0, 0, 0, -1, -1``);
+- then ``2 T``: per token, its first slot and its segment count. A token's slots are
+  consecutive, one per segment in program order; a token without latents (count 0), and with
+  ``direct`` a token of one segment, has first slot -1. A program's later tokens start in it,
+  so their segment takes the token's first slot.
 
-Memory safety holds for any array: tokens are clamped to ``[0, T)``, slots outside the
-partial buffer are neither stored nor read, and a segment's latents are clamped to its token's
-``[0, seq_len)`` (what the split kernel reads).
+Memory safety holds for any array: tokens are clamped to ``[0, T)`` (a direct store stays in
+the output), slots outside the partial buffer are neither stored nor read, and a segment's
+latents are clamped to its token's ``[0, seq_len)`` (what the split kernel reads).
 """
 
 from __future__ import annotations
@@ -41,34 +54,63 @@ from attention.triton_kernels.mla_tiles import (
     fold_partial,
     load_queries,
     store_merged,
+    store_normalized,
     store_partial,
+    store_tail,
     token_extent,
 )
 from attention.triton_kernels.paging import next_power_of_2
 
-__all__ = ["MLAWork", "launch_mla_balanced", "min_program_latents", "mla_work_len", "mla_work_programs",
-           "plan_mla_work"]  # fmt: skip
+__all__ = [
+    "MLAWork",
+    "launch_mla_balanced",
+    "min_program_latents",
+    "mla_direct_store",
+    "mla_work_len",
+    "mla_work_programs",
+    "mla_work_slots",
+    "plan_mla_work",
+]  # fmt: skip
 
 #: Fields per program in the work array.
 PROGRAM_FIELDS = 5
 #: Latents per program, at least (below that the partial outputs cost more than they spread).
 MIN_PROGRAM_LATENTS = 256
+#: Partial outputs of one launch (bytes) above which tokens of one segment are stored directly.
+DIRECT_STORE_BYTES = 64 << 20
 #: A program without tiles in the work array.
-_IDLE_PROGRAM = array("i", [0, 0, 0, -1, 0])
+_IDLE_PROGRAM = array("i", [0, 0, 0, -1, -1])
 
 
 @dataclass(frozen=True)
 class MLAWork:
     """A step's balanced schedule on the device: ``data`` int32 [:func:`mla_work_len`] as laid
-    out in the module docstring, for ``programs`` programs per head tile (the grid)."""
+    out in the module docstring, for ``programs`` programs per head tile (the grid);
+    ``direct``: planned so (``plan_mla_work(..., direct=True)``), tokens of one segment are
+    stored by their program. It must match the plan: a mismatch stays memory-safe but gives
+    wrong outputs."""
 
     data: torch.Tensor
     programs: int
+    direct: bool = False
 
 
 def mla_work_len(tokens: int, programs: int) -> int:
     """Length of the work array for ``tokens`` query tokens and ``programs`` programs."""
     return 3 * tokens + 1 + PROGRAM_FIELDS * programs
+
+
+def mla_work_slots(programs: int, tokens: int, direct: bool) -> int:
+    """Partial-output slots a schedule of ``programs`` programs over ``tokens`` query tokens
+    uses, at most: a slot per segment, and a program's segments are the tokens it touches;
+    with ``direct`` only a program's first and last tokens can take slots."""
+    return 2 * programs if direct else programs + tokens
+
+
+def mla_direct_store(tokens: int, programs: int, heads: int, rank: int) -> bool:
+    """Whether a step of ``tokens`` query tokens should be planned ``direct``: its partial
+    outputs (``heads * rank`` floats per slot) would otherwise pass :data:`DIRECT_STORE_BYTES`."""
+    return mla_work_slots(programs, tokens, False) * heads * rank * 4 > DIRECT_STORE_BYTES
 
 
 def mla_work_programs(heads: int, block_h: int, programs_per_sm: int, num_sms: int) -> int:
@@ -86,10 +128,13 @@ def min_program_latents(heads: int) -> int:
     return max(MIN_PROGRAM_LATENTS, 64 * min(heads, 16))
 
 
-def plan_mla_work(token_lens: Sequence[int], programs: int, block_n: int, min_latents: int) -> array:
+def plan_mla_work(
+    token_lens: Sequence[int], programs: int, block_n: int, min_latents: int, *, direct: bool = False
+) -> array:
     """The work array (``array('i')``, :func:`mla_work_len` long) sharing the tiles of
     ``token_lens`` (latents per query token; negative counts as 0) among at most ``programs``
-    programs, each about ``max(tiles / programs, min_latents / block_n)`` tiles."""
+    programs, each about ``max(tiles / programs, min_latents / block_n)`` tiles; ``direct``:
+    slots only for tokens split across programs (see the module docstring)."""
     tokens = len(token_lens)
     cu = [0] * (tokens + 1)
     total = 0
@@ -100,8 +145,9 @@ def plan_mla_work(token_lens: Sequence[int], programs: int, block_n: int, min_la
     share = max(1, -(-total // programs), -(-min_latents // block_n))
     slack = share // 8
     prog: list[int] = []
-    slots = [0] * (2 * tokens)
-    g = t = slot = used = 0
+    segments = [0] * tokens  # per token, the programs touching it
+    first_ordinal: list[int] = []  # per program, its segment's place among its first token's
+    g = t = used = 0
     while g < total and used < programs:
         while cu[t + 1] <= g:  # the token holding tile g (past tokens without tiles)
             t += 1
@@ -112,20 +158,24 @@ def plan_mla_work(token_lens: Sequence[int], programs: int, block_n: int, min_la
             last += 1
         if cu[last + 1] - end <= slack:  # no sliver of a token left for the next program
             end = cu[last + 1]
-        prog += (g, end, t, last, slot)
-        if last == t:  # (most programs: one token)
-            if not slots[2 * t + 1]:
-                slots[2 * t] = slot
-            slots[2 * t + 1] += 1
-            slot += 1
-        else:
-            for u in range(t, last + 1):
-                if cu[u + 1] > cu[u]:
-                    if not slots[2 * u + 1]:
-                        slots[2 * u] = slot
-                    slots[2 * u + 1] += 1
-                    slot += 1
+        prog += (g, end, t, last, 0)
+        first_ordinal.append(segments[t])
+        segments[t] += 1
+        for u in range(t + 1, last + 1):
+            if cu[u + 1] > cu[u]:
+                segments[u] += 1
         g, t = end, last
+    slots = [-1] * (2 * tokens)
+    slot = 0
+    least = 2 if direct else 1  # the segments a token needs for slots
+    for u, count in enumerate(segments):
+        slots[2 * u + 1] = count
+        if count >= least:
+            slots[2 * u] = slot
+            slot += count
+    for p, ordinal in enumerate(first_ordinal):
+        t = prog[5 * p + 2]
+        prog[5 * p + 4] = slots[2 * t] + ordinal if segments[t] >= least else -1
     work = array("i", cu + prog)
     work.extend(_IDLE_PROGRAM * (programs - used))
     work.extend(array("i", slots))
@@ -134,19 +184,20 @@ def plan_mla_work(token_lens: Sequence[int], programs: int, block_n: int, min_la
 
 @triton.jit
 def _segment(  # type: ignore[no-untyped-def]
-    q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, t, g0, g1, slot, kv_scale,
-    num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_qt, stride_qh,
+    q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, token_slots_ptr, acc_ptr, ml_ptr, out_ptr, t, g0, g1,
+    first_slot, kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_qt, stride_qh,
+    stride_ot, stride_oh,
     R: tl.constexpr, E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DEQUANT: tl.constexpr,
-    F16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    F16_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``'s tiles within ``[g0, g1)`` (if any): their partial output into ``slot``.
-    Returns the next free slot."""
+    """Token ``t``'s tiles within ``[g0, g1)`` (if any): a partial output into ``first_slot``
+    (the program's first token) or the token's first slot (a later token, whose first segment
+    this is); under ``DIRECT``, a token of one segment: its output into ``out``."""
     t_first = tl.load(work_ptr + t)
     seg_start = tl.maximum(g0, t_first)
     seg_end = tl.minimum(g1, tl.load(work_ptr + t + 1))
-    busy = seg_end > seg_start
-    if busy:
+    if seg_end > seg_start:
         offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = offs_h < num_heads
         row, seq_len = token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE)
@@ -163,11 +214,26 @@ def _segment(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         if DEQUANT:
             acc = acc * kv_scale
-        slot_ok = (slot >= 0) & (slot < num_slots)
-        keep = tl.where(slot_ok, head_ok, False)  # (the interpreter takes no "mask & scalar")
-        base = tl.where(slot_ok, slot, 0).to(tl.int64) * num_heads + offs_h.to(tl.int64)
-        store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R, BLOCK_R)
-    return slot + busy.to(tl.int32)
+        slot = tl.where(seg_start == g0, first_slot, tl.load(token_slots_ptr + 2 * t))
+        if DIRECT:
+            if tl.load(token_slots_ptr + 2 * t + 1) == 1:  # the whole token: normalize and store
+                store_normalized(out_ptr, t, offs_h, head_ok, stride_ot, stride_oh, acc, l_i, R, BLOCK_R)
+            else:
+                _store_slot(acc_ptr, ml_ptr, slot, num_slots, num_heads, offs_h, head_ok, acc, m_i, l_i, R, BLOCK_R)
+        else:
+            _store_slot(acc_ptr, ml_ptr, slot, num_slots, num_heads, offs_h, head_ok, acc, m_i, l_i, R, BLOCK_R)
+
+
+@triton.jit
+def _store_slot(  # type: ignore[no-untyped-def]
+    acc_ptr, ml_ptr, slot, num_slots, num_heads, offs_h, head_ok, acc, m_i, l_i, R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """A segment's partial output into ``slot`` (nothing for a slot outside the buffer)."""
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    keep = tl.where(slot_ok, head_ok, False)  # (the interpreter takes no "mask & scalar")
+    base = tl.where(slot_ok, slot, 0).to(tl.int64) * num_heads + offs_h.to(tl.int64)
+    store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R, BLOCK_R)
 
 
 @triton.jit
@@ -180,6 +246,7 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     work_ptr,  # int32 [mla_work_len(T, programs)]
     acc_ptr,  # fp32 [num_slots, H, R]
     ml_ptr,  # fp32 [num_slots, H, 2]: running max (log2 domain) and sum
+    out_ptr,  # [T, H, >= R]: tokens of one segment are stored here
     kv_scale_ptr,  # fp32 [1]: an fp8 latent's dequantization scale (read when DEQUANT)
     num_tokens,
     num_slots,
@@ -190,6 +257,8 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     scale_log2,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     R: tl.constexpr,
     E: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -202,13 +271,16 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     F16_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UNROLLED: tl.constexpr,  # segments run outside the loop over a program's tokens
+    DIRECT: tl.constexpr,  # the work was planned direct: tokens of one segment go to out
 ):
+    num_programs = tl.num_programs(1)
     prog = work_ptr + num_tokens + 1 + tl.program_id(1) * 5
+    token_slots = work_ptr + num_tokens + 1 + num_programs * 5
     g0 = tl.load(prog)
     g1 = tl.load(prog + 1)
     t0 = tl.minimum(tl.maximum(tl.load(prog + 2), 0), num_tokens - 1)
     t_stop = tl.where(g0 < g1, tl.minimum(tl.load(prog + 3), num_tokens - 1) + 1, t0)
-    slot = tl.load(prog + 4)
+    first_slot = tl.load(prog + 4)
     kv_scale = 1.0
     if DEQUANT:
         # fp8 latents convert exactly to the query's dtype; their scale multiplies the scores
@@ -219,16 +291,18 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     # heads (benchmarks/results/mla-decode-balanced-2026-12-04.md).
     for i in tl.static_range(UNROLLED):
         if t0 + i < t_stop:
-            slot = _segment(
-                q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, t0 + i, g0, g1, slot,
-                kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_qt, stride_qh,
-                R, E, BLOCK_R, BLOCK_E, BLOCK_H, BLOCK_N, BLOCK_SIZE, UPCAST, DEQUANT, F16_DOTS, DOT_PRECISION,
+            _segment(
+                q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, token_slots, acc_ptr, ml_ptr, out_ptr,
+                t0 + i, g0, g1, first_slot, kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width,
+                scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, R, E, BLOCK_R, BLOCK_E, BLOCK_H, BLOCK_N,
+                BLOCK_SIZE, UPCAST, DEQUANT, F16_DOTS, DOT_PRECISION, DIRECT,
             )  # fmt: skip
     for t in range(t0 + UNROLLED, t_stop):
-        slot = _segment(
-            q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, t + 0 * t0, g0, g1, slot,
-            kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_qt, stride_qh,
-            R, E, BLOCK_R, BLOCK_E, BLOCK_H, BLOCK_N, BLOCK_SIZE, UPCAST, DEQUANT, F16_DOTS, DOT_PRECISION,
+        _segment(
+            q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, token_slots, acc_ptr, ml_ptr, out_ptr,
+            t + 0 * t0, g0, g1, first_slot, kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width,
+            scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, R, E, BLOCK_R, BLOCK_E, BLOCK_H, BLOCK_N,
+            BLOCK_SIZE, UPCAST, DEQUANT, F16_DOTS, DOT_PRECISION, DIRECT,
         )  # fmt: skip (t + 0 * t0: a tensor under the interpreter too)
 
 
@@ -248,21 +322,27 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    DIRECT: tl.constexpr,  # tokens of one segment were stored by the attention kernel
 ):
-    """One (token, head): the log-sum-exp merge of its slots (a token without any: zeros)."""
+    """One (token, head): the log-sum-exp merge of its slots (a token without latents: zeros;
+    under ``DIRECT`` a token of one segment, already stored: its tail only)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     entry = work_ptr + num_tokens + 1 + 5 * num_programs + 2 * token
-    first = tl.minimum(tl.maximum(tl.load(entry), 0), num_slots)
-    stop = tl.minimum(first + tl.maximum(tl.load(entry + 1), 0), num_slots)
-    m_run = float("-inf")
-    l_run = 0.0
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(first, stop):
-        base = (s + 0 * first).to(tl.int64) * num_heads + head  # (a tensor under the interpreter too)
-        m_run, l_run, acc = fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R, BLOCK_R)
-    acc = acc / tl.where(l_run > 0, l_run, 1.0)
-    store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
+    count = tl.load(entry + 1)
+    if DIRECT and count == 1:
+        store_tail(out_ptr, token, head, stride_ot, stride_oh, tail, R, BLOCK_TAIL)
+    else:
+        first = tl.minimum(tl.maximum(tl.load(entry), 0), num_slots)
+        stop = tl.minimum(first + tl.maximum(count, 0), num_slots)
+        m_run = float("-inf")
+        l_run = 0.0
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for s in range(first, stop):
+            base = (s + 0 * first).to(tl.int64) * num_heads + head  # (a tensor under the interpreter too)
+            m_run, l_run, acc = fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R, BLOCK_R)
+        acc = acc / tl.where(l_run > 0, l_run, 1.0)
+        store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 
 
 def launch_mla_balanced(
@@ -287,15 +367,16 @@ def launch_mla_balanced(
     ``tail``: channels of ``out`` after the first R the merge zeroes."""
     tokens, heads, _ = query.shape
     rank = consts["R"]
-    slots = work.programs + tokens  # a program's segments: the tokens it touches
+    slots = mla_work_slots(work.programs, tokens, work.direct)
     acc = torch.empty(slots, heads, rank, dtype=torch.float32, device=query.device)
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
     _mla_balanced_kernel[(triton.cdiv(heads, consts["BLOCK_H"]), work.programs)](
-        query, cache, tables, rows, lens, work.data, acc, ml, kv_scale if kv_scale is not None else acc, tokens,
-        slots, tables.shape[0], heads, cache.shape[0], tables.shape[1], scale_log2, query.stride(0), query.stride(1),
-        **consts, UNROLLED=unrolled, num_warps=num_warps, num_stages=num_stages,
+        query, cache, tables, rows, lens, work.data, acc, ml, out, kv_scale if kv_scale is not None else acc,
+        tokens, slots, tables.shape[0], heads, cache.shape[0], tables.shape[1], scale_log2, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), **consts, UNROLLED=unrolled, DIRECT=work.direct,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _mla_balanced_merge_kernel[(tokens, heads)](
         acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=rank,
-        BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, num_warps=4,
+        BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, num_warps=4,
     )  # fmt: skip

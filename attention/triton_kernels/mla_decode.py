@@ -22,7 +22,9 @@ a token's latents returns at once; the others store their fp32 partial output, r
 and sum, and a second kernel merges, per token and head, only the splits its latents reach
 (log-sum-exp). With ``work=``, the same inner loop (:mod:`attention.triton_kernels.mla_tiles`)
 runs on a length-balanced schedule instead (:mod:`attention.triton_kernels.mla_balanced`):
-faster on batches of uneven lengths, what the triton backend plans.
+faster on batches of uneven lengths, what the triton backend plans. There a token that one
+program attends whole is stored by it, and only tokens split across programs take partial
+outputs (at most two per program, whatever the token count).
 
 Memory safety holds for any table: block ids outside ``[0, num_blocks)`` mask their tokens
 off (never dereferenced, and out of the softmax), table columns are clamped to the table
@@ -311,7 +313,8 @@ def mla_attention(
                   default a new fp32 [T, H, R].
     work:         the balanced schedule instead of splits (:mod:`attention.triton_kernels.
                   mla_balanced`: ``plan_mla_work`` over the same ``token_lens`` and
-                  ``block_n``, staged); then ``num_splits`` and ``split_len`` stay unset.
+                  ``block_n``, staged, with ``work.direct`` as planned); then ``num_splits``
+                  and ``split_len`` stay unset.
     unrolled:     with ``work``, a program's segments run outside its loop over tokens (0-4).
     zero_rest:    also store zeros into ``out``'s channels after the first R (the triton
                   backend's output is ``R + E`` wide; this saves it a kernel per layer).
@@ -396,7 +399,7 @@ def mla_attention(
         F16_DOTS=fp8 and f16_fp8_dots and f16_dots_for(query.dtype, cache.dtype),
         DOT_PRECISION=dot_precision_for(query.dtype),
     )  # fmt: skip
-    if out is None:  # (the merge stores every token and head: nothing to zero)
+    if out is None:  # (the kernels store every token and head: nothing to zero)
         out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=query.device)
     tail = out.shape[2] - rank if zero_rest else 0
     block_tail = next_power_of_2(tail) if tail else 0

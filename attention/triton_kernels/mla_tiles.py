@@ -17,7 +17,16 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import to_f16_operand
 
-__all__ = ["attend_latents", "fold_partial", "load_queries", "store_merged", "store_partial", "token_extent"]
+__all__ = [
+    "attend_latents",
+    "fold_partial",
+    "load_queries",
+    "store_merged",
+    "store_normalized",
+    "store_partial",
+    "store_tail",
+    "token_extent",
+]
 
 
 @triton.jit
@@ -155,7 +164,30 @@ def store_merged(  # type: ignore[no-untyped-def]
     out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     offs_r = tl.arange(0, BLOCK_R)
     tl.store(out + offs_r, acc.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+    store_tail(out_ptr, token, head, stride_ot, stride_oh, tail, R, BLOCK_TAIL)
+
+
+@triton.jit
+def store_tail(  # type: ignore[no-untyped-def]
+    out_ptr, token, head, stride_ot, stride_oh, tail, R: tl.constexpr, BLOCK_TAIL: tl.constexpr
+):  # fmt: skip
+    """Zeros into one (token, head)'s ``tail`` channels of ``out`` after the first R
+    (``BLOCK_TAIL``: a power of two >= tail, 0 for none)."""
     if BLOCK_TAIL > 0:
+        out = out_ptr + token.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         offs_t = tl.arange(0, BLOCK_TAIL)
         zeros = tl.zeros([BLOCK_TAIL], tl.float32)
         tl.store(out + R + offs_t, zeros.to(out_ptr.dtype.element_ty), mask=offs_t < tail)
+
+
+@triton.jit
+def store_normalized(  # type: ignore[no-untyped-def]
+    out_ptr, token, offs_h, head_ok, stride_ot, stride_oh, acc, l_i, R: tl.constexpr, BLOCK_R: tl.constexpr
+):  # fmt: skip
+    """A token attended whole by one program: ``acc / l_i`` ([BLOCK_H, BLOCK_R], [BLOCK_H];
+    zeros where nothing was visible) into its first R channels of heads ``offs_h`` (where
+    ``head_ok``) of ``out``, in its dtype."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rows = out_ptr + token.to(tl.int64) * stride_ot + offs_h.to(tl.int64)[:, None] * stride_oh
+    value = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(rows + offs_r[None, :], value.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_r[None, :] < R))
