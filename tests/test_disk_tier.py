@@ -53,7 +53,8 @@ def test_a_block_comes_back_bit_for_bit_from_a_file_named_by_its_digest(tmp_path
     assert waiting is not None and torch.equal(waiting, data)
     tier.flush()
     path = tier.path_of(k)
-    assert path.name == k.digest.hex() + ".kv" and path.parent.name == layout_name(SHAPE, torch.float32)
+    assert path.name == k.digest.hex() + ".kv" and path.parent == tier.folder
+    assert tier.folder.parent.name == layout_name(SHAPE, torch.float32) and tier.folder.name.startswith("run-")
     assert path.stat().st_size == tier.file_bytes
     back = tier.read(k)
     assert back is not None and torch.equal(back, data)
@@ -119,15 +120,58 @@ def test_the_tier_is_bounded_and_deletes_the_least_recently_used_file(tmp_path: 
 
 
 def test_an_earlier_runs_files_are_deleted_and_other_layouts_left_alone(tmp_path: Path) -> None:
+    """A tier whose process is gone (here: its lock released without a clean close) leaves
+    files that the next tier on the directory deletes, with the block files an older version
+    wrote straight into the layout folder; other folders and files are left alone."""
     first = disk(tmp_path)
     first.store(key(9, 9, 9, 9), block(9))
     first.flush()
     assert first.path_of(key(9, 9, 9, 9)).exists()
+    assert first._claim is not None
+    first._claim.close()  # its process exits: the lock goes, the files stay
+    legacy = first.layout_folder / (key(8, 8, 8, 8).digest.hex() + ".kv")
+    legacy.write_bytes(b"an older layout's file")
     other = tmp_path / "someone-elses.kv"
     other.write_bytes(b"not ours")
     second = disk(tmp_path)
+    assert not first.folder.exists() and not legacy.exists()
     assert not second.holds(key(9, 9, 9, 9)) and list(second.folder.glob("*.kv")) == []
     assert other.exists()  # outside the layout folder: untouched
+
+
+def test_live_tiers_sharing_a_directory_keep_to_their_own_files(tmp_path: Path) -> None:
+    """Two engines (say, two models of one layout) on one disk directory: the same digest (the
+    same prompt) holds each one's own K/V, a new tier deletes neither's files, and one's
+    bound never deletes the other's."""
+    a, b = disk(tmp_path, files=2), disk(tmp_path, files=2)
+    shared = key(1, 2, 3, 4)
+    a.store(shared, block(1))
+    b.store(shared, block(2))
+    a.flush()
+    b.flush()
+    assert a.folder != b.folder and a.path_of(shared) != b.path_of(shared)
+    c = disk(tmp_path, files=2)  # a third one starting: the live tiers' folders stay
+    back_a, back_b = a.read(shared), b.read(shared)
+    assert back_a is not None and torch.equal(back_a, block(1))
+    assert back_b is not None and torch.equal(back_b, block(2))
+    for i in range(3):  # b's bound drops its own least recently used file only
+        b.store(key(i, i, i, 0), block(10 + i))
+    b.flush()
+    assert a.read(shared) is not None and a.stats().corrupt_blocks == 0
+    assert not c.holds(shared)
+    for tier in (a, b, c):
+        tier.close()
+    assert list((tmp_path / layout_name(SHAPE, torch.float32)).iterdir()) == []
+
+
+def test_close_deletes_the_tiers_files_and_folder(tmp_path: Path) -> None:
+    tier = disk(tmp_path)
+    tier.store(key(5, 5, 5, 5), block(5))
+    tier.close()  # waits for the queued write first
+    assert not tier.folder.exists() and tier.read(key(5, 5, 5, 5)) is None and tier.stats().files == 0
+    tier.close()  # a second call does nothing
+    again = disk(tmp_path)
+    assert again.folder.exists() and again.folder != tier.folder
 
 
 def test_construction_is_checked(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """The disk tier of the prefix cache: blocks the host tier evicts are kept as files.
 
 One file per block, named by the block's stable digest (:mod:`kvcache.blocks.digest`), under
-``directory/<layout>/``, where ``<layout>`` names the cache layout (layers, block size, KV
-heads, head dim, dtype): a file is only ever read back into a cache of the same layout. A file
-holds a header and the block's K/V (every layer's K and V, the host pool's block layout)::
+``directory/<layout>/run-<pid>-<random>/``, where ``<layout>`` names the cache layout (layers,
+block size, KV heads, head dim, dtype): a file is only ever read back into a cache of the same
+layout, by the tier that wrote it. A file holds a header and the block's K/V (every layer's K
+and V, the host pool's block layout)::
 
     magic (8 bytes) | digest (16) | payload bytes (8, little-endian) | CRC-32 of the payload (4) | payload
 
@@ -19,9 +20,15 @@ The tier is bounded by ``max_bytes``: the least recently used files are deleted 
 Files are written by a background thread: storing a block copies its bytes into a queue of at
 most ``max_pending_bytes`` (a block that does not fit is not stored, and counted), so the
 serving loop never waits for the disk; a block still in the queue is read back from memory.
-Reads happen in admission, synchronously. Files left by an earlier process under the same
-layout are deleted at start: the digest covers the tokens and the salt, not the model's
-weights, so a file from another run could hold another model's K/V.
+Reads happen in admission, synchronously.
+
+A digest covers the tokens and the salt, not the model's weights, so another process's file
+could hold another model's K/V under the very digest a prompt looks up. Each tier therefore
+writes into a folder of its own, which it claims with an exclusive lock (``fcntl.flock`` on
+its ``.lock``) for as long as it lives: two engines sharing a directory never read, overwrite
+or delete each other's files. At start a tier deletes what dead tiers left: folders whose lock
+it can take (their process is gone), and block files directly under the layout folder (this
+module's layout before the folders). :meth:`DiskPrefixTier.close` deletes the tier's own.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import contextlib
 import ctypes
 import os
 import queue
+import secrets
+import shutil
 import struct
 import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -44,6 +54,11 @@ from attention.errors import InvalidArgumentError
 from kvcache.blocks.events import KVEventStream
 from kvcache.blocks.prefix_cache import BlockKey
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: folders are still per tier, but dead ones are not found
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["HEADER_BYTES", "DiskPrefixTier", "DiskTierStats", "layout_name"]
 
 _MAGIC = b"PKVBLK02"
@@ -51,6 +66,9 @@ _HEADER = struct.Struct("<8s16sQI")
 #: Bytes before a file's payload.
 HEADER_BYTES = _HEADER.size
 _SUFFIX = ".kv"
+#: A tier's folder: ``run-<pid>-<random>``, holding ``.lock`` while the tier lives.
+_RUN_PREFIX = "run-"
+_LOCK_NAME = ".lock"
 
 
 @dataclass(frozen=True)
@@ -124,11 +142,14 @@ class DiskPrefixTier:
                 f"disk_cache_space: {self.max_bytes} bytes holds no block file of {self.file_bytes} bytes; "
                 f"give at least that (or 0 for no disk tier)"
             )
-        self.folder = Path(directory) / layout_name(self.block_shape, dtype)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob(f"*{_SUFFIX}"):  # another run's files: not ours to trust
-            with contextlib.suppress(OSError):
-                stale.unlink()
+        #: The layout's folder, shared with other tiers of this layout under ``directory``.
+        self.layout_folder = Path(directory) / layout_name(self.block_shape, dtype)
+        self.layout_folder.mkdir(parents=True, exist_ok=True)
+        _remove_dead_tiers(self.layout_folder)
+        #: This tier's own folder (its files), and the open lock file that claims it.
+        self.folder: Path
+        self._claim: IO[bytes] | None
+        self.folder, self._claim = _claim_folder(self.layout_folder)
         self.events = events
         #: digest -> key, least recently used first.
         self._index: OrderedDict[bytes, BlockKey] = OrderedDict()
@@ -245,6 +266,19 @@ class DiskPrefixTier:
         for digest in list(self._index):
             self._drop(digest, dropped=False)
 
+    def close(self) -> None:
+        """A clean shutdown: wait for queued writes, delete this tier's files and folder, and
+        release the folder's lock. The tier holds nothing afterwards (every lookup misses); a
+        second call does nothing. Without it, a later tier on the directory deletes the files
+        once this process is gone."""
+        if self._claim is None:
+            return
+        self.flush()
+        self.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self._claim.close()  # (closing the file releases its lock)
+        self._claim = None
+
     def integrity_problems(self) -> list[str]:
         found = []
         for digest, key in self._index.items():
@@ -311,6 +345,44 @@ class DiskPrefixTier:
         self.dropped_blocks += dropped
         if self.events is not None:
             self.events.removed(self.name, key)
+
+
+def _claim_folder(layout_folder: Path) -> tuple[Path, IO[bytes] | None]:
+    """A new folder of this process under ``layout_folder`` and its open, locked ``.lock``.
+    The folder is made and locked under a temporary name, then renamed, so no other tier ever
+    sees it unlocked. Raises OSError."""
+    name = f"{_RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    making = layout_folder / f".{name}.new"
+    making.mkdir()
+    claim = open(making / _LOCK_NAME, "a+b")  # noqa: SIM115 (held open: it is the claim)
+    try:
+        if fcntl is not None:
+            fcntl.flock(claim.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        folder = layout_folder / name
+        os.replace(making, folder)
+    except OSError:
+        claim.close()
+        shutil.rmtree(making, ignore_errors=True)
+        raise
+    return folder, claim
+
+
+def _remove_dead_tiers(layout_folder: Path) -> None:
+    """Delete what tiers that are gone left under ``layout_folder``: block files directly in it
+    (the layout before per-tier folders) and every ``run-*`` folder whose lock can be taken
+    (never a live tier's: it holds its lock). Errors are ignored: another process may be
+    deleting the same folder."""
+    for entry in layout_folder.iterdir():
+        if entry.is_file() and entry.suffix in (_SUFFIX, ".tmp"):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        elif entry.is_dir() and entry.name.startswith(_RUN_PREFIX) and fcntl is not None:
+            try:
+                with open(entry / _LOCK_NAME, "a+b") as lock:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    shutil.rmtree(entry, ignore_errors=True)
+            except OSError:  # held: a live tier's folder (or gone meanwhile)
+                continue
 
 
 def _write_file(path: Path, digest: bytes, payload: bytes) -> None:
