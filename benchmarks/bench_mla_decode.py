@@ -6,10 +6,10 @@ a float32 softmax), same run.
 Shapes: DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576 bf16 values per token), 128
 heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at shuffled ids;
 batches 64 x 4096, 512 x 512 (many short rows) and 128 rows of LogNormal(median 2048, sigma
-0.8) lengths. Times are
-medians of CUDA-graph replays (``KernelTimer.graph_ms``: L2 flushed before each run, so the
-latents come from HBM), the merge included, called as the triton backend calls it (into the
-bf16 attention output, the rotary channels zeroed by the merge). Bandwidth: the latent bytes
+0.8) lengths (``--batches`` picks some). Times are medians of CUDA-graph replays
+(``KernelTimer.graph_ms``: L2 flushed before each run, so the latents come from HBM), the
+merge included, called as the triton backend calls it (into the bf16 attention output, the
+rotary channels zeroed by the merge). Bandwidth: the latent bytes
 the step must read (every row's tokens once) over the time, against the device copy bandwidth
 of this run.
 Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per

@@ -1,7 +1,8 @@
 """What the MLA decode kernels share (the split and the balanced schedules,
 :mod:`attention.triton_kernels.mla_decode` and :mod:`attention.triton_kernels.mla_balanced`):
 the inner loop, one tile of query heads against a run of a token's latents with an online
-softmax, and the merge's steps (fold a partial output in, store the result).
+softmax; the stores of its result (a partial output, or a whole token's normalized output);
+and the merge's steps (fold a partial output in, store the result).
 
 A latent is ``D = R + E`` values (``R`` = kv_lora_rank, the compressed K/V; ``E`` =
 qk_rope_head_dim); the cache is ``[num_blocks, BLOCK_SIZE, 1, D]``. Latent ``n`` of a row
