@@ -11,7 +11,12 @@ batches 64 x 4096, 512 x 512 (many short rows) and 128 rows of LogNormal(median 
 merge included, called as the triton backend calls it (into the bf16 attention output, the
 rotary channels zeroed by the merge). Bandwidth: the latent bytes
 the step must read (every row's tokens once) over the time, against the device copy bandwidth
-of this run.
+of this run. The plans' rows are also timed as ``bench_decode.py`` times GQA decode
+(``layers_ms``, "cycled" in the table): one CUDA graph of one call per layer over ``layers``
+distinct latent caches (>= 400 MB read per replay, so every call reads HBM), divided by the
+layers. The single call pays for the write-back of do_bench's flush, a zero-filled 256 MB
+buffer that leaves L2 dirty (about 9 us at 16 heads: results/mla-decode-balanced-2026-12-04.md);
+a call among layers finds L2 holding the previous layer's reads.
 Launches (heads per program, latents per tile, warps, stages) and split lengths are swept per
 shape on the split schedule; the table shows the fastest of them ("best"), the split
 schedule's own plan ("split": ``mla_split_count``, ``mla_split_len``) and what the triton
@@ -65,6 +70,8 @@ LAUNCHES = {
     128: [MLALaunch(64, 64, 8, 2), MLALaunch(64, 64, 8, 3), MLALaunch(64, 128, 8, 2), MLALaunch(64, 32, 8, 2)],
 }  # fmt: skip
 SPLIT_LENS = {16: [512, 1024, 2048], 128: [1024, 4096]}
+#: Latent bytes one cycled replay reads over its layers (as bench_decode.HBM_BYTES_PER_GRAPH).
+HBM_BYTES_PER_GRAPH = 400 << 20
 
 
 #: The batches: uniform rows, short rows (many tokens, each a few tiles), LogNormal lengths.
@@ -105,7 +112,11 @@ def measure_batch(
         dense[i, :n] = cache[blocks].reshape(-1, RANK + ROPE)[:n]
     mask = (torch.arange(longest, device="cuda")[None, :] < seq_lens[:, None])[:, None, :]
     latent_bytes = sum(lens) * (RANK + ROPE) * 2
-    cache8 = cache.to(torch.float8_e4m3fn) if fp8 else None
+    # The cycled timing's layers: distinct copies of the cache (the same values, other memory).
+    layers = max(2, math.ceil(HBM_BYTES_PER_GRAPH / latent_bytes))
+    caches = [cache] + [cache.clone() for _ in range(layers - 1)]
+    caches8 = [c.to(torch.float8_e4m3fn) for c in caches] if fp8 else []
+    cache8 = caches8[0] if fp8 else None
     dense8 = dense.to(torch.float8_e4m3fn).to(torch.bfloat16) if fp8 else None
     unit = torch.ones(1, dtype=torch.float32, device="cuda")
     rows: list[dict[str, Any]] = []
@@ -153,9 +164,9 @@ def measure_batch(
                 {"work": works[direct]} if planned else {"num_splits": splits, "split_len": chunk}
             )
             extra: dict[str, Any] = {}
-            source, expect, nbytes = cache, want, latent_bytes
+            source, expect, nbytes, sources = cache, want, latent_bytes, caches
             if latent and cache8 is not None and want8 is not None:
-                source, expect, nbytes = cache8, want8, latent_bytes // 2
+                source, expect, nbytes, sources = cache8, want8, latent_bytes // 2, caches8
                 extra = {"kv_scale": unit, "f16_fp8_dots": latent == "fp8"}
 
             def run(
@@ -166,6 +177,10 @@ def measure_batch(
                 return mla_attention(query, src, tables, row_ids, seq_lens, kv_lora_rank=RANK,  # noqa: B023
                                      scale=SCALE, out=out, zero_rest=True, **sched, **args)  # noqa: B023  # fmt: skip
 
+            def every_layer(run: Any = run, srcs: list[torch.Tensor] = sources) -> None:
+                for c in srcs:
+                    run(src=c)
+
             try:
                 got = run()
                 err = float((got.float() - expect).abs().max() / expect.abs().max())
@@ -174,6 +189,10 @@ def measure_batch(
                 flops = sum(lens) * heads * 2 * (2 * RANK + ROPE)
                 row.update(ms=ms, torch_ms=torch_ms, vs_torch=torch_ms / ms, rel_err=err, tbps=tbps,
                            of_copy=tbps / copy_tbps, tflops=flops / (ms * 1e-3) / 1e12)  # fmt: skip
+                if planned or split_plan:  # the plans: also among layers, as bench_decode times
+                    layers_ms = timer.graph_ms(every_layer) / len(sources)
+                    row.update(layers=len(sources), layers_ms=layers_ms,
+                               layers_of_copy=nbytes / (layers_ms * 1e-3) / 1e12 / copy_tbps)  # fmt: skip
             except Exception as e:  # a launch that does not fit (registers, shared memory)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
@@ -214,7 +233,7 @@ def main() -> None:
         for row in measure_batch(kind, timer, copy_tbps, sms, plan_only=args.plan_only, fp8=args.fp8)
     ]
     print(f"\n{'batch':14} {'heads':>5} {'':>7} {'launch':>16} {'splits':>6} {'per split':>9} {'ms':>7} {'TB/s':>5} "
-          f"{'of copy':>7} {'TFLOP/s':>7} {'vs torch':>8} {'rel err':>8}")  # fmt: skip
+          f"{'of copy':>7} {'TFLOP/s':>7} {'vs torch':>8} {'rel err':>8} {'cycled':>7} {'of copy':>7}")  # fmt: skip
     for kind in batches:
         for heads in (128, 16):
             done = [r for r in rows_out if r["batch"] == kind and r["heads"] == heads and "ms" in r]
@@ -225,9 +244,13 @@ def main() -> None:
             picks += [(_plan_label(r), r) for r in done if r["plan"]]
             for label, r in picks:
                 launch = f"h{r['block_h']} n{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+                cycled = f"{'-':>7} {'-':>7}"
+                if "layers_ms" in r:
+                    cycled = f"{r['layers_ms']:7.3f} {r['layers_of_copy']:7.0%}"
                 print(
                     f"{kind:14} {heads:5d} {label:>7} {launch:>16} {r['splits']:6d} {r['split_len']:9d} {r['ms']:7.3f} "
-                    f"{r['tbps']:5.2f} {r['of_copy']:7.0%} {r['tflops']:7.0f} {r['vs_torch']:7.2f}x {r['rel_err']:8.1e}"
+                    f"{r['tbps']:5.2f} {r['of_copy']:7.0%} {r['tflops']:7.0f} {r['vs_torch']:7.2f}x "
+                    f"{r['rel_err']:8.1e} {cycled}"
                 )
     doc = {"benchmark": "bench_mla_decode", "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps_read_plus_write": copy_tbps,
