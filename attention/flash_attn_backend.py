@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from itertools import accumulate
 
@@ -48,15 +48,23 @@ class FlashAttnPlan(StepPlan):
     pure decode step, which goes through flash_attn_with_kvcache).
     cache_seqlens: int32 [padded_batch] lengths the decode call reads: the real rows',
     then 1 for each padding row (flash-attn's paged decode misbehaves on empty rows).
-    block_table: the metadata's block tables (padding rows name block 0 in column 0)."""
+    block_table: the metadata's block tables (padding rows name block 0 in column 0).
+
+    Both length arrays are staged from the host's lengths and then, at the step's first
+    attend, recomputed on the device from ``metadata.seq_lens`` (``device_lengths``), which
+    the device check has repaired by then: flash-attn reads every table entry below a row's
+    length, and the check validates the entries below the device length, so the two must
+    agree even when the device lengths were corrupted."""
 
     cu_seqlens_k: torch.Tensor | None
     cache_seqlens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
+    #: Non-empty once this plan's lengths were taken from the device (its first attend).
+    device_lengths: list[bool] = field(default_factory=list, compare=False, repr=False)
 
     def for_group(self, metadata: AttentionMetadata) -> StepPlan:
         table = None if self.block_table is None else metadata.block_tables
-        return replace(self, metadata=metadata, groups=(), block_table=table)
+        return replace(self, metadata=metadata, groups=(), block_table=table, device_lengths=[])
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -105,6 +113,7 @@ class FlashAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(plan, FlashAttnPlan), "checked by AttentionBackend._check_step"
         meta = plan.metadata
+        _lengths_from_device(plan)
         window = self.spec.window_of(layer.index)
         # flash-attn's window counts keys left of the query; ours counts the query too.
         window_size = (-1, -1) if window is None else (window - 1, 0)
@@ -146,6 +155,21 @@ class FlashAttnBackend(AttentionBackend):
             out = torch.empty_like(query)
         out[:rows] = result
         return out
+
+
+def _lengths_from_device(plan: FlashAttnPlan) -> None:
+    """At the plan's first attend (captured with it in a CUDA graph): the K lengths flash-attn
+    reads, from the metadata's device lengths (as the device check left them): a padding or
+    repaired row of length 0 reads 1, whose column 0 the check validates."""
+    if plan.device_lengths:
+        return
+    meta = plan.metadata
+    if plan.cu_seqlens_k is None:
+        assert plan.cache_seqlens is not None, "set by _plan with cu_seqlens_k None"
+        torch.clamp(meta.seq_lens, min=1, out=plan.cache_seqlens)
+    else:
+        torch.cumsum(meta.seq_lens[: meta.batch], 0, dtype=torch.int32, out=plan.cu_seqlens_k[1:])
+    plan.device_lengths.append(True)
 
 
 @cache

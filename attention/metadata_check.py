@@ -9,8 +9,10 @@ would make a kernel (ours, or a library's such as flash-attn) touch memory it mu
 - block tables: every entry a row reads (positions below ``seq_len``, or within the sliding
   window when every layer is windowed) is a block in ``[0, num_blocks)``, and column 0 of
   every row. A row whose length is repaired to 0 still has its table checked over the length
-  as given (the whole width when that length is out of range): a backend that plans from the
-  host's lengths, as flash-attn's does, reads those entries whatever the device length says;
+  as given (the whole width when that length is out of range), for a backend that plans from
+  the host's lengths. Entries past a valid device length are not looked at, so a length cut
+  short hides them: a backend must read the table through the device lengths as the check
+  leaves them (flash-attn's recomputes its lengths from them at a step's first attend);
 - slots: each new token's slot is ``-1`` or exactly the slot of its position through the
   row's block table (so a write can only land in the row's own block); padding rows, tokens
   after the last row, and every token of a step whose query starts needed repair get -1;

@@ -23,7 +23,7 @@ __all__ = ["CODES", "FAR", "WINDOW", "Step", "corrupt", "hostile_case", "steps"]
 #: Violation codes (VIOLATIONS) each corruption may be reported as. Query starts shift the
 #: rows' tokens, so the rows' lengths, slots and positions may be reported first (the check's
 #: programs run in any order on a GPU).
-CODES = {"table": {4}, "slot": {5}, "seq_len": {1}, "query_start": {2, 3, 5, 6}, "position": {6}}
+CODES = {"table": {4}, "slot": {5}, "seq_len": {1}, "query_start": {2, 3, 5, 6}, "position": {6}, "shorter": {5, 6}}
 assert all(c in VIOLATIONS for codes in CODES.values() for c in codes), "a code the check does not have"
 #: A length far outside any tensor.
 FAR = 10**9
@@ -83,6 +83,23 @@ def corrupt(data: st.DataObject, case: PagedCase, window: int | None) -> tuple[s
     codes: set[int] = set()
     planted: list[str] = []
     for kind in data.draw(st.lists(st.sampled_from(sorted(CODES)), min_size=1, max_size=3), label="corruptions"):
+        if kind == "shorter":
+            # A row's length cut to a valid shorter one (so its positions and slots no longer
+            # match it), and a bad block id in a column the true length reads but the cut one
+            # does not: the check looks below the device length only, so whoever reads the
+            # table must read through the device lengths too.
+            cuttable = [r for r in range(meta.batch) if -(-seq_lens[r] // bs) - 1 >= -(-q_lens[r] // bs)]
+            if not cuttable:
+                kind = "position"
+            else:
+                row = data.draw(st.sampled_from(cuttable), label="shorter row")
+                s, q = seq_lens[row], q_lens[row]
+                cut = data.draw(st.integers(q, (-(-s // bs) - 1) * bs), label="shorter length")
+                col = data.draw(st.integers(-(-cut // bs), -(-s // bs) - 1), label="column past it")
+                bad = data.draw(st.sampled_from([-5, num_blocks, 2**31 - 1]), label="block id past it")
+                meta.seq_lens[row] = cut
+                meta.block_tables[row, col] = bad
+                planted += [f"seq_lens[{row}] = {cut}", f"block_tables[{row}, {col}] = {bad}"]
         if kind == "table":
             # An entry the row reads (the check looks at the window only, when there is one).
             row = data.draw(st.integers(0, meta.batch - 1), label="table row")
@@ -114,7 +131,7 @@ def corrupt(data: st.DataObject, case: PagedCase, window: int | None) -> tuple[s
             bad = data.draw(st.sampled_from([tokens + 1, tokens + FAR, -3, -FAR, decreasing]), label="start")
             meta.query_start_loc[i] = bad
             planted.append(f"query_start_loc[{i}] = {bad}")
-        else:
+        elif kind == "position":
             _, token = data.draw(st.sampled_from(real_tokens), label="position token")
             # Shifts of one sign, so two of them on one token never cancel.
             shift = data.draw(st.sampled_from([1, 1000]), label="position shift")

@@ -161,6 +161,21 @@ def _unsafe_host_columns(case: PagedCase, window: int | None) -> list[tuple[int,
     return [(r, c, tables[r][c]) for r, c in read if not 0 <= tables[r][c] < num_blocks]
 
 
+def _unsafe_device_columns(case: PagedCase, window: int | None) -> list[tuple[int, int, int]]:
+    """(row, column, entry) of every block-table entry outside [0, num_blocks) that a backend
+    reading the table through the device lengths reads once the check has run: columns below
+    each row's length (at least 1: flash-attn's padding and emptied rows read column 0), from
+    its window's first when there is one, as the check left lengths and query starts."""
+    meta, bs, num_blocks = case.meta, case.meta.block_size, case.layer.num_blocks
+    tables, lens, starts = meta.block_tables.tolist(), meta.seq_lens.tolist(), meta.query_start_loc.tolist()
+    read: list[tuple[int, int]] = []
+    for row, s in enumerate(lens):
+        q = starts[row + 1] - starts[row]
+        first = 0 if window is None or s == 0 else max(0, s - q - window + 1) // bs
+        read += [(row, col) for col in range(first, max(-(-s // bs), 1))]
+    return [(r, c, tables[r][c]) for r, c in read if not 0 <= tables[r][c] < num_blocks]
+
+
 @settings(
     max_examples=25,
     deadline=None,
@@ -168,20 +183,36 @@ def _unsafe_host_columns(case: PagedCase, window: int | None) -> list[tuple[int,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 @given(step=steps(), data=st.data(), use_triton=st.booleans())
-def test_every_entry_a_host_planned_backend_reads_is_repaired(
+def test_every_entry_read_through_the_checked_lengths_is_repaired(
     step: Step, data: st.DataObject, use_triton: bool
 ) -> None:
-    """A row whose device length the check sets to 0 (its length, starts or query length were
-    bad) is still read by flash-attn over its host length: its table entries must be repaired
-    all the same. (Found on the H200 by the backend fuzz: a broken start zeroed a row's length
-    before its corrupt block id was looked at, and flash-attn read block 2**31 - 1.)"""
+    """Whatever was corrupted, a backend that reads the table through the device lengths as
+    the check leaves them (our kernels, and flash-attn, whose lengths come from there at its
+    first attend) finds only blocks in range. A length cut short hides the table past it from
+    the check: that is why flash-attn no longer takes its lengths from the host."""
     case, check = _case(_device(), step, use_triton)
     _, planted = corrupt(data, case, step.window)
     check.run(case.meta, case.layer.num_blocks, step.window)
     with pytest.raises(MetadataError):
         _reported(check)
-    unsafe = _unsafe_host_columns(case, step.window)
-    assert not unsafe, f"after {planted}: (row, column, block) {unsafe} left for a backend that trusts its plan"
+    unsafe = _unsafe_device_columns(case, step.window)
+    assert not unsafe, f"after {planted}: (row, column, block) {unsafe} left for a backend reading them"
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_length_cut_short_leaves_the_table_past_it_to_the_readers(
+    use_triton: bool, window: int | None, triton_device: str
+) -> None:
+    """Row 0 (54 tokens, 2 blocks) gets length 20 and a bad id in column 1: the check reports
+    the row (its positions no longer match) and leaves column 1 alone, which the readers of the
+    device length never reach."""
+    case, check = _case(triton_device, Step([(53, 1), (42, 1)], window=window), use_triton)
+    case.meta.seq_lens[0] = 20
+    case.meta.block_tables[0, 1] = 2**31 - 1
+    check.run(case.meta, case.layer.num_blocks, window)
+    with pytest.raises(MetadataError, match=re.escape(VIOLATIONS[6]) + "|" + re.escape(VIOLATIONS[5])):
+        _reported(check)
+    assert int(case.meta.block_tables[0, 1]) == 2**31 - 1 and _unsafe_device_columns(case, window) == []
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])

@@ -87,8 +87,8 @@ def _check_kernel(  # type: ignore[no-untyped-def]
     s = tl.load(seq_lens_ptr + i)
     bad_len = (s < 0) | (s > WIDTH * BLOCK_SIZE)
     # The table columns to check: a row's length repaired to 0 below stops none of its reads
-    # by a backend that plans from the host's lengths (flash-attn), so they cover the length
-    # as given (the whole width when that is out of range) and column 0 (a padding row's).
+    # by a backend that plans from the host's lengths, so they cover the length as given (the
+    # whole width when that is out of range) and column 0 (a padding row's).
     table_len = tl.where(bad_len, WIDTH * BLOCK_SIZE, s)
     if bad_len:
         _note(flag_ptr, 1, i, i, s)
