@@ -214,10 +214,7 @@ def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     always; a token that sees nothing gives zeros)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(rows_ptr + token)
-    row_ok = (row >= 0) & (row < num_rows)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + token), 0), table_width * BLOCK_SIZE)
-    seq_len = tl.where(row_ok, seq_len, 0)
+    _, seq_len = token_extent(rows_ptr, lens_ptr, token, num_rows, table_width, BLOCK_SIZE)
     chunk = tl.cdiv(tl.maximum(tl.load(chunk_ptr), 1), BLOCK_N) * BLOCK_N  # as the attention kernel rounds it
     used = tl.minimum(tl.maximum((seq_len + chunk - 1) // chunk, 1), splits)
     m_run = float("-inf")

@@ -347,7 +347,7 @@ class DiskPrefixTier:
             self.events.removed(self.name, key)
 
 
-def _claim_folder(layout_folder: Path) -> tuple[Path, IO[bytes] | None]:
+def _claim_folder(layout_folder: Path) -> tuple[Path, IO[bytes]]:
     """A new folder of this process under ``layout_folder`` and its open, locked ``.lock``.
     The folder is made and locked under a temporary name, then renamed, so no other tier ever
     sees it unlocked. Raises OSError."""
