@@ -70,6 +70,7 @@ from attention.triton_kernels.mla_balanced import (
 from attention.triton_kernels.mla_decode import MLALaunch, causal_queries, default_mla_launch, mla_attention
 from attention.triton_kernels.mla_prefill import default_mla_prefill_config, mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
+from attention.triton_kernels.prefill_hopper import hopper_prefill, hopper_prefill_applies
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -180,6 +181,9 @@ class TritonBackend(AttentionBackend):
       num_sms:          plan as if the GPU had this many SMs;
       max_decode_query_len: rows of up to this many new tokens (1 .. 8, a power of two) go to
                         the decode kernel; 1 sends every multi-token row to the prefill kernel.
+      hopper_prefill:   on an sm_90 GPU, eager prefill steps the warp-specialized Gluon kernel
+                        covers (:func:`~attention.triton_kernels.prefill_hopper.hopper_prefill_applies`)
+                        run on it (default); False: always the Triton prefill kernel.
     """
 
     name = "triton"
@@ -194,6 +198,7 @@ class TritonBackend(AttentionBackend):
         decode_chunk_len: int | None = None,
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
+        hopper_prefill: bool = True,
     ):
         super().__init__(spec)
         if decode_chunk_len is not None and decode_chunk_len < 1:
@@ -215,6 +220,7 @@ class TritonBackend(AttentionBackend):
         self.decode_policy = decode_policy or DecodePolicy()
         self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
+        self.hopper_prefill = hopper_prefill
 
     @property
     def info(self) -> BackendInfo:
@@ -539,7 +545,19 @@ class TritonBackend(AttentionBackend):
                 window=window,
                 tree_masks=meta.tree_masks,
             )
-        if plan.prefill is not None:
+        if plan.prefill is not None and self._hopper_prefill_applies(query, layer, target, plan.prefill, window, sinks):
+            hopper_prefill(
+                query,
+                layer.key,
+                layer.value,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                plan.prefill.tile_index,
+                softmax_scale=scale,
+                out=target,
+            )
+        elif plan.prefill is not None:
             p = plan.prefill
             paged_prefill(
                 query,
@@ -563,6 +581,32 @@ class TritonBackend(AttentionBackend):
         if target is not result:
             result.copy_(target)
         return result
+
+    def _hopper_prefill_applies(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        out: torch.Tensor,
+        launch: PrefillLaunch,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> bool:
+        """Whether this layer's prefill rows run on the Hopper kernel: enabled, no tuning
+        override, an eager launch (a fixed CUDA-graph grid stays on the Triton kernel), and
+        what :func:`hopper_prefill_applies` asks of the tensors."""
+        if not self.hopper_prefill or self.prefill_config is not None or launch.programs is not None:
+            return False
+        return hopper_prefill_applies(
+            query,
+            layer.key,
+            layer.value,
+            out,
+            block_m=launch.config.block_m,
+            window=window,
+            quantized=layer.k_scale is not None or self.spec.quantized_cache,
+            softcap=self.spec.logit_softcap,
+            sinks=sinks,
+        )
 
     # ---- warm-up -----------------------------------------------------------------------
 

@@ -1,0 +1,379 @@
+"""Prefill / extend on Hopper (sm_90): a warp-specialized Gluon kernel.
+
+The same computation as :mod:`.prefill` (causal varlen attention of every new token over
+the paged K/V, one program per (query tile, query head) of :func:`.prefill.prefill_tile_index`
+with ``block_m`` 128), for the common case only: a 16-bit cache in the query's dtype, no
+sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 128 tokens, an
+eager (not fixed-grid) launch. The triton backend sends such steps here
+(:func:`hopper_prefill_applies`) and everything else to :func:`.prefill.paged_prefill`.
+
+Why a second kernel: the Triton kernel tops out at 0.66-0.81x of torch SDPA (cuDNN) on dense
+K/V on the H200; Triton 3.6 gives no control over warp roles or MMA issue order
+(``benchmarks/results/prefill-ceiling-2026-12-04.md``). Gluon (Triton's lower-level
+language, ``triton.experimental.gluon``) does, and this kernel is laid out as FlashAttention-3
+is (Shah et al., 2024, section 3):
+
+- a producer warpgroup loads each 128-key K and V tile with TMA into a 3-stage ring of
+  shared-memory buffers (``ready`` / ``empty`` mbarriers per stage). A tile lies inside one
+  cache block, so its rows are one 2-D box of the cache viewed as
+  ``[num_blocks * block_size, kv_heads * head_dim]``;
+- two consumer warpgroups each own 64 of the tile's 128 query rows. Each issues S = Q K^T of
+  key tile j and P V of tile j - 1 as asynchronous warpgroup MMAs, then computes the softmax of
+  tile j while P V runs;
+- the two consumers take turns issuing their MMAs (named barriers 8 and 9, "ping-pong"), so
+  one's softmax overlaps the other's MMAs.
+
+Safety, as in :mod:`.prefill`: lengths are clamped to the block table, block ids outside
+[0, num_blocks) read block 0, TMA zero-fills query rows outside the step, only the tile's own
+rows are stored, and the V rows of a last key tile past the row's length (stale bits, possibly
+NaN) are zeroed in shared memory before P V reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from attention.triton_kernels.paging import kernels_interpreted
+
+try:  # Gluon: Triton >= 3.6 with the NVIDIA backend
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - older Triton
+    _GLUON = False
+
+__all__ = [
+    "HOPPER_PREFILL_BLOCK_M",
+    "gluon_available",
+    "hopper_prefill",
+    "hopper_prefill_applies",
+]
+
+#: Query rows per program (two consumer warpgroups of 64); the tile index must use it.
+HOPPER_PREFILL_BLOCK_M = 128
+_BLOCK_N = 128  # keys per tile
+_STAGES = 3  # K/V tiles in flight: 3 x 64 KiB + the Q tiles fill the 227 KiB of shared memory
+_HEAD_DIMS = (64, 128)
+_LOG2E = 1.4426950408889634
+
+
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper warp specialization (and kernels are compiled,
+    not interpreted: the interpreter does not run Gluon)."""
+    return _GLUON and not kernels_interpreted()
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def hopper_prefill_applies(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_m: int,
+    window: int | None,
+    quantized: bool,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`hopper_prefill` serves this layer call: an sm_90 GPU with Gluon, a tile
+    index of ``block_m`` 128, no window / cap / sinks / 8-bit cache, a contiguous cache in the
+    query's 16-bit dtype with blocks of a multiple of 128 tokens, head_dim 64 or 128, and a
+    query / out whose rows TMA and the stores can address (unit stride along head_dim, heads
+    packed, 16-byte aligned rows)."""
+    if not (gluon_available() and query.is_cuda and _is_sm90(query.device.index or 0)):
+        return False
+    if block_m != HOPPER_PREFILL_BLOCK_M or window is not None or quantized or softcap is not None:
+        return False
+    if sinks is not None or query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    head_dim = query.shape[2]
+    if head_dim not in _HEAD_DIMS or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        return False
+    if k_cache.shape[1] % _BLOCK_N or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    row_bytes = query.stride(0) * query.element_size()
+    if query.stride(2) != 1 or query.stride(1) != head_dim or row_bytes % 16 or query.data_ptr() % 16:
+        return False
+    return out.stride(-1) == 1
+
+
+if _GLUON:
+    # Triton 3.6 names the TMA load async_copy_global_to_shared and the partition barrier
+    # thread_barrier; later versions async_load and barrier.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    # Named barriers 8 and 9 order the consumers' MMA issue: warpgroup 0 (threads 0-127)
+    # waits on 8 and releases 9; warpgroup 1 the other way round. Triton's own partition
+    # barriers use the low ids.
+    _WAIT_TURN = gl.constexpr(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 128;"
+        " @p bar.sync 8, 256; @!p bar.sync 9, 256; mov.u32 $0, $1; }"
+    )
+    _PASS_TURN = gl.constexpr(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 128;"
+        " @p bar.arrive 9, 256; @!p bar.arrive 8, 256; mov.u32 $0, $1; }"
+    )
+
+    @gluon.jit
+    def _turn(token, ASM: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Run one of the turn-taking barriers (``token`` orders it among the MMAs)."""
+        return gl.inline_asm_elementwise(ASM, "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.constexpr_function
+    def _row_layout(head_dim, num_warps):  # type: ignore[no-untyped-def]
+        cols = min(head_dim // 8, 32)
+        return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _zero_rows_from(buf, first_bad, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero rows ``first_bad ..`` of a [BLOCK_N, HEAD_DIM] tile in shared memory (both
+        consumers do it: the same zeros, each before its own reads)."""
+        layout: gl.constexpr = _row_layout(HEAD_DIM, 4)
+        v = buf.load(layout)
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        buf.store(gl.where((rows < first_bad)[:, None], v, gl.zeros_like(v)))
+        fence_async_shared()
+        _partition_barrier()
+
+    @gluon.jit
+    def _load_tile(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, n0, table_width, num_blocks, kv_col,
+        BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of the K and V tile of keys ``n0 ..`` into ring slot ``slot``; the block id is
+        read from the row's table (index clamped to it; an id outside the cache reads block 0)."""
+        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
+        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+        y = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [y, kv_col], bar, k_bufs.index(slot))
+        _tma_load(v_desc, [y, kv_col], bar, v_bufs.index(slot))
+
+    @gluon.jit
+    def _producer(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, ready, empty, table_row, n_tiles, table_width, num_blocks, kv_col,
+        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Key tiles 0 .. n_tiles - 1 into the ring, each once both consumers freed its slot."""
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh slot passes
+            _load_tile(
+                k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, j * BLOCK_N, table_width, num_blocks, kv_col,
+                BLOCK_SIZE,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _consumer(  # type: ignore[no-untyped-def]
+        q_desc, q_smem, q_bar, k_bufs, v_bufs, ready, empty, out_ptr, qk_scale, q_start, tile, h, q_len, seq_len,
+        first_pos, kv_end, n_tiles, num_tokens, stride_ot, stride_oh,
+        WG: gl.constexpr, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Query rows ``WG * HALF_M ..`` of the tile: online softmax over the key tiles, the
+        output stored where the row is one of the step's tokens."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_desc.dtype
+        row0 = tile * (2 * HALF_M) + WG * HALF_M
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_start + row0, h * HEAD_DIM], q_bar, q_smem)  # rows past the step: zeros
+        tail = kv_end - (n_tiles - 1) * BLOCK_N  # keys of the last tile inside the row
+        my_first = first_pos + WG * HALF_M
+        # Rows past the row's end are clamped to its last position: they see >= 1 key.
+        pos = gl.minimum(my_first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout)), seq_len - 1)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        token = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        if WG == 1:  # warpgroup 0 issues first
+            token = gl.inline_asm_elementwise(
+                "bar.arrive 8, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
+            )
+
+        # Key tile 0 alone; its P V is issued with tile 1's S.
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(ready.index(0), 0)
+        if (n_tiles == 1) & (tail < BLOCK_N):
+            _zero_rows_from(v_bufs.index(0), tail, BLOCK_N, HEAD_DIM)
+        token = _turn(token, _WAIT_TURN)
+        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        token = _turn(token, _PASS_TURN)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if my_first + 1 < BLOCK_N:
+            s = gl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+        m_i = gl.max(s, 1) * qk_scale
+        p_f = gl.exp2(s * qk_scale - m_i[:, None])
+        l_i = gl.sum(p_f, 1)
+        p = gl.convert_layout(p_f.to(dtype), p_layout)
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            if (j == n_tiles - 1) & (tail < BLOCK_N):
+                _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
+            token = _turn(token, _WAIT_TURN)
+            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p, v_bufs.index((j - 1) % STAGES), acc, is_async=True)
+            token = _turn(token, _PASS_TURN)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done; P V still running
+            if (j + 1) * BLOCK_N > my_first + 1:  # the tile crosses the diagonal
+                s = gl.where((j * BLOCK_N + offs_n)[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p_f = gl.exp2(s * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p_f, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((j - 1) % STAGES))  # tile j - 1 fully read
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(p_f.to(dtype), p_layout)
+
+        token = _turn(token, _WAIT_TURN)
+        acc = warpgroup_mma(p, v_bufs.index((n_tiles - 1) % STAGES), acc, is_async=True)
+        if WG == 0:  # warpgroup 1's last turn follows; nothing follows warpgroup 1's
+            token = gl.inline_asm_elementwise(
+                "bar.arrive 9, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
+            )
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        # Query rows outside the step's tokens are never written, whatever the metadata.
+        keep = (rows < q_len) & (q_start + rows < num_tokens) & (q_start + rows >= 0)
+        tok = (q_start + rows).to(gl.int64)
+        ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :]
+        gl.store(ptrs, o.to(dtype), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
+
+    @gluon.jit(do_not_specialize=["num_blocks", "num_tokens", "table_width", "stride_bt"])
+    def _hopper_prefill_kernel(  # type: ignore[no-untyped-def]
+        q_desc, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, out_ptr,
+        qk_scale, num_blocks, num_tokens, table_width, stride_bt, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Program ``pid`` takes tile-index entry ``pid // NUM_HEADS`` for query head
+        ``pid % NUM_HEADS`` (heads fastest: a KV group's heads share its tiles through L2). An
+        entry with row -1 loads one tile and stores nothing."""
+        item = gl.program_id(0)
+        h = item % NUM_HEADS
+        entry = tile_index_ptr + 2 * (item // NUM_HEADS)
+        row = gl.load(entry)
+        tile = gl.load(entry + 1)
+        live = row >= 0
+        row = gl.maximum(row, 0)
+        q_start = gl.load(query_start_loc_ptr + row)
+        # Clamped as in the Triton kernel: a length in [0, table_width * BLOCK_SIZE], a query
+        # length in [0, seq_len].
+        seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + row), 0), table_width * BLOCK_SIZE)
+        seq_len = gl.where(live, seq_len, 0)
+        q_len = gl.minimum(gl.maximum(gl.load(query_start_loc_ptr + row + 1) - q_start, 0), seq_len)
+        first_pos = seq_len - q_len + tile * BLOCK_M
+        kv_end = gl.minimum(first_pos + BLOCK_M, seq_len)
+        n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        dtype: gl.constexpr = q_desc.dtype
+
+        q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrive per consumer
+        mbarrier.init(q_bars.index(0), count=1)
+        mbarrier.init(q_bars.index(1), count=1)
+        kv_col = (h // GROUP) * HEAD_DIM
+        table_row = block_tables_ptr + row.to(gl.int64) * stride_bt
+
+        gl.warp_specialize(
+            [
+                (_consumer, (q_desc, q_smem0, q_bars.index(0), k_bufs, v_bufs, ready, empty, out_ptr, qk_scale,
+                             q_start, tile, h, q_len, seq_len, first_pos, kv_end, n_tiles, num_tokens, stride_ot,
+                             stride_oh, 0, HEAD_DIM, HALF_M, BLOCK_N, STAGES)),
+                (_consumer, (q_desc, q_smem1, q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr, qk_scale,
+                             q_start, tile, h, q_len, seq_len, first_pos, kv_end, n_tiles, num_tokens, stride_ot,
+                             stride_oh, 1, HEAD_DIM, HALF_M, BLOCK_N, STAGES)),
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, table_row, n_tiles, table_width,
+                             num_blocks, kv_col, BLOCK_SIZE, BLOCK_N, STAGES)),
+            ],
+            [4, 4],  # consumer warpgroup 1, producer warpgroup (the default partition is consumer 0)
+            [240, 24],  # registers per thread: 2 x 128 x 240 + 128 x 24 <= 64K
+        )  # fmt: skip
+
+
+def _descriptors(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[Any, Any, Any]:
+    """Host TMA descriptors: the query as [tokens, heads * head_dim] rows (its own row stride),
+    the caches as [num_blocks * block_size, kv_heads * head_dim]."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
+    half_m = HOPPER_PREFILL_BLOCK_M // 2
+    q_layout = gl.NVMMASharedLayout.get_default_for([half_m, head_dim], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, head_dim], dtype)
+    q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_dim], [query.stride(0), 1], [half_m, head_dim],
+                              q_layout)  # fmt: skip
+    rows, cols = num_blocks * block_size, kv_heads * head_dim
+    k_desc = TensorDescriptor(k_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
+    v_desc = TensorDescriptor(v_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
+    return q_desc, k_desc, v_desc
+
+
+def hopper_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tile_index: torch.Tensor,
+    *,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal varlen attention of every new token; writes and returns ``out``. The arguments
+    are :func:`.prefill.paged_prefill`'s (``tile_index`` built with ``block_m``
+    :data:`HOPPER_PREFILL_BLOCK_M`); the caller checked :func:`hopper_prefill_applies`."""
+    num_tiles = tile_index.shape[0]
+    if num_tiles == 0:
+        return out
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    q_desc, k_desc, v_desc = _descriptors(query, k_cache, v_cache)
+    _hopper_prefill_kernel[(num_tiles * num_heads,)](
+        q_desc, k_desc, v_desc, block_tables, seq_lens, query_start_loc, tile_index, out,
+        softmax_scale * _LOG2E, num_blocks, query.shape[0], block_tables.shape[1], block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=HOPPER_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=_STAGES, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,106 @@
+"""The Hopper (sm_90) prefill kernel (attention/triton_kernels/prefill_hopper.py): through the
+triton backend against the float64 oracle, on the rows it serves (odd prompt and extend
+lengths, partial last blocks whose stale slots are NaN, GQA ratios, head_dim 64 and 128,
+bf16 and fp16), and called directly with hostile metadata (memory safety, rows outside the
+step untouched). Needs an sm_90 GPU and a Triton with Gluon; skipped with the reason
+otherwise. tests/test_prefill_hopper_compile.py compiles it for sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention.triton_backend as triton_backend
+from attention.triton_backend import TritonBackend
+from attention.triton_kernels import prefill_tile_index
+from attention.triton_kernels.prefill_hopper import HOPPER_PREFILL_BLOCK_M, gluon_available, hopper_prefill
+from tests.paged_case import make_case, make_spec, reference_output, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the Hopper prefill kernel runs on sm_90 only",
+    ),
+    pytest.mark.skipif(not gluon_available(), reason="needs a Triton with Gluon (>= 3.6), compiled kernels"),
+]
+
+# (context, new) per row: prompts and extend chunks of odd lengths, a one-token row (decode).
+ROWS = [(0, 300), (200, 77), (0, 129), (511, 1), (1000, 257), (0, 5)]
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the backend's calls of the Hopper kernel."""
+    calls: list[int] = []
+
+    def counted(*args: object, **kw: object) -> torch.Tensor:
+        calls.append(1)
+        return hopper_prefill(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "hopper_prefill", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 128), (16, 16, 64), (32, 4, 128), (9, 3, 64)])
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_backend_prefill_matches_float64(
+    hopper_calls: list[int], dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    spec = make_spec(heads, kv_heads, head_dim, dtype)
+    case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=heads + block_size)
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    out = backend.attend(case.query, case.layer, plan)
+    assert hopper_calls, "the step should have run on the Hopper kernel"
+    err = rel_err(out[: case.meta.num_real_tokens].float(), reference_output(case))
+    assert err < 1e-2, err
+
+
+def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[int]) -> None:
+    """A sliding window, an fp8 cache, blocks of 32 and hopper_prefill=False keep the
+    Triton kernel (and still match the oracle)."""
+    cases = [
+        (make_spec(8, 2, 128, torch.bfloat16, sliding_window=100), 256, {}),
+        (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3"), 256, {}),
+        (make_spec(8, 2, 128, torch.bfloat16), 32, {}),
+        (make_spec(8, 2, 128, torch.bfloat16), 256, {"hopper_prefill": False}),
+    ]
+    for spec, block_size, kw in cases:
+        case = make_case(ROWS[:3], spec, block_size=block_size, device="cuda")
+        backend = TritonBackend(spec, **kw)
+        plan = backend.plan(case.meta)
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+        out = backend.attend(case.query, case.layer, plan)
+        err = rel_err(out[: case.meta.num_real_tokens].float(), reference_output(case))
+        assert err < (6e-2 if spec.quantized_cache else 1e-2), (spec, block_size, err)
+    assert not hopper_calls
+
+
+def test_hostile_metadata_stays_inside_the_cache_and_the_step() -> None:
+    """Block ids outside the cache, lengths past the table or negative, query starts out of
+    order: no fault, and nothing written outside ``out``'s rows (guard rows around it)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    host_gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, bs, blocks, tokens = 8, 2, 128, 128, 6, 700
+    k_cache = torch.randn(blocks, bs, kv_heads, d, generator=gen, device="cuda").bfloat16()
+    v_cache = torch.randn(blocks, bs, kv_heads, d, generator=gen, device="cuda").bfloat16()
+    query = torch.randn(tokens, heads, d, generator=gen, device="cuda").bfloat16()
+    for trial in range(8):
+        rows = 4
+        tables = torch.randint(-5, blocks + 5, (rows, 3), generator=gen, device="cuda", dtype=torch.int32)
+        seq_lens = torch.randint(-300, 3000, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+        starts = torch.randint(-200, tokens + 200, (rows + 1,), generator=gen, device="cuda", dtype=torch.int32)
+        host_lens = [int(x) for x in torch.randint(1, 600, (rows,), generator=host_gen)]
+        index = [*prefill_tile_index(host_lens, host_lens, HOPPER_PREFILL_BLOCK_M), (-1, 0)]
+        tile_index = torch.tensor(index, dtype=torch.int32, device="cuda")
+        guard = torch.full((tokens + 64, heads, d), 3.0, dtype=torch.bfloat16, device="cuda")
+        out = guard[32 : 32 + tokens]
+        hopper_prefill(
+            query, k_cache, v_cache, tables, seq_lens, starts, tile_index, softmax_scale=d**-0.5, out=out
+        )
+        torch.cuda.synchronize()
+        assert bool((guard[:32] == 3.0).all()) and bool((guard[32 + tokens :] == 3.0).all()), trial
