@@ -181,7 +181,7 @@ class TritonBackend(AttentionBackend):
       num_sms:          plan as if the GPU had this many SMs;
       max_decode_query_len: rows of up to this many new tokens (1 .. 8, a power of two) go to
                         the decode kernel; 1 sends every multi-token row to the prefill kernel.
-      hopper_prefill:   on an sm_90 GPU, eager prefill steps the warp-specialized Gluon kernel
+      hopper_prefill:   on an sm_90 GPU, prefill steps the warp-specialized Gluon kernel
                         covers (:func:`~attention.triton_kernels.prefill_hopper.hopper_prefill_applies`)
                         run on it (default); False: always the Triton prefill kernel.
     """
@@ -556,6 +556,8 @@ class TritonBackend(AttentionBackend):
                 plan.prefill.tile_index,
                 softmax_scale=scale,
                 out=target,
+                programs=self._sms(query.device),
+                tile_count=plan.prefill.tile_count,
             )
         elif plan.prefill is not None:
             p = plan.prefill
@@ -592,9 +594,9 @@ class TritonBackend(AttentionBackend):
         sinks: torch.Tensor | None,
     ) -> bool:
         """Whether this layer's prefill rows run on the Hopper kernel: enabled, no tuning
-        override, an eager launch (a fixed CUDA-graph grid stays on the Triton kernel), and
-        what :func:`hopper_prefill_applies` asks of the tensors."""
-        if not self.hopper_prefill or self.prefill_config is not None or launch.programs is not None:
+        override, and what :func:`hopper_prefill_applies` asks of the tensors. (On a fixed
+        CUDA-graph grid it runs one persistent program per SM, as it does eagerly.)"""
+        if not self.hopper_prefill or self.prefill_config is not None:
             return False
         return hopper_prefill_applies(
             query,

@@ -12,7 +12,7 @@ import torch
 
 import attention.triton_backend as triton_backend
 from attention.triton_backend import TritonBackend
-from attention.triton_kernels import prefill_tile_index
+from attention.triton_kernels import MAX_DECODE_QUERY_LEN, prefill_tile_index
 from attention.triton_kernels.prefill_hopper import HOPPER_PREFILL_BLOCK_M, gluon_available, hopper_prefill
 from tests.paged_case import make_case, make_spec, reference_output, rel_err
 
@@ -46,12 +46,21 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 128), (16, 16, 64), (32, 4, 128), (9, 3, 64)])
 @pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("sms", [None, 3])
 def test_backend_prefill_matches_float64(
-    hopper_calls: list[int], dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+    hopper_calls: list[int],
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sms: int | None,
 ) -> None:
+    """``sms`` 3: three persistent programs take every item in turn (the K/V ring and the Q
+    buffer wrap across items)."""
     spec = make_spec(heads, kv_heads, head_dim, dtype)
     case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=heads + block_size)
-    backend = TritonBackend(spec)
+    backend = TritonBackend(spec, num_sms=sms)
     plan = backend.plan(case.meta)
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
     out = backend.attend(case.query, case.layer, plan)
@@ -64,20 +73,48 @@ def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[i
     """A sliding window, an fp8 cache, blocks of 32 and hopper_prefill=False keep the
     Triton kernel (and still match the oracle)."""
     cases = [
-        (make_spec(8, 2, 128, torch.bfloat16, sliding_window=100), 256, {}),
-        (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3"), 256, {}),
-        (make_spec(8, 2, 128, torch.bfloat16), 32, {}),
-        (make_spec(8, 2, 128, torch.bfloat16), 256, {"hopper_prefill": False}),
+        (make_spec(8, 2, 128, torch.bfloat16, sliding_window=100), 256, True),
+        (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3"), 256, True),
+        (make_spec(8, 2, 128, torch.bfloat16), 32, True),
+        (make_spec(8, 2, 128, torch.bfloat16), 256, False),
     ]
-    for spec, block_size, kw in cases:
+    for spec, block_size, enabled in cases:
         case = make_case(ROWS[:3], spec, block_size=block_size, device="cuda")
-        backend = TritonBackend(spec, **kw)
+        backend = TritonBackend(spec, hopper_prefill=enabled)
         plan = backend.plan(case.meta)
         backend.write_kv(case.new_key, case.new_value, case.layer, plan)
         out = backend.attend(case.query, case.layer, plan)
         err = rel_err(out[: case.meta.num_real_tokens].float(), reference_output(case))
         assert err < (6e-2 if spec.quantized_cache else 1e-2), (spec, block_size, err)
     assert not hopper_calls
+
+
+def test_fixed_grid_matches_the_eager_launch() -> None:
+    """The CUDA-graph form (a fixed grid, the real entry count on the device, the index
+    padded with row -1) writes what the eager launch writes, captured and replayed."""
+    spec = make_spec(16, 4, 128, torch.bfloat16)
+    case = make_case(ROWS, spec, block_size=256, device="cuda", seed=5)
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    eager = backend.attend(case.query, case.layer, plan)
+    pairs = prefill_tile_index(case.meta.seq_lens_host, case.meta.query_lens_host, HOPPER_PREFILL_BLOCK_M)
+    pairs = [p for p in pairs if case.meta.query_lens_host[p[0]] > MAX_DECODE_QUERY_LEN]  # as the backend plans
+    padded = torch.tensor([*pairs, *[(-1, 0)] * 11], dtype=torch.int32, device="cuda")
+    count = torch.tensor([len(pairs)], dtype=torch.int32, device="cuda")
+    out = torch.zeros_like(eager)
+    args = (case.query, case.layer.key, case.layer.value, case.meta.block_tables, case.meta.seq_lens,
+            case.meta.query_start_loc, padded)  # fmt: skip
+    hopper_prefill(*args, softmax_scale=spec.scale, out=out, programs=132, tile_count=count)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    out.zero_()
+    with torch.cuda.graph(graph):
+        hopper_prefill(*args, softmax_scale=spec.scale, out=out, programs=132, tile_count=count)
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = torch.cat([torch.arange(int(case.meta.query_start_loc[r]), int(case.meta.query_start_loc[r + 1]))
+                      for r in {p[0] for p in pairs}])  # fmt: skip
+    assert torch.equal(out[rows], eager[rows])
 
 
 def test_hostile_metadata_stays_inside_the_cache_and_the_step() -> None:
@@ -97,10 +134,15 @@ def test_hostile_metadata_stays_inside_the_cache_and_the_step() -> None:
         host_lens = [int(x) for x in torch.randint(1, 600, (rows,), generator=host_gen)]
         index = [*prefill_tile_index(host_lens, host_lens, HOPPER_PREFILL_BLOCK_M), (-1, 0)]
         tile_index = torch.tensor(index, dtype=torch.int32, device="cuda")
-        guard = torch.full((tokens + 64, heads, d), 3.0, dtype=torch.bfloat16, device="cuda")
-        out = guard[32 : 32 + tokens]
-        hopper_prefill(
-            query, k_cache, v_cache, tables, seq_lens, starts, tile_index, softmax_scale=d**-0.5, out=out
-        )
-        torch.cuda.synchronize()
-        assert bool((guard[:32] == 3.0).all()) and bool((guard[32 + tokens :] == 3.0).all()), trial
+        # Eager (a program per item, or 5 taking turns), and on a fixed grid with the count of
+        # entries read on the device (past the index, negative).
+        for programs, count in ((1000, None), (5, None), (7, len(index) + 9), (7, -3), (132, 2)):
+            guard = torch.full((tokens + 64, heads, d), 3.0, dtype=torch.bfloat16, device="cuda")
+            out = guard[32 : 32 + tokens]
+            tile_count = None if count is None else torch.tensor([count], dtype=torch.int32, device="cuda")
+            hopper_prefill(
+                query, k_cache, v_cache, tables, seq_lens, starts, tile_index, softmax_scale=d**-0.5, out=out,
+                programs=programs, tile_count=tile_count,
+            )  # fmt: skip
+            torch.cuda.synchronize()
+            assert bool((guard[:32] == 3.0).all()) and bool((guard[32 + tokens :] == 3.0).all()), (trial, programs)

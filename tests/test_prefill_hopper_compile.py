@@ -1,8 +1,8 @@
 """The Hopper prefill kernel (attention/triton_kernels/prefill_hopper.py) compiles for sm_90
 without a GPU, in each form the backend launches (head_dim 64 and 128, bf16 and fp16, blocks of
-128 and 256): warp-specialized (register reallocation per warpgroup), its consumers' turns on
-named barriers 8 and 9, asynchronous warpgroup MMAs, TMA loads, and shared memory within the
-H200's 227 KiB. Skipped where this Triton has no Gluon."""
+128 and 256; the fixed-grid form of CUDA graphs): warp-specialized (register reallocation per
+warpgroup), its consumers' turns on named barriers 8 and 9, asynchronous warpgroup MMAs, TMA
+loads, and shared memory within the H200's 227 KiB. Skipped where this Triton has no Gluon."""
 
 from __future__ import annotations
 
@@ -23,45 +23,44 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from attention.triton_kernels import prefill_hopper as ph
 
 report = {}
-for dtype in (torch.bfloat16, torch.float16):
-    for d in (64, 128):
-        for bs in (128, 256):
-            q = torch.empty(64, 8, d, dtype=dtype)
-            cache = torch.empty(4, bs, 2, d, dtype=dtype)
-            descs = dict(zip(("q_desc", "k_desc", "v_desc"), ph._descriptors(q, cache, cache)))
-            fn = ph._hopper_prefill_kernel
-            consts = dict(NUM_HEADS=8, GROUP=4, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=ph.HOPPER_PREFILL_BLOCK_M,
-                          BLOCK_N=ph._BLOCK_N, STAGES=ph._STAGES)
-            elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-            sig = {}
-            for name in fn.arg_names:
-                if name in descs:
-                    sig[name] = mangle_type(descs[name])
-                elif name in consts:
-                    sig[name] = "constexpr"
-                elif name == "out_ptr":
-                    sig[name] = elem
-                elif name.endswith("_ptr"):
-                    sig[name] = "*i32"
-                else:
-                    sig[name] = "fp32" if name == "qk_scale" else "i32"
-            src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-            ptx = k.asm["ptx"]
-            report[f"{dtype}-{d}-{bs}"] = {
-                "shared": k.metadata.shared,
-                "wgmma": ptx.count("wgmma.mma_async"),
-                "tma": ptx.count("cp.async.bulk.tensor"),
-                "setmaxnreg": ptx.count("setmaxnreg"),
-                "turns": sum(ptx.count(s) for s in ("bar.sync 8, 256", "bar.sync 9, 256")),
-            }
+forms = [(dtype, d, bs, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128) for bs in (128, 256)]
+for dtype, d, bs, counted in forms + [(torch.bfloat16, 128, 256, True)]:
+    q = torch.empty(64, 8, d, dtype=dtype)
+    cache = torch.empty(4, bs, 2, d, dtype=dtype)
+    descs = dict(zip(("q_desc", "k_desc", "v_desc"), ph._descriptors(q, cache, cache)))
+    fn = ph._hopper_prefill_kernel
+    consts = dict(NUM_HEADS=8, GROUP=4, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=ph.HOPPER_PREFILL_BLOCK_M,
+                  BLOCK_N=ph._BLOCK_N, STAGES=ph._STAGES, COUNTED=counted)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    sig = {}
+    for name in fn.arg_names:
+        if name in descs:
+            sig[name] = mangle_type(descs[name])
+        elif name in consts:
+            sig[name] = "constexpr"
+        elif name == "out_ptr":
+            sig[name] = elem
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32"
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    report[f"{dtype}-{d}-{bs}-{counted}"] = {
+        "shared": k.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma": ptx.count("cp.async.bulk.tensor"),
+        "setmaxnreg": ptx.count("setmaxnreg"),
+        "turns": sum(ptx.count(s) for s in ("bar.sync 8, 256", "bar.sync 9, 256")),
+    }
 print(json.dumps(report))
 """
 
 
 def test_hopper_prefill_compiles_for_sm90() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 8, report
+    assert len(report) == 9, report
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)  # the H200's 227 KiB per block
         assert r["wgmma"] > 0 and r["tma"] >= 3 and r["setmaxnreg"] > 0, (name, r)

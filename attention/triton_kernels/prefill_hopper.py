@@ -1,11 +1,11 @@
 """Prefill / extend on Hopper (sm_90): a warp-specialized Gluon kernel.
 
 The same computation as :mod:`.prefill` (causal varlen attention of every new token over
-the paged K/V, one program per (query tile, query head) of :func:`.prefill.prefill_tile_index`
+the paged K/V; work items are (query tile, query head) of :func:`.prefill.prefill_tile_index`
 with ``block_m`` 128), for the common case only: a 16-bit cache in the query's dtype, no
-sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 128 tokens, an
-eager (not fixed-grid) launch. The triton backend sends such steps here
-(:func:`hopper_prefill_applies`) and everything else to :func:`.prefill.paged_prefill`.
+sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 128 tokens. The
+triton backend sends such steps here (:func:`hopper_prefill_applies`), eager and CUDA-graph
+alike, and everything else to :func:`.prefill.paged_prefill`.
 
 Why a second kernel: the Triton kernel tops out at 0.66-0.81x of torch SDPA (cuDNN) on dense
 K/V on the H200; Triton 3.6 gives no control over warp roles or MMA issue order
@@ -21,7 +21,15 @@ is (Shah et al., 2024, section 3):
   key tile j and P V of tile j - 1 as asynchronous warpgroup MMAs, then computes the softmax of
   tile j while P V runs;
 - the two consumers take turns issuing their MMAs (named barriers 8 and 9, "ping-pong"), so
-  one's softmax overlaps the other's MMAs.
+  one's softmax overlaps the other's MMAs;
+- the programs are persistent (one per SM, each taking every ``grid``-th item of the
+  heaviest-first index): the producer loads the next item's Q and key tiles while the
+  consumers finish the last one. On a fixed grid (CUDA graphs) the real entry count is read
+  on the device.
+
+H200, bf16, 32 / 8 heads, head_dim 128, block 256 (``benchmarks/results/prefill-hopper-
+persistent-2026-12-04.json`` and ``-fp8-``, two runs): 0.90-0.99x / 0.89x / 0.96-0.99x torch
+SDPA at 8x4096 / 32x1024 / 2x16384, where the Triton kernel reaches 0.72-0.74x / 0.66x / 0.81x.
 
 Safety, as in :mod:`.prefill`: lengths are clamped to the block table, block ids outside
 [0, num_blocks) read block 0, TMA zero-fills query rows outside the step, only the tile's own
@@ -169,119 +177,15 @@ if _GLUON:
         _tma_load(v_desc, [y, kv_col], bar, v_bufs.index(slot))
 
     @gluon.jit
-    def _producer(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_bufs, v_bufs, ready, empty, table_row, n_tiles, table_width, num_blocks, kv_col,
-        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _item(  # type: ignore[no-untyped-def]
+        item, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, table_width,
+        NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """Key tiles 0 .. n_tiles - 1 into the ring, each once both consumers freed its slot."""
-        for j in range(n_tiles):
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh slot passes
-            _load_tile(
-                k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, j * BLOCK_N, table_width, num_blocks, kv_col,
-                BLOCK_SIZE,
-            )  # fmt: skip
-
-    @gluon.jit
-    def _consumer(  # type: ignore[no-untyped-def]
-        q_desc, q_smem, q_bar, k_bufs, v_bufs, ready, empty, out_ptr, qk_scale, q_start, tile, h, q_len, seq_len,
-        first_pos, kv_end, n_tiles, num_tokens, stride_ot, stride_oh,
-        WG: gl.constexpr, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """Query rows ``WG * HALF_M ..`` of the tile: online softmax over the key tiles, the
-        output stored where the row is one of the step's tokens."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        dtype: gl.constexpr = q_desc.dtype
-        row0 = tile * (2 * HALF_M) + WG * HALF_M
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_start + row0, h * HEAD_DIM], q_bar, q_smem)  # rows past the step: zeros
-        tail = kv_end - (n_tiles - 1) * BLOCK_N  # keys of the last tile inside the row
-        my_first = first_pos + WG * HALF_M
-        # Rows past the row's end are clamped to its last position: they see >= 1 key.
-        pos = gl.minimum(my_first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout)), seq_len - 1)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-        token = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-        if WG == 1:  # warpgroup 0 issues first
-            token = gl.inline_asm_elementwise(
-                "bar.arrive 8, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
-            )
-
-        # Key tile 0 alone; its P V is issued with tile 1's S.
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(ready.index(0), 0)
-        if (n_tiles == 1) & (tail < BLOCK_N):
-            _zero_rows_from(v_bufs.index(0), tail, BLOCK_N, HEAD_DIM)
-        token = _turn(token, _WAIT_TURN)
-        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        token = _turn(token, _PASS_TURN)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if my_first + 1 < BLOCK_N:
-            s = gl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-        m_i = gl.max(s, 1) * qk_scale
-        p_f = gl.exp2(s * qk_scale - m_i[:, None])
-        l_i = gl.sum(p_f, 1)
-        p = gl.convert_layout(p_f.to(dtype), p_layout)
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-
-        for j in range(1, n_tiles):
-            slot = j % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            if (j == n_tiles - 1) & (tail < BLOCK_N):
-                _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
-            token = _turn(token, _WAIT_TURN)
-            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p, v_bufs.index((j - 1) % STAGES), acc, is_async=True)
-            token = _turn(token, _PASS_TURN)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done; P V still running
-            if (j + 1) * BLOCK_N > my_first + 1:  # the tile crosses the diagonal
-                s = gl.where((j * BLOCK_N + offs_n)[None, :] <= pos[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            alpha = gl.exp2(m_i - m_new)
-            p_f = gl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p_f, 1)
-            m_i = m_new
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((j - 1) % STAGES))  # tile j - 1 fully read
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p = gl.convert_layout(p_f.to(dtype), p_layout)
-
-        token = _turn(token, _WAIT_TURN)
-        acc = warpgroup_mma(p, v_bufs.index((n_tiles - 1) % STAGES), acc, is_async=True)
-        if WG == 0:  # warpgroup 1's last turn follows; nothing follows warpgroup 1's
-            token = gl.inline_asm_elementwise(
-                "bar.arrive 9, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
-            )
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        # Query rows outside the step's tokens are never written, whatever the metadata.
-        keep = (rows < q_len) & (q_start + rows < num_tokens) & (q_start + rows >= 0)
-        tok = (q_start + rows).to(gl.int64)
-        ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :]
-        gl.store(ptrs, o.to(dtype), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
-
-    @gluon.jit(do_not_specialize=["num_blocks", "num_tokens", "table_width", "stride_bt"])
-    def _hopper_prefill_kernel(  # type: ignore[no-untyped-def]
-        q_desc, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, out_ptr,
-        qk_scale, num_blocks, num_tokens, table_width, stride_bt, stride_ot, stride_oh,
-        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """Program ``pid`` takes tile-index entry ``pid // NUM_HEADS`` for query head
-        ``pid % NUM_HEADS`` (heads fastest: a KV group's heads share its tiles through L2). An
-        entry with row -1 loads one tile and stores nothing."""
-        item = gl.program_id(0)
+        """Work item ``item``: tile-index entry ``item // NUM_HEADS`` for query head ``item %
+        NUM_HEADS`` (heads fastest: a KV group's heads share its tiles through L2). Returns (head,
+        row, tile, q_start, seq_len, q_len, first_pos, kv_end, n_tiles), clamped as in the Triton
+        kernel: a length in [0, table_width * BLOCK_SIZE], a query length in [0, seq_len], at
+        least one key tile (an entry with row -1 loads one and stores nothing)."""
         h = item % NUM_HEADS
         entry = tile_index_ptr + 2 * (item // NUM_HEADS)
         row = gl.load(entry)
@@ -289,17 +193,160 @@ if _GLUON:
         live = row >= 0
         row = gl.maximum(row, 0)
         q_start = gl.load(query_start_loc_ptr + row)
-        # Clamped as in the Triton kernel: a length in [0, table_width * BLOCK_SIZE], a query
-        # length in [0, seq_len].
         seq_len = gl.minimum(gl.maximum(gl.load(seq_lens_ptr + row), 0), table_width * BLOCK_SIZE)
         seq_len = gl.where(live, seq_len, 0)
         q_len = gl.minimum(gl.maximum(gl.load(query_start_loc_ptr + row + 1) - q_start, 0), seq_len)
         first_pos = seq_len - q_len + tile * BLOCK_M
         kv_end = gl.minimum(first_pos + BLOCK_M, seq_len)
         n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
-        HALF_M: gl.constexpr = BLOCK_M // 2
-        dtype: gl.constexpr = q_desc.dtype
+        return h, row, tile, q_start, seq_len, q_len, first_pos, kv_end, n_tiles
 
+    @gluon.jit
+    def _producer(  # type: ignore[no-untyped-def]
+        q_desc, k_desc, v_desc, q_smem0, q_smem1, q_ready, q_empty, k_bufs, v_bufs, ready, empty, block_tables_ptr,
+        seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, num_items, stride_bt, table_width, num_blocks,
+        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """For each of this program's items: its two Q halves once the consumers are done with the
+        last item's, then its key tiles into the ring, each once both consumers freed its slot."""
+        c = 0  # key tiles loaded so far (the ring position)
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            h, row, tile, q_start, _, _, _, _, n_tiles = _item(
+                item, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, table_width, NUM_HEADS, BLOCK_SIZE, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
+            it = (item - gl.program_id(0)) // gl.num_programs(0)  # items of this program so far
+            mbarrier.wait(q_empty, (it & 1) ^ 1)  # the first item passes
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            q_row = q_start + tile * BLOCK_M  # rows outside the step's tokens read zeros
+            _tma_load(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem0)
+            _tma_load(q_desc, [q_row + BLOCK_M // 2, h * HEAD_DIM], q_ready, q_smem1)
+            table_row = block_tables_ptr + row.to(gl.int64) * stride_bt
+            for j in range(n_tiles):
+                slot = (c + j) % STAGES
+                mbarrier.wait(empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)  # a fresh slot passes
+                _load_tile(
+                    k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, j * BLOCK_N, table_width, num_blocks,
+                    (h // GROUP) * HEAD_DIM, BLOCK_SIZE,
+                )  # fmt: skip
+            c += n_tiles
+
+    @gluon.jit
+    def _consumer(  # type: ignore[no-untyped-def]
+        q_smem, q_ready, q_empty, k_bufs, v_bufs, ready, empty, out_ptr, qk_scale, tile_index_ptr, seq_lens_ptr,
+        query_start_loc_ptr, num_items, table_width, num_tokens, stride_ot, stride_oh,
+        WG: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Query rows ``WG * BLOCK_M / 2 ..`` of each of this program's items: online softmax over
+        the key tiles, the output stored where the row is one of the step's tokens."""
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        token = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        if WG == 1:  # warpgroup 0 issues first
+            token = gl.inline_asm_elementwise(
+                "bar.arrive 8, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
+            )
+        c = 0  # key tiles consumed so far (the ring position)
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            h, _, tile, q_start, seq_len, q_len, first_pos, kv_end, n_tiles = _item(
+                item, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, table_width, NUM_HEADS, BLOCK_SIZE, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
+            it = (item - gl.program_id(0)) // gl.num_programs(0)  # items of this program so far
+            tail = kv_end - (n_tiles - 1) * BLOCK_N  # keys of the last tile inside the row
+            my_first = first_pos + WG * HALF_M
+            # Rows past the row's end are clamped to its last position: they see >= 1 key.
+            pos = gl.minimum(my_first + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout)), seq_len - 1)
+
+            # Key tile 0 alone; its P V is issued with tile 1's S.
+            mbarrier.wait(q_ready, it & 1)
+            slot = c % STAGES
+            mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+            if (n_tiles == 1) & (tail < BLOCK_N):
+                _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
+            token = _turn(token, _WAIT_TURN)
+            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            token = _turn(token, _PASS_TURN)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if my_first + 1 < BLOCK_N:
+                s = gl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+            m_i = gl.max(s, 1) * qk_scale
+            p_f = gl.exp2(s * qk_scale - m_i[:, None])
+            l_i = gl.sum(p_f, 1)
+            p = gl.convert_layout(p_f.to(dtype), p_layout)
+            acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+            prev = slot
+
+            for j in range(1, n_tiles):
+                slot = (c + j) % STAGES
+                mbarrier.wait(ready.index(slot), ((c + j) // STAGES) & 1)
+                if (j == n_tiles - 1) & (tail < BLOCK_N):
+                    _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
+                token = _turn(token, _WAIT_TURN)
+                s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+                token = _turn(token, _PASS_TURN)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done; P V still running
+                if (j + 1) * BLOCK_N > my_first + 1:  # the tile crosses the diagonal
+                    s = gl.where((j * BLOCK_N + offs_n)[None, :] <= pos[:, None], s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                alpha = gl.exp2(m_i - m_new)
+                p_f = gl.exp2(s * qk_scale - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p_f, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(prev))  # tile j - 1 fully read
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p = gl.convert_layout(p_f.to(dtype), p_layout)
+                prev = slot
+
+            mbarrier.arrive(q_empty)  # every S of the item is done: the next Q may load
+            token = _turn(token, _WAIT_TURN)
+            acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+            # Warpgroup 1's very last turn has no successor.
+            if (WG == 0) | (item + gl.num_programs(0) < num_items):
+                token = _turn(token, _PASS_TURN)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev))
+            c += n_tiles
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+            rows = tile * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            # Query rows outside the step's tokens are never written, whatever the metadata.
+            keep = (rows < q_len) & (q_start + rows < num_tokens) & (q_start + rows >= 0)
+            tok = (q_start + rows).to(gl.int64)
+            ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :]
+            gl.store(ptrs, o.to(dtype), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
+
+    @gluon.jit(do_not_specialize=["num_blocks", "num_tokens", "table_width", "stride_bt", "max_tiles"])
+    def _hopper_prefill_kernel(  # type: ignore[no-untyped-def]
+        q_desc, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, tile_count_ptr,
+        out_ptr, qk_scale, num_blocks, num_tokens, table_width, max_tiles, stride_bt, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COUNTED: gl.constexpr,
+    ):  # fmt: skip
+        """Persistent: program ``pid`` takes items ``pid, pid + grid, ...`` below ``max_tiles x
+        NUM_HEADS`` (COUNTED: below ``tile_count[0]`` entries, read on the device and clamped to
+        ``max_tiles``, so a fixed grid serves every step of a CUDA-graph bucket). The producer
+        loads the next item's Q and key tiles while the consumers finish the last one."""
+        if COUNTED:
+            num_items = gl.minimum(gl.maximum(gl.load(tile_count_ptr), 0), max_tiles) * NUM_HEADS
+        else:
+            num_items = max_tiles * NUM_HEADS
+        dtype: gl.constexpr = q_desc.dtype
         q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -310,21 +357,23 @@ if _GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # one arrive per consumer
-        mbarrier.init(q_bars.index(0), count=1)
-        mbarrier.init(q_bars.index(1), count=1)
-        kv_col = (h // GROUP) * HEAD_DIM
-        table_row = block_tables_ptr + row.to(gl.int64) * stride_bt
+        mbarrier.init(q_bars.index(0), count=1)  # Q loaded (both halves)
+        mbarrier.init(q_bars.index(1), count=2)  # Q free again: one arrive per consumer
 
         gl.warp_specialize(
             [
-                (_consumer, (q_desc, q_smem0, q_bars.index(0), k_bufs, v_bufs, ready, empty, out_ptr, qk_scale,
-                             q_start, tile, h, q_len, seq_len, first_pos, kv_end, n_tiles, num_tokens, stride_ot,
-                             stride_oh, 0, HEAD_DIM, HALF_M, BLOCK_N, STAGES)),
-                (_consumer, (q_desc, q_smem1, q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr, qk_scale,
-                             q_start, tile, h, q_len, seq_len, first_pos, kv_end, n_tiles, num_tokens, stride_ot,
-                             stride_oh, 1, HEAD_DIM, HALF_M, BLOCK_N, STAGES)),
-                (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, table_row, n_tiles, table_width,
-                             num_blocks, kv_col, BLOCK_SIZE, BLOCK_N, STAGES)),
+                (_consumer, (q_smem0, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr,
+                             qk_scale, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, num_items, table_width,
+                             num_tokens, stride_ot, stride_oh, 0, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+                             STAGES)),
+                (_consumer, (q_smem1, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr,
+                             qk_scale, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, num_items, table_width,
+                             num_tokens, stride_ot, stride_oh, 1, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
+                             STAGES)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, q_bars.index(0), q_bars.index(1), k_bufs,
+                             v_bufs, ready, empty, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                             tile_index_ptr, num_items, stride_bt, table_width, num_blocks, NUM_HEADS, GROUP,
+                             HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, 4],  # consumer warpgroup 1, producer warpgroup (the default partition is consumer 0)
             [240, 24],  # registers per thread: 2 x 128 x 240 + 128 x 24 <= 64K
@@ -359,21 +408,34 @@ def hopper_prefill(
     *,
     softmax_scale: float,
     out: torch.Tensor,
+    programs: int,
+    tile_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of every new token; writes and returns ``out``. The arguments
     are :func:`.prefill.paged_prefill`'s (``tile_index`` built with ``block_m``
-    :data:`HOPPER_PREFILL_BLOCK_M`); the caller checked :func:`hopper_prefill_applies`."""
+    :data:`HOPPER_PREFILL_BLOCK_M`); the caller checked :func:`hopper_prefill_applies`.
+
+    programs:   persistent programs (one per SM is the fastest: a program fills an SM's shared
+                memory); the grid is ``min(programs, items)`` without ``tile_count``.
+    tile_count: int32 [1] on the device: only its first entries (clamped to the index) are work,
+                and the grid is ``programs`` whatever the step (CUDA graphs).
+    """
     num_tiles = tile_index.shape[0]
     if num_tiles == 0:
         return out
+    if programs < 1:
+        raise ValueError(f"programs: {programs} must be >= 1")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     q_desc, k_desc, v_desc = _descriptors(query, k_cache, v_cache)
-    _hopper_prefill_kernel[(num_tiles * num_heads,)](
-        q_desc, k_desc, v_desc, block_tables, seq_lens, query_start_loc, tile_index, out,
-        softmax_scale * _LOG2E, num_blocks, query.shape[0], block_tables.shape[1], block_tables.stride(0),
+    grid = programs if tile_count is not None else min(programs, num_tiles * num_heads)
+    _hopper_prefill_kernel[(grid,)](
+        q_desc, k_desc, v_desc, block_tables, seq_lens, query_start_loc, tile_index,
+        tile_count if tile_count is not None else seq_lens, out,
+        softmax_scale * _LOG2E, num_blocks, query.shape[0], block_tables.shape[1], num_tiles, block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=HOPPER_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=_STAGES, num_warps=4,
+        BLOCK_M=HOPPER_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=_STAGES, COUNTED=tile_count is not None,
+        num_warps=4,
     )  # fmt: skip
     return out
