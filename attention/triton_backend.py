@@ -35,9 +35,10 @@ from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
 from attention.rotary import RotaryTable
 from attention.spec import AttentionSpec
-from attention.staging import BufferRequest, PlanStaging, StepCapacity
+from attention.staging import BufferRequest, DirectStaging, PlanStaging, StepCapacity
 from attention.synthetic import scratch_layer, synthetic_metadata
 from attention.triton_kernels import (
+    FP8_KV_DTYPES,
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
     DecodePolicy,
@@ -59,6 +60,7 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
+from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     min_program_latents,
@@ -70,7 +72,12 @@ from attention.triton_kernels.mla_balanced import (
 from attention.triton_kernels.mla_decode import MLALaunch, causal_queries, default_mla_launch, mla_attention
 from attention.triton_kernels.mla_prefill import default_mla_prefill_config, mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
-from attention.triton_kernels.prefill_hopper import hopper_prefill, hopper_prefill_applies
+from attention.triton_kernels.prefill_hopper import (
+    HOPPER_PREFILL_BLOCK_M,
+    hopper_prefill,
+    hopper_prefill_applies,
+    hopper_prefill_possible,
+)
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -79,6 +86,10 @@ __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "Tr
 INTERPRETER_NUM_SMS = 132
 #: Smallest prefill tile height (rows of Q per program).
 _MIN_BLOCK_M = 16
+#: The most memory the 16-bit copy of an fp8 step's blocks may take (K and V) for the Hopper
+#: prefill kernel; a larger step stays on the Triton kernel (which reads fp8 directly).
+_DEQUANT_SCRATCH_BYTES = 1 << 30
+
 #: Persistent prefill programs per SM on a fixed (CUDA-graph) grid.
 _PREFILL_PROGRAMS_PER_SM = 2
 
@@ -125,6 +136,18 @@ class PrefillLaunch:
     tile_index: torch.Tensor
     tile_count: torch.Tensor | None = None
     programs: int | None = None
+    dequant: BlockDequant | None = None
+
+
+@dataclass(frozen=True)
+class BlockDequant:
+    """An eager step over an fp8 cache on the Hopper kernel: the cache blocks its prefill rows
+    read, as (row, column) of the step's block table (int32 [n, 2], device), are copied
+    dequantized into a 16-bit scratch cache that ``tables`` (int32 [batch, width], device)
+    indexes (:mod:`~attention.triton_kernels.dequantize_blocks`)."""
+
+    sources: torch.Tensor
+    tables: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -380,13 +403,38 @@ class TritonBackend(AttentionBackend):
         pairs = prefill_tile_index(meta.seq_lens_host, q_lens, config.block_m, rows)
         values = array("i", [v for pair in pairs for v in pair])
         if not fixed:
-            return PrefillLaunch(config, staging.stage("prefill_tiles", values).view(-1, 2))
+            tiles = staging.stage("prefill_tiles", values).view(-1, 2)
+            return PrefillLaunch(config, tiles, dequant=self._plan_dequant(meta, rows, config))
         grid_tiles = max_prefill_tiles(meta.padded_batch, meta.num_tokens, config.block_m)
         values.extend(array("i", PAD_TILE) * (grid_tiles - len(pairs)))
         tiles = staging.stage("prefill_tiles", values).view(-1, 2)
         count = staging.stage("prefill_tile_count", array("i", [len(pairs)]))
         programs = _PREFILL_PROGRAMS_PER_SM * self._sms(meta.device)
         return PrefillLaunch(config, tiles, count, programs)
+
+    def _plan_dequant(
+        self, meta: AttentionMetadata, rows: tuple[int, ...], config: PrefillConfig
+    ) -> BlockDequant | None:
+        """For an eager step over an fp8 cache that the Hopper kernel could take (its shapes,
+        no cap or sinks in the spec): the blocks to dequantize, unless their 16-bit copy would
+        pass ``_DEQUANT_SCRATCH_BYTES``. Its arrays go up in pinned memory, without a host wait."""
+        spec = self.spec
+        if not spec.quantized_cache or spec.token_scaled_cache or not self.hopper_prefill:
+            return None
+        if self.prefill_config is not None or config.block_m != HOPPER_PREFILL_BLOCK_M:
+            return None
+        if spec.logit_softcap is not None or spec.head_dim not in (64, 128) or meta.block_size % 128:
+            return None
+        if not hopper_prefill_possible(meta.device):
+            return None
+        plan = plan_block_dequant(meta.seq_lens_host, rows, meta.block_size)
+        block_bytes = 2 * meta.block_size * spec.num_kv_heads * spec.head_dim * self.compute_dtype.itemsize
+        if plan.num_blocks * block_bytes > _DEQUANT_SCRATCH_BYTES:
+            return None
+        direct = DirectStaging(meta.device)
+        sources = direct.stage("prefill_dequant_sources", plan.sources).view(-1, 2)
+        tables = direct.stage("prefill_dequant_tables", plan.tables).view(plan.batch, plan.width)
+        return BlockDequant(sources, tables)
 
     def _decode_launch_config(self, query_len: int) -> DecodeConfig:
         """The launch parameters for rows of up to ``query_len`` new tokens."""
@@ -545,44 +593,52 @@ class TritonBackend(AttentionBackend):
                 window=window,
                 tree_masks=meta.tree_masks,
             )
-        if plan.prefill is not None and self._hopper_prefill_applies(query, layer, target, plan.prefill, window, sinks):
-            hopper_prefill(
-                query,
-                layer.key,
-                layer.value,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                plan.prefill.tile_index,
-                softmax_scale=scale,
-                out=target,
-                programs=self._sms(query.device),
-                tile_count=plan.prefill.tile_count,
-            )
-        elif plan.prefill is not None:
-            p = plan.prefill
-            paged_prefill(
-                query,
-                layer.key,
-                layer.value,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                p.tile_index,
-                softmax_scale=scale,
-                out=target,
-                config=p.config,
-                window=window,
-                k_scale=layer.k_scale,
-                v_scale=layer.v_scale,
-                tile_count=p.tile_count,
-                programs=p.programs,
-                softcap=self.spec.logit_softcap,
-                sinks=sinks,
-            )
+        if plan.prefill is not None:
+            self._prefill(query, layer, target, plan.prefill, meta, window, sinks)
         if target is not result:
             result.copy_(target)
         return result
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        out: torch.Tensor,
+        launch: PrefillLaunch,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """The step's prefill rows of one layer, on the Hopper kernel where it applies (over a
+        dequantized copy of an fp8 step's blocks where the plan made one), else on the Triton
+        kernel."""
+        scale = self.spec.scale
+        common = (meta.seq_lens, meta.query_start_loc, launch.tile_index)
+        dequant = launch.dequant
+        if (
+            dequant is not None
+            and layer.k_scale is not None
+            and layer.v_scale is not None
+            and self._dequant_prefill_applies(query, layer, out, launch, window, sinks)
+        ):
+            key, value = dequantize_blocks(
+                layer.key, layer.value, layer.k_scale, layer.v_scale, meta.block_tables, dequant.sources, query.dtype
+            )
+            hopper_prefill(
+                query, key, value, dequant.tables, *common, softmax_scale=scale, out=out,
+                programs=self._sms(query.device),
+            )  # fmt: skip
+        elif self._hopper_prefill_applies(query, layer, out, launch, window, sinks):
+            hopper_prefill(
+                query, layer.key, layer.value, meta.block_tables, *common, softmax_scale=scale, out=out,
+                programs=self._sms(query.device), tile_count=launch.tile_count,
+            )  # fmt: skip
+        else:
+            paged_prefill(
+                query, layer.key, layer.value, meta.block_tables, *common, softmax_scale=scale, out=out,
+                config=launch.config, window=window, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                tile_count=launch.tile_count, programs=launch.programs, softcap=self.spec.logit_softcap, sinks=sinks,
+            )  # fmt: skip
 
     def _hopper_prefill_applies(
         self,
@@ -600,12 +656,47 @@ class TritonBackend(AttentionBackend):
             return False
         return hopper_prefill_applies(
             query,
-            layer.key,
-            layer.value,
             out,
+            cache_dtype=layer.key.dtype,
+            block_size=layer.block_size,
+            contiguous_caches=layer.key.is_contiguous() and layer.value.is_contiguous(),
             block_m=launch.config.block_m,
             window=window,
             quantized=layer.k_scale is not None or self.spec.quantized_cache,
+            softcap=self.spec.logit_softcap,
+            sinks=sinks,
+        )
+
+    def _dequant_prefill_applies(
+        self,
+        query: torch.Tensor,
+        layer: LayerCache,
+        out: torch.Tensor,
+        launch: PrefillLaunch,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> bool:
+        """Whether this layer's prefill rows run on the Hopper kernel over a dequantized copy of
+        their blocks: the plan made one (an eager step, an fp8 cache, the kernel's shapes), the
+        layer has per-KV-head scales, and the copy (16-bit, contiguous) meets
+        :func:`hopper_prefill_applies`."""
+        if launch.dequant is None or not self.hopper_prefill or self.prefill_config is not None:
+            return False
+        if layer.key.dtype not in FP8_KV_DTYPES or not layer.key.is_contiguous():
+            return False
+        kvh = self.spec.num_kv_heads
+        scales = (layer.k_scale, layer.v_scale)
+        if any(x is None or x.numel() != kvh for x in scales):  # one per KV head
+            return False
+        return hopper_prefill_applies(
+            query,
+            out,
+            cache_dtype=query.dtype,
+            block_size=layer.block_size,
+            contiguous_caches=True,
+            block_m=launch.config.block_m,
+            window=window,
+            quantized=False,
             softcap=self.spec.logit_softcap,
             sinks=sinks,
         )

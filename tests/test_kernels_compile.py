@@ -1,4 +1,4 @@
-"""The fused boundary kernel, the prefill kernel (its launch per tile and its persistent
+"""The fused boundary kernel, the fp8 block dequantization, the prefill kernel (its launch per tile and its persistent
 fixed-grid form), the MLA decode kernels (split and balanced schedules, bf16 and fp8 latents)
 and the model's elementwise kernels compile for the H200 (sm_90) without a
 GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU compiler
@@ -21,6 +21,7 @@ from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
 from attention.triton_kernels.prefill import _prefill_kernel
 from attention.triton_kernels.mla_decode import _mla_decode_kernel, _mla_merge_kernel
 from attention.triton_kernels.mla_balanced import _mla_balanced_kernel, _mla_balanced_merge_kernel
+from attention.triton_kernels.dequantize_blocks import _dequantize_blocks_kernel
 
 def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
@@ -96,8 +97,18 @@ def mla_merge(balanced, direct=False):
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
     return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64, BLOCK_TAIL=0))
 
+def dequant(out):
+    sig = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+           "tables_ptr": "*i32", "sources_ptr": "*i32", "k_out_ptr": out, "v_out_ptr": out}
+    for name in ("num_blocks", "num_rows", "table_width", "stride_bt", "stride_vb", "stride_vt", "stride_vh",
+                 "stride_vd"):
+        sig[name] = "i32"
+    return source(_dequantize_blocks_kernel, sig, dict(BLOCK_SIZE=256, KV_HEADS=8, HEAD_DIM=128, D_PAD=128, TOKENS=32))
+
 target = GPUTarget("cuda", 90, 32)
 kernels = {
+    "dequantize-blocks-bf16": dequant("*bf16"),
+    "dequantize-blocks-fp16": dequant("*fp16"),
     "mla-split-bf16": mla("*bf16", "*bf16", False),
     "mla-split-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", False, block_size=32, block_n=64),
     "mla-balanced-bf16-unrolled": mla("*bf16", "*bf16", True, unrolled=2),
@@ -139,4 +150,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 27, report
+    assert len(report) == 29, report

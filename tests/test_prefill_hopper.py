@@ -70,11 +70,11 @@ def test_backend_prefill_matches_float64(
 
 
 def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[int]) -> None:
-    """A sliding window, an fp8 cache, blocks of 32 and hopper_prefill=False keep the
-    Triton kernel (and still match the oracle)."""
+    """A sliding window, blocks of 32, an int8 cache and hopper_prefill=False keep the Triton
+    kernel (and still match the oracle)."""
     cases = [
         (make_spec(8, 2, 128, torch.bfloat16, sliding_window=100), 256, True),
-        (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3"), 256, True),
+        (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="int8"), 256, True),
         (make_spec(8, 2, 128, torch.bfloat16), 32, True),
         (make_spec(8, 2, 128, torch.bfloat16), 256, False),
     ]
@@ -87,6 +87,24 @@ def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[i
         err = rel_err(out[: case.meta.num_real_tokens].float(), reference_output(case))
         assert err < (6e-2 if spec.quantized_cache else 1e-2), (spec, block_size, err)
     assert not hopper_calls
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 128, 256), (9, 3, 64, 128)])
+def test_fp8_cache_through_a_dequantized_copy(
+    hopper_calls: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """An eager step over an fp8 cache (V token-major, as kvcache allocates it) runs on the
+    Hopper kernel over a 16-bit copy of the blocks its rows read, and matches the oracle on the
+    dequantized cache."""
+    spec = make_spec(heads, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="float8_e4m3")
+    case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=11)
+    backend = TritonBackend(spec)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    out = backend.attend(case.query, case.layer, plan)
+    assert hopper_calls, "the step should have run on the Hopper kernel"
+    err = rel_err(out[: case.meta.num_real_tokens].float(), reference_output(case))
+    assert err < 1e-2, err
 
 
 def test_fixed_grid_matches_the_eager_launch() -> None:

@@ -10,7 +10,10 @@ One concept per module:
                            Python; fixed grids for CUDA graphs);
 - :mod:`.decode_kernels`:  the decode kernels (one program per chunk and KV head, combine);
 - :mod:`.decode`:          their launch parameters, workspace and launcher;
-- :mod:`.prefill`:         FlashAttention-2 style varlen causal attention for prefill/extend.
+- :mod:`.prefill`:         FlashAttention-2 style varlen causal attention for prefill/extend;
+- :mod:`.prefill_hopper`:  the same on Hopper in Gluon, warp-specialized (FlashAttention-3's
+                           layout), for the common 16-bit case;
+- :mod:`.dequantize_blocks`: a 16-bit copy of the blocks an fp8 prefill step reads, for it.
 
 Triton decides at decoration time whether a kernel is compiled for the GPU or run by its CPU
 interpreter (``TRITON_INTERPRET=1``), so that variable must be set before this package is

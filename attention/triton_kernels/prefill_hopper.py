@@ -5,7 +5,8 @@ the paged K/V; work items are (query tile, query head) of :func:`.prefill.prefil
 with ``block_m`` 128), for the common case only: a 16-bit cache in the query's dtype, no
 sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 128 tokens. The
 triton backend sends such steps here (:func:`hopper_prefill_applies`), eager and CUDA-graph
-alike, and everything else to :func:`.prefill.paged_prefill`.
+alike, and everything else to :func:`.prefill.paged_prefill`. Eager steps over an fp8 cache
+come here too, through a 16-bit copy of the blocks they read (:mod:`.dequantize_blocks`).
 
 Why a second kernel: the Triton kernel tops out at 0.66-0.81x of torch SDPA (cuDNN) on dense
 K/V on the H200; Triton 3.6 gives no control over warp roles or MMA issue order
@@ -67,6 +68,7 @@ __all__ = [
     "gluon_available",
     "hopper_prefill",
     "hopper_prefill_applies",
+    "hopper_prefill_possible",
 ]
 
 #: Query rows per program (two consumer warpgroups of 64); the tile index must use it.
@@ -88,33 +90,38 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def hopper_prefill_possible(device: torch.device) -> bool:
+    """Whether the Hopper kernel can run on ``device`` at all: an sm_90 GPU and a Triton with
+    Gluon (compiled kernels)."""
+    return gluon_available() and device.type == "cuda" and _is_sm90(device.index or 0)
+
+
 def hopper_prefill_applies(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     out: torch.Tensor,
     *,
+    cache_dtype: torch.dtype,
+    block_size: int,
+    contiguous_caches: bool,
     block_m: int,
     window: int | None,
     quantized: bool,
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> bool:
-    """Whether :func:`hopper_prefill` serves this layer call: an sm_90 GPU with Gluon, a tile
-    index of ``block_m`` 128, no window / cap / sinks / 8-bit cache, a contiguous cache in the
+    """Whether :func:`hopper_prefill` serves a layer call: an sm_90 GPU with Gluon, a tile
+    index of ``block_m`` 128, no window / cap / sinks / scales, contiguous caches in the
     query's 16-bit dtype with blocks of a multiple of 128 tokens, head_dim 64 or 128, and a
     query / out whose rows TMA and the stores can address (unit stride along head_dim, heads
     packed, 16-byte aligned rows)."""
-    if not (gluon_available() and query.is_cuda and _is_sm90(query.device.index or 0)):
+    if not hopper_prefill_possible(query.device):
         return False
     if block_m != HOPPER_PREFILL_BLOCK_M or window is not None or quantized or softcap is not None:
         return False
-    if sinks is not None or query.dtype not in (torch.bfloat16, torch.float16):
+    if sinks is not None or query.dtype not in (torch.bfloat16, torch.float16) or cache_dtype != query.dtype:
         return False
     head_dim = query.shape[2]
-    if head_dim not in _HEAD_DIMS or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        return False
-    if k_cache.shape[1] % _BLOCK_N or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if head_dim not in _HEAD_DIMS or block_size % _BLOCK_N or not contiguous_caches:
         return False
     row_bytes = query.stride(0) * query.element_size()
     if query.stride(2) != 1 or query.stride(1) != head_dim or row_bytes % 16 or query.data_ptr() % 16:

@@ -1,0 +1,133 @@
+"""Dequantize the cache blocks a prefill step reads into a 16-bit scratch cache.
+
+Prefill is compute-bound: over an fp8 cache the attention kernel does the same multiply-adds
+as over a 16-bit one, and the Hopper prefill kernel (:mod:`.prefill_hopper`) takes only 16-bit
+tiles. So for an fp8 cache (a scale per KV head) the backend first copies the blocks its
+prefill rows read, dequantized (``(x.float() * scale).to(dtype)``, exactly what the Triton
+kernels compute on the fly), into a contiguous scratch cache laid out row after row, and runs
+the 16-bit kernel over it with a block table that points there
+(:func:`plan_block_dequant`). Reading the fp8 blocks and writing them at 16 bits moves three
+times their bytes once per layer call, while the attention does hundreds of multiply-adds per
+byte read. On the H200 (``benchmarks/results/prefill-hopper-fp8-dequant-2026-12-04.json``), copy
+and kernel together ran at 0.97-1.06x the bf16 cache's speed at 8x4096 / 32x1024 / 2x16384: the
+copy is compact (a row's blocks in order), which the kernel reads faster than scattered
+blocks. The copy is transient memory outside the cache sizing, capped by the backend
+(``_DEQUANT_SCRATCH_BYTES``, 1 GiB; larger steps stay on the Triton kernel).
+
+The plan is made on the host from host lengths; the kernel reads block ids from the device
+block table, and maps any id outside the cache (or a column outside the table) to block 0.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.triton_kernels.paging import next_power_of_2
+
+__all__ = ["BlockDequantPlan", "dequantize_blocks", "plan_block_dequant"]
+
+_TOKENS = 32  # tokens per program
+
+
+@dataclass(frozen=True)
+class BlockDequantPlan:
+    """Which cache blocks to dequantize, and the table of the scratch cache.
+
+    sources: (row, column) of the step's block table for each scratch block, host int32 array
+             of 2 x num_blocks entries, row-major (scratch block i holds the block at
+             ``block_tables[sources[2i], sources[2i + 1]]``).
+    tables:  the scratch cache's block table, host int32 array of ``batch x width`` entries:
+             row r's column c is its scratch block, -1 past the row's blocks (and for rows not
+             planned).
+    """
+
+    sources: array
+    tables: array
+    num_blocks: int
+    batch: int
+    width: int
+
+
+def plan_block_dequant(seq_lens: Sequence[int], rows: Sequence[int], block_size: int) -> BlockDequantPlan:
+    """The blocks rows ``rows`` read (``ceil(seq_lens[r] / block_size)`` each, host lengths),
+    placed row after row in the scratch cache."""
+    counts = {r: -(-max(seq_lens[r], 0) // block_size) for r in rows}
+    width = max(counts.values(), default=0) or 1
+    batch = len(seq_lens)
+    tables = array("i", [-1]) * (batch * width)
+    sources = array("i")
+    next_block = 0
+    for r, n in counts.items():
+        for c in range(n):
+            tables[r * width + c] = next_block + c
+            sources.extend((r, c))
+        next_block += n
+    return BlockDequantPlan(sources, tables, next_block, batch, width)
+
+
+@triton.jit
+def _dequantize_blocks_kernel(  # type: ignore[no-untyped-def]
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr,
+    num_blocks, num_rows, table_width, stride_bt, stride_vb, stride_vt, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    TOKENS: tl.constexpr,
+):  # fmt: skip
+    """Program (i, h, t): tokens ``t * TOKENS ..`` of KV head ``h`` of scratch block ``i``.
+    K is contiguous; V has strides ``stride_v*`` (contiguous or token-major); the output is
+    contiguous ``[num_scratch_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]``."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(sources_ptr + 2 * i)
+    col = tl.load(sources_ptr + 2 * i + 1)
+    ok = (row >= 0) & (row < num_rows) & (col >= 0) & (col < table_width)
+    src = tl.load(tables_ptr + tl.where(ok, row, 0).to(tl.int64) * stride_bt + tl.where(ok, col, 0))
+    src = tl.where(ok & (src >= 0) & (src < num_blocks), src, 0).to(tl.int64)
+    t = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)
+    d = tl.arange(0, D_PAD)
+    mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
+    row_off = (t[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :]
+    k = tl.load(k_ptr + src * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + row_off, mask=mask, other=0.0)
+    v_off = src * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :] * stride_vd
+    v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+    out_off = i.to(tl.int64) * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + row_off
+    ks = tl.load(k_scale_ptr + h)
+    vs = tl.load(v_scale_ptr + h)
+    tl.store(k_out_ptr + out_off, (k.to(tl.float32) * ks).to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + out_off, (v.to(tl.float32) * vs).to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    sources: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks ``sources`` (int32 [n, 2] of (row, column) of ``block_tables``, on the
+    device) of an fp8 cache with per-KV-head scales (fp32 [kv_heads]) as two new contiguous
+    ``[n, block_size, kv_heads, head_dim]`` caches of ``dtype``. K contiguous, V contiguous or
+    token-major (:mod:`attention.value_layout`)."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    if not k_cache.is_contiguous():
+        raise ValueError(f"k_cache: expected a contiguous cache, got strides {k_cache.stride()}")
+    n = sources.shape[0]
+    k_out = torch.empty(n, block_size, kv_heads, head_dim, dtype=dtype, device=k_cache.device)
+    v_out = torch.empty_like(k_out)
+    if n == 0:
+        return k_out, v_out
+    grid = (n, kv_heads, triton.cdiv(block_size, _TOKENS))
+    _dequantize_blocks_kernel[grid](
+        k_cache, v_cache, k_scale, v_scale, block_tables, sources, k_out, v_out,
+        num_blocks, block_tables.shape[0], block_tables.shape[1], block_tables.stride(0), *v_cache.stride(),
+        BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=next_power_of_2(max(head_dim, 16)),
+        TOKENS=_TOKENS,
+    )  # fmt: skip
+    return k_out, v_out

@@ -1,0 +1,53 @@
+"""attention/triton_kernels/dequantize_blocks.py: the plan of which blocks an fp8 prefill step
+copies at 16 bits (host), and the copy kernel (the Triton interpreter without a GPU, compiled
+on one) against torch's dequantization of the same blocks, for contiguous and token-major V,
+with block ids and table positions outside the cache mapped to block 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.triton_kernels import kernels_interpreted
+from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
+from attention.value_layout import token_major_view
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_plan_places_each_rows_blocks_in_turn() -> None:
+    plan = plan_block_dequant([70, 5, 0, 33], rows=[0, 3, 2], block_size=32)
+    assert (plan.num_blocks, plan.batch, plan.width) == (3 + 2 + 0, 4, 3)
+    table = [list(plan.tables[r * 3 : r * 3 + 3]) for r in range(4)]
+    assert table == [[0, 1, 2], [-1, -1, -1], [-1, -1, -1], [3, 4, -1]]
+    assert list(plan.sources) == [0, 0, 0, 1, 0, 2, 3, 0, 3, 1]
+
+
+def test_plan_of_no_blocks() -> None:
+    plan = plan_block_dequant([0, 0], rows=[0, 1], block_size=128)
+    assert plan.num_blocks == 0 and len(plan.sources) == 0 and list(plan.tables) == [-1, -1]
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copy_matches_torch_dequantization(token_major: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    blocks, bs, kvh, d = 7, 32, 2, 48  # head_dim not a power of two: the padded lanes are masked
+    k8 = (torch.randn(blocks, bs, kvh, d, generator=gen) * 3).to(torch.float8_e4m3fn).to(DEVICE)
+    v_dense = (torch.randn(blocks, bs, kvh, d, generator=gen) * 3).to(torch.float8_e4m3fn).to(DEVICE)
+    v8 = token_major_view(torch.empty_like(v_dense)).copy_(v_dense) if token_major else v_dense
+    k_scale = (torch.rand(kvh, generator=gen) + 0.5).to(DEVICE)
+    v_scale = (torch.rand(kvh, generator=gen) + 0.5).to(DEVICE)
+    tables = torch.tensor([[4, 2, 6], [1, -3, 99]], dtype=torch.int32, device=DEVICE)
+    # (row, column): in range, a negative id, an id past the cache, a column past the table.
+    sources = torch.tensor([[0, 0], [0, 2], [1, 0], [1, 1], [1, 2], [0, 5], [7, 0]], dtype=torch.int32, device=DEVICE)
+    key, value = dequantize_blocks(k8, v8, k_scale, v_scale, tables, sources, dtype)
+    expect_ids = [4, 6, 1, 0, 0, 0, 0]
+    # The interpreter keeps bf16 as raw bits and rounds float32 to it toward zero: one ulp.
+    rtol = 2.0**-7 if kernels_interpreted() and dtype == torch.bfloat16 else 0.0
+    for i, src in enumerate(expect_ids):
+        k_ref = (k8[src].float() * k_scale[None, :, None]).to(dtype)
+        v_ref = (v_dense[src].float() * v_scale[None, :, None]).to(dtype)
+        torch.testing.assert_close(key[i], k_ref, rtol=rtol, atol=0.0, msg=f"K of scratch block {i}")
+        torch.testing.assert_close(value[i], v_ref, rtol=rtol, atol=0.0, msg=f"V of scratch block {i}")
+    assert key.is_contiguous() and value.is_contiguous() and key.dtype == dtype
