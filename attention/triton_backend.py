@@ -659,7 +659,7 @@ class TritonBackend(AttentionBackend):
             out,
             cache_dtype=layer.key.dtype,
             block_size=layer.block_size,
-            contiguous_caches=layer.key.is_contiguous() and layer.value.is_contiguous(),
+            tma_caches=all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (layer.key, layer.value)),
             block_m=launch.config.block_m,
             window=window,
             quantized=layer.k_scale is not None or self.spec.quantized_cache,
@@ -693,7 +693,7 @@ class TritonBackend(AttentionBackend):
             out,
             cache_dtype=query.dtype,
             block_size=layer.block_size,
-            contiguous_caches=True,
+            tma_caches=True,  # the copy: fresh contiguous tensors
             block_m=launch.config.block_m,
             window=window,
             quantized=False,

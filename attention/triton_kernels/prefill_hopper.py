@@ -93,7 +93,9 @@ def _is_sm90(index: int) -> bool:
 def hopper_prefill_possible(device: torch.device) -> bool:
     """Whether the Hopper kernel can run on ``device`` at all: an sm_90 GPU and a Triton with
     Gluon (compiled kernels)."""
-    return gluon_available() and device.type == "cuda" and _is_sm90(device.index or 0)
+    if not gluon_available() or device.type != "cuda":
+        return False
+    return _is_sm90(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def hopper_prefill_applies(
@@ -102,7 +104,7 @@ def hopper_prefill_applies(
     *,
     cache_dtype: torch.dtype,
     block_size: int,
-    contiguous_caches: bool,
+    tma_caches: bool,
     block_m: int,
     window: int | None,
     quantized: bool,
@@ -110,10 +112,10 @@ def hopper_prefill_applies(
     sinks: torch.Tensor | None,
 ) -> bool:
     """Whether :func:`hopper_prefill` serves a layer call: an sm_90 GPU with Gluon, a tile
-    index of ``block_m`` 128, no window / cap / sinks / scales, contiguous caches in the
-    query's 16-bit dtype with blocks of a multiple of 128 tokens, head_dim 64 or 128, and a
-    query / out whose rows TMA and the stores can address (unit stride along head_dim, heads
-    packed, 16-byte aligned rows)."""
+    index of ``block_m`` 128, no window / cap / sinks / scales, caches in the query's 16-bit
+    dtype with blocks of a multiple of 128 tokens that TMA can read (``tma_caches``:
+    contiguous, 16-byte aligned), head_dim 64 or 128, and a query / out whose rows TMA and the
+    stores can address (unit stride along head_dim, heads packed, 16-byte aligned rows)."""
     if not hopper_prefill_possible(query.device):
         return False
     if block_m != HOPPER_PREFILL_BLOCK_M or window is not None or quantized or softcap is not None:
@@ -121,7 +123,7 @@ def hopper_prefill_applies(
     if sinks is not None or query.dtype not in (torch.bfloat16, torch.float16) or cache_dtype != query.dtype:
         return False
     head_dim = query.shape[2]
-    if head_dim not in _HEAD_DIMS or block_size % _BLOCK_N or not contiguous_caches:
+    if head_dim not in _HEAD_DIMS or block_size % _BLOCK_N or not tma_caches:
         return False
     row_bytes = query.stride(0) * query.element_size()
     if query.stride(2) != 1 or query.stride(1) != head_dim or row_bytes % 16 or query.data_ptr() % 16:
