@@ -6,7 +6,9 @@ wrong token is ``test_bench_tiers.py``."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,23 @@ def test_an_earlier_runs_files_are_deleted_and_other_layouts_left_alone(tmp_path
     assert not first.folder.exists() and not legacy.exists()
     assert not second.holds(key(9, 9, 9, 9)) and list(second.folder.glob("*.kv")) == []
     assert other.exists()  # outside the layout folder: untouched
+
+
+def test_a_folder_left_half_claimed_is_deleted_once_stale(tmp_path: Path) -> None:
+    """A tier that died between making its folder and renaming it left ``.run-*.new``: the
+    next tier deletes it once it is older than a claim takes, and leaves a fresh one (another
+    process may be claiming it right now)."""
+    first = disk(tmp_path)
+    stale = first.layout_folder / ".run-1-deadbeef.new"
+    fresh = first.layout_folder / ".run-2-cafef00d.new"
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / ".lock").write_bytes(b"")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    disk(tmp_path)
+    assert not stale.exists() and fresh.exists()
+    assert first.folder.exists()  # the live tier's own folder stays
 
 
 def test_live_tiers_sharing_a_directory_keep_to_their_own_files(tmp_path: Path) -> None:

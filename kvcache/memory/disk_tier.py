@@ -41,6 +41,7 @@ import secrets
 import shutil
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ _SUFFIX = ".kv"
 #: A tier's folder: ``run-<pid>-<random>``, holding ``.lock`` while the tier lives.
 _RUN_PREFIX = "run-"
 _LOCK_NAME = ".lock"
+#: A folder still under its temporary name (``.run-*.new``) this many seconds after it was
+#: made belongs to a tier that died between making and renaming it (that takes microseconds).
+_STALE_MAKING_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -369,13 +373,19 @@ def _claim_folder(layout_folder: Path) -> tuple[Path, IO[bytes]]:
 
 def _remove_dead_tiers(layout_folder: Path) -> None:
     """Delete what tiers that are gone left under ``layout_folder``: block files directly in it
-    (the layout before per-tier folders) and every ``run-*`` folder whose lock can be taken
-    (never a live tier's: it holds its lock). Errors are ignored: another process may be
-    deleting the same folder."""
+    (the layout before per-tier folders), every ``run-*`` folder whose lock can be taken
+    (never a live tier's: it holds its lock), and folders left under their temporary name
+    (``.run-*.new``) more than ``_STALE_MAKING_S`` ago by a tier that died while claiming
+    one. Errors are ignored: another process may be deleting the same folder."""
+    now = time.time()
     for entry in layout_folder.iterdir():
         if entry.is_file() and entry.suffix in (_SUFFIX, ".tmp"):
             with contextlib.suppress(OSError):
                 entry.unlink()
+        elif entry.is_dir() and entry.name.startswith("." + _RUN_PREFIX) and entry.name.endswith(".new"):
+            with contextlib.suppress(OSError):
+                if now - entry.stat().st_mtime > _STALE_MAKING_S:
+                    shutil.rmtree(entry, ignore_errors=True)
         elif entry.is_dir() and entry.name.startswith(_RUN_PREFIX) and fcntl is not None:
             try:
                 with open(entry / _LOCK_NAME, "a+b") as lock:
