@@ -44,10 +44,11 @@ import functools
 from typing import Any
 
 import torch
+import triton
 
 from attention.triton_kernels.paging import kernels_interpreted
 
-try:  # Gluon: Triton >= 3.6 with the NVIDIA backend
+try:  # Gluon: Triton >= 3.6 with the NVIDIA backend (earlier Gluon APIs differ)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -59,7 +60,7 @@ try:  # Gluon: Triton >= 3.6 with the NVIDIA backend
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _GLUON = hasattr(gl, "warp_specialize")
+    _GLUON = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # pragma: no cover - older Triton
     _GLUON = False
 
