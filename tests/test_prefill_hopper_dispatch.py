@@ -1,0 +1,86 @@
+"""Which route the triton backend picks for a layer's prefill rows (Hopper kernel over the
+cache, over a dequantized copy, or the Triton kernel), decided on the host: checked here
+without a GPU by declaring the device able to run the Hopper kernel. The kernels themselves
+are tests/test_prefill_hopper.py's (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention.triton_kernels.prefill_hopper as prefill_hopper
+from attention import LayerCache
+from attention.triton_backend import BlockDequant, PrefillLaunch, TritonBackend
+from attention.triton_kernels import PrefillConfig
+from tests.paged_case import make_spec
+
+HEADS, KV_HEADS = 8, 2
+
+
+@pytest.fixture(autouse=True)
+def hopper_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefill_hopper, "hopper_prefill_possible", lambda device: True)
+
+
+def _launch(block_m: int = 128, dequant: bool = False) -> PrefillLaunch:
+    tiles = torch.zeros(1, 2, dtype=torch.int32)
+    plan = BlockDequant(tiles, tiles) if dequant else None
+    return PrefillLaunch(PrefillConfig(block_m=block_m, block_n=128), tiles, dequant=plan)
+
+
+def _layer(dtype: torch.dtype, block_size: int = 256, head_dim: int = 128, scales: bool = False) -> LayerCache:
+    key = torch.zeros(4, block_size, KV_HEADS, head_dim, dtype=dtype)
+    value = torch.zeros_like(key)
+    scale = torch.ones(KV_HEADS) if scales else None
+    return LayerCache(key, value, k_scale=scale, v_scale=scale)
+
+
+def _routes(backend: TritonBackend, layer: LayerCache, launch: PrefillLaunch, **kw: object) -> tuple[bool, bool]:
+    d = layer.key.shape[-1]
+    query = torch.zeros(300, HEADS, d, dtype=torch.bfloat16)
+    out = torch.empty_like(query)
+    window = kw.get("window")
+    args = (query, layer, out, launch, window, None)
+    return backend._hopper_prefill_applies(*args), backend._dequant_prefill_applies(*args)  # type: ignore[arg-type]
+
+
+def test_a_bf16_cache_runs_on_the_hopper_kernel() -> None:
+    backend = TritonBackend(make_spec(HEADS, KV_HEADS, 128, torch.bfloat16))
+    assert _routes(backend, _layer(torch.bfloat16), _launch()) == (True, False)
+    small = TritonBackend(make_spec(HEADS, KV_HEADS, 64, torch.bfloat16))
+    assert _routes(small, _layer(torch.bfloat16, block_size=128, head_dim=64), _launch()) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ({"block_size": 32}, "blocks under the 128-key tile"),
+        ({"head_dim": 96}, "head_dim neither 64 nor 128"),
+        ({"block_m": 64}, "a tile index of another height"),
+        ({"window": 100}, "a sliding window"),
+        ({"disabled": True}, "hopper_prefill=False"),
+        ({"config": True}, "a fixed prefill_config"),
+    ],
+)
+def test_the_triton_kernel_keeps_what_the_hopper_kernel_does_not_take(case: dict[str, object], why: str) -> None:
+    d = int(case.get("head_dim", 128))  # type: ignore[call-overload]
+    kw: dict[str, object] = {}
+    if case.get("disabled"):
+        kw["hopper_prefill"] = False
+    if case.get("config"):
+        kw["prefill_config"] = PrefillConfig()
+    backend = TritonBackend(make_spec(HEADS, KV_HEADS, d, torch.bfloat16), **kw)  # type: ignore[arg-type]
+    layer = _layer(torch.bfloat16, block_size=int(case.get("block_size", 256)), head_dim=d)  # type: ignore[call-overload]
+    launch = _launch(block_m=int(case.get("block_m", 128)))  # type: ignore[call-overload]
+    assert _routes(backend, layer, launch, window=case.get("window")) == (False, False), why
+
+
+def test_an_fp8_cache_runs_on_the_copy_only_when_the_plan_made_one() -> None:
+    spec = make_spec(HEADS, KV_HEADS, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3")
+    backend = TritonBackend(spec)
+    layer = _layer(torch.float8_e4m3fn, scales=True)
+    assert _routes(backend, layer, _launch(dequant=True)) == (False, True)
+    assert _routes(backend, layer, _launch(dequant=False)) == (False, False)
+    assert _routes(TritonBackend(spec, hopper_prefill=False), layer, _launch(dequant=True)) == (False, False)
+    unscaled = _layer(torch.float8_e4m3fn)
+    assert _routes(backend, unscaled, _launch(dequant=True)) == (False, False)
