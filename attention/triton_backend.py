@@ -77,6 +77,7 @@ from attention.triton_kernels.prefill_hopper import (
     hopper_prefill,
     hopper_prefill_applies,
     hopper_prefill_possible,
+    hopper_prefill_shape_ok,
 )
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
@@ -423,7 +424,7 @@ class TritonBackend(AttentionBackend):
             return None
         if self.prefill_config is not None or config.block_m != HOPPER_PREFILL_BLOCK_M:
             return None
-        if spec.logit_softcap is not None or spec.head_dim not in (64, 128) or meta.block_size % 128:
+        if spec.logit_softcap is not None or not hopper_prefill_shape_ok(spec.head_dim, meta.block_size):
             return None
         if not hopper_prefill_possible(meta.device):
             return None
@@ -649,22 +650,19 @@ class TritonBackend(AttentionBackend):
         window: int | None,
         sinks: torch.Tensor | None,
     ) -> bool:
-        """Whether this layer's prefill rows run on the Hopper kernel: enabled, no tuning
-        override, and what :func:`hopper_prefill_applies` asks of the tensors. (On a fixed
-        CUDA-graph grid it runs one persistent program per SM, as it does eagerly.)"""
-        if not self.hopper_prefill or self.prefill_config is not None:
-            return False
-        return hopper_prefill_applies(
+        """Whether this layer's prefill rows run on the Hopper kernel over the cache itself:
+        enabled, no tuning override, and what :func:`hopper_prefill_applies` asks of the tensors.
+        (On a fixed CUDA-graph grid it runs one persistent program per SM, as it does eagerly.)"""
+        return self._hopper_prefill_takes(
             query,
             out,
+            launch,
+            window,
+            sinks,
             cache_dtype=layer.key.dtype,
             block_size=layer.block_size,
             tma_caches=all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (layer.key, layer.value)),
-            block_m=launch.config.block_m,
-            window=window,
             quantized=layer.k_scale is not None or self.spec.quantized_cache,
-            softcap=self.spec.logit_softcap,
-            sinks=sinks,
         )
 
     def _dequant_prefill_applies(
@@ -678,9 +676,8 @@ class TritonBackend(AttentionBackend):
     ) -> bool:
         """Whether this layer's prefill rows run on the Hopper kernel over a dequantized copy of
         their blocks: the plan made one (an eager step, an fp8 cache, the kernel's shapes), the
-        layer has per-KV-head scales, and the copy (16-bit, contiguous) meets
-        :func:`hopper_prefill_applies`."""
-        if launch.dequant is None or not self.hopper_prefill or self.prefill_config is not None:
+        layer has per-KV-head scales, and the copy (16-bit, contiguous) suits the kernel."""
+        if launch.dequant is None:
             return False
         if layer.key.dtype not in FP8_KV_DTYPES or not layer.key.is_contiguous():
             return False
@@ -688,15 +685,45 @@ class TritonBackend(AttentionBackend):
         scales = (layer.k_scale, layer.v_scale)
         if any(x is None or x.numel() != kvh for x in scales):  # one per KV head
             return False
+        # The copy: fresh contiguous tensors in the query's dtype, without scales.
+        return self._hopper_prefill_takes(
+            query,
+            out,
+            launch,
+            window,
+            sinks,
+            cache_dtype=query.dtype,
+            block_size=layer.block_size,
+            tma_caches=True,
+            quantized=False,
+        )
+
+    def _hopper_prefill_takes(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        launch: PrefillLaunch,
+        window: int | None,
+        sinks: torch.Tensor | None,
+        *,
+        cache_dtype: torch.dtype,
+        block_size: int,
+        tma_caches: bool,
+        quantized: bool,
+    ) -> bool:
+        """The checks both routes to the Hopper kernel share: it is enabled, no tuning override,
+        and :func:`hopper_prefill_applies` for a cache of ``cache_dtype``."""
+        if not self.hopper_prefill or self.prefill_config is not None:
+            return False
         return hopper_prefill_applies(
             query,
             out,
-            cache_dtype=query.dtype,
-            block_size=layer.block_size,
-            tma_caches=True,  # the copy: fresh contiguous tensors
+            cache_dtype=cache_dtype,
+            block_size=block_size,
+            tma_caches=tma_caches,
             block_m=launch.config.block_m,
             window=window,
-            quantized=False,
+            quantized=quantized,
             softcap=self.spec.logit_softcap,
             sinks=sinks,
         )

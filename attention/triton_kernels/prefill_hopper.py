@@ -70,6 +70,7 @@ __all__ = [
     "hopper_prefill",
     "hopper_prefill_applies",
     "hopper_prefill_possible",
+    "hopper_prefill_shape_ok",
 ]
 
 #: Query rows per program (two consumer warpgroups of 64); the tile index must use it.
@@ -99,6 +100,12 @@ def hopper_prefill_possible(device: torch.device) -> bool:
     return _is_sm90(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def hopper_prefill_shape_ok(head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this head_dim (64 or 128) and block size (a multiple of its
+    128-key tiles)."""
+    return head_dim in _HEAD_DIMS and block_size % _BLOCK_N == 0
+
+
 def hopper_prefill_applies(
     query: torch.Tensor,
     out: torch.Tensor,
@@ -124,7 +131,7 @@ def hopper_prefill_applies(
     if sinks is not None or query.dtype not in (torch.bfloat16, torch.float16) or cache_dtype != query.dtype:
         return False
     head_dim = query.shape[2]
-    if head_dim not in _HEAD_DIMS or block_size % _BLOCK_N or not tma_caches:
+    if not hopper_prefill_shape_ok(head_dim, block_size) or not tma_caches:
         return False
     row_bytes = query.stride(0) * query.element_size()
     if query.stride(2) != 1 or query.stride(1) != head_dim or row_bytes % 16 or query.data_ptr() % 16:
