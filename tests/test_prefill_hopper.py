@@ -164,3 +164,31 @@ def test_hostile_metadata_stays_inside_the_cache_and_the_step() -> None:
             )  # fmt: skip
             torch.cuda.synchronize()
             assert bool((guard[:32] == 3.0).all()) and bool((guard[32 + tokens :] == 3.0).all()), (trial, programs)
+
+
+def test_output_the_tma_store_cannot_take_gets_the_same_values() -> None:
+    """An ``out`` whose heads are not packed (a padded head stride) or whose rows are not
+    16-byte aligned is stored with masked stores instead of TMA: the values equal the TMA
+    store's, and the padding between heads stays untouched."""
+    spec = make_spec(8, 2, 128, torch.bfloat16)
+    case = make_case(ROWS, spec, block_size=256, device="cuda", seed=3)
+    backend = TritonBackend(spec)
+    backend.write_kv(case.new_key, case.new_value, case.layer, backend.plan(case.meta))
+    pairs = prefill_tile_index(case.meta.seq_lens_host, case.meta.query_lens_host, HOPPER_PREFILL_BLOCK_M)
+    index = torch.tensor(pairs, dtype=torch.int32, device="cuda")
+    args = (case.query, case.layer.key, case.layer.value, case.meta.block_tables, case.meta.seq_lens,
+            case.meta.query_start_loc, index)  # fmt: skip
+    tokens, heads, d = case.query.shape
+    packed = torch.full((tokens, heads, d), 5.0, dtype=torch.bfloat16, device="cuda")
+    hopper_prefill(*args, softmax_scale=spec.scale, out=packed, programs=132)
+    padded = torch.full((tokens, heads, d + 8), 5.0, dtype=torch.bfloat16, device="cuda")
+    hopper_prefill(*args, softmax_scale=spec.scale, out=padded[..., :d], programs=132)
+    flat = torch.full((tokens * heads * d + 1,), 5.0, dtype=torch.bfloat16, device="cuda")
+    unaligned = flat[1:].view(tokens, heads, d)  # rows 2 bytes off 16-byte alignment
+    hopper_prefill(*args, softmax_scale=spec.scale, out=unaligned, programs=132)
+    torch.cuda.synchronize()
+    real = case.meta.num_real_tokens
+    assert torch.isfinite(packed[:real]).all() and bool((packed[real:] == 5.0).all())
+    assert rel_err(packed[:real].float(), reference_output(case)) < 1e-2
+    assert torch.equal(padded[..., :d], packed) and bool((padded[..., d:] == 5.0).all())
+    assert torch.equal(unaligned, packed) and float(flat[0]) == 5.0

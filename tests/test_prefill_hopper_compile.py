@@ -2,7 +2,8 @@
 without a GPU, in each form the backend launches (head_dim 64 and 128, bf16 and fp16, blocks of
 128 and 256; the fixed-grid form of CUDA graphs): warp-specialized (register reallocation per
 warpgroup), its consumers' turns on named barriers 8 and 9, asynchronous warpgroup MMAs, TMA
-loads, and shared memory within the H200's 227 KiB. Skipped where this Triton has no Gluon."""
+loads, the output's TMA store (or its absence where ``out`` cannot take one), and shared memory
+within the H200's 227 KiB. Skipped where this Triton has no Gluon."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from attention.triton_kernels import prefill_hopper as ph
 
 report = {}
-forms = [(dtype, d, bs, False) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128) for bs in (128, 256)]
-for dtype, d, bs, counted in forms + [(torch.bfloat16, 128, 256, True)]:
+forms = [(dtype, d, bs, False, True) for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+         for bs in (128, 256)]
+forms += [(torch.bfloat16, 128, 256, True, True), (torch.bfloat16, 128, 256, False, False)]
+for dtype, d, bs, counted, out_tma in forms:
     q = torch.empty(64, 8, d, dtype=dtype)
     cache = torch.empty(4, bs, 2, d, dtype=dtype)
-    descs = dict(zip(("q_desc", "k_desc", "v_desc"), ph._descriptors(q, cache, cache)))
+    descs = dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), ph._descriptors(q, cache, cache, q)))
     fn = ph._hopper_prefill_kernel
     consts = dict(NUM_HEADS=8, GROUP=4, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=ph.HOPPER_PREFILL_BLOCK_M,
-                  BLOCK_N=ph._BLOCK_N, STAGES=ph._STAGES, COUNTED=counted)
+                  BLOCK_N=ph._BLOCK_N, K_STAGES=ph._K_STAGES, V_STAGES=ph._V_STAGES, COUNTED=counted,
+                  OUT_TMA=out_tma)
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     sig = {}
     for name in fn.arg_names:
@@ -47,10 +51,12 @@ for dtype, d, bs, counted in forms + [(torch.bfloat16, 128, 256, True)]:
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
     ptx = k.asm["ptx"]
-    report[f"{dtype}-{d}-{bs}-{counted}"] = {
+    report[f"{dtype}-{d}-{bs}-{counted}-{out_tma}"] = {
+        "out_tma": out_tma,
         "shared": k.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma": ptx.count("cp.async.bulk.tensor"),
+        "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
         "setmaxnreg": ptx.count("setmaxnreg"),
         "turns": sum(ptx.count(s) for s in ("bar.sync 8, 256", "bar.sync 9, 256")),
     }
@@ -60,8 +66,9 @@ print(json.dumps(report))
 
 def test_hopper_prefill_compiles_for_sm90() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 9, report
+    assert len(report) == 10, report
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)  # the H200's 227 KiB per block
         assert r["wgmma"] > 0 and r["tma"] >= 3 and r["setmaxnreg"] > 0, (name, r)
+        assert (r["tma_store"] > 0) == r["out_tma"], (name, r)  # the output's TMA store, only where asked
         assert r["turns"] >= 2, (name, r)

@@ -76,7 +76,12 @@ __all__ = [
 #: Query rows per program (two consumer warpgroups of 64); the tile index must use it.
 HOPPER_PREFILL_BLOCK_M = 128
 _BLOCK_N = 128  # keys per tile
-_STAGES = 3  # K/V tiles in flight: 3 x 64 KiB + the Q tiles fill the 227 KiB of shared memory
+# Tiles in flight: 2 K and 3 V tiles (32 KiB each at head_dim 128) + Q and the staged output
+# (2 x 16 KiB each) fill the 227 KiB of shared memory. A K slot frees as soon as its S is done,
+# so 2 suffice; V waits for P V. Measured against 3 + 3, 3 + 2 and 2 + 2
+# (benchmarks/results/prefill-hopper-rings-2026-12-04.json).
+_K_STAGES = 2
+_V_STAGES = 3
 _HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 
@@ -140,10 +145,11 @@ def hopper_prefill_applies(
 
 
 if _GLUON:
-    # Triton 3.6 names the TMA load async_copy_global_to_shared and the partition barrier
-    # thread_barrier; later versions async_load and barrier.
+    # Triton 3.6 names the TMA load / store async_copy_global_to_shared / async_copy_shared_to_global
+    # and the partition barrier thread_barrier; later versions async_load / async_store and barrier.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     # Named barriers 8 and 9 order the consumers' MMA issue: warpgroup 0 (threads 0-127)
     # waits on 8 and releases 9; warpgroup 1 the other way round. Triton's own partition
@@ -179,19 +185,23 @@ if _GLUON:
         _partition_barrier()
 
     @gluon.jit
-    def _load_tile(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, n0, table_width, num_blocks, kv_col,
-        BLOCK_SIZE: gl.constexpr,
-    ):  # fmt: skip
-        """TMA of the K and V tile of keys ``n0 ..`` into ring slot ``slot``; the block id is
-        read from the row's table (index clamped to it; an id outside the cache reads block 0)."""
+    def _page(table_row, n0, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
+        """The cache block holding key ``n0`` of a row (table index clamped to the table; an id
+        outside [0, num_blocks) reads block 0)."""
         page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
-        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
-        y = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+        return gl.where((page >= 0) & (page < num_blocks), page, 0)
+
+    @gluon.jit
+    def _load_ring(  # type: ignore[no-untyped-def]
+        desc, bufs, ready, empty, pos, page, n0, col, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of the [BLOCK_N, HEAD_DIM] tile of keys ``n0 ..`` (in cache block ``page``) into
+        ring position ``pos`` once both consumers freed that slot."""
+        slot = pos % STAGES
+        mbarrier.wait(empty.index(slot), ((pos // STAGES) & 1) ^ 1)  # a fresh slot passes
         bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [y, kv_col], bar, k_bufs.index(slot))
-        _tma_load(v_desc, [y, kv_col], bar, v_bufs.index(slot))
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        _tma_load(desc, [page * BLOCK_SIZE + n0 % BLOCK_SIZE, col], bar, bufs.index(slot))
 
     @gluon.jit
     def _item(  # type: ignore[no-untyped-def]
@@ -220,14 +230,16 @@ if _GLUON:
 
     @gluon.jit
     def _producer(  # type: ignore[no-untyped-def]
-        q_desc, k_desc, v_desc, q_smem0, q_smem1, q_ready, q_empty, k_bufs, v_bufs, ready, empty, block_tables_ptr,
-        seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, num_items, stride_bt, table_width, num_blocks,
+        q_desc, k_desc, v_desc, q_smem0, q_smem1, q_ready, q_empty, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, num_items, stride_bt, table_width,
+        num_blocks,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     ):  # fmt: skip
         """For each of this program's items: its two Q halves once the consumers are done with the
-        last item's, then its key tiles into the ring, each once both consumers freed its slot."""
-        c = 0  # key tiles loaded so far (the ring position)
+        last item's, then K(0), and per key tile j, K(j + 1) before V(j) (the order the consumers
+        read them in), each once both consumers freed its slot."""
+        c = 0  # key tiles loaded so far (the position in both rings)
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             h, row, tile, q_start, _, _, _, _, n_tiles = _item(
                 item, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, table_width, NUM_HEADS, BLOCK_SIZE, BLOCK_M,
@@ -240,24 +252,34 @@ if _GLUON:
             _tma_load(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem0)
             _tma_load(q_desc, [q_row + BLOCK_M // 2, h * HEAD_DIM], q_ready, q_smem1)
             table_row = block_tables_ptr + row.to(gl.int64) * stride_bt
+            col = (h // GROUP) * HEAD_DIM
+            page = _page(table_row, 0, table_width, num_blocks, BLOCK_SIZE)
+            _load_ring(k_desc, k_bufs, k_ready, k_empty, c, page, 0, col, K_STAGES, BLOCK_SIZE)
             for j in range(n_tiles):
-                slot = (c + j) % STAGES
-                mbarrier.wait(empty.index(slot), (((c + j) // STAGES) & 1) ^ 1)  # a fresh slot passes
-                _load_tile(
-                    k_desc, v_desc, k_bufs, v_bufs, ready, slot, table_row, j * BLOCK_N, table_width, num_blocks,
-                    (h // GROUP) * HEAD_DIM, BLOCK_SIZE,
-                )  # fmt: skip
+                next_page = page
+                if j + 1 < n_tiles:
+                    next_page = _page(table_row, (j + 1) * BLOCK_N, table_width, num_blocks, BLOCK_SIZE)
+                    _load_ring(
+                        k_desc, k_bufs, k_ready, k_empty, c + j + 1, next_page, (j + 1) * BLOCK_N, col, K_STAGES,
+                        BLOCK_SIZE,
+                    )  # fmt: skip
+                _load_ring(v_desc, v_bufs, v_ready, v_empty, c + j, page, j * BLOCK_N, col, V_STAGES, BLOCK_SIZE)
+                page = next_page
             c += n_tiles
 
     @gluon.jit
     def _consumer(  # type: ignore[no-untyped-def]
-        q_smem, q_ready, q_empty, k_bufs, v_bufs, ready, empty, out_ptr, qk_scale, tile_index_ptr, seq_lens_ptr,
-        query_start_loc_ptr, num_items, table_width, num_tokens, stride_ot, stride_oh,
+        q_smem, o_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, out_ptr, o_desc,
+        qk_scale, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, num_items, table_width, num_tokens, stride_ot,
+        stride_oh,
         WG: gl.constexpr, NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+        OUT_TMA: gl.constexpr,
     ):  # fmt: skip
         """Query rows ``WG * BLOCK_M / 2 ..`` of each of this program's items: online softmax over
-        the key tiles, the output stored where the row is one of the step's tokens."""
+        the key tiles (a K slot is freed as soon as its S is done, a V slot once its P V is), then
+        the output through ``o_smem``: one TMA store when all 64 rows are the row's tokens inside
+        the step (and ``OUT_TMA``), else 16-byte stores masked to those rows."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -266,6 +288,7 @@ if _GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = _row_layout(HEAD_DIM, 4)
         dtype: gl.constexpr = q_smem.dtype
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
@@ -274,7 +297,7 @@ if _GLUON:
             token = gl.inline_asm_elementwise(
                 "bar.arrive 8, 256; mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1
             )
-        c = 0  # key tiles consumed so far (the ring position)
+        c = 0  # key tiles consumed so far (the position in both rings)
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             h, _, tile, q_start, seq_len, q_len, first_pos, kv_end, n_tiles = _item(
                 item, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, table_width, NUM_HEADS, BLOCK_SIZE, BLOCK_M,
@@ -288,14 +311,13 @@ if _GLUON:
 
             # Key tile 0 alone; its P V is issued with tile 1's S.
             mbarrier.wait(q_ready, it & 1)
-            slot = c % STAGES
-            mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-            if (n_tiles == 1) & (tail < BLOCK_N):
-                _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
+            ks = c % K_STAGES
+            mbarrier.wait(k_ready.index(ks), (c // K_STAGES) & 1)
             token = _turn(token, _WAIT_TURN)
-            s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             token = _turn(token, _PASS_TURN)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(ks))
             if my_first + 1 < BLOCK_N:
                 s = gl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
             m_i = gl.max(s, 1) * qk_scale
@@ -303,18 +325,18 @@ if _GLUON:
             l_i = gl.sum(p_f, 1)
             p = gl.convert_layout(p_f.to(dtype), p_layout)
             acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-            prev = slot
 
             for j in range(1, n_tiles):
-                slot = (c + j) % STAGES
-                mbarrier.wait(ready.index(slot), ((c + j) // STAGES) & 1)
-                if (j == n_tiles - 1) & (tail < BLOCK_N):
-                    _zero_rows_from(v_bufs.index(slot), tail, BLOCK_N, HEAD_DIM)
+                ks = (c + j) % K_STAGES
+                vs = (c + j - 1) % V_STAGES
+                mbarrier.wait(k_ready.index(ks), ((c + j) // K_STAGES) & 1)
+                mbarrier.wait(v_ready.index(vs), ((c + j - 1) // V_STAGES) & 1)
                 token = _turn(token, _WAIT_TURN)
-                s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+                s = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p, v_bufs.index(vs), acc, is_async=True)
                 token = _turn(token, _PASS_TURN)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S done; P V still running
+                mbarrier.arrive(k_empty.index(ks))
                 if (j + 1) * BLOCK_N > my_first + 1:  # the tile crosses the diagonal
                     s = gl.where((j * BLOCK_N + offs_n)[None, :] <= pos[:, None], s, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -323,37 +345,54 @@ if _GLUON:
                 l_i = l_i * alpha + gl.sum(p_f, 1)
                 m_i = m_new
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(prev))  # tile j - 1 fully read
+                mbarrier.arrive(v_empty.index(vs))  # V(j - 1) fully read
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 p = gl.convert_layout(p_f.to(dtype), p_layout)
-                prev = slot
 
             mbarrier.arrive(q_empty)  # every S of the item is done: the next Q may load
+            vs = (c + n_tiles - 1) % V_STAGES
+            mbarrier.wait(v_ready.index(vs), ((c + n_tiles - 1) // V_STAGES) & 1)
+            if tail < BLOCK_N:
+                _zero_rows_from(v_bufs.index(vs), tail, BLOCK_N, HEAD_DIM)
             token = _turn(token, _WAIT_TURN)
-            acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(p, v_bufs.index(vs), acc, is_async=True)
             # Warpgroup 1's very last turn has no successor.
             if (WG == 0) | (item + gl.num_programs(0) < num_items):
                 token = _turn(token, _PASS_TURN)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(prev))
+            mbarrier.arrive(v_empty.index(vs))
             c += n_tiles
 
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-            rows = tile * BLOCK_M + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o = (acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(dtype)
+            if OUT_TMA:
+                tma.store_wait(0)  # the last item's store has read o_smem
+            _partition_barrier()
+            o_smem.store(o)
+            fence_async_shared()
+            _partition_barrier()
+            row0 = tile * BLOCK_M + WG * HALF_M
             # Query rows outside the step's tokens are never written, whatever the metadata.
-            keep = (rows < q_len) & (q_start + rows < num_tokens) & (q_start + rows >= 0)
-            tok = (q_start + rows).to(gl.int64)
-            ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :]
-            gl.store(ptrs, o.to(dtype), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
+            inside = (row0 + HALF_M <= q_len) & (q_start + row0 >= 0) & (q_start + row0 + HALF_M <= num_tokens)
+            if OUT_TMA & inside:
+                _tma_store(o_desc, [q_start + row0, h * HEAD_DIM], o_smem)
+            else:
+                rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, row_layout))
+                d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, row_layout))
+                keep = (rows < q_len) & (q_start + rows < num_tokens) & (q_start + rows >= 0)
+                ptrs = out_ptr + (q_start + rows).to(gl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
+                gl.store(ptrs, o_smem.load(row_layout), mask=keep[:, None] & (d < HEAD_DIM)[None, :])
+        if OUT_TMA:
+            tma.store_wait(0)  # o_smem outlives the program's last store
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_tokens", "table_width", "stride_bt", "max_tiles"])
     def _hopper_prefill_kernel(  # type: ignore[no-untyped-def]
-        q_desc, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr, tile_count_ptr,
-        out_ptr, qk_scale, num_blocks, num_tokens, table_width, max_tiles, stride_bt, stride_ot, stride_oh,
+        q_desc, k_desc, v_desc, o_desc, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_index_ptr,
+        tile_count_ptr, out_ptr, qk_scale, num_blocks, num_tokens, table_width, max_tiles, stride_bt, stride_ot,
+        stride_oh,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, COUNTED: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+        COUNTED: gl.constexpr, OUT_TMA: gl.constexpr,
     ):  # fmt: skip
         """Persistent: program ``pid`` takes items ``pid, pid + grid, ...`` below ``max_tiles x
         NUM_HEADS`` (COUNTED: below ``tile_count[0]`` entries, read on the device and clamped to
@@ -366,40 +405,60 @@ if _GLUON:
         dtype: gl.constexpr = q_desc.dtype
         q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        o_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        o_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrive per consumer
+        for s in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)  # one arrive per consumer
+        for s in gl.static_range(V_STAGES):
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(v_empty.index(s), count=2)
         mbarrier.init(q_bars.index(0), count=1)  # Q loaded (both halves)
         mbarrier.init(q_bars.index(1), count=2)  # Q free again: one arrive per consumer
 
         gl.warp_specialize(
             [
-                (_consumer, (q_smem0, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr,
-                             qk_scale, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, num_items, table_width,
-                             num_tokens, stride_ot, stride_oh, 0, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-                             STAGES)),
-                (_consumer, (q_smem1, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, ready, empty, out_ptr,
-                             qk_scale, tile_index_ptr, seq_lens_ptr, query_start_loc_ptr, num_items, table_width,
-                             num_tokens, stride_ot, stride_oh, 1, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N,
-                             STAGES)),
+                (_consumer, (q_smem0, o_smem0, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, out_ptr, o_desc, qk_scale, tile_index_ptr, seq_lens_ptr,
+                             query_start_loc_ptr, num_items, table_width, num_tokens, stride_ot, stride_oh, 0,
+                             NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, OUT_TMA)),
+                (_consumer, (q_smem1, o_smem1, q_bars.index(0), q_bars.index(1), k_bufs, v_bufs, k_ready, k_empty,
+                             v_ready, v_empty, out_ptr, o_desc, qk_scale, tile_index_ptr, seq_lens_ptr,
+                             query_start_loc_ptr, num_items, table_width, num_tokens, stride_ot, stride_oh, 1,
+                             NUM_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, OUT_TMA)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, q_bars.index(0), q_bars.index(1), k_bufs,
-                             v_bufs, ready, empty, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                             tile_index_ptr, num_items, stride_bt, table_width, num_blocks, NUM_HEADS, GROUP,
-                             HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES)),
+                             v_bufs, k_ready, k_empty, v_ready, v_empty, block_tables_ptr, seq_lens_ptr,
+                             query_start_loc_ptr, tile_index_ptr, num_items, stride_bt, table_width, num_blocks,
+                             NUM_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES)),
             ],
             [4, 4],  # consumer warpgroup 1, producer warpgroup (the default partition is consumer 0)
             [240, 24],  # registers per thread: 2 x 128 x 240 + 128 x 24 <= 64K
         )  # fmt: skip
 
 
-def _descriptors(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[Any, Any, Any]:
-    """Host TMA descriptors: the query as [tokens, heads * head_dim] rows (its own row stride),
-    the caches as [num_blocks * block_size, kv_heads * head_dim]."""
+def _out_takes_tma(out: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether the kernel can store ``out`` with TMA: the query's dtype, heads packed, unit
+    stride along head_dim, 16-byte aligned rows."""
+    head_dim = query.shape[2]
+    if out.dtype != query.dtype or out.stride(2) != 1 or out.stride(1) != head_dim:
+        return False
+    return (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
+
+
+def _descriptors(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[Any, Any, Any, Any]:
+    """Host TMA descriptors: the query and ``out`` as [tokens, heads * head_dim] rows (their own
+    row strides; ``out`` only the query's token count), the caches as [num_blocks * block_size,
+    kv_heads * head_dim]. Without ``out`` the query's descriptor stands in for it (a kernel that
+    stores without TMA never reads it)."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
@@ -411,7 +470,11 @@ def _descriptors(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows, cols = num_blocks * block_size, kv_heads * head_dim
     k_desc = TensorDescriptor(k_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
     v_desc = TensorDescriptor(v_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
-    return q_desc, k_desc, v_desc
+    o_desc = q_desc
+    if out is not None:
+        o_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1], [half_m, head_dim],
+                                  q_layout)  # fmt: skip
+    return q_desc, k_desc, v_desc, o_desc
 
 
 def hopper_prefill(
@@ -444,15 +507,16 @@ def hopper_prefill(
         raise ValueError(f"programs: {programs} must be >= 1")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    q_desc, k_desc, v_desc = _descriptors(query, k_cache, v_cache)
+    out_tma = _out_takes_tma(out, query)
+    q_desc, k_desc, v_desc, o_desc = _descriptors(query, k_cache, v_cache, out if out_tma else None)
     grid = programs if tile_count is not None else min(programs, num_tiles * num_heads)
     _hopper_prefill_kernel[(grid,)](
-        q_desc, k_desc, v_desc, block_tables, seq_lens, query_start_loc, tile_index,
+        q_desc, k_desc, v_desc, o_desc, block_tables, seq_lens, query_start_loc, tile_index,
         tile_count if tile_count is not None else seq_lens, out,
         softmax_scale * _LOG2E, num_blocks, query.shape[0], block_tables.shape[1], num_tiles, block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=HOPPER_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, STAGES=_STAGES, COUNTED=tile_count is not None,
-        num_warps=4,
+        BLOCK_M=HOPPER_PREFILL_BLOCK_M, BLOCK_N=_BLOCK_N, K_STAGES=_K_STAGES, V_STAGES=_V_STAGES,
+        COUNTED=tile_count is not None, OUT_TMA=out_tma, num_warps=4,
     )  # fmt: skip
     return out
