@@ -14,27 +14,33 @@ K/V on the H200; Triton 3.6 gives no control over warp roles or MMA issue order
 language, ``triton.experimental.gluon``) does, and this kernel is laid out as FlashAttention-3
 is (Shah et al., 2024, section 3):
 
-- a producer warpgroup loads each 128-key K and V tile with TMA into a 3-stage ring of
-  shared-memory buffers (``ready`` / ``empty`` mbarriers per stage). A tile lies inside one
-  cache block, so its rows are one 2-D box of the cache viewed as
+- a producer warpgroup loads each 128-key K and V tile with TMA into two rings of
+  shared-memory buffers, 2 K and 3 V slots (``ready`` / ``empty`` mbarriers per slot; a K slot
+  is free again once both consumers' S of it is done, a V slot once their P V is). A tile lies
+  inside one cache block, so its rows are one 2-D box of the cache viewed as
   ``[num_blocks * block_size, kv_heads * head_dim]``;
 - two consumer warpgroups each own 64 of the tile's 128 query rows. Each issues S = Q K^T of
   key tile j and P V of tile j - 1 as asynchronous warpgroup MMAs, then computes the softmax of
   tile j while P V runs;
 - the two consumers take turns issuing their MMAs (named barriers 8 and 9, "ping-pong"), so
   one's softmax overlaps the other's MMAs;
+- each consumer stages its normalized output in shared memory and writes it with one TMA store
+  (masked 16-byte stores where rows leave the row's tokens or ``out`` cannot take TMA). Stored
+  straight from the accumulator layout, the output had cost 15% of the kernel's time at
+  32 x 1024;
 - the programs are persistent (one per SM, each taking every ``grid``-th item of the
   heaviest-first index): the producer loads the next item's Q and key tiles while the
   consumers finish the last one. On a fixed grid (CUDA graphs) the real entry count is read
   on the device.
 
-H200, bf16, 32 / 8 heads, head_dim 128, block 256 (``benchmarks/results/prefill-hopper-
-persistent-2026-12-04.json`` and ``-fp8-``, two runs): 0.90-0.99x / 0.89x / 0.96-0.99x torch
-SDPA at 8x4096 / 32x1024 / 2x16384, where the Triton kernel reaches 0.72-0.74x / 0.66x / 0.81x.
+H200, bf16, 32 / 8 heads, head_dim 128, block 256, CUDA-graph replays
+(``benchmarks/results/prefill-hopper-rings-2026-12-04.json``): 1.00x / 1.00x / 0.98x torch
+SDPA at 8x4096 / 32x1024 / 2x16384, where the Triton kernel reaches 0.77x / 0.68x / 0.77x.
 
 Safety, as in :mod:`.prefill`: lengths are clamped to the block table, block ids outside
 [0, num_blocks) read block 0, TMA zero-fills query rows outside the step, only the tile's own
-rows are stored, and the V rows of a last key tile past the row's length (stale bits, possibly
+rows are stored (a TMA store only for 64 rows that are all the row's tokens inside the step;
+TMA also drops rows past the step's last token), and the V rows of a last key tile past the row's length (stale bits, possibly
 NaN) are zeroed in shared memory before P V reads them.
 """
 
@@ -78,8 +84,8 @@ HOPPER_PREFILL_BLOCK_M = 128
 _BLOCK_N = 128  # keys per tile
 # Tiles in flight: 2 K and 3 V tiles (32 KiB each at head_dim 128) + Q and the staged output
 # (2 x 16 KiB each) fill the 227 KiB of shared memory. A K slot frees as soon as its S is done,
-# so 2 suffice; V waits for P V. Measured against 3 + 3, 3 + 2 and 2 + 2
-# (benchmarks/results/prefill-hopper-rings-2026-12-04.json).
+# so 2 suffice; V waits for P V. Measured against 3 + 3, 3 + 2 and 2 + 2 and one ring of 3
+# (benchmarks/results/prefill-hopper-rings-variants-2026-12-04.json).
 _K_STAGES = 2
 _V_STAGES = 3
 _HEAD_DIMS = (64, 128)
