@@ -70,7 +70,7 @@ from attention.triton_kernels.mla_balanced import (
     plan_mla_work,
 )
 from attention.triton_kernels.mla_decode import MLALaunch, causal_queries, default_mla_launch, mla_attention
-from attention.triton_kernels.mla_prefill import default_mla_prefill_config, mla_prefill
+from attention.triton_kernels.mla_prefill import mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
 from attention.triton_kernels.prefill_hopper import (
     HOPPER_PREFILL_BLOCK_M,
@@ -207,7 +207,9 @@ class TritonBackend(AttentionBackend):
                         the decode kernel; 1 sends every multi-token row to the prefill kernel.
       hopper_prefill:   on an sm_90 GPU, prefill steps the warp-specialized Gluon kernel
                         covers (:func:`~attention.triton_kernels.prefill_hopper.hopper_prefill_applies`)
-                        run on it (default); False: always the Triton prefill kernel.
+                        run on it (default), and so do decompressed MLA prompt rows of
+                        DeepSeek-shaped heads (:mod:`~attention.triton_kernels.mla_prefill_hopper`);
+                        False: always the Triton prefill kernels.
     """
 
     name = "triton"
@@ -373,8 +375,9 @@ class TritonBackend(AttentionBackend):
         prefill: LatentPrefill,
         nope: int,
     ) -> torch.Tensor:
-        """The decompressed prefill kernel; a ``qk_nope_head_dim`` that is not a power of two
-        >= 16 (the kernel's dot width) runs the torch form instead."""
+        """The decompressed prefill kernel (on an sm_90 GPU the Gluon kernel for DeepSeek-shaped
+        heads unless ``hopper_prefill`` is off); a ``qk_nope_head_dim`` that is not a power of
+        two >= 16 (the kernel's dot width) runs the torch form instead."""
         if nope < 16 or nope & (nope - 1):
             return super()._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
         return mla_prefill(
@@ -385,7 +388,7 @@ class TritonBackend(AttentionBackend):
             prefill.key_lens,
             qk_nope_head_dim=nope,
             scale=self.spec.scale,
-            config=default_mla_prefill_config(query.dtype),
+            hopper=self.hopper_prefill,
         )
 
     def _plan_prefill(

@@ -7,10 +7,13 @@ Shapes: DeepSeek-V3's attention (qk_nope 128 + rope 64, v 128, kv_lora_rank 512)
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on dense [B, H, T, d] K/V
   (its own choice of backend; cuDNN or flash on the H200), the target's reference;
-- ``kernel``: :func:`attention.triton_kernels.mla_prefill.mla_prefill` on the same K/V (the
-  fastest of a few launches; all are in the JSON);
+- ``kernel``: :func:`attention.triton_kernels.mla_prefill.mla_prefill`'s Triton kernel on the
+  same K/V (the fastest of a few launches; all are in the JSON);
+- ``hopper``: the same call with its defaults, which on an sm_90 GPU runs the Gluon kernel
+  (:mod:`attention.triton_kernels.mla_prefill_hopper`);
 - ``decompressed``: what a prefill step runs: the rows' latents gathered from a paged cache
-  (blocks of 64 at shuffled ids), ``kv_b_proj`` on them, then the kernel;
+  (blocks of 64 at shuffled ids), ``kv_b_proj`` on them, then ``mla_prefill`` with its
+  defaults (the Gluon kernel where it applies);
 - ``absorbed``: :func:`attention.triton_kernels.mla_decode.mla_attention`, every new token
   streaming its prefix's latents (the decode kernel's form; run on the smaller shapes only).
 
@@ -38,6 +41,7 @@ from common import KernelTimer, require_cuda, shuffled_block_tables
 
 from attention.triton_kernels.mla_decode import causal_queries, default_mla_launch, mla_attention
 from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
+from attention.triton_kernels.mla_prefill_hopper import mla_hopper_applies
 
 RANK, ROPE, NOPE, VALUE, BLOCK = 512, 64, 128, 128, 64
 SCALE = (NOPE + ROPE) ** -0.5
@@ -95,7 +99,13 @@ def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str
     row["kernel_launches"] = kernel_rows
     best = min((r for r in kernel_rows if "ms" in r), key=lambda r: r["ms"])
     row.update(kernel_ms=best["ms"], kernel_config=best["config"], kernel_rel_err=best["rel_err"])
-    cfg_best = CONFIGS[next(i for i, r in enumerate(kernel_rows) if r is best)]
+
+    def hopper() -> torch.Tensor:
+        return mla_prefill(query, kv, key_pe, lens, lens, qk_nope_head_dim=NOPE, scale=SCALE)
+
+    if mla_hopper_applies(query, kv, key_pe, NOPE):
+        row["hopper_rel_err"] = float((hopper().float() - want).abs().max() / want.abs().max())
+        row["hopper_ms"] = timer.ms(hopper)
 
     # The whole decompressed path over a paged cache: gather, up-project, attend.
     host_tables, num_blocks = shuffled_block_tables(lens, BLOCK, seed=1)
@@ -107,8 +117,7 @@ def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str
     def decompressed() -> torch.Tensor:
         gathered = cache.view(-1, RANK + ROPE).index_select(0, slots)
         up = (gathered[:, :RANK] @ w_kv.T).view(total, heads, NOPE + VALUE)
-        return mla_prefill(query, up, gathered[:, RANK:], lens, lens, qk_nope_head_dim=NOPE, scale=SCALE,
-                           config=cfg_best)  # fmt: skip
+        return mla_prefill(query, up, gathered[:, RANK:], lens, lens, qk_nope_head_dim=NOPE, scale=SCALE)
 
     row["decompressed_rel_err"] = float((decompressed().float() - want).abs().max() / want.abs().max())
     row["decompressed_ms"] = timer.ms(decompressed)
@@ -126,10 +135,12 @@ def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str
                                  **default_mla_launch(heads).__dict__)  # fmt: skip
 
         row["absorbed_ms"] = timer.ms(absorbed)
-    for name in ("sdpa", "kernel", "decompressed", "absorbed"):
+    for name in ("sdpa", "kernel", "hopper", "decompressed", "absorbed"):
         if f"{name}_ms" in row:
             row[f"{name}_tflops"] = flops / (row[f"{name}_ms"] * 1e-3) / 1e12
     row["kernel_vs_sdpa"] = row["sdpa_ms"] / row["kernel_ms"]
+    if "hopper_ms" in row:
+        row["hopper_vs_sdpa"] = row["sdpa_ms"] / row["hopper_ms"]
     row["decompressed_vs_sdpa"] = row["sdpa_ms"] / row["decompressed_ms"]
     print({k: v for k, v in row.items() if k != "kernel_launches"}, flush=True)
     return row
@@ -188,13 +199,14 @@ def main() -> None:
     timer = KernelTimer(10, args.rep_ms)
     rows = [measure(b, t, h, timer) for h in (128, 16) for b, t in SHAPES]
     extend = [measure_extend(n, h, timer) for h in (128, 16) for n in (8, 16, 32, 64, 128, 256)]
-    print(f"\n{'shape':>9} {'heads':>5} {'sdpa TF/s':>9} {'kernel':>7} {'vs sdpa':>7} {'decomp.':>7} {'vs sdpa':>7} "
-          f"{'absorbed':>8} {'launch':>16}")  # fmt: skip
+    print(f"\n{'shape':>9} {'heads':>5} {'sdpa TF/s':>9} {'triton':>7} {'vs sdpa':>7} {'hopper':>7} {'vs sdpa':>7} "
+          f"{'decomp.':>7} {'vs sdpa':>7} {'absorbed':>8} {'triton launch':>16}")  # fmt: skip
     for r in rows:
         absorbed = f"{r['absorbed_tflops']:8.0f}" if "absorbed_tflops" in r else f"{'-':>8}"
+        hopper = f"{r['hopper_tflops']:7.0f} {r['hopper_vs_sdpa']:6.2f}x" if "hopper_ms" in r else f"{'-':>7} {'-':>7}"
         print(
             f"{r['batch']:>3}x{r['tokens']:<5} {r['heads']:5d} {r['sdpa_tflops']:9.0f} {r['kernel_tflops']:7.0f} "
-            f"{r['kernel_vs_sdpa']:6.2f}x {r['decompressed_tflops']:7.0f} {r['decompressed_vs_sdpa']:6.2f}x "
+            f"{r['kernel_vs_sdpa']:6.2f}x {hopper} {r['decompressed_tflops']:7.0f} {r['decompressed_vs_sdpa']:6.2f}x "
             f"{absorbed} {r['kernel_config']!s:>16}"
         )
     print(f"\n{'extend rows':>22} {'heads':>5} {'decompressed ms':>15} {'absorbed ms':>11} {'speedup':>7}")

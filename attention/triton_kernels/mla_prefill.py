@@ -21,6 +21,7 @@ tiles left of the diagonal run unmasked; only those crossing it apply the causal
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from attention.errors import InvalidArgumentError
+from attention.triton_kernels.mla_prefill_hopper import MLA_HOPPER_BLOCK_M, mla_hopper_applies, mla_prefill_hopper
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 from attention.triton_kernels.prefill import prefill_tile_index
 
@@ -170,6 +172,15 @@ def _mla_prefill_kernel(  # type: ignore[no-untyped-def]
     tl.store(o_rows + offs_v[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_ok[:, None] & (offs_v[None, :] < V))
 
 
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def _check_lengths(query_lens: Sequence[int], key_lens: Sequence[int], tokens: int, keys: int) -> None:
     if len(query_lens) != len(key_lens):
         raise InvalidArgumentError(
@@ -198,6 +209,7 @@ def mla_prefill(
     scale: float,
     out: torch.Tensor | None = None,
     config: MLAPrefillConfig | None = None,
+    hopper: bool = True,
 ) -> torch.Tensor:
     """Causal varlen attention of decompressed MLA heads.
 
@@ -211,6 +223,10 @@ def mla_prefill(
     query_lens, key_lens: host lengths per row, ``0 <= query_lens[b] <= key_lens[b]``.
     scale:      the softmax scale, ``(n + e) ** -0.5``.
     out:        [T, H, v] of the query's dtype to write (default: a new tensor).
+    config:     the Triton kernel's launch (default :func:`default_mla_prefill_config`).
+    hopper:     without a ``config``, run DeepSeek-shaped heads on an sm_90 GPU on the Gluon
+                kernel (:mod:`.mla_prefill_hopper`, :func:`~.mla_prefill_hopper.mla_hopper_applies`);
+                False keeps the Triton kernel.
     Returns ``out``. Raises InvalidArgumentError for tensors of the wrong shape, dtype or
     device, widths the kernel does not take (``n`` a power of two >= 16), or lengths that do
     not add up. Eager only: it stages the row offsets and tile index from the host lengths.
@@ -248,7 +264,8 @@ def mla_prefill(
             f"{list(out.shape)} {out.dtype}"
         )
     cfg = config or default_mla_prefill_config(query.dtype)
-    tiles = prefill_tile_index(list(key_lens), list(query_lens), cfg.block_m)
+    on_hopper = hopper and config is None and mla_hopper_applies(query, kv, key_pe, nope)
+    tiles = prefill_tile_index(list(key_lens), list(query_lens), MLA_HOPPER_BLOCK_M if on_hopper else cfg.block_m)
     if not tiles or not heads:
         return out
     starts = [0] * (2 * len(query_lens) + 2)
@@ -259,6 +276,11 @@ def mla_prefill(
     staged = host.to(query.device, non_blocking=True)
     cut = len(query_lens) + 1
     q_start, k_start, tile_index = staged[:cut], staged[cut : 2 * cut], staged[2 * cut :]
+    if on_hopper:
+        return mla_prefill_hopper(
+            query, kv, key_pe, q_start, k_start, tile_index.view(-1, 2), nope=nope, scale=scale, out=out,
+            programs=_sm_count(query.device),
+        )  # fmt: skip
     upcast = upcast_for(query.dtype)
     _mla_prefill_kernel[(heads, len(tiles))](
         query, kv, key_pe, out, q_start, k_start, tile_index, scale * _LOG2E,

@@ -40,8 +40,8 @@ SDPA at 8x4096 / 32x1024 / 2x16384, where the Triton kernel reaches 0.77x / 0.68
 Safety, as in :mod:`.prefill`: lengths are clamped to the block table, block ids outside
 [0, num_blocks) read block 0, TMA zero-fills query rows outside the step, only the tile's own
 rows are stored (a TMA store only for 64 rows that are all the row's tokens inside the step;
-TMA also drops rows past the step's last token), and the V rows of a last key tile past the row's length (stale bits, possibly
-NaN) are zeroed in shared memory before P V reads them.
+TMA also drops rows past the step's last token), and the V rows of a last key tile past the
+row's length (stale bits, possibly NaN) are zeroed in shared memory before P V reads them.
 """
 
 from __future__ import annotations
