@@ -24,7 +24,7 @@ Times are medians of ``triton.testing.do_bench`` (L2 flushed before each run). T
 the causal attention's multiply-adds of the decompressed form, ``2 * H * (n + e + v)`` per
 visible (query, key) pair, for every variant, so a slower form shows as fewer TFLOP/s.
 
-Run (GPU machine): python3 benchmarks/bench_mla_prefill.py [--out FILE]
+Run (GPU machine): python3 benchmarks/bench_mla_prefill.py [--default-only] [--rep-ms 100] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from common import KernelTimer, require_cuda, shuffled_block_tables
 
 from attention.triton_kernels.mla_decode import causal_queries, default_mla_launch, mla_attention
-from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
+from attention.triton_kernels.mla_prefill import MLAPrefillConfig, default_mla_prefill_config, mla_prefill
 from attention.triton_kernels.mla_prefill_hopper import mla_hopper_applies
 
 RANK, ROPE, NOPE, VALUE, BLOCK = 512, 64, 128, 128, 64
@@ -59,7 +59,7 @@ CONFIGS = [
 ]
 
 
-def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str, Any]:
+def measure(batch: int, tokens: int, heads: int, timer: KernelTimer, configs: list[MLAPrefillConfig]) -> dict[str, Any]:
     """Every variant on one shape; returns the row (milliseconds, TFLOP/s, errors)."""
     dev, bf16 = "cuda", torch.bfloat16
     total = batch * tokens
@@ -86,7 +86,7 @@ def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str
     row["sdpa_ms"] = timer.ms(sdpa)
 
     kernel_rows: list[dict[str, Any]] = []
-    for cfg in CONFIGS:
+    for cfg in configs:
 
         def kernel(c: MLAPrefillConfig = cfg) -> torch.Tensor:
             return mla_prefill(query, kv, key_pe, lens, lens, qk_nope_head_dim=NOPE, scale=SCALE, config=c)
@@ -130,9 +130,12 @@ def measure(batch: int, tokens: int, heads: int, timer: KernelTimer) -> dict[str
         q_abs = torch.cat((torch.einsum("thn,hnr->thr", query[..., :NOPE], w_uk), query[..., NOPE:]), dim=-1)
         paged = cache.view(num_blocks, BLOCK, 1, RANK + ROPE)
 
+        # The split schedule (no balanced work plan), so no unrolled segments.
+        launch_args: dict[str, Any] = {**default_mla_launch(heads).kernel_args(), "unrolled": 0}
+
         def absorbed() -> torch.Tensor:
             return mla_attention(q_abs, paged, tables, token_rows, token_lens, kv_lora_rank=RANK, scale=SCALE,
-                                 **default_mla_launch(heads).__dict__)  # fmt: skip
+                                 **launch_args)  # fmt: skip
 
         row["absorbed_ms"] = timer.ms(absorbed)
     for name in ("sdpa", "kernel", "hopper", "decompressed", "absorbed"):
@@ -173,11 +176,11 @@ def measure_extend(new: int, heads: int, timer: KernelTimer) -> dict[str, Any]:
     w_uk = w_kv.view(heads, NOPE + VALUE, RANK)[:, :NOPE]
     q_abs = torch.cat((torch.einsum("thn,hnr->thr", query[..., :NOPE], w_uk), query[..., NOPE:]), dim=-1)
     paged = cache.view(num_blocks, BLOCK, 1, RANK + ROPE)
-    launch = default_mla_launch(heads)
+    launch_args: dict[str, Any] = {**default_mla_launch(heads).kernel_args(), "unrolled": 0}
 
     def absorbed() -> torch.Tensor:
         latent = mla_attention(q_abs, paged, tables, token_rows, token_lens, kv_lora_rank=RANK, scale=SCALE,
-                               **launch.__dict__)  # fmt: skip
+                               **launch_args)  # fmt: skip
         w_uv = w_kv.view(heads, NOPE + VALUE, RANK)[:, NOPE:]
         return torch.einsum("thr,hvr->thv", latent.to(bf16), w_uv)
 
@@ -193,11 +196,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--default-only", action="store_true", help="the Triton kernel at its default launch only")
     args = p.parse_args()
     if not require_cuda("bench_mla_prefill.py"):
         sys.exit(2)
     timer = KernelTimer(10, args.rep_ms)
-    rows = [measure(b, t, h, timer) for h in (128, 16) for b, t in SHAPES]
+    configs = [default_mla_prefill_config(torch.bfloat16)] if args.default_only else CONFIGS
+    rows = [measure(b, t, h, timer, configs) for h in (128, 16) for b, t in SHAPES]
     extend = [measure_extend(n, h, timer) for h in (128, 16) for n in (8, 16, 32, 64, 128, 256)]
     print(f"\n{'shape':>9} {'heads':>5} {'sdpa TF/s':>9} {'triton':>7} {'vs sdpa':>7} {'hopper':>7} {'vs sdpa':>7} "
           f"{'decomp.':>7} {'vs sdpa':>7} {'absorbed':>8} {'triton launch':>16}")  # fmt: skip
