@@ -17,6 +17,11 @@ Grid ``(heads, tiles)``: one program per query head and tile of ``BLOCK_M`` new 
 row (heaviest tile first, :func:`attention.triton_kernels.prefill.prefill_tile_index`). Heads
 vary fastest, so the programs of one tile run side by side and share its ``k_pe`` in L2. Key
 tiles left of the diagonal run unmasked; only those crossing it apply the causal mask.
+
+On an sm_90 GPU, calls without an explicit launch ``config`` whose heads are DeepSeek-shaped
+run the warp-specialized Gluon kernel of :mod:`.mla_prefill_hopper` instead (0.81-0.94x torch
+SDPA on the decompressed K/V on the H200, where this kernel reaches 0.60-0.70x:
+``benchmarks/results/mla-prefill-hopper-2026-12-04.json``).
 """
 
 from __future__ import annotations
