@@ -16,10 +16,7 @@ pytestmark = pytest.mark.skipif(not _GLUON, reason="this Triton has no Gluon war
 _SCRIPT = r"""
 import json
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.jit import mangle_type
-from triton.experimental.gluon._runtime import GluonASTSource
+from tests.gluon_compile import compile_sm90
 from attention.triton_kernels import mla_prefill_hopper as m
 
 report = {}
@@ -36,21 +33,7 @@ for dtype, nope, rope, out_tma in forms:
     fn = m._mla_prefill_hopper_kernel
     consts = dict(NUM_HEADS=heads, NOPE=nope, ROPE=rope, VDIM=nope, BLOCK_M=m.MLA_HOPPER_BLOCK_M, BLOCK_N=m._BLOCK_N,
                   K_STAGES=m._K_STAGES, V_STAGES=m._V_STAGES, OUT_TMA=out_tma)
-    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    sig = {}
-    for name in fn.arg_names:
-        if name in descs:
-            sig[name] = mangle_type(descs[name])
-        elif name in consts:
-            sig[name] = "constexpr"
-        elif name == "out_ptr":
-            sig[name] = elem
-        elif name.endswith("_ptr"):
-            sig[name] = "*i32"
-        else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    k = compile_sm90(fn, descs, consts, "*bf16" if dtype == torch.bfloat16 else "*fp16")
     ptx = k.asm["ptx"]
     report[f"{dtype}-{nope}-{rope}-{out_tma}"] = {
         "out_tma": out_tma,
