@@ -84,3 +84,18 @@ def test_an_fp8_cache_runs_on_the_copy_only_when_the_plan_made_one() -> None:
     assert _routes(TritonBackend(spec, hopper_prefill=False), layer, _launch(dequant=True)) == (False, False)
     unscaled = _layer(torch.float8_e4m3fn)
     assert _routes(backend, unscaled, _launch(dequant=True)) == (False, False)
+
+
+def test_which_outputs_take_the_tma_store() -> None:
+    """``out_takes_tma``: packed heads of the given dtype with 16-byte aligned rows; a padded
+    head stride, rows off alignment or another dtype take the masked stores."""
+    from attention.triton_kernels.prefill_hopper import out_takes_tma
+
+    packed = torch.empty(5, 4, 128, dtype=torch.bfloat16)
+    assert out_takes_tma(packed, torch.bfloat16)
+    assert not out_takes_tma(packed, torch.float16)
+    assert not out_takes_tma(torch.empty(5, 4, 136, dtype=torch.bfloat16)[..., :128], torch.bfloat16)
+    flat = torch.empty(5 * 4 * 128 + 8, dtype=torch.bfloat16)
+    assert out_takes_tma(flat[8:].view(5, 4, 128), torch.bfloat16) == (flat[8:].data_ptr() % 16 == 0)
+    assert not out_takes_tma(flat[1 : 1 + 5 * 4 * 128].view(5, 4, 128), torch.bfloat16)  # 2 bytes off
+    assert not out_takes_tma(torch.empty(5, 1, 4, dtype=torch.bfloat16), torch.bfloat16)  # 8-byte rows

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
+from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible, out_takes_tma, tma_rows_ok
 
 if _GLUON:
     from attention.triton_kernels.prefill_hopper import (
@@ -63,12 +63,6 @@ _V_STAGES = 2
 _LOG2E = 1.4426950408889634
 
 
-def _tma_rows_ok(t: torch.Tensor) -> bool:
-    """Rows TMA can address: unit stride along the channels, 16-byte aligned row stride and
-    base."""
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def mla_hopper_applies(query: torch.Tensor, kv: torch.Tensor, key_pe: torch.Tensor, nope: int) -> bool:
     """Whether :func:`mla_prefill_hopper` takes these (already validated) tensors: an sm_90 GPU
     with Gluon, bf16 or fp16, ``n == v`` of 64 or 128 and ``e`` of 32 or 64, heads packed
@@ -81,7 +75,7 @@ def mla_hopper_applies(query: torch.Tensor, kv: torch.Tensor, key_pe: torch.Tens
         return False
     if query.stride(1) != query.shape[2] or kv.stride(1) != kv.shape[2]:
         return False
-    return _tma_rows_ok(query) and _tma_rows_ok(kv) and _tma_rows_ok(key_pe)
+    return tma_rows_ok(query) and tma_rows_ok(kv) and tma_rows_ok(key_pe)
 
 
 if _GLUON:
@@ -367,9 +361,7 @@ def mla_prefill_hopper(
         return out
     if programs < 1:
         raise ValueError(f"programs: {programs} must be >= 1")
-    out_tma = (
-        out.dtype == query.dtype and out.stride(1) == out.shape[2] and _tma_rows_ok(out)
-    )
+    out_tma = out_takes_tma(out, query.dtype)
     descs = _mla_descriptors(query, kv, key_pe, out if out_tma else None, nope)
     items = num_tiles * heads
     _mla_prefill_hopper_kernel[(min(programs, items),)](

@@ -144,8 +144,7 @@ def hopper_prefill_applies(
     head_dim = query.shape[2]
     if not hopper_prefill_shape_ok(head_dim, block_size) or not tma_caches:
         return False
-    row_bytes = query.stride(0) * query.element_size()
-    if query.stride(2) != 1 or query.stride(1) != head_dim or row_bytes % 16 or query.data_ptr() % 16:
+    if query.stride(1) != head_dim or not tma_rows_ok(query):
         return False
     return out.stride(-1) == 1
 
@@ -449,13 +448,16 @@ if _GLUON:
         )  # fmt: skip
 
 
-def _out_takes_tma(out: torch.Tensor, query: torch.Tensor) -> bool:
-    """Whether the kernel can store ``out`` with TMA: the query's dtype, heads packed, unit
-    stride along head_dim, 16-byte aligned rows."""
-    head_dim = query.shape[2]
-    if out.dtype != query.dtype or out.stride(2) != 1 or out.stride(1) != head_dim:
-        return False
-    return (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
+def tma_rows_ok(t: torch.Tensor) -> bool:
+    """Whether TMA can address ``t``'s rows: unit stride along the last dim, a 16-byte aligned
+    row stride and base."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def out_takes_tma(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a kernel can store ``out`` [T, H, width] with TMA: ``dtype``, heads packed
+    (head stride = width) and rows TMA can address."""
+    return out.dtype == dtype and out.stride(1) == out.shape[2] and tma_rows_ok(out)
 
 
 def _descriptors(
@@ -513,7 +515,7 @@ def hopper_prefill(
         raise ValueError(f"programs: {programs} must be >= 1")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    out_tma = _out_takes_tma(out, query)
+    out_tma = out_takes_tma(out, query.dtype)
     q_desc, k_desc, v_desc, o_desc = _descriptors(query, k_cache, v_cache, out if out_tma else None)
     grid = programs if tile_count is not None else min(programs, num_tiles * num_heads)
     _hopper_prefill_kernel[(grid,)](
