@@ -236,13 +236,19 @@ class TritonBackend(AttentionBackend):
             )
         self.max_decode_query_len = q
         kv_dtype = self.cache_dtype if spec.quantized_cache else None
-        #: Launch parameters of one-token rows (given, or the default).
+        #: Launch parameters of one-token rows: given, or the default for no particular block
+        #: size (plans take :meth:`_decode_launch`'s, which knows the step's).
         self.decode_config = decode_config or default_decode_config(spec.head_dim, self.compute_dtype, kv_dtype)
         #: Launch parameters of rows of several new tokens (verifying drafts).
         self.verify_decode_config = decode_config or default_decode_config(
             spec.head_dim, self.compute_dtype, kv_dtype, query_len=MAX_DECODE_QUERY_LEN
         )
         self.prefill_config = prefill_config
+        self._given_decode_config = decode_config is not None
+        self._given_decode_policy = decode_policy is not None
+        #: The chunking policy (given, or the default); a default-policy launch whose config
+        #: names fewer programs per SM schedules for those (:meth:`_decode_launch`), which
+        #: never needs more items or partial slots than this policy's bounds.
         self.decode_policy = decode_policy or DecodePolicy()
         self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
@@ -440,9 +446,22 @@ class TritonBackend(AttentionBackend):
         tables = direct.stage("prefill_dequant_tables", plan.tables).view(plan.batch, plan.width)
         return BlockDequant(sources, tables)
 
-    def _decode_launch_config(self, query_len: int) -> DecodeConfig:
-        """The launch parameters for rows of up to ``query_len`` new tokens."""
-        return self.verify_decode_config if query_len > 1 else self.decode_config
+    def _decode_launch(self, query_len: int, block_size: int) -> tuple[DecodeConfig, DecodePolicy]:
+        """The launch parameters and chunking policy for rows of up to ``query_len`` new
+        tokens in blocks of ``block_size`` tokens: the given ones, else the defaults
+        (``default_decode_config`` knows the block size; its ``programs_per_sm``, when set,
+        replaces the default policy's)."""
+        if query_len > 1:
+            config = self.verify_decode_config
+        elif self._given_decode_config:
+            config = self.decode_config
+        else:
+            kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
+            config = default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)
+        policy = self.decode_policy
+        if config.programs_per_sm is not None and not self._given_decode_policy:
+            policy = replace(policy, programs_per_sm=min(config.programs_per_sm, policy.programs_per_sm))
+        return config, policy
 
     def _plan_decode(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, graph: bool
@@ -453,10 +472,10 @@ class TritonBackend(AttentionBackend):
         sms, kvh = self._sms(meta.device), self.spec.num_kv_heads
         starts = _starts(q_lens)
         max_rows = meta.padded_batch if graph else None
-        max_items = max_decode_items(meta.padded_batch, kvh, sms, self.decode_policy) if graph else None
         max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
         launch_query_len = max_query_len or max((q_lens[r] for r in rows), default=1)
-        config = self._decode_launch_config(launch_query_len)
+        config, policy = self._decode_launch(launch_query_len, meta.block_size)
+        max_items = max_decode_items(meta.padded_batch, kvh, sms, policy) if graph else None
         launches = []
         partials = 1
         for window in self.windows:
@@ -469,7 +488,7 @@ class TritonBackend(AttentionBackend):
                 block_n=config.block_n,
                 max_items=max_items,
                 max_rows=max_rows,
-                policy=self.decode_policy,
+                policy=policy,
                 chunk_len=self.decode_chunk_len,
                 table_rows=rows,
                 q_tokens=[starts[r] for r in rows],
@@ -482,7 +501,7 @@ class TritonBackend(AttentionBackend):
             partials = max(partials, schedule.num_partials)
         if graph:
             q = max_query_len or 1
-            partials = max(1, max_decode_partials(meta.padded_batch, kvh, sms, self.decode_policy, max_query_len=q))
+            partials = max(1, max_decode_partials(meta.padded_batch, kvh, sms, policy, max_query_len=q))
         heads, d = self.spec.num_heads, self.spec.head_dim
         counter_rows = max(1, max(launch.schedule.grid_rows for launch in launches))
         workspace = DecodeWorkspace(

@@ -23,8 +23,8 @@ first paged-attention kernel stored V with the block's tokens innermost for the 
 reduction.
 
 The kernels read V tiles of this layout unmasked along the tokens (a per-token mask would
-split the 16-byte loads into bytes) from block ids inside the cache, and replace non-finite
-values by 0 (:func:`attention.triton_kernels.paging.finite_operand`): slots past a row's end
+split the 16-byte loads into bytes) from block ids inside the cache, and make non-finite
+values finite (:func:`attention.triton_kernels.paging.finite_operand`): slots past a row's end
 may hold any bits, and a probability of 0 times NaN is still NaN.
 
 A block's bytes are one contiguous run in either layout, so block copies, swap, the host and

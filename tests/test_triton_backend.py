@@ -23,9 +23,11 @@ from attention.triton_kernels import (
     DECODE_SWEEP,
     PREFILL_SWEEP,
     DecodeConfig,
+    DecodePolicy,
     PrefillConfig,
     default_decode_config,
     default_prefill_config,
+    max_decode_items,
     max_prefill_tiles,
     prefill_tile_index,
 )
@@ -215,23 +217,38 @@ def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
 
 @pytest.mark.parametrize("cache", ["float8_e4m3", None])
 def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: str) -> None:
-    """The default one-token launch of an fp8 cache takes 3 stages at every block size
-    (``default_decode_config``); a bf16 cache, rows verifying drafts and a given config keep
-    theirs."""
+    """The default one-token launch of an fp8 cache takes 3 stages where its tiles span
+    blocks, and 4 stages scheduled for 2 programs an SM where a tile lies inside one block
+    (``default_decode_config``): fewer chunks then, never more items or partial slots than
+    the buffers hold; a bf16 cache, rows verifying drafts, a given config and a given policy
+    keep theirs."""
     spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
     kv = torch.float8_e4m3fn if cache else None
     tile = default_decode_config(128, torch.bfloat16, kv).block_n
+    rows = [(8000, 1), (6000, 1)]
     for block_size in (32, 2 * tile):
-        case = _case([(300, 1), (40, 1)], spec, block_size, triton_device)
-        (launch,) = TritonBackend(spec).plan(case.meta).decode  # type: ignore[attr-defined]
+        inside = cache is not None and block_size % tile == 0
+        case = make_case(rows, spec, block_size=block_size, device=triton_device, pad_to=4)
+        backend = TritonBackend(spec, num_sms=16)
+        (launch,) = backend.plan(case.meta).decode  # type: ignore[attr-defined]
         assert launch.config.block_n == tile
-        assert launch.config.num_stages == (3 if cache else 2), (block_size, launch.config)
+        assert launch.config.num_stages == (4 if inside else 3 if cache else 2), (block_size, launch.config)
+        assert launch.config.programs_per_sm == (2 if inside else None)
+        policy = DecodePolicy(programs_per_sm=3)
+        (kept,) = TritonBackend(spec, num_sms=16, decode_policy=policy).plan(case.meta).decode  # type: ignore[attr-defined]
+        # 2 rows on 2 KV heads, 16 SMs: 3 programs an SM want <= 24 items, 2 want <= 16.
+        assert kept.schedule.num_items > 16 and kept.schedule.num_items <= 24, kept.schedule
+        assert launch.schedule.num_items <= (16 if inside else 24) and launch.schedule.num_items > 12
+        graph = backend.plan(case.meta, graph=True)
+        (captured,) = graph.decode  # type: ignore[attr-defined]
+        bound = max_decode_items(4, 2, 16, backend.decode_policy)
+        assert captured.schedule.grid_items <= bound and captured.items.shape[0] <= bound
         given = DecodeConfig(block_n=tile, num_warps=4, num_stages=2)
         (fixed,) = TritonBackend(spec, decode_config=given).plan(case.meta).decode  # type: ignore[attr-defined]
         assert fixed.config == given
-    drafts = _case([(300, 4)], spec, 32, triton_device)
+    drafts = _case([(300, 4)], spec, 2 * tile, triton_device)
     (verify,) = TritonBackend(spec).plan(drafts.meta).decode  # type: ignore[attr-defined]
-    assert verify.config.num_stages == 2
+    assert verify.config.num_stages == 2 and verify.config.programs_per_sm is None
 
 
 def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:

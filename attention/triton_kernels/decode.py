@@ -80,6 +80,10 @@ class DecodeConfig:
     f16_fp8_dots: with an fp8 cache and 16-bit queries, run the dots in fp16
                 (``paging.f16_dots_for``); False: in the query's dtype (the slower conversion
                 to bf16, kept for comparison).
+    programs_per_sm: the programs of this launch an SM holds at once, when that is fewer
+                than the chunking policy assumes (its registers and shared memory decide):
+                a backend without a given policy then schedules for this many
+                (``DecodePolicy.programs_per_sm``). None: the policy's.
     """
 
     block_n: int = 64
@@ -88,10 +92,13 @@ class DecodeConfig:
     fused_combine: bool = False
     combine_num_warps: int = 4
     f16_fp8_dots: bool = True
+    programs_per_sm: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n: {self.block_n} must be a power of two >= 16")
+        if self.programs_per_sm is not None and self.programs_per_sm < 1:
+            raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -100,6 +107,7 @@ def default_decode_config(
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
     query_len: int = 1,
+    block_size: int | None = None,
 ) -> DecodeConfig:
     """A Hopper default: ~16 KiB per K (and V) tile with 16-byte loads and two pipeline
     stages. Measured on the H200 for the previous decode kernel, whose loop this one keeps
@@ -123,6 +131,15 @@ def default_decode_config(
     against 133; at block 32, 173 against 194, 192 against 248, 127 against 141. (With a
     contiguous fp8 V, 2 stages were as good or better at block 256.)
 
+    An fp8 cache whose tiles lie inside one block (``block_size`` a multiple of the tile, e.g.
+    256) takes four stages, and its programs_per_sm is 2: 96 KiB of tiles in flight, two
+    programs an SM. Three stages (72 KiB, 156 registers) fit three an SM, and 64 rows x 4096
+    tokens then make 512 programs for 396 places: 1.29 waves, the last one mostly idle. On
+    the H200 (benchmarks/results/decode-fp8-clamp-2026-12-04.json, run 4), against the bf16
+    cache at block 256: 1.73x / 1.77x / 1.71x / 1.76x / 1.77x (64x4096, 128x2048, 256x1024,
+    16x16384, LogNormal 2048) where three stages give 1.43x / 1.83x / 1.84x / 1.77x / 1.81x;
+    at block 32, four stages lost on every shape but 64x4096 (1.37-1.55x against 1.45-1.69x).
+
     An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
     same tiles and three stages. On the H200 (benchmarks/results/decode-int8-2026-12-04.json),
     over the bench's shapes, 2 stages ran 1.05x / 1.01x and 4 stages 0.94x / 0.97x the speed
@@ -137,6 +154,8 @@ def default_decode_config(
     warps = 8 if q_itemsize * d_pad > 512 else 4
     one_byte = kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES
     stages = 3 if one_byte and query_len <= 1 else 2
+    if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and block_size is not None and block_size % block_n == 0:
+        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=4, programs_per_sm=2)
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
 

@@ -118,10 +118,22 @@ def int8_values(x, query_dtype: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def finite_operand(x):  # type: ignore[no-untyped-def]
-    """``x`` with every NaN and infinity replaced by 0 (finite values unchanged). For a value
+    """``x`` with every NaN and infinity made finite, finite values unchanged. For a value
     tile read unmasked, whose slots past a row's end may hold any bits: a probability of 0
-    times NaN would still be NaN. (A select, not a clamp: Triton 3.6 compiled a bf16 clamp to
-    the finite range inexactly on the H200, 1.6e-3 relative error in prefill.)"""
+    times NaN would still be NaN.
+
+    fp16 (the operand of an fp8 cache, or an fp16 cache's): clamped to +-65504 by packed min
+    and max, which return the non-NaN operand, so NaN becomes -65504 and infinities +-65504.
+    Two instructions per pair of values where the select below takes six (a compare, a
+    select per half, byte permutes); in fp8 decode the select was 22% of the loop's
+    instructions, and with the same launch the clamp decoded 1.10-1.21x faster on KV-bound
+    shapes, but for 64x4096 at block 256 (0.94x, a wave effect: ``decode.default_decode_config``)
+    (benchmarks/results/decode-fp8-clamp-2026-12-04.json, run 4). Other dtypes: replaced by 0, a
+    select (Triton 3.6 compiled a bf16 clamp to the finite range inexactly on the H200,
+    1.6e-3 relative error in prefill)."""
+    if x.dtype == tl.float16:
+        big = tl.full([], 65504.0, tl.float16)  # a float literal would promote the clamp to fp32
+        return tl.minimum(tl.maximum(x, -big), big)
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
