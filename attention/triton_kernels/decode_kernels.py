@@ -30,6 +30,7 @@ from attention.triton_kernels.paging import (
     finite_operand,
     int8_values,
     soft_cap,
+    tile_columns,
     tile_mask,
     tile_token_offsets,
     to_f16_operand,
@@ -69,7 +70,7 @@ def _tile_pages(  # type: ignore[no-untyped-def]
         page = tl.load(table_ptr + col, mask=row_ok, other=-1)
     else:
         n = n0 + offs_n
-        col = tl.maximum(tl.minimum(n // BLOCK_SIZE, table_width - 1), 0)
+        col = tl.maximum(tl.minimum(tile_columns(n0, offs_n, BLOCK_SIZE, BLOCK_N), table_width - 1), 0)
         page = tl.load(table_ptr + col, mask=tl.where(row_ok, n < kv_end, False), other=-1)
     ok = (page >= 0) & (page < num_blocks)
     return tl.where(ok, page, 0).to(tl.int64), ok
