@@ -139,6 +139,10 @@ def default_decode_config(
     cache at block 256: 1.73x / 1.77x / 1.71x / 1.76x / 1.77x (64x4096, 128x2048, 256x1024,
     16x16384, LogNormal 2048) where three stages give 1.43x / 1.83x / 1.84x / 1.77x / 1.81x;
     at block 32, four stages lost on every shape but 64x4096 (1.37-1.55x against 1.45-1.69x).
+    With the one-instruction V guard (``paging.finite_e4m3_operand``), three stages at block 256
+    beat four by 3-6% on every shape but 64x4096 (1.42x against 1.78x) and 16x16384 (equal)
+    (benchmarks/results/decode-fp8-min-2026-12-04.md); four stay, since a CUDA-graph bucket
+    fixes its launch before the step's lengths are known and the wave loss is the larger.
 
     An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
     same tiles and three stages. On the H200 (benchmarks/results/decode-int8-2026-12-04.json),

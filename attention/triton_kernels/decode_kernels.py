@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from attention.triton_kernels.paging import (
+    finite_e4m3_operand,
     finite_operand,
     int8_values,
     soft_cap,
@@ -271,8 +272,9 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
     SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
     joins the softmax's denominator once: here for a row of one chunk, at the merge for a
     split row. V_TOKEN_MAJOR: the V cache is token-major (:mod:`attention.value_layout`);
-    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, non-finite values zeroed
-    (not for int8, whose values are all finite).
+    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, and are made finite
+    (``paging.finite_e4m3_operand`` for float8_e4m3fn, ``finite_operand`` otherwise; not for int8,
+    whose values are all finite).
     """
     kvh = tl.program_id(0)
     i = tl.program_id(1)
@@ -371,7 +373,10 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                     vt = vt.to(q.dtype)
                 # Read unmasked (16-byte loads along the tokens) inside a valid block: slots past
                 # the row's end may hold NaN, which must not meet p = 0.
-                v = tl.trans(finite_operand(vt))
+                if vt.dtype == tl.float16 and v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+                    v = tl.trans(finite_e4m3_operand(vt))  # NaN is e4m3's only non-finite value
+                else:
+                    v = tl.trans(finite_operand(vt))
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             if UPCAST or KV_SCALED:
