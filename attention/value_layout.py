@@ -24,8 +24,9 @@ reduction.
 
 The kernels read V tiles of this layout unmasked along the tokens (a per-token mask would
 split the 16-byte loads into bytes) from block ids inside the cache, and make non-finite
-values finite (:func:`attention.triton_kernels.paging.finite_operand`): slots past a row's end
-may hold any bits, and a probability of 0 times NaN is still NaN.
+values finite (:func:`attention.triton_kernels.paging.finite_operand`, or for float8_e4m3fn,
+whose only non-finite value is NaN, ``finite_e4m3_operand``): slots past a row's end may hold
+any bits, and a probability of 0 times NaN is still NaN.
 
 A block's bytes are one contiguous run in either layout, so block copies, swap, the host and
 disk tiers and prefix-cache digests move blocks without knowing the layout.
