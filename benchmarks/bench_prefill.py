@@ -3,9 +3,9 @@
 Shape: bf16, 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B-like); causal, every token
 new. tflops = 4 * batch * heads * head_dim * L^2 / 2 / time.
 
-Backends: ``triton`` at block 32 and 256 (at 256 on an sm_90 GPU its steps run on the
-warp-specialized Gluon kernel, ``attention.triton_kernels.prefill_hopper``; the row with
-variant ``triton kernel`` times the same backend with ``hopper_prefill=False``), ``flash_attn``
+Backends: ``triton`` at block 32 and 256 (on an sm_90 GPU its steps run on the
+warp-specialized Gluon kernel, ``attention.triton_kernels.prefill_hopper``; the rows with
+variant ``triton kernel`` time the same backend with ``hopper_prefill=False``), ``flash_attn``
 at block 256 (through
 ``attention.registry.get_backend``; skipped with a note when flash-attn is missing), and
 ``sdpa``: torch's scaled_dot_product_attention on contiguous, unpaged K/V. Paged caches get
@@ -230,10 +230,9 @@ def run_main(
             row = Row("prefill", "triton", batch, seq_len, block_size)
             fn = _attend_fn(triton_backend, p, caches)
             shape_rows.append(_measure(timer, row, p, fn, ref))
-            if block_size == 256:
-                plain = TritonBackend(common.spec(), hopper_prefill=False)
-                row = Row("prefill", "triton", batch, seq_len, block_size, variant="triton kernel")
-                shape_rows.append(_measure(timer, row, p, _attend_fn(plain, p, caches), ref))
+            plain = TritonBackend(common.spec(), hopper_prefill=False)  # the Triton kernel alone
+            row = Row("prefill", "triton", batch, seq_len, block_size, variant="triton kernel")
+            shape_rows.append(_measure(timer, row, p, _attend_fn(plain, p, caches), ref))
             if block_size == 256 and flash is not None:
                 fa = Row("prefill", "flash_attn", batch, seq_len, block_size)
                 shape_rows.append(_measure(timer, fa, p, _attend_fn(flash, p, caches), ref))

@@ -45,7 +45,7 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 128), (16, 16, 64), (32, 4, 128), (9, 3, 64)])
-@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("block_size", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("sms", [None, 3])
 def test_backend_prefill_matches_float64(
     hopper_calls: list[int],
@@ -57,7 +57,8 @@ def test_backend_prefill_matches_float64(
     sms: int | None,
 ) -> None:
     """``sms`` 3: three persistent programs take every item in turn (the K/V ring and the Q
-    buffer wrap across items)."""
+    buffer wrap across items). Blocks of 32, 64 and 96 load each 128-key tile as 4, 2 and 4
+    boxes from scattered blocks."""
     spec = make_spec(heads, kv_heads, head_dim, dtype)
     case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=heads + block_size)
     backend = TritonBackend(spec, num_sms=sms)
@@ -70,12 +71,12 @@ def test_backend_prefill_matches_float64(
 
 
 def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[int]) -> None:
-    """A sliding window, blocks of 32, an int8 cache and hopper_prefill=False keep the Triton
+    """A sliding window, an int8 cache, head_dim 256 and hopper_prefill=False keep the Triton
     kernel (and still match the oracle)."""
     cases = [
         (make_spec(8, 2, 128, torch.bfloat16, sliding_window=100), 256, True),
         (make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype="int8"), 256, True),
-        (make_spec(8, 2, 128, torch.bfloat16), 32, True),
+        (make_spec(4, 2, 256, torch.bfloat16), 32, True),
         (make_spec(8, 2, 128, torch.bfloat16), 256, False),
     ]
     for spec, block_size, enabled in cases:
@@ -89,7 +90,9 @@ def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[i
     assert not hopper_calls
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 128, 256), (9, 3, 64, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 128, 256), (9, 3, 64, 128), (8, 2, 128, 32)]
+)
 def test_fp8_cache_through_a_dequantized_copy(
     hopper_calls: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
@@ -107,11 +110,12 @@ def test_fp8_cache_through_a_dequantized_copy(
     assert err < 1e-2, err
 
 
-def test_fixed_grid_matches_the_eager_launch() -> None:
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_fixed_grid_matches_the_eager_launch(block_size: int) -> None:
     """The CUDA-graph form (a fixed grid, the real entry count on the device, the index
     padded with row -1) writes what the eager launch writes, captured and replayed."""
     spec = make_spec(16, 4, 128, torch.bfloat16)
-    case = make_case(ROWS, spec, block_size=256, device="cuda", seed=5)
+    case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=5)
     backend = TritonBackend(spec)
     plan = backend.plan(case.meta)
     backend.write_kv(case.new_key, case.new_value, case.layer, plan)
@@ -135,18 +139,20 @@ def test_fixed_grid_matches_the_eager_launch() -> None:
     assert torch.equal(out[rows], eager[rows])
 
 
-def test_hostile_metadata_stays_inside_the_cache_and_the_step() -> None:
+@pytest.mark.parametrize(("bs", "width"), [(128, 3), (32, 12)])
+def test_hostile_metadata_stays_inside_the_cache_and_the_step(bs: int, width: int) -> None:
     """Block ids outside the cache, lengths past the table or negative, query starts out of
-    order: no fault, and nothing written outside ``out``'s rows (guard rows around it)."""
+    order: no fault, and nothing written outside ``out``'s rows (guard rows around it). Blocks
+    of 32: every box of a tile reads its own (hostile) id."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     host_gen = torch.Generator().manual_seed(7)
-    heads, kv_heads, d, bs, blocks, tokens = 8, 2, 128, 128, 6, 700
+    heads, kv_heads, d, blocks, tokens = 8, 2, 128, 6 * 128 // bs, 700
     k_cache = torch.randn(blocks, bs, kv_heads, d, generator=gen, device="cuda").bfloat16()
     v_cache = torch.randn(blocks, bs, kv_heads, d, generator=gen, device="cuda").bfloat16()
     query = torch.randn(tokens, heads, d, generator=gen, device="cuda").bfloat16()
     for trial in range(8):
         rows = 4
-        tables = torch.randint(-5, blocks + 5, (rows, 3), generator=gen, device="cuda", dtype=torch.int32)
+        tables = torch.randint(-5, blocks + 5, (rows, width), generator=gen, device="cuda", dtype=torch.int32)
         seq_lens = torch.randint(-300, 3000, (rows,), generator=gen, device="cuda", dtype=torch.int32)
         starts = torch.randint(-200, tokens + 200, (rows + 1,), generator=gen, device="cuda", dtype=torch.int32)
         host_lens = [int(x) for x in torch.randint(1, 600, (rows,), generator=host_gen)]

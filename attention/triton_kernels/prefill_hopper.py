@@ -3,7 +3,7 @@
 The same computation as :mod:`.prefill` (causal varlen attention of every new token over
 the paged K/V; work items are (query tile, query head) of :func:`.prefill.prefill_tile_index`
 with ``block_m`` 128), for the common case only: a 16-bit cache in the query's dtype, no
-sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 128 tokens. The
+sliding window, cap or sinks, head_dim 64 or 128, blocks of a multiple of 32 tokens. The
 triton backend sends such steps here (:func:`hopper_prefill_applies`), eager and CUDA-graph
 alike, and everything else to :func:`.prefill.paged_prefill`. Eager steps over an fp8 cache
 come here too, through a 16-bit copy of the blocks they read (:mod:`.dequantize_blocks`).
@@ -16,9 +16,11 @@ is (Shah et al., 2024, section 3):
 
 - a producer warpgroup loads each 128-key K and V tile with TMA into two rings of
   shared-memory buffers, 2 K and 3 V slots (``ready`` / ``empty`` mbarriers per slot; a K slot
-  is free again once both consumers' S of it is done, a V slot once their P V is). A tile lies
-  inside one cache block, so its rows are one 2-D box of the cache viewed as
-  ``[num_blocks * block_size, kv_heads * head_dim]``;
+  is free again once both consumers' S of it is done, a V slot once their P V is). The cache
+  is viewed as ``[num_blocks * block_size, kv_heads * head_dim]``; a tile is one 2-D box of it
+  when blocks hold a multiple of 128 tokens, else ``128 / g`` boxes of ``g = gcd(block_size,
+  128)`` rows (32 or 64), each inside one block, loaded into consecutive rows of the slot on
+  the slot's one barrier (:func:`kv_box_rows`);
 - two consumer warpgroups each own 64 of the tile's 128 query rows. Each issues S = Q K^T of
   key tile j and P V of tile j - 1 as asynchronous warpgroup MMAs, then computes the softmax of
   tile j while P V runs;
@@ -36,6 +38,7 @@ is (Shah et al., 2024, section 3):
 H200, bf16, 32 / 8 heads, head_dim 128, block 256, CUDA-graph replays
 (``benchmarks/results/prefill-hopper-rings-2026-12-04.json``): 1.00x / 1.00x / 0.98x torch
 SDPA at 8x4096 / 32x1024 / 2x16384, where the Triton kernel reaches 0.77x / 0.68x / 0.77x.
+Blocks of 32: see ``benchmarks/results/prefill-hopper-block32-2026-12-04.json``.
 
 Safety, as in :mod:`.prefill`: lengths are clamped to the block table, block ids outside
 [0, num_blocks) read block 0, TMA zero-fills query rows outside the step, only the tile's own
@@ -47,6 +50,7 @@ row's length (stale bits, possibly NaN) are zeroed in shared memory before P V r
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -77,6 +81,7 @@ __all__ = [
     "hopper_prefill_applies",
     "hopper_prefill_possible",
     "hopper_prefill_shape_ok",
+    "kv_box_rows",
 ]
 
 #: Query rows per program (two consumer warpgroups of 64); the tile index must use it.
@@ -89,6 +94,7 @@ _BLOCK_N = 128  # keys per tile
 _K_STAGES = 2
 _V_STAGES = 3
 _HEAD_DIMS = (64, 128)
+_MIN_BOX_ROWS = 32  # the smallest K / V box: a tile is at most 4 boxes (the producer's unrolling)
 _LOG2E = 1.4426950408889634
 
 
@@ -112,9 +118,16 @@ def hopper_prefill_possible(device: torch.device) -> bool:
 
 
 def hopper_prefill_shape_ok(head_dim: int, block_size: int) -> bool:
-    """Whether the kernel takes this head_dim (64 or 128) and block size (a multiple of its
-    128-key tiles)."""
-    return head_dim in _HEAD_DIMS and block_size % _BLOCK_N == 0
+    """Whether the kernel takes this head_dim (64 or 128) and block size (a positive multiple
+    of 32: a 128-key tile is then 1, 2 or 4 TMA boxes, :func:`kv_box_rows`)."""
+    return head_dim in _HEAD_DIMS and block_size > 0 and block_size % _MIN_BOX_ROWS == 0
+
+
+def kv_box_rows(block_size: int) -> int:
+    """Rows of the K / V TMA box for blocks of ``block_size`` tokens: ``gcd(block_size, 128)``.
+    A tile of 128 keys starts at a multiple of 128, so each of its boxes starts at a multiple of
+    the box and lies inside one block."""
+    return math.gcd(block_size, _BLOCK_N)
 
 
 def hopper_prefill_applies(
@@ -132,7 +145,7 @@ def hopper_prefill_applies(
 ) -> bool:
     """Whether :func:`hopper_prefill` serves a layer call: an sm_90 GPU with Gluon, a tile
     index of ``block_m`` 128, no window / cap / sinks / scales, caches in the query's 16-bit
-    dtype with blocks of a multiple of 128 tokens that TMA can read (``tma_caches``:
+    dtype with blocks of a multiple of 32 tokens that TMA can read (``tma_caches``:
     contiguous, 16-byte aligned), head_dim 64 or 128, and a query / out whose rows TMA and the
     stores can address (unit stride along head_dim, heads packed, 16-byte aligned rows)."""
     if not hopper_prefill_possible(query.device):
@@ -191,22 +204,43 @@ if _GLUON:
 
     @gluon.jit
     def _page(table_row, n0, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
-        """The cache block holding key ``n0`` of a row (table index clamped to the table; an id
-        outside [0, num_blocks) reads block 0)."""
+        """The cache row of key ``n0`` of a row: ``page * BLOCK_SIZE + n0 % BLOCK_SIZE`` for the
+        block holding it (table index clamped to the table; an id outside [0, num_blocks) reads
+        block 0)."""
         page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
-        return gl.where((page >= 0) & (page < num_blocks), page, 0)
+        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+        return page * BLOCK_SIZE + n0 % BLOCK_SIZE
 
     @gluon.jit
     def _load_ring(  # type: ignore[no-untyped-def]
-        desc, bufs, ready, empty, pos, page, n0, col, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        desc, bufs, ready, empty, pos, table_row, n0, col, table_width, num_blocks, STAGES: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
-        """TMA of the [BLOCK_N, HEAD_DIM] tile of keys ``n0 ..`` (in cache block ``page``) into
-        ring position ``pos`` once both consumers freed that slot."""
+        """TMA of the [BLOCK_N, HEAD_DIM] tile of keys ``n0 ..`` into ring position ``pos`` once
+        both consumers freed that slot: one box, or 2 / 4 boxes of ``desc``'s rows (blocks of 64
+        / 32 tokens: each box inside one block) into consecutive rows of the slot, all on the
+        slot's barrier. The block ids are read before the wait for the slot."""
+        BOX: gl.constexpr = desc.block_type.shape[0]
+        BOXES: gl.constexpr = BLOCK_N // BOX
+        r0 = _page(table_row, n0, table_width, num_blocks, BLOCK_SIZE)
+        if BOXES >= 2:
+            r1 = _page(table_row, n0 + BOX, table_width, num_blocks, BLOCK_SIZE)
+        if BOXES == 4:
+            r2 = _page(table_row, n0 + 2 * BOX, table_width, num_blocks, BLOCK_SIZE)
+            r3 = _page(table_row, n0 + 3 * BOX, table_width, num_blocks, BLOCK_SIZE)
         slot = pos % STAGES
         mbarrier.wait(empty.index(slot), ((pos // STAGES) & 1) ^ 1)  # a fresh slot passes
         bar = ready.index(slot)
-        mbarrier.expect(bar, desc.block_type.nbytes)
-        _tma_load(desc, [page * BLOCK_SIZE + n0 % BLOCK_SIZE, col], bar, bufs.index(slot))
+        buf = bufs.index(slot)
+        mbarrier.expect(bar, BOXES * desc.block_type.nbytes)
+        if BOXES == 1:
+            _tma_load(desc, [r0, col], bar, buf)
+        else:
+            _tma_load(desc, [r0, col], bar, buf.slice(0, BOX))
+            _tma_load(desc, [r1, col], bar, buf.slice(BOX, BOX))
+            if BOXES == 4:
+                _tma_load(desc, [r2, col], bar, buf.slice(2 * BOX, BOX))
+                _tma_load(desc, [r3, col], bar, buf.slice(3 * BOX, BOX))
 
     @gluon.jit
     def _item(  # type: ignore[no-untyped-def]
@@ -258,18 +292,20 @@ if _GLUON:
             _tma_load(q_desc, [q_row + BLOCK_M // 2, h * HEAD_DIM], q_ready, q_smem1)
             table_row = block_tables_ptr + row.to(gl.int64) * stride_bt
             col = (h // GROUP) * HEAD_DIM
-            page = _page(table_row, 0, table_width, num_blocks, BLOCK_SIZE)
-            _load_ring(k_desc, k_bufs, k_ready, k_empty, c, page, 0, col, K_STAGES, BLOCK_SIZE)
+            _load_ring(
+                k_desc, k_bufs, k_ready, k_empty, c, table_row, 0, col, table_width, num_blocks, K_STAGES, BLOCK_SIZE,
+                BLOCK_N,
+            )  # fmt: skip
             for j in range(n_tiles):
-                next_page = page
                 if j + 1 < n_tiles:
-                    next_page = _page(table_row, (j + 1) * BLOCK_N, table_width, num_blocks, BLOCK_SIZE)
                     _load_ring(
-                        k_desc, k_bufs, k_ready, k_empty, c + j + 1, next_page, (j + 1) * BLOCK_N, col, K_STAGES,
-                        BLOCK_SIZE,
+                        k_desc, k_bufs, k_ready, k_empty, c + j + 1, table_row, (j + 1) * BLOCK_N, col, table_width,
+                        num_blocks, K_STAGES, BLOCK_SIZE, BLOCK_N,
                     )  # fmt: skip
-                _load_ring(v_desc, v_bufs, v_ready, v_empty, c + j, page, j * BLOCK_N, col, V_STAGES, BLOCK_SIZE)
-                page = next_page
+                _load_ring(
+                    v_desc, v_bufs, v_ready, v_empty, c + j, table_row, j * BLOCK_N, col, table_width, num_blocks,
+                    V_STAGES, BLOCK_SIZE, BLOCK_N,
+                )  # fmt: skip
             c += n_tiles
 
     @gluon.jit
@@ -465,8 +501,8 @@ def _descriptors(
 ) -> tuple[Any, Any, Any, Any]:
     """Host TMA descriptors: the query and ``out`` as [tokens, heads * head_dim] rows (their own
     row strides; ``out`` only the query's token count), the caches as [num_blocks * block_size,
-    kv_heads * head_dim]. Without ``out`` the query's descriptor stands in for it (a kernel that
-    stores without TMA never reads it)."""
+    kv_heads * head_dim] in boxes of :func:`kv_box_rows` rows. Without ``out`` the query's
+    descriptor stands in for it (a kernel that stores without TMA never reads it)."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
@@ -476,8 +512,9 @@ def _descriptors(
     q_desc = TensorDescriptor(query, [num_tokens, num_heads * head_dim], [query.stride(0), 1], [half_m, head_dim],
                               q_layout)  # fmt: skip
     rows, cols = num_blocks * block_size, kv_heads * head_dim
-    k_desc = TensorDescriptor(k_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v_cache, [rows, cols], [cols, 1], [_BLOCK_N, head_dim], kv_layout)
+    box = [kv_box_rows(block_size), head_dim]  # (the box's layout is the tile's: the same swizzle)
+    k_desc = TensorDescriptor(k_cache, [rows, cols], [cols, 1], box, kv_layout)
+    v_desc = TensorDescriptor(v_cache, [rows, cols], [cols, 1], box, kv_layout)
     o_desc = q_desc
     if out is not None:
         o_desc = TensorDescriptor(out, [num_tokens, num_heads * head_dim], [out.stride(0), 1], [half_m, head_dim],
