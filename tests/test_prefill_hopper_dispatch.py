@@ -44,9 +44,10 @@ def _routes(backend: TritonBackend, layer: LayerCache, launch: PrefillLaunch, **
     return backend._hopper_prefill_applies(*args), backend._dequant_prefill_applies(*args)  # type: ignore[arg-type]
 
 
-def test_a_bf16_cache_runs_on_the_hopper_kernel() -> None:
+@pytest.mark.parametrize("block_size", [32, 64, 96, 128, 256, 384])
+def test_a_bf16_cache_runs_on_the_hopper_kernel(block_size: int) -> None:
     backend = TritonBackend(make_spec(HEADS, KV_HEADS, 128, torch.bfloat16))
-    assert _routes(backend, _layer(torch.bfloat16), _launch()) == (True, False)
+    assert _routes(backend, _layer(torch.bfloat16, block_size=block_size), _launch()) == (True, False)
     small = TritonBackend(make_spec(HEADS, KV_HEADS, 64, torch.bfloat16))
     assert _routes(small, _layer(torch.bfloat16, block_size=128, head_dim=64), _launch()) == (True, False)
 
@@ -54,7 +55,7 @@ def test_a_bf16_cache_runs_on_the_hopper_kernel() -> None:
 @pytest.mark.parametrize(
     ("case", "why"),
     [
-        ({"block_size": 32}, "blocks under the 128-key tile"),
+        ({"block_size": 16}, "blocks that are not a multiple of 32 (4 boxes a tile at most)"),
         ({"head_dim": 96}, "head_dim neither 64 nor 128"),
         ({"block_m": 64}, "a tile index of another height"),
         ({"window": 100}, "a sliding window"),
@@ -75,10 +76,11 @@ def test_the_triton_kernel_keeps_what_the_hopper_kernel_does_not_take(case: dict
     assert _routes(backend, layer, launch, window=case.get("window")) == (False, False), why
 
 
-def test_an_fp8_cache_runs_on_the_copy_only_when_the_plan_made_one() -> None:
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_an_fp8_cache_runs_on_the_copy_only_when_the_plan_made_one(block_size: int) -> None:
     spec = make_spec(HEADS, KV_HEADS, 128, torch.bfloat16, kv_cache_dtype="float8_e4m3")
     backend = TritonBackend(spec)
-    layer = _layer(torch.float8_e4m3fn, scales=True)
+    layer = _layer(torch.float8_e4m3fn, block_size=block_size, scales=True)
     assert _routes(backend, layer, _launch(dequant=True)) == (False, True)
     assert _routes(backend, layer, _launch(dequant=False)) == (False, False)
     assert _routes(TritonBackend(spec, hopper_prefill=False), layer, _launch(dequant=True)) == (False, False)
@@ -99,3 +101,21 @@ def test_which_outputs_take_the_tma_store() -> None:
     assert out_takes_tma(flat[8:].view(5, 4, 128), torch.bfloat16) == (flat[8:].data_ptr() % 16 == 0)
     assert not out_takes_tma(flat[1 : 1 + 5 * 4 * 128].view(5, 4, 128), torch.bfloat16)  # 2 bytes off
     assert not out_takes_tma(torch.empty(5, 1, 4, dtype=torch.bfloat16), torch.bfloat16)  # 8-byte rows
+
+
+def test_a_key_tile_is_one_two_or_four_boxes_each_inside_a_block() -> None:
+    """``kv_box_rows``: the TMA box divides both the block and the 128-key tile, so a tile
+    (starting at a multiple of 128) is whole boxes, each starting at a multiple of the box and
+    so inside one block; the kernel unrolls at most 4 boxes."""
+    from attention.triton_kernels.prefill_hopper import hopper_prefill_shape_ok, kv_box_rows
+
+    for block_size in range(32, 2049, 32):
+        box = kv_box_rows(block_size)
+        assert block_size % box == 0 and 128 % box == 0 and 128 // box in (1, 2, 4), block_size
+        for n0 in range(0, 4 * block_size, 128):  # every box of every tile of 4 blocks
+            for b in range(128 // box):
+                first = n0 + b * box
+                assert first // block_size == (first + box - 1) // block_size, (block_size, first)
+        assert hopper_prefill_shape_ok(128, block_size)
+    assert [kv_box_rows(b) for b in (32, 64, 96, 128, 160, 192, 256)] == [32, 64, 32, 128, 32, 64, 128]
+    assert not any(hopper_prefill_shape_ok(128, b) for b in (0, 16, 48, -32))
