@@ -69,7 +69,14 @@ from attention.triton_kernels.mla_balanced import (
     mla_work_programs,
     plan_mla_work,
 )
-from attention.triton_kernels.mla_decode import MLALaunch, causal_queries, default_mla_launch, mla_attention
+from attention.triton_kernels.mla_decode import (
+    MLALaunch,
+    causal_queries,
+    default_mla_launch,
+    hopper_mla_launch,
+    mla_attention,
+)
+from attention.triton_kernels.mla_decode_hopper import mla_decode_hopper_shape_ok
 from attention.triton_kernels.mla_prefill import mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
 from attention.triton_kernels.prefill_hopper import (
@@ -210,6 +217,10 @@ class TritonBackend(AttentionBackend):
                         run on it (default), and so do decompressed MLA prompt rows of
                         DeepSeek-shaped heads (:mod:`~attention.triton_kernels.mla_prefill_hopper`);
                         False: always the Triton prefill kernels.
+      hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
+                        512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
+                        kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
+                        False: the Triton MLA kernel.
     """
 
     name = "triton"
@@ -225,6 +236,7 @@ class TritonBackend(AttentionBackend):
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
+        hopper_mla_decode: bool = True,
     ):
         super().__init__(spec)
         if decode_chunk_len is not None and decode_chunk_len < 1:
@@ -253,6 +265,7 @@ class TritonBackend(AttentionBackend):
         self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
         self.hopper_prefill = hopper_prefill
+        self.hopper_mla_decode = hopper_mla_decode
 
     @property
     def info(self) -> BackendInfo:
@@ -284,7 +297,7 @@ class TritonBackend(AttentionBackend):
             return [
                 BufferRequest("latent_rows", torch.int32, capacity.max_tokens, staged=True),
                 BufferRequest("latent_lens", torch.int32, capacity.max_tokens, staged=True),
-                BufferRequest("latent_work", torch.int32, mla_work_len(capacity.max_tokens, self._mla_programs(None)),
+                BufferRequest("latent_work", torch.int32, mla_work_len(capacity.max_tokens, self._most_mla_programs()),
                               staged=True),
             ]
         rows = capacity.max_rows
@@ -315,10 +328,30 @@ class TritonBackend(AttentionBackend):
             device = torch.device("cuda" if torch.cuda.is_available() and not kernels_interpreted() else "cpu")
         return _num_sms(device)
 
-    def _mla_programs(self, device: torch.device | None) -> int:
-        """Programs per head tile of the balanced MLA schedule on this device."""
-        launch = default_mla_launch(self.spec.num_heads)
+    def _mla_launch(self, device: torch.device, block_size: int) -> MLALaunch:
+        """The MLA launch for steps on ``device`` over blocks of ``block_size``: the Hopper
+        kernel's where the device, the spec and the block size allow it
+        (:func:`~attention.triton_kernels.mla_decode.hopper_mla_launch`), else the default."""
+        spec = self.spec
+        rank = spec.latent_rank or 0
+        if (
+            self.hopper_mla_decode
+            and not spec.quantized_cache
+            and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
+            and hopper_prefill_possible(device)
+        ):
+            return hopper_mla_launch()
+        return default_mla_launch(spec.num_heads)
+
+    def _mla_programs(self, launch: MLALaunch, device: torch.device | None) -> int:
+        """Programs per head tile of the balanced MLA schedule for ``launch`` on this device."""
         return mla_work_programs(self.spec.num_heads, launch.block_h, launch.programs_per_sm, self._sms(device))
+
+    def _most_mla_programs(self) -> int:
+        """The most programs any launch plans for (the work buffer's size): the default launch
+        has at least as many as the Hopper one (one an SM)."""
+        default, hopper = default_mla_launch(self.spec.num_heads), hopper_mla_launch()
+        return max(self._mla_programs(default, None), self._mla_programs(hopper, None))
 
     def _plan(self, metadata: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """On a graph step both kernels' launches depend only on the bucket: the decode grid on
@@ -362,8 +395,8 @@ class TritonBackend(AttentionBackend):
         pad = meta.num_tokens - len(rows)
         token_rows = staging.stage("latent_rows", array("i", rows) + array("i", [-1]) * pad)
         token_lens = staging.stage("latent_lens", array("i", lens) + array("i", [0]) * pad)
-        launch = default_mla_launch(self.spec.num_heads)
-        programs = self._mla_programs(meta.device)
+        launch = self._mla_launch(meta.device, meta.block_size)
+        programs = self._mla_programs(launch, meta.device)
         heads, tokens = self.spec.num_heads, meta.num_tokens
         # Fixed by the token count (the bucket's, padded, in a graph), not by the lengths.
         direct = mla_direct_store(tokens, programs, heads, self.spec.latent_rank or 0)
@@ -578,6 +611,7 @@ class TritonBackend(AttentionBackend):
                 num_stages=plan.latent.launch.num_stages,
                 unrolled=plan.latent.launch.unrolled,
                 f16_fp8_dots=plan.latent.launch.f16_fp8_dots,
+                hopper=plan.latent.launch.hopper,
                 zero_rest=in_place,
             )
             if not in_place:

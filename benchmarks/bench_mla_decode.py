@@ -22,8 +22,11 @@ shape on the split schedule; the table shows the fastest of them ("best"), the s
 schedule's own plan ("split": ``mla_split_count``, ``mla_split_len``) and what the triton
 backend runs ("plan": ``default_mla_launch`` on the length-balanced schedule,
 ``attention.triton_kernels.mla_balanced``, its programs in the splits column, planned
-``direct`` when the backend would), and that schedule planned the other way ("direct": tokens
-of one segment stored by their program, or "slots": a partial output for every token); all
+``direct`` when the backend would; at up to 16 heads on an sm_90 GPU the backend runs "hopper"
+instead: ``hopper_mla_launch``, the Gluon kernel of ``attention.triton_kernels.mla_decode_hopper``
+on its own plan of 64-latent tiles, one program an SM), and that schedule planned the other way
+("direct": tokens of one segment stored by their program, or "slots": a partial output for
+every token); all
 are in the JSON.
 
 ``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16);
@@ -56,6 +59,7 @@ from attention.triton_kernels.mla_balanced import (
 from attention.triton_kernels.mla_decode import (
     MLALaunch,
     default_mla_launch,
+    hopper_mla_launch,
     mla_attention,
     mla_split_count,
     mla_split_len,
@@ -148,21 +152,30 @@ def measure_batch(
         todo += [(default, plan_splits, plan_len, False, "split plan"), (default, programs, 0, True, "")]
         # The balanced schedule planned the other way (direct stores or slots for every token).
         todo += [(default, programs, 0, True, "slots" if rule else "direct")]
+        # What the backend runs at <= 16 heads on an sm_90 GPU: the Hopper kernel, its own plan.
+        hopper = hopper_mla_launch()
+        h_programs = mla_work_programs(heads, hopper.block_h, hopper.programs_per_sm, sms)
+        h_direct = mla_direct_store(len(lens), h_programs, heads, RANK)
+        h_work = MLAWork(torch.tensor(plan_mla_work(lens, h_programs, hopper.block_n, min_program_latents(heads),
+                                                    direct=h_direct), dtype=torch.int32, device="cuda"),
+                         h_programs, h_direct)  # fmt: skip
+        if heads <= hopper.block_h:
+            todo += [(hopper, h_programs, 0, True, "hopper")]
         if fp8:
             todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
         for launch, splits, split_len, planned, latent in todo:
             split_plan = latent == "split plan"
-            direct = rule != (latent in ("slots", "direct"))  # that row: planned the other way
-            latent = "" if latent in ("split plan", "slots", "direct") else latent
+            on_hopper = latent == "hopper"
+            direct = h_direct if on_hopper else rule != (latent in ("slots", "direct"))  # those: the other way
+            latent = "" if latent in ("split plan", "slots", "direct", "hopper") else latent
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
                                    "split_len": split_len, "plan": planned, "split_plan": split_plan,
                                    "latent": latent or "bf16", "direct": planned and direct,
-                                   "as_backend": planned and direct == rule,
+                                   "as_backend": planned and (on_hopper or direct == rule), "hopper": on_hopper,
                                    "schedule": "balanced" if planned else "split"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
-            schedule: dict[str, Any] = (
-                {"work": works[direct]} if planned else {"num_splits": splits, "split_len": chunk}
-            )
+            work = h_work if on_hopper else works[direct]
+            schedule: dict[str, Any] = {"work": work} if planned else {"num_splits": splits, "split_len": chunk}
             extra: dict[str, Any] = {}
             source, expect, nbytes, sources = cache, want, latent_bytes, caches
             if latent and cache8 is not None and want8 is not None:
@@ -205,6 +218,8 @@ def _plan_label(row: dict[str, Any]) -> str:
     "slots" for the other way of planning it, the latent's name for the fp8 rows."""
     if row["latent"] != "bf16":
         return str(row["latent"])[:7]
+    if row.get("hopper"):
+        return "hopper"
     if row["as_backend"]:
         return "plan"
     return "direct" if row["direct"] else "slots"

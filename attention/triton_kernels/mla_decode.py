@@ -49,6 +49,12 @@ from attention.triton_kernels.mla_balanced import (
     min_program_latents,
     mla_work_len,
 )
+from attention.triton_kernels.mla_decode_hopper import (
+    MLA_HOPPER_BLOCK_N,
+    MLA_HOPPER_HEADS,
+    launch_mla_hopper,
+    mla_decode_hopper_applies,
+)
 from attention.triton_kernels.mla_tiles import (
     attend_latents,
     fold_partial,
@@ -64,8 +70,8 @@ from attention.triton_kernels.paging import (
     upcast_for,
 )
 
-__all__ = ["MLALaunch", "causal_queries", "default_mla_launch", "mla_attention", "mla_decode", "mla_split_count",
-           "mla_split_len"]  # fmt: skip
+__all__ = ["MLALaunch", "causal_queries", "default_mla_launch", "hopper_mla_launch", "mla_attention", "mla_decode",
+           "mla_split_count", "mla_split_len"]  # fmt: skip
 
 _LOG2E = 1.4426950408889634
 #: The splits' fp32 partial outputs of one launch, at most (bytes).
@@ -77,7 +83,9 @@ class MLALaunch:
     """Heads per program, latents per tile, warps and pipeline stages of the MLA kernels; for
     the balanced schedule (:mod:`attention.triton_kernels.mla_balanced`) also the programs
     resident per SM (what shared memory allows) and the segments run unrolled; whether an fp8
-    latent's dots run in fp16 (else in the query's dtype)."""
+    latent's dots run in fp16 (else in the query's dtype); ``hopper``: the balanced schedule
+    runs on the Gluon kernel of :mod:`attention.triton_kernels.mla_decode_hopper` where it
+    applies (else on the Triton kernel with this launch)."""
 
     block_h: int = 16
     block_n: int = 32
@@ -86,11 +94,13 @@ class MLALaunch:
     programs_per_sm: int = 1
     unrolled: int = 0
     f16_fp8_dots: bool = True
+    hopper: bool = False
 
     def kernel_args(self) -> dict[str, int | bool]:
         """The keyword arguments :func:`mla_attention` takes from this launch."""
         return dict(block_h=self.block_h, block_n=self.block_n, num_warps=self.num_warps,
-                    num_stages=self.num_stages, unrolled=self.unrolled, f16_fp8_dots=self.f16_fp8_dots)  # fmt: skip
+                    num_stages=self.num_stages, unrolled=self.unrolled, f16_fp8_dots=self.f16_fp8_dots,
+                    hopper=self.hopper)  # fmt: skip
 
 
 def default_mla_launch(heads: int) -> MLALaunch:
@@ -105,6 +115,14 @@ def default_mla_launch(heads: int) -> MLALaunch:
     if heads <= 16:
         return MLALaunch(16, 32, 4, 3, programs_per_sm=2, unrolled=2, f16_fp8_dots=True)
     return MLALaunch(64, 64, 8, 2, programs_per_sm=1, unrolled=0, f16_fp8_dots=False)
+
+
+def hopper_mla_launch() -> MLALaunch:
+    """The launch of the Hopper MLA decode kernel (up to 16 heads, 64-latent tiles, one
+    program an SM; :mod:`attention.triton_kernels.mla_decode_hopper`). Where that kernel does
+    not apply to a call, the Triton balanced kernel runs the same schedule with 64-latent tiles
+    and 2 stages."""
+    return MLALaunch(MLA_HOPPER_HEADS, MLA_HOPPER_BLOCK_N, 4, 2, programs_per_sm=1, unrolled=0, hopper=True)
 
 
 def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
@@ -282,6 +300,7 @@ def mla_attention(
     work: MLAWork | None = None,
     unrolled: int = 0,
     zero_rest: bool = False,
+    hopper: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -315,6 +334,10 @@ def mla_attention(
     unrolled:     with ``work``, a program's segments run outside its loop over tokens (0-4).
     zero_rest:    also store zeros into ``out``'s channels after the first R (the triton
                   backend's output is ``R + E`` wide; this saves it a kernel per layer).
+    hopper:       with ``work`` planned with ``block_n`` 64: run the Hopper kernel where
+                  :func:`~attention.triton_kernels.mla_decode_hopper.mla_decode_hopper_applies`
+                  (an sm_90 GPU, <= 16 heads, a 16-bit 512 + 64 latent, blocks of a multiple of
+                  64, contiguous tensors); elsewhere the Triton kernel, same result.
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
@@ -401,7 +424,10 @@ def mla_attention(
     tail = out.shape[2] - rank if zero_rest else 0
     block_tail = next_power_of_2(tail) if tail else 0
     if work is not None:
-        if tokens and heads:
+        on_hopper = hopper and block_n == MLA_HOPPER_BLOCK_N and mla_decode_hopper_applies(query, cache, kv_lora_rank)
+        if tokens and heads and on_hopper:
+            launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail)
+        elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
                                 tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
         return out[..., :rank]

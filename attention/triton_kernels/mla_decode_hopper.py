@@ -1,0 +1,319 @@
+"""MLA decode on Hopper (sm_90) for up to 16 heads: a Gluon kernel on warpgroup MMAs.
+
+The computation of :mod:`.mla_balanced` (absorbed MLA over the paged latents, on the same
+length-balanced work array and the same merge), for the memory-bound case of DeepSeek-V3 split
+over tensor-parallel ranks: at most 16 heads, a 16-bit latent of 512 + 64 channels, blocks of a
+multiple of 64 tokens.
+
+Why a second kernel: with 16 heads the Triton kernel's dots have 16 rows, so they run as
+``mma.sync`` with every warp holding the whole 16 x 576 query in registers (252 registers, two
+programs an SM) and one 36-step MMA chain per warp; ncu shows its loop latency as long as the
+memory's (``benchmarks/results/mla-decode-ncu-sliced-2026-12-04.md``). Here the latents are the
+M side of Hopper's warpgroup MMA and the heads its N (= 16):
+
+- S^T = L Q^T ([64 latents, 16 heads]) is three asynchronous MMAs over the tile's channel
+  halves and its rotary part, all operands in shared memory (the query once per segment);
+- the softmax runs per head over the tile's latents; P^T goes to shared memory;
+- O^T += L_R^T P^T ([512 channels, 16 heads], two accumulators of 256) reads the same latent
+  tile, transposed, as the MMA's A operand;
+- each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
+  64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
+  one is computed. One program per SM (the ring and the query fill 164 KiB).
+
+Safety as in :mod:`.mla_balanced`: lengths clamped to the table, block ids outside
+``[0, num_blocks)`` read block 0 and mask their latents, latent rows past a token's length are
+zeroed in shared memory before P V reads them (stale slots may hold NaN), slots outside the
+partial buffers are not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attention.triton_kernels.mla_balanced import MLAWork, _mla_balanced_merge_kernel, mla_work_slots
+from attention.triton_kernels.paging import next_power_of_2
+from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
+
+if _GLUON:
+    from attention.triton_kernels.prefill_hopper import (
+        TensorDescriptor,
+        _partition_barrier,
+        _tma_load,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+__all__ = [
+    "MLA_HOPPER_BLOCK_N",
+    "MLA_HOPPER_HEADS",
+    "launch_mla_hopper",
+    "mla_decode_hopper_applies",
+    "mla_decode_hopper_shape_ok",
+]
+
+#: Latents per tile (the warpgroup MMA's M); the work array must be planned with it.
+MLA_HOPPER_BLOCK_N = 64
+#: Most heads the kernel takes (the MMA's N).
+MLA_HOPPER_HEADS = 16
+_RANK, _ROPE = 512, 64
+_STAGES = 2
+
+
+def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
+    """Whether the kernel takes this model shape (the latent's dtype aside): at most 16 heads,
+    a latent of 512 + 64 channels, blocks of a multiple of 64 tokens."""
+    shape_ok = (kv_lora_rank, rope) == (_RANK, _ROPE) and block_size % MLA_HOPPER_BLOCK_N == 0
+    return 0 < heads <= MLA_HOPPER_HEADS and shape_ok
+
+
+def mla_decode_hopper_applies(query: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether :func:`launch_mla_hopper` takes a call: an sm_90 GPU with Gluon, at most 16 heads,
+    a 16-bit latent (the query's dtype) of 512 + 64 channels in blocks of a multiple of 64, a
+    contiguous query and cache with 16-byte aligned bases."""
+    if not hopper_prefill_possible(query.device) or query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    rope = query.shape[-1] - kv_lora_rank
+    if cache.dtype != query.dtype or not mla_decode_hopper_shape_ok(query.shape[1], kv_lora_rank, rope, cache.shape[1]):
+        return False
+    if not (query.is_contiguous() and cache.is_contiguous()):
+        return False
+    return query.data_ptr() % 16 == 0 and cache.data_ptr() % 16 == 0
+
+
+if _GLUON:
+
+    @gluon.jit
+    def _load_tile(  # type: ignore[no-untyped-def]
+        c_desc, e_desc, c_bufs, e_bufs, ready, pos, table_row, n0, table_width, num_blocks,
+        HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of the 64 latents from ``n0`` of a token's row into ring position ``pos``: the
+        two channel halves and the rotary part (an id outside the cache reads block 0)."""
+        slot = pos % STAGES
+        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
+        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+        first = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + e_desc.block_type.nbytes)
+        _tma_load(c_desc, [first, 0], bar, c_bufs.index(2 * slot))
+        _tma_load(c_desc, [first, HALF], bar, c_bufs.index(2 * slot + 1))
+        _tma_load(e_desc, [first, 2 * HALF], bar, e_bufs.index(slot))
+
+    @gluon.jit
+    def _zero_latents_from(buf, first_bad, BLOCK_N: gl.constexpr, HALF: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero rows ``first_bad ..`` of a [BLOCK_N, HALF] latent tile in shared memory."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        v = buf.load(layout)
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        buf.store(gl.where((rows < first_bad)[:, None], v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def _store_slot(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
+        out_layout: gl.constexpr, HALF: gl.constexpr,
+    ):  # fmt: skip
+        """A segment's partial output (O^T halves, max and sum per head) into slot ``slot_id``
+        (nothing for a slot outside the buffer)."""
+        slot_ok = (slot_id >= 0) & (slot_id < num_slots)
+        keep = head_ok & slot_ok
+        idx = gl.where(slot_ok, slot_id, 0).to(gl.int64) * num_heads + offs_h.to(gl.int64)
+        acc_row = acc_ptr + idx * (2 * HALF)
+        _store_half(o_a, acc_row, keep, 0, out_layout, HALF)
+        _store_half(o_b, acc_row, keep, HALF, out_layout, HALF)
+        gl.store(ml_ptr + idx * 2, m_i, mask=keep)
+        gl.store(ml_ptr + idx * 2 + 1, l_i, mask=keep)
+
+    @gluon.jit
+    def _store_half(  # type: ignore[no-untyped-def]
+        o, base, keep, col0, out_layout: gl.constexpr, HALF: gl.constexpr,
+    ):  # fmt: skip
+        """Channels ``col0 ..`` of an output in [HALF, heads] (O^T) to ``base + head * stride +
+        channel`` (``base``: [heads] pointers in ``out_layout``'s column slice) where ``keep``."""
+        o = gl.convert_layout(o, out_layout)
+        r = gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        h_ok = gl.convert_layout(keep, gl.SliceLayout(0, out_layout))
+        ptrs = gl.convert_layout(base, gl.SliceLayout(0, out_layout))[None, :] + (col0 + r)[:, None]
+        gl.store(ptrs, o.to(ptrs.dtype.element_ty), mask=h_ok[None, :] & (r < HALF)[:, None])
+
+    @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "num_blocks", "table_width"])
+    def _mla_hopper_kernel(  # type: ignore[no-untyped-def]
+        q_desc, qe_desc, c_desc, e_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
+        num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
+        HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+    ):  # fmt: skip
+        """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
+        each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
+        ``out``), as :func:`.mla_balanced._mla_balanced_kernel`."""
+        R: gl.constexpr = 2 * HALF
+        dtype: gl.constexpr = c_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+        )
+        out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_H, HALF], q_desc.layout)
+        qe_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], qe_desc.layout)
+        c_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], c_desc.layout)
+        e_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], e_desc.layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype)
+        p_buf = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H], p_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(q_bar, count=1)
+
+        num_programs = gl.num_programs(0)
+        prog = work_ptr + num_tokens + 1 + gl.program_id(0) * 5
+        token_slots = work_ptr + num_tokens + 1 + num_programs * 5
+        g0 = gl.load(prog)
+        g1 = gl.load(prog + 1)
+        t0 = gl.minimum(gl.maximum(gl.load(prog + 2), 0), num_tokens - 1)
+        t_stop = gl.where(g0 < g1, gl.minimum(gl.load(prog + 3), num_tokens - 1) + 1, t0)
+        first_slot = gl.load(prog + 4)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+        head_ok = offs_h < num_heads
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        most = gl.cdiv(table_width * BLOCK_SIZE, BLOCK_N)
+        c = 0  # latent tiles this program loaded (the ring position)
+        segs = 0  # segments this program ran (the query barrier's phase)
+        for t in range(t0, t_stop):
+            t_first = gl.load(work_ptr + t)
+            seg_start = gl.maximum(g0, t_first)
+            seg_end = gl.minimum(g1, gl.load(work_ptr + t + 1))
+            if seg_end > seg_start:
+                row = gl.load(rows_ptr + t)
+                row_ok = (row >= 0) & (row < num_rows)
+                seq_len = gl.minimum(gl.maximum(gl.load(lens_ptr + t), 0), table_width * BLOCK_SIZE)
+                seq_len = gl.where(row_ok, seq_len, 0)
+                row = gl.where(row_ok, row, 0)
+                start = gl.minimum(gl.maximum(seg_start - t_first, 0), most) * BLOCK_N
+                end = gl.minimum(gl.minimum(gl.maximum(seg_end - t_first, 0), most) * BLOCK_N, seq_len)
+                n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+                table_row = table_ptr + row.to(gl.int64) * table_width
+
+                # The token's queries (rows of other tokens past num_heads are never stored).
+                q_row = t * num_heads
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + qe_desc.block_type.nbytes)
+                _tma_load(q_desc, [q_row, 0], q_bar, q_bufs.index(0))
+                _tma_load(q_desc, [q_row, HALF], q_bar, q_bufs.index(1))
+                _tma_load(qe_desc, [q_row, R], q_bar, qe_buf)
+                for i in gl.static_range(STAGES):
+                    if i < n_tiles:
+                        _load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, c + i, table_row, start + i * BLOCK_N,
+                                   table_width, num_blocks, HALF, STAGES, BLOCK_SIZE)  # fmt: skip
+                mbarrier.wait(q_bar, segs & 1)
+                m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+                l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_layout))
+                o_a = gl.zeros([HALF, BLOCK_H], gl.float32, s_layout)
+                o_b = gl.zeros([HALF, BLOCK_H], gl.float32, s_layout)
+                for j in range(n_tiles):
+                    pos = c + j
+                    slot = pos % STAGES
+                    n0 = start + j * BLOCK_N
+                    mbarrier.wait(ready.index(slot), (pos // STAGES) & 1)
+                    lat_a = c_bufs.index(2 * slot)
+                    lat_b = c_bufs.index(2 * slot + 1)
+                    s = warpgroup_mma(lat_a, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    s = warpgroup_mma(lat_b, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma(e_bufs.index(slot), qe_buf.permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                    page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
+                    page_ok = (page >= 0) & (page < num_blocks)
+                    valid = gl.where(page_ok, end - n0, 0)  # latents of the tile inside the row
+                    s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, 0))
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_safe)
+                    p = gl.exp2(s - m_safe[None, :])
+                    l_i = l_i * alpha + gl.sum(p, 0)
+                    m_i = m_new
+                    if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
+                        _zero_latents_from(lat_a, valid, BLOCK_N, HALF)
+                        _zero_latents_from(lat_b, valid, BLOCK_N, HALF)
+                    p_buf.store(p.to(dtype))
+                    fence_async_shared()
+                    _partition_barrier()
+                    o_a = warpgroup_mma(lat_a.permute((1, 0)), p_buf, o_a * alpha[None, :], is_async=True)
+                    o_b = warpgroup_mma(lat_b.permute((1, 0)), p_buf, o_b * alpha[None, :], is_async=True)
+                    o_a, o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
+                    _partition_barrier()  # every warp is done with the slot (and with p_buf)
+                    if j + STAGES < n_tiles:
+                        _load_tile(
+                            c_desc, e_desc, c_bufs, e_bufs, ready, pos + STAGES, table_row, n0 + STAGES * BLOCK_N,
+                            table_width, num_blocks, HALF, STAGES, BLOCK_SIZE,
+                        )  # fmt: skip
+                c += n_tiles
+                segs += 1
+
+                slot_id = gl.where(seg_start == g0, first_slot, gl.load(token_slots + 2 * t))
+                if DIRECT:
+                    if gl.load(token_slots + 2 * t + 1) == 1:  # the token's only segment: into out
+                        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+                        out_row = out_ptr + t.to(gl.int64) * stride_ot  # type: ignore[attr-defined]
+                        out_row = out_row + offs_h.to(gl.int64) * stride_oh
+                        _store_half(o_a * inv[None, :], out_row, head_ok, 0, out_layout, HALF)
+                        _store_half(o_b * inv[None, :], out_row, head_ok, HALF, out_layout, HALF)
+                    else:
+                        _store_slot(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i,
+                                    l_i, out_layout, HALF)  # fmt: skip
+                else:
+                    _store_slot(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
+                                out_layout, HALF)  # fmt: skip
+
+def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, Any, Any]:
+    """TMA descriptors: the query as [tokens * heads, 576] rows in boxes of 16 rows (256 and 64
+    channels), the cache as [num_blocks * block_size, 576] in boxes of 64 rows."""
+    tokens, heads, dim = query.shape
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    dtype = gl.bfloat16 if query.dtype == torch.bfloat16 else gl.float16
+    half, n, h = _RANK // 2, MLA_HOPPER_BLOCK_N, MLA_HOPPER_HEADS
+
+    def desc(t: torch.Tensor, rows: int, box: list[int]) -> Any:
+        layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+        return TensorDescriptor(t, [rows, dim], [dim, 1], box, layout)
+
+    q_rows, c_rows = max(tokens * heads, 1), num_blocks * block_size
+    return desc(query, q_rows, [h, half]), desc(query, q_rows, [h, _ROPE]), desc(cache, c_rows, [n, half]), desc(
+        cache, c_rows, [n, _ROPE]
+    )
+
+
+def launch_mla_hopper(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    work: MLAWork,
+    out: torch.Tensor,
+    scale_log2: float,
+    *,
+    tail: int,
+) -> None:
+    """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
+    has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
+    :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
+    zeroes."""
+    tokens, heads, _ = query.shape
+    slots = mla_work_slots(work.programs, tokens, work.direct)
+    acc = torch.empty(slots, heads, _RANK, dtype=torch.float32, device=query.device)
+    ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
+    q_desc, qe_desc, c_desc, e_desc = _descriptors(query, cache)
+    _mla_hopper_kernel[(work.programs,)](
+        q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots, tables.shape[0],
+        heads, cache.shape[0], tables.shape[1], scale_log2, out.stride(0), out.stride(1),
+        HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N, BLOCK_SIZE=cache.shape[1],
+        STAGES=_STAGES, DIRECT=work.direct, num_warps=4,
+    )  # fmt: skip
+    _mla_balanced_merge_kernel[(tokens, heads)](
+        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=_RANK,
+        BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,173 @@
+"""MLA decode on the Hopper kernel (attention/triton_kernels/mla_decode_hopper.py) and the
+launch that selects it.
+
+``mla_attention(..., hopper=True)`` on a schedule of 64-latent tiles runs the Gluon kernel on
+an sm_90 GPU and the Triton balanced kernel elsewhere (the interpreter included): the
+float64 checks below hold for both, on DeepSeek-V3's latent (512 + 64) with partial tiles and
+blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and direct plans. On
+an sm_90 GPU they also assert that the Gluon kernel ran. The backend's choice of launch is
+checked without a GPU; tests/test_mla_decode_hopper_compile.py compiles the kernel for sm_90.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention.triton_backend as triton_backend
+import attention.triton_kernels.mla_decode as mla_decode_module
+from attention.spec import AttentionSpec
+from attention.triton_backend import TritonBackend
+from attention.triton_kernels.mla_balanced import MLAWork, mla_work_len, plan_mla_work
+from attention.triton_kernels.mla_decode import default_mla_launch, hopper_mla_launch, mla_attention
+from attention.triton_kernels.mla_decode_hopper import MLA_HOPPER_BLOCK_N, mla_decode_hopper_shape_ok
+from attention.triton_kernels.prefill_hopper import gluon_available
+from tests.test_mla_decode import DEVICE, _case, _reference
+
+RANK, ROPE = 512, 64
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the Gluon kernel's launches."""
+    calls: list[int] = []
+    real = mla_decode_module.launch_mla_hopper
+
+    def counted(*args: object, **kw: object) -> None:
+        calls.append(1)
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", counted)
+    return calls
+
+
+def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *, programs: int, direct: bool,
+            seed: int = 0, tables: torch.Tensor | None = None, out: torch.Tensor | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+    query, cache, case_tables, latents = _case(lens, heads, RANK, ROPE, block_size, torch.float64, seed=seed)
+    plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct)
+    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct)
+    result = mla_attention(
+        query.to(DEVICE, dtype), cache.to(DEVICE, dtype), (case_tables if tables is None else tables).to(DEVICE),
+        torch.arange(len(lens), dtype=torch.int32, device=DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        kv_lora_rank=RANK, scale=0.05, work=work,
+        block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True, out=out, zero_rest=out is not None,
+    )  # fmt: skip
+    return result, query, latents
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "block_size", "programs"),
+    [
+        ([1, 37, 64, 200, 129, 0, 300], 16, 64, 5),  # partial tiles, a one-latent and an empty row
+        ([65, 500, 3], 8, 128, 3),  # fewer heads than the MMA's 16, blocks of two tiles
+        ([40, 41, 42, 43, 1000], 16, 64, 2),  # programs of several segments
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
+def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
+    hopper_calls, lens, heads, block_size, programs, dtype, direct
+) -> None:
+    out, query, latents = _attend(lens, heads, block_size, dtype, programs=programs, direct=direct)
+    want = _reference(query.to(dtype).double(), [lat.to(dtype).double() for lat in latents], RANK, 0.05)
+    assert out.shape == (len(lens), heads, RANK) and torch.isfinite(out).all(), "read a stale (NaN) slot"
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-2, err
+    assert bool(hopper_calls) == ON_HOPPER
+
+
+def test_the_output_in_place_gets_its_rotary_channels_zeroed(hopper_calls: list[int]) -> None:
+    """As the triton backend calls it: into a bf16 [T, H, 576] output, channels past 512 zeroed,
+    the rows of a larger tensor around it untouched."""
+    lens = [70, 5, 130]
+    outer = torch.full((5, 16, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=4, direct=False, out=outer[1:4])
+    want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], RANK,
+                      0.05)  # fmt: skip
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-2, err
+    assert bool((outer[1:4, :, RANK:] == 0).all()) and bool((outer[0] == 3.0).all()) and bool((outer[4] == 3.0).all())
+    assert bool(hopper_calls) == ON_HOPPER
+
+
+def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[int]) -> None:
+    """Ids outside [0, num_blocks) read block 0 and leave their latents out: no fault, finite
+    output, and the rows whose tables are sound match the oracle."""
+    lens = [300, 77, 129]
+    query, cache, tables, latents = _case(lens, 16, RANK, ROPE, 64, torch.float64)
+    bad = tables.clone()
+    bad[0, 1], bad[1, 0] = -3, cache.shape[0] + 5
+    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=3, direct=False, tables=bad)
+    assert torch.isfinite(out).all()
+    want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], RANK,
+                      0.05)  # fmt: skip
+    err = (out[2].double().cpu() - want[2]).abs().max().item() / want[2].abs().max().item()
+    assert err < 1e-2, err
+    assert bool(hopper_calls) == ON_HOPPER
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interpreter's numpy on garbage sums)
+@pytest.mark.parametrize("seed", range(2))
+def test_any_work_array_stays_inside_the_buffers(seed: int) -> None:
+    """A work array of random values reads and writes nothing outside the cache, the partial
+    buffers and the output (seed 1: planned direct)."""
+    lens = [140, 12, 70]
+    query, cache, tables, _ = _case(lens, 16, RANK, ROPE, 64, torch.float64, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    programs = 3
+    junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs),), generator=gen, dtype=torch.int64)
+    junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50
+    c = cache.to(DEVICE, torch.bfloat16)
+    before = c.clone()
+    outer = torch.full((5, 16, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    mla_attention(
+        query.to(DEVICE, torch.bfloat16), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=RANK, scale=0.05,
+        block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
+        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
+    )  # fmt: skip
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(c.isnan(), before.isnan()) and torch.equal(c.nan_to_num(), before.nan_to_num())
+    assert (outer[0] == 3.0).all() and (outer[4] == 3.0).all() and (outer[1:4, :, RANK:] == 3.0).all()
+
+
+def _latent_spec(heads: int = 16, **kw: object) -> AttentionSpec:
+    return AttentionSpec(heads, 1, RANK + ROPE, "bfloat16", latent_rank=RANK, **kw)  # type: ignore[arg-type]
+
+
+def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an sm_90 GPU declared: <= 16 heads over a 16-bit 512 + 64 latent in blocks of a
+    multiple of 64 get the Hopper launch (one program an SM); 32 heads, blocks of 32, an fp8
+    latent and ``hopper_mla_decode=False`` keep the default launch."""
+    monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: True)
+    cuda = torch.device("cuda")
+    backend = TritonBackend(_latent_spec(), num_sms=132)
+    for block_size in (64, 128, 256):
+        launch = backend._mla_launch(cuda, block_size)
+        assert launch == hopper_mla_launch() and launch.hopper, block_size
+        assert backend._mla_programs(launch, cuda) == 132
+    assert TritonBackend(_latent_spec(8), num_sms=132)._mla_launch(cuda, 64).hopper
+    keeps = [
+        (TritonBackend(_latent_spec(), num_sms=132), 32),
+        (TritonBackend(_latent_spec(32), num_sms=132), 64),
+        (TritonBackend(_latent_spec(kv_cache_dtype="float8_e4m3"), num_sms=132), 64),
+        (TritonBackend(_latent_spec(), num_sms=132, hopper_mla_decode=False), 64),
+    ]
+    for other, block_size in keeps:
+        launch = other._mla_launch(cuda, block_size)
+        assert not launch.hopper and launch == default_mla_launch(other.spec.num_heads), (other.spec, block_size)
+    # The work buffer holds the larger plan of the two launches (the default's 2 programs an SM).
+    assert backend._most_mla_programs() == 264
+    monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: False)
+    assert not backend._mla_launch(cuda, 64).hopper
+
+
+def test_the_kernel_shape_rule() -> None:
+    assert mla_decode_hopper_shape_ok(16, 512, 64, 64) and mla_decode_hopper_shape_ok(1, 512, 64, 192)
+    assert not mla_decode_hopper_shape_ok(17, 512, 64, 64)
+    assert not mla_decode_hopper_shape_ok(16, 256, 64, 64)
+    assert not mla_decode_hopper_shape_ok(16, 512, 32, 64)
+    assert not mla_decode_hopper_shape_ok(16, 512, 64, 32)
+    assert not mla_decode_hopper_shape_ok(0, 512, 64, 64)
