@@ -348,8 +348,8 @@ class TritonBackend(AttentionBackend):
         return mla_work_programs(self.spec.num_heads, launch.block_h, launch.programs_per_sm, self._sms(device))
 
     def _most_mla_programs(self) -> int:
-        """The most programs any launch plans for (the work buffer's size): the default launch
-        has at least as many as the Hopper one (one an SM)."""
+        """The most programs either launch (the default or the Hopper one) plans for: the work
+        buffer's size, whichever launch a step takes."""
         default, hopper = default_mla_launch(self.spec.num_heads), hopper_mla_launch()
         return max(self._mla_programs(default, None), self._mla_programs(hopper, None))
 

@@ -18,7 +18,13 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
   tile, transposed, as the MMA's A operand;
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
   64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
-  one is computed. One program per SM (the ring and the query fill 164 KiB).
+  one is computed. One program per SM (the ring, the query and P take 180 KiB).
+
+H200, 16 heads (``benchmarks/results/mla-decode-hopper-2026-12-04.json``): 1.02-1.03x the
+Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% timed among
+layers). The loop is still serial within a tile (S, softmax, P V, then the next tile's load
+into the freed slot): overlapping S of tile j + 1 with P V of tile j, or a producer warp, is
+what is left to try.
 
 Safety as in :mod:`.mla_balanced`: lengths clamped to the table, block ids outside
 ``[0, num_blocks)`` read block 0 and mask their latents, latent rows past a token's length are
@@ -267,6 +273,7 @@ if _GLUON:
                 else:
                     _store_slot(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
                                 out_layout, HALF)  # fmt: skip
+
 
 def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, Any, Any]:
     """TMA descriptors: the query as [tokens * heads, 576] rows in boxes of 16 rows (256 and 64
