@@ -183,6 +183,33 @@ def plan_mla_work(
 
 
 @triton.jit
+def program_work(work_ptr, num_tokens, pid, num_programs):  # type: ignore[no-untyped-def]
+    """Program ``pid``'s entry of the work array: its tile range ``[g0, g1)``, its tokens
+    ``[t0, t_stop)`` (clamped to the step; none for an empty range), its first token's slot,
+    and the pointer to the per-token slot table. Scalars only: the Gluon kernel of
+    :mod:`.mla_decode_hopper` calls it too."""
+    prog = work_ptr + num_tokens + 1 + pid * 5
+    g0 = tl.load(prog)
+    g1 = tl.load(prog + 1)
+    t0 = tl.minimum(tl.maximum(tl.load(prog + 2), 0), num_tokens - 1)
+    t_stop = tl.where(g0 < g1, tl.minimum(tl.load(prog + 3), num_tokens - 1) + 1, t0)
+    return g0, g1, t0, t_stop, tl.load(prog + 4), work_ptr + num_tokens + 1 + num_programs * 5
+
+
+@triton.jit
+def segment_latents(  # type: ignore[no-untyped-def]
+    t_first, seg_start, seg_end, seq_len, table_width, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """The latents ``[start, end)`` of a token's segment (tiles ``[seg_start, seg_end)`` of the
+    step, the token's first tile ``t_first``), its tile counts clamped to the table before they
+    become latents (no int32 overflow, whatever the array) and ``end`` to ``seq_len``."""
+    most = tl.cdiv(table_width * BLOCK_SIZE, BLOCK_N)
+    start = tl.minimum(tl.maximum(seg_start - t_first, 0), most) * BLOCK_N
+    end = tl.minimum(tl.minimum(tl.maximum(seg_end - t_first, 0), most) * BLOCK_N, seq_len)
+    return start, end
+
+
+@triton.jit
 def _segment(  # type: ignore[no-untyped-def]
     q_ptr, cache_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, token_slots_ptr, acc_ptr, ml_ptr, out_ptr, t, g0, g1,
     first_slot, kv_scale, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_qt, stride_qh,
@@ -201,10 +228,7 @@ def _segment(  # type: ignore[no-untyped-def]
         offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = offs_h < num_heads
         row, seq_len = token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE)
-        # Tile counts clamped before they become latents (no int32 overflow, whatever the array).
-        most = tl.cdiv(table_width * BLOCK_SIZE, BLOCK_N)
-        start = tl.minimum(tl.maximum(seg_start - t_first, 0), most) * BLOCK_N
-        end = tl.minimum(tl.minimum(tl.maximum(seg_end - t_first, 0), most) * BLOCK_N, seq_len)
+        start, end = segment_latents(t_first, seg_start, seg_end, seq_len, table_width, BLOCK_SIZE, BLOCK_N)
         q_lat, q_pe = load_queries(q_ptr, t, offs_h, head_ok, stride_qt, stride_qh, R, E, BLOCK_R, BLOCK_E, UPCAST,
                                    F16_DOTS)  # fmt: skip
         table_row = table_ptr + row.to(tl.int64) * table_width
@@ -273,14 +297,9 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     UNROLLED: tl.constexpr,  # segments run outside the loop over a program's tokens
     DIRECT: tl.constexpr,  # the work was planned direct: tokens of one segment go to out
 ):
-    num_programs = tl.num_programs(1)
-    prog = work_ptr + num_tokens + 1 + tl.program_id(1) * 5
-    token_slots = work_ptr + num_tokens + 1 + num_programs * 5
-    g0 = tl.load(prog)
-    g1 = tl.load(prog + 1)
-    t0 = tl.minimum(tl.maximum(tl.load(prog + 2), 0), num_tokens - 1)
-    t_stop = tl.where(g0 < g1, tl.minimum(tl.load(prog + 3), num_tokens - 1) + 1, t0)
-    first_slot = tl.load(prog + 4)
+    g0, g1, t0, t_stop, first_slot, token_slots = program_work(
+        work_ptr, num_tokens, tl.program_id(1), tl.num_programs(1)
+    )
     kv_scale = 1.0
     if DEQUANT:
         # fp8 latents convert exactly to the query's dtype; their scale multiplies the scores

@@ -38,7 +38,14 @@ from typing import Any
 
 import torch
 
-from attention.triton_kernels.mla_balanced import MLAWork, _mla_balanced_merge_kernel, mla_work_slots
+from attention.triton_kernels.mla_balanced import (
+    MLAWork,
+    _mla_balanced_merge_kernel,
+    mla_work_slots,
+    program_work,
+    segment_latents,
+)
+from attention.triton_kernels.mla_tiles import token_extent
 from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
 
@@ -175,19 +182,13 @@ if _GLUON:
             mbarrier.init(ready.index(i), count=1)
         mbarrier.init(q_bar, count=1)
 
-        num_programs = gl.num_programs(0)
-        prog = work_ptr + num_tokens + 1 + gl.program_id(0) * 5
-        token_slots = work_ptr + num_tokens + 1 + num_programs * 5
-        g0 = gl.load(prog)
-        g1 = gl.load(prog + 1)
-        t0 = gl.minimum(gl.maximum(gl.load(prog + 2), 0), num_tokens - 1)
-        t_stop = gl.where(g0 < g1, gl.minimum(gl.load(prog + 3), num_tokens - 1) + 1, t0)
-        first_slot = gl.load(prog + 4)
+        g0, g1, t0, t_stop, first_slot, token_slots = program_work(
+            work_ptr, num_tokens, gl.program_id(0), gl.num_programs(0)
+        )
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
         head_ok = offs_h < num_heads
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        most = gl.cdiv(table_width * BLOCK_SIZE, BLOCK_N)
         c = 0  # latent tiles this program loaded (the ring position)
         segs = 0  # segments this program ran (the query barrier's phase)
         for t in range(t0, t_stop):
@@ -195,13 +196,8 @@ if _GLUON:
             seg_start = gl.maximum(g0, t_first)
             seg_end = gl.minimum(g1, gl.load(work_ptr + t + 1))
             if seg_end > seg_start:
-                row = gl.load(rows_ptr + t)
-                row_ok = (row >= 0) & (row < num_rows)
-                seq_len = gl.minimum(gl.maximum(gl.load(lens_ptr + t), 0), table_width * BLOCK_SIZE)
-                seq_len = gl.where(row_ok, seq_len, 0)
-                row = gl.where(row_ok, row, 0)
-                start = gl.minimum(gl.maximum(seg_start - t_first, 0), most) * BLOCK_N
-                end = gl.minimum(gl.minimum(gl.maximum(seg_end - t_first, 0), most) * BLOCK_N, seq_len)
+                row, seq_len = token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE)
+                start, end = segment_latents(t_first, seg_start, seg_end, seq_len, table_width, BLOCK_SIZE, BLOCK_N)
                 n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
                 table_row = table_ptr + row.to(gl.int64) * table_width
 
