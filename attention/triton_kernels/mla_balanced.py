@@ -4,12 +4,14 @@ tiles equally, across token boundaries (as FlashMLA's tile scheduler does).
 The split schedule of :mod:`attention.triton_kernels.mla_decode` cuts every token's latents
 into chunks of one length, so a batch of uneven lengths leaves some programs a full chunk and
 others a sliver, and the last wave runs part-empty. Here the host numbers the step's tiles of
-``BLOCK_N`` latents token after token, and program ``p`` takes one contiguous range of about
-``tiles / programs`` of them, as one *segment* per token the range touches; a range that would
-leave a sliver of a token (at most an eighth of a share) takes the rest of the token too. Each
-segment stores a partial output (fp32, unnormalized), its running max and sum into a slot of
-its own, and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens``
-slots at most.
+``BLOCK_N`` latents token after token, and program ``p`` takes one contiguous range of them, as
+one *segment* per token the range touches. A program's cost is its tiles plus
+:data:`SEGMENT_COST_LATENTS` for each token it starts after its first, and the ranges make the
+busiest program's cost the least any contiguous sharing has (on 128 LogNormal rows over 132
+programs: 43 tiles where equal shares that avoid slivers of a token gave 48). Each segment
+stores a partial output (fp32, unnormalized), its running max and sum into a slot of its own,
+and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens`` slots at
+most.
 
 A step of many tokens (``direct``, :func:`mla_direct_store`: when those slots would pass
 :data:`DIRECT_STORE_BYTES`) gives slots only to the tokens split across programs: a token that
@@ -41,6 +43,7 @@ latents are clamped to its token's ``[0, seq_len)`` (what the split kernel reads
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +81,11 @@ PROGRAM_FIELDS = 5
 MIN_PROGRAM_LATENTS = 256
 #: Partial outputs of one launch (bytes) above which tokens of one segment are stored directly.
 DIRECT_STORE_BYTES = 64 << 20
+#: What a program pays, in latents, for each token it starts after its first: reading the
+#: token's queries, refilling the tile pipeline and storing one more partial output (about
+#: one 64-latent tile's load: on the H200, 63 of 264 programs crossing a row made a 64 x 4096
+#: step 7% longer, about 70 latents a crossing; ``results/mla-decode-balanced-2026-12-04.md``).
+SEGMENT_COST_LATENTS = 64
 #: A program without tiles in the work array.
 _IDLE_PROGRAM = array("i", [0, 0, 0, -1, -1])
 
@@ -128,13 +136,42 @@ def min_program_latents(heads: int) -> int:
     return max(MIN_PROGRAM_LATENTS, 64 * min(heads, 16))
 
 
+def _fill_programs(starts: list[int], cost_starts: list[int], programs: int, most: int, segment_cost: int) -> list[int]:
+    """The end tiles of at most ``programs`` programs, each taking the tiles after the last
+    one's while its cost (tiles, plus ``segment_cost`` for every token after its first) stays
+    within ``most``; empty when they cannot place every tile. Taking as much as it can never
+    leaves later programs more to do, so the least ``most`` that places every tile is the least
+    makespan any contiguous partition has.
+
+    ``starts``: the first tile of each token with tiles, then the total; ``cost_starts``: the
+    same in cost (``starts[k] + k * segment_cost``)."""
+    total, tokens = starts[-1], len(starts) - 1
+    ends: list[int] = []
+    g = token = 0  # the next tile and the token holding it
+    left = programs
+    while g < total:
+        if total - g > left * most:
+            return []
+        cost_end = g + token * segment_cost + most  # a tile x of token k fits if x + k * cost < it
+        last = bisect_left(cost_starts, cost_end, token, tokens) - 1
+        g = min(starts[last + 1], cost_end - last * segment_cost)
+        ends.append(g)
+        token = last if g < starts[last + 1] else last + 1
+        left -= 1
+    return ends
+
+
 def plan_mla_work(
     token_lens: Sequence[int], programs: int, block_n: int, min_latents: int, *, direct: bool = False
 ) -> array:
     """The work array (``array('i')``, :func:`mla_work_len` long) sharing the tiles of
     ``token_lens`` (latents per query token; negative counts as 0) among at most ``programs``
-    programs, each about ``max(tiles / programs, min_latents / block_n)`` tiles; ``direct``:
-    slots only for tokens split across programs (see the module docstring)."""
+    programs; ``direct``: slots only for tokens split across programs (see the module
+    docstring).
+
+    The ranges keep the busiest program's cost least: tiles, plus
+    :data:`SEGMENT_COST_LATENTS` (in tiles) for each token after a program's first. A program
+    takes at least ``min_latents / block_n`` tiles (fewer programs for a short step)."""
     tokens = len(token_lens)
     cu = [0] * (tokens + 1)
     total = 0
@@ -142,29 +179,56 @@ def plan_mla_work(
         if n > 0:
             total += (n + block_n - 1) // block_n
         cu[t + 1] = total
-    share = max(1, -(-total // programs), -(-min_latents // block_n))
-    slack = share // 8
+    segment_cost = max(1, SEGMENT_COST_LATENTS // block_n)
+    busy = [t for t in range(tokens) if cu[t + 1] > cu[t]]  # the tokens with tiles
+    starts = [cu[t] for t in busy] + [total]
+    cost_starts = [s + k * segment_cost for k, s in enumerate(starts)]
+
+    def fill(most: int) -> list[int]:
+        return _fill_programs(starts, cost_starts, programs, most, segment_cost)
+
+    least = max(1, -(-total // programs), -(-min_latents // block_n))
+    # Every token after a program's first costs it a segment: about one per token in all.
+    guess = max(least, -(-(total + segment_cost * max(len(busy) - 1, 0)) // programs))
+    ends = fill(guess)
+    if ends or not total:  # the least that fits lies in (low, high]: step down, then halve
+        low, high, step = least - 1, guess, 1
+        while high - step > low:
+            tried = fill(high - step)
+            if not tried:
+                low = high - step
+                break
+            high, ends, step = high - step, tried, 2 * step
+    else:  # step up, then halve
+        low, step = guess, 1
+        while not ends:
+            high = low + step
+            ends = fill(high)
+            if not ends:
+                low, step = high, 2 * step
+    while high - low > 1:
+        mid = (low + high) // 2
+        tried = fill(mid)
+        if tried:
+            high, ends = mid, tried
+        else:
+            low = mid
     prog: list[int] = []
     segments = [0] * tokens  # per token, the programs touching it
     first_ordinal: list[int] = []  # per program, its segment's place among its first token's
-    g = t = used = 0
-    while g < total and used < programs:
-        while cu[t + 1] <= g:  # the token holding tile g (past tokens without tiles)
-            t += 1
-        used += 1
-        end = g + share if used < programs and g + share < total else total
-        last = t
-        while cu[last + 1] < end:  # the token holding tile end - 1
-            last += 1
-        if cu[last + 1] - end <= slack:  # no sliver of a token left for the next program
-            end = cu[last + 1]
-        prog += (g, end, t, last, 0)
+    g = k = 0
+    for end in ends:
+        while starts[k + 1] <= g:  # the token holding tile g
+            k += 1
+        t = busy[k]
         first_ordinal.append(segments[t])
         segments[t] += 1
-        for u in range(t + 1, last + 1):
-            if cu[u + 1] > cu[u]:
-                segments[u] += 1
-        g, t = end, last
+        while starts[k + 1] < end:  # every later token with tiles in [g, end)
+            k += 1
+            segments[busy[k]] += 1
+        prog += (g, end, t, busy[k], 0)
+        g = end
+    used = len(ends)
     slots = [-1] * (2 * tokens)
     slot = 0
     least = 2 if direct else 1  # the segments a token needs for slots
