@@ -302,6 +302,18 @@ def copy_bandwidth(device: str) -> dict[str, Any]:
 # ---- the model ---------------------------------------------------------------------------
 
 
+def paged_attention_name(name: str, transformers_version: str) -> str:
+    """The ``attn_implementation`` to give transformers for continuous batching: ``name`` as
+    given (``paged|sdpa``, ``paged|flash_attention_2``) before 5.23; from 5.23 without the
+    ``paged|`` prefix, which transformers deprecated there (a warning; it plans to refuse it),
+    except ``paged|eager``, which keeps it."""
+    parts = transformers_version.split(".")
+    major, minor = (int(p) if p.isdigit() else 0 for p in [*parts, "0", "0"][:2])
+    if (major, minor) >= (5, 23) and name.startswith("paged|") and name != "paged|eager":
+        return name.removeprefix("paged|")
+    return name
+
+
 def build_transformers_model(shape: LlamaShape, *, device: str, dtype: torch.dtype, seed: int) -> Any:
     """transformers' ``LlamaForCausalLM`` of ``shape``, built on the meta device, allocated
     on ``device`` in ``dtype`` (never in host memory) and filled by :func:`init_random_`."""
@@ -733,10 +745,10 @@ def serve_transformers(hf: Any, workload: Workload, s: Settings, errors: dict[st
     prompts = workload.prompts
     out: dict[str, Any] = {"transformers": transformers.__version__}
     try:
-        hf.set_attn_implementation(s.hf_attention)
+        hf.set_attn_implementation(paged_attention_name(s.hf_attention, transformers.__version__))
     except Exception as err:  # flash-attn missing or refused: fall back, and say so
         errors["transformers.attn_implementation"] = f"{s.hf_attention}: {type(err).__name__}: {err}"
-        hf.set_attn_implementation("paged|sdpa")
+        hf.set_attn_implementation(paged_attention_name("paged|sdpa", transformers.__version__))
     out["attn_implementation"] = hf.config._attn_implementation
 
     gen_config = transformers.GenerationConfig(

@@ -69,6 +69,18 @@ def test_kernel_classes() -> None:
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
 
 
+def test_transformers_gets_the_paged_attention_name_its_version_takes() -> None:
+    """transformers 5.23 deprecated the ``paged|`` prefix (a FutureWarning, and a planned
+    refusal) except for ``paged|eager``; older versions need it for continuous batching."""
+    name = _bench().paged_attention_name
+    assert name("paged|sdpa", "5.17.0") == "paged|sdpa"
+    assert name("paged|flash_attention_2", "4.57.1") == "paged|flash_attention_2"
+    assert name("paged|sdpa", "5.25.0") == "sdpa"
+    assert name("paged|flash_attention_2", "5.23.0.dev0") == "flash_attention_2"
+    assert name("paged|eager", "5.25.0") == "paged|eager"
+    assert name("sdpa", "5.25.0") == "sdpa"
+
+
 @pytest.mark.parametrize(("cache_dtype", "scale_bytes"), [("float8_e4m3", 0), ("int8", 2)])
 def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int) -> None:
     """``--kv-cache-dtype float8_e4m3`` / ``int8``: our engine serves from an 8-bit cache

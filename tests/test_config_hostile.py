@@ -20,8 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import ConfigError, load_config, parse_config, safe_yaml
+from kvcache import ConfigError, load_config, parse_config
 from kvcache.cli import main
+from kvcache.config import safe_yaml
 from kvcache.config.rules import MAX_BLOCKS
 from kvcache.config.safe_yaml import MAX_DEPTH, MAX_FILE_BYTES
 from kvcache.config.schema import KVCacheConfig
