@@ -13,7 +13,13 @@ One concept per module:
 - :mod:`.prefill`:         FlashAttention-2 style varlen causal attention for prefill/extend;
 - :mod:`.prefill_hopper`:  the same on Hopper in Gluon, warp-specialized (FlashAttention-3's
                            layout), for the common 16-bit case;
-- :mod:`.dequantize_blocks`: a 16-bit copy of the blocks an fp8 prefill step reads, for it.
+- :mod:`.dequantize_blocks`: a 16-bit copy of the blocks an fp8 prefill step reads, for it;
+- :mod:`.metadata_check`:  the device-side metadata check as one kernel (no host sync);
+- multi-head latent attention (DeepSeek's MLA): :mod:`.mla_decode` (absorbed decode, its
+  launches and the split schedule), :mod:`.mla_balanced` (the length-balanced schedule planned
+  on the host, its kernel and the merge), :mod:`.mla_tiles` (the tile loop those share),
+  :mod:`.mla_decode_hopper` (decode for up to 16 heads on Hopper, in Gluon),
+  :mod:`.mla_prefill` and :mod:`.mla_prefill_hopper` (decompressed prefill / extend).
 
 Triton decides at decoration time whether a kernel is compiled for the GPU or run by its CPU
 interpreter (``TRITON_INTERPRET=1``), so that variable must be set before this package is

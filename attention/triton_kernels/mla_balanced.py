@@ -1,5 +1,5 @@
 """MLA decode on a length-balanced schedule: a fixed number of programs share a step's latent
-tiles equally, across token boundaries (as FlashMLA's tile scheduler does).
+tiles in contiguous runs, across token boundaries (as FlashMLA's tile scheduler does).
 
 The split schedule of :mod:`attention.triton_kernels.mla_decode` cuts every token's latents
 into chunks of one length, so a batch of uneven lengths leaves some programs a full chunk and
