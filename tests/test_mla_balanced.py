@@ -148,6 +148,12 @@ def test_no_sharing_has_a_less_busy_busiest_program(seed: int) -> None:
     assert got == least or got <= -(-min_latents // block_n), (lens, programs, block_n, got, least)
 
 
+@pytest.mark.parametrize(("programs", "block_n"), [(0, 64), (-1, 64), (4, 0), (True, 64), (2.0, 64)])
+def test_a_plan_for_no_programs_or_tiles_is_refused_naming_the_argument(programs: object, block_n: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="programs" if programs != 4 else "block_n"):
+        plan_mla_work([100, 30], programs, block_n, 64)  # type: ignore[arg-type]
+
+
 def test_short_steps_use_few_programs() -> None:
     """A program takes at least ``min_latents``: one row of 1,024 latents is one program."""
     assert len(_check_plan([1024], 264, 32, 1024)) == 1

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.errors import InvalidArgumentError
 from attention.triton_kernels.mla_tiles import (
     attend_latents,
     fold_partial,
@@ -172,6 +173,9 @@ def plan_mla_work(
     The ranges keep the busiest program's cost least: tiles, plus
     :data:`SEGMENT_COST_LATENTS` (in tiles) for each token after a program's first. A program
     takes at least ``min_latents / block_n`` tiles (fewer programs for a short step)."""
+    for name, value in (("programs", programs), ("block_n", block_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"plan_mla_work: {name} is {value!r}; it must be an int >= 1")
     tokens = len(token_lens)
     cu = [0] * (tokens + 1)
     total = 0
