@@ -300,6 +300,25 @@ def test_fixed_grid_for_eight_tokens_serves_shorter_rows(fused: bool) -> None:
     assert torch.equal(out[n:], torch.full_like(out[n:], 7.0))
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@COMBINE
+def test_the_merge_reads_no_partial_of_a_token_past_its_row(fused: bool) -> None:
+    """Rows of 1-3 tokens on a grid compiled for 8: a row's merge reads the partial slots of
+    its tokens only, none for t >= q_len (other rows' slots, or none written this step). The
+    workspace starts at 1e10 with a weight of 2^100, past fp16's range: a merge of such a slot
+    overflows the fp16 cast (an error under the CPU interpreter here) even where its store is
+    masked."""
+    case = _multi_case([(40, 1), (17, 3), (80, 2)], torch.float16)
+    launch = _multi_launch(
+        case, chunk_len=16, num_sms=16, max_items=max_decode_items(5, 2, 16), max_rows=5, max_query_len=8
+    )
+    assert launch.schedule.query_len == 8 and launch.schedule.num_partials > 0
+    launch.workspace.part_o.fill_(1e10)
+    launch.workspace.part_lse.fill_(100.0)  # (log2 units: outweighs any written partial)
+    out = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused))
+    _check(out, reference_output(case), torch.float16)
+
+
 @COMBINE
 def test_rows_of_several_new_tokens_under_a_sliding_window(fused: bool) -> None:
     """Each new token sees only the last ``window`` positions up to its own; the positions

@@ -439,7 +439,7 @@ def decode_items_kernel(  # type: ignore[no-untyped-def]
                                 part_lse_ptr,
                                 sinks_ptr,
                                 first_partial + tq * num_chunks,
-                                num_chunks,
+                                tl.where(tq_ok, num_chunks, 0),  # a padding token reads nothing
                                 head,
                                 out_ptr + tq64 * stride_ot + head.to(tl.int64) * stride_oh,
                                 tq_ok,
@@ -497,7 +497,7 @@ def decode_combine_kernel(  # type: ignore[no-untyped-def]
             part_lse_ptr,
             sinks_ptr,
             first_partial + t * num_chunks,
-            num_chunks,
+            tl.where(q_ok, num_chunks, 0),  # tokens past the row's q_len read nothing
             h,
             dst,
             q_ok,
