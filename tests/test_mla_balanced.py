@@ -114,9 +114,9 @@ def test_the_plan_shares_every_tile_once(seed: int) -> None:
 
 def test_the_plan_keeps_the_busiest_program_least() -> None:
     """64 rows of 4,096 latents over 264 programs: 32 tiles each, four per row, none crossing a
-    row (the H200 measured crossings 7% slower there). Where a token's rest is worth less than
-    a segment, the program holding the token takes it; and uneven rows cost the busiest
-    program no more than their tiles and segments shared equally."""
+    row (the H200 measured crossings 7% slower there). Two short rows over two programs split
+    where the busier costs least, segments counted; 128 LogNormal rows over 132 programs
+    leave the busiest within two tiles of the mean."""
     busy = _check_plan([4096] * 64, 264, 32, 1024)
     assert len(busy) == 256 and all(t0 == t1 for _, _, t0, t1, _ in busy)
     # 7 + 1 tiles of 16 over 2 programs, a segment costing 4 tiles: 6 | 1 + (4) + 1.

@@ -8,7 +8,7 @@ others a sliver, and the last wave runs part-empty. Here the host numbers the st
 one *segment* per token the range touches. A program's cost is its tiles plus
 :data:`SEGMENT_COST_LATENTS` for each token it starts after its first, and the ranges make the
 busiest program's cost the least any contiguous sharing has (on 128 LogNormal rows over 132
-programs: 43 tiles where equal shares that avoid slivers of a token gave 48). Each segment
+programs: 43 tiles where equal shares that avoid slivers of a token gave 47). Each segment
 stores a partial output (fp32, unnormalized), its running max and sum into a slot of its own,
 and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens`` slots at
 most.
@@ -191,19 +191,21 @@ def plan_mla_work(
     def fill(most: int) -> list[int]:
         return _fill_programs(starts, cost_starts, programs, most, segment_cost)
 
-    least = max(1, -(-total // programs), -(-min_latents // block_n))
+    lower = max(1, -(-total // programs), -(-min_latents // block_n))  # no makespan below it
     # Every token after a program's first costs it a segment: about one per token in all.
-    guess = max(least, -(-(total + segment_cost * max(len(busy) - 1, 0)) // programs))
+    guess = max(lower, -(-(total + segment_cost * max(len(busy) - 1, 0)) // programs))
     ends = fill(guess)
-    if ends or not total:  # the least that fits lies in (low, high]: step down, then halve
-        low, high, step = least - 1, guess, 1
+    # From the guess, steps of doubling length bracket the least makespan that fits in
+    # (low, high]; halving the bracket finds it.
+    if ends or not total:  # step down
+        low, high, step = lower - 1, guess, 1
         while high - step > low:
             tried = fill(high - step)
             if not tried:
                 low = high - step
                 break
             high, ends, step = high - step, tried, 2 * step
-    else:  # step up, then halve
+    else:  # step up
         low, step = guess, 1
         while not ends:
             high = low + step
