@@ -221,6 +221,9 @@ class TritonBackend(AttentionBackend):
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
                         False: the Triton MLA kernel.
+      hopper_mla_ring:  that Gluon kernel in its deeper-ring form
+                        (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same results;
+                        off by default until timed on the H200).
     """
 
     name = "triton"
@@ -237,6 +240,7 @@ class TritonBackend(AttentionBackend):
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
         hopper_mla_decode: bool = True,
+        hopper_mla_ring: bool = False,
     ):
         super().__init__(spec)
         if decode_chunk_len is not None and decode_chunk_len < 1:
@@ -266,6 +270,7 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
         self.hopper_prefill = hopper_prefill
         self.hopper_mla_decode = hopper_mla_decode
+        self.hopper_mla_ring = hopper_mla_ring
 
     @property
     def info(self) -> BackendInfo:
@@ -340,7 +345,7 @@ class TritonBackend(AttentionBackend):
             and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
             and hopper_prefill_possible(device)
         ):
-            return hopper_mla_launch()
+            return hopper_mla_launch(self.hopper_mla_ring)
         return default_mla_launch(spec.num_heads)
 
     def _mla_programs(self, launch: MLALaunch, device: torch.device | None) -> int:
@@ -612,6 +617,7 @@ class TritonBackend(AttentionBackend):
                 unrolled=plan.latent.launch.unrolled,
                 f16_fp8_dots=plan.latent.launch.f16_fp8_dots,
                 hopper=plan.latent.launch.hopper,
+                hopper_ring=plan.latent.launch.hopper_ring,
                 zero_rest=in_place,
             )
             if not in_place:

@@ -50,6 +50,8 @@ from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
 
 if _GLUON:
+    from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
+    from attention.triton_kernels.mla_hopper_stores import store_segment, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
         TensorDescriptor,
         _partition_barrier,
@@ -117,42 +119,6 @@ if _GLUON:
         _tma_load(c_desc, [first, 0], bar, c_bufs.index(2 * slot))
         _tma_load(c_desc, [first, HALF], bar, c_bufs.index(2 * slot + 1))
         _tma_load(e_desc, [first, 2 * HALF], bar, e_bufs.index(slot))
-
-    @gluon.jit
-    def _zero_latents_from(buf, first_bad, BLOCK_N: gl.constexpr, HALF: gl.constexpr):  # type: ignore[no-untyped-def]
-        """Zero rows ``first_bad ..`` of a [BLOCK_N, HALF] latent tile in shared memory."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        v = buf.load(layout)
-        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        buf.store(gl.where((rows < first_bad)[:, None], v, gl.zeros_like(v)))
-
-    @gluon.jit
-    def _store_slot(  # type: ignore[no-untyped-def]
-        acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
-        out_layout: gl.constexpr, HALF: gl.constexpr,
-    ):  # fmt: skip
-        """A segment's partial output (O^T halves, max and sum per head) into slot ``slot_id``
-        (nothing for a slot outside the buffer)."""
-        slot_ok = (slot_id >= 0) & (slot_id < num_slots)
-        keep = head_ok & slot_ok
-        idx = gl.where(slot_ok, slot_id, 0).to(gl.int64) * num_heads + offs_h.to(gl.int64)
-        acc_row = acc_ptr + idx * (2 * HALF)
-        _store_half(o_a, acc_row, keep, 0, out_layout, HALF)
-        _store_half(o_b, acc_row, keep, HALF, out_layout, HALF)
-        gl.store(ml_ptr + idx * 2, m_i, mask=keep)
-        gl.store(ml_ptr + idx * 2 + 1, l_i, mask=keep)
-
-    @gluon.jit
-    def _store_half(  # type: ignore[no-untyped-def]
-        o, base, keep, col0, out_layout: gl.constexpr, HALF: gl.constexpr,
-    ):  # fmt: skip
-        """Channels ``col0 ..`` of an output in [HALF, heads] (O^T) to ``base + head * stride +
-        channel`` (``base``: [heads] pointers in ``out_layout``'s column slice) where ``keep``."""
-        o = gl.convert_layout(o, out_layout)
-        r = gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-        h_ok = gl.convert_layout(keep, gl.SliceLayout(0, out_layout))
-        ptrs = gl.convert_layout(base, gl.SliceLayout(0, out_layout))[None, :] + (col0 + r)[:, None]
-        gl.store(ptrs, o.to(ptrs.dtype.element_ty), mask=h_ok[None, :] & (r < HALF)[:, None])
 
     @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "num_blocks", "table_width"])
     def _mla_hopper_kernel(  # type: ignore[no-untyped-def]
@@ -238,8 +204,8 @@ if _GLUON:
                     l_i = l_i * alpha + gl.sum(p, 0)
                     m_i = m_new
                     if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
-                        _zero_latents_from(lat_a, valid, BLOCK_N, HALF)
-                        _zero_latents_from(lat_b, valid, BLOCK_N, HALF)
+                        zero_latents_from(lat_a, valid, BLOCK_N, HALF)
+                        zero_latents_from(lat_b, valid, BLOCK_N, HALF)
                     p_buf.store(p.to(dtype))
                     fence_async_shared()
                     _partition_barrier()
@@ -256,19 +222,8 @@ if _GLUON:
                 segs += 1
 
                 slot_id = gl.where(seg_start == g0, first_slot, gl.load(token_slots + 2 * t))
-                if DIRECT:
-                    if gl.load(token_slots + 2 * t + 1) == 1:  # the token's only segment: into out
-                        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
-                        out_row = out_ptr + t.to(gl.int64) * stride_ot  # type: ignore[attr-defined]
-                        out_row = out_row + offs_h.to(gl.int64) * stride_oh
-                        _store_half(o_a * inv[None, :], out_row, head_ok, 0, out_layout, HALF)
-                        _store_half(o_b * inv[None, :], out_row, head_ok, HALF, out_layout, HALF)
-                    else:
-                        _store_slot(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i,
-                                    l_i, out_layout, HALF)  # fmt: skip
-                else:
-                    _store_slot(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
-                                out_layout, HALF)  # fmt: skip
+                store_segment(acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot,
+                              stride_oh, offs_h, head_ok, o_a, o_b, m_i, l_i, out_layout, HALF, DIRECT)  # fmt: skip
 
 
 def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, Any, Any]:
@@ -300,22 +255,27 @@ def launch_mla_hopper(
     scale_log2: float,
     *,
     tail: int,
+    ring: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
-    zeroes."""
+    zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
+    results; not yet timed on the H200, so not the default)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32, device=query.device)
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
     q_desc, qe_desc, c_desc, e_desc = _descriptors(query, cache)
-    _mla_hopper_kernel[(work.programs,)](
-        q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots, tables.shape[0],
-        heads, cache.shape[0], tables.shape[1], scale_log2, out.stride(0), out.stride(1),
-        HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N, BLOCK_SIZE=cache.shape[1],
-        STAGES=_STAGES, DIRECT=work.direct, num_warps=4,
-    )  # fmt: skip
+    args = (q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots,
+            tables.shape[0], heads, cache.shape[0], tables.shape[1], scale_log2, out.stride(0),
+            out.stride(1))  # fmt: skip
+    shape = dict(HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N,
+                 BLOCK_SIZE=cache.shape[1], DIRECT=work.direct)  # fmt: skip
+    if ring:
+        _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
+    else:
+        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     _mla_balanced_merge_kernel[(tokens, heads)](
         acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=_RANK,
         BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, num_warps=4,

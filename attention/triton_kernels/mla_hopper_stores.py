@@ -1,0 +1,73 @@
+"""What the Hopper MLA decode kernels (:mod:`.mla_decode_hopper`, :mod:`.mla_decode_hopper_ring`)
+share besides the loop: zeroing a latent tile's rows past a token's length in shared memory, and
+storing a segment's result, its output held transposed ([channels, heads]) in two channel
+halves."""
+
+from __future__ import annotations
+
+from attention.triton_kernels.prefill_hopper import _GLUON
+
+if _GLUON:
+    from attention.triton_kernels.prefill_hopper import gl, gluon
+
+__all__ = ["store_half", "store_segment", "store_slot_halves", "zero_latents_from"]
+
+
+if _GLUON:
+
+    @gluon.jit
+    def zero_latents_from(buf, first_bad, BLOCK_N: gl.constexpr, HALF: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero rows ``first_bad ..`` of a [BLOCK_N, HALF] latent tile in shared memory."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        v = buf.load(layout)
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        buf.store(gl.where((rows < first_bad)[:, None], v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def store_slot_halves(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
+        out_layout: gl.constexpr, HALF: gl.constexpr,
+    ):  # fmt: skip
+        """A segment's partial output (O^T halves, max and sum per head) into slot ``slot_id``
+        (nothing for a slot outside the buffer)."""
+        slot_ok = (slot_id >= 0) & (slot_id < num_slots)
+        keep = head_ok & slot_ok
+        idx = gl.where(slot_ok, slot_id, 0).to(gl.int64) * num_heads + offs_h.to(gl.int64)
+        acc_row = acc_ptr + idx * (2 * HALF)
+        store_half(o_a, acc_row, keep, 0, out_layout, HALF)
+        store_half(o_b, acc_row, keep, HALF, out_layout, HALF)
+        gl.store(ml_ptr + idx * 2, m_i, mask=keep)
+        gl.store(ml_ptr + idx * 2 + 1, l_i, mask=keep)
+
+    @gluon.jit
+    def store_half(  # type: ignore[no-untyped-def]
+        o, base, keep, col0, out_layout: gl.constexpr, HALF: gl.constexpr,
+    ):  # fmt: skip
+        """Channels ``col0 ..`` of an output in [HALF, heads] (O^T) to ``base + head * stride +
+        channel`` (``base``: [heads] pointers in ``out_layout``'s column slice) where ``keep``."""
+        o = gl.convert_layout(o, out_layout)
+        r = gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        h_ok = gl.convert_layout(keep, gl.SliceLayout(0, out_layout))
+        ptrs = gl.convert_layout(base, gl.SliceLayout(0, out_layout))[None, :] + (col0 + r)[:, None]
+        gl.store(ptrs, o.to(ptrs.dtype.element_ty), mask=h_ok[None, :] & (r < HALF)[:, None])
+
+    @gluon.jit
+    def store_segment(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot, stride_oh, offs_h,
+        head_ok, o_a, o_b, m_i, l_i, out_layout: gl.constexpr, HALF: gl.constexpr, DIRECT: gl.constexpr,
+    ):  # fmt: skip
+        """Token ``t``'s segment's result: under ``DIRECT``, a token of one segment (its count
+        in ``token_slots``) normalized into its row of ``out``; else the partial output into
+        slot ``slot_id``."""
+        if DIRECT:
+            if gl.load(token_slots + 2 * t + 1) == 1:
+                inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+                out_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h.to(gl.int64) * stride_oh
+                store_half(o_a * inv[None, :], out_row, head_ok, 0, out_layout, HALF)
+                store_half(o_b * inv[None, :], out_row, head_ok, HALF, out_layout, HALF)
+            else:
+                store_slot_halves(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i,
+                                  l_i, out_layout, HALF)  # fmt: skip
+        else:
+            store_slot_halves(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
+                              out_layout, HALF)  # fmt: skip
