@@ -243,6 +243,12 @@ class TritonBackend(AttentionBackend):
         hopper_mla_ring: bool = False,
     ):
         super().__init__(spec)
+        for name, flag in (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
+                           ("hopper_mla_ring", hopper_mla_ring)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
+        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+            raise UnsupportedSettingError(f"num_sms: {num_sms!r} must be an int >= 1 (or None: the device's count)")
         if decode_chunk_len is not None and decode_chunk_len < 1:
             raise UnsupportedSettingError(f"decode_chunk_len: {decode_chunk_len} must be >= 1 (or None to choose)")
         q = max_decode_query_len

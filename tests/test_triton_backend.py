@@ -441,6 +441,24 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
 
 
 @pytest.mark.usefixtures("no_kernels")
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"hopper_prefill": "no"}, "hopper_prefill"),
+        ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
+        ({"hopper_mla_ring": None}, "hopper_mla_ring"),
+        ({"num_sms": 0}, "num_sms"),
+        ({"num_sms": 13.5}, "num_sms"),
+        ({"num_sms": True}, "num_sms"),
+    ],
+)
+def test_bad_constructor_arguments_are_refused_by_name(kwargs: dict[str, object], field: str) -> None:
+    """A flag that is not a bool (a string "no" would be truthy) or an SM count below 1 is
+    refused when the backend is made, naming the argument, not when a step is planned."""
+    with pytest.raises(UnsupportedSettingError, match=field):
+        TritonBackend(AttentionSpec(4, 2, 32, "float32"), **kwargs)  # type: ignore[arg-type]
+
+
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = make_spec(4, 2, 16, torch.float16)
