@@ -11,7 +11,7 @@ import random
 import pytest
 
 from attention.metadata import PAD_BLOCK
-from kvcache import BlockManager, InvalidArgumentError, OutOfBlocksError, ScheduledRow
+from kvcache import ArgumentTypeError, BlockManager, InvalidArgumentError, OutOfBlocksError, ScheduledRow
 from kvcache.blocks.groups import group_layout
 from kvcache.blocks.hybrid import HybridBlockManager
 
@@ -160,6 +160,28 @@ def test_prefix_hits_are_common_to_every_group_and_windows_need_only_their_windo
     assert m.allocate("e", token_ids=prompt) == 0
     m.commit([ScheduledRow("e", len(prompt), 0)])
     m.check_integrity()
+
+
+def test_reset_prefix_cache_forgets_every_group() -> None:
+    """After a reset (new weights, say) a prompt computed before hits nothing in any group,
+    its blocks are reused as plain free blocks, and the pool stays consistent."""
+    layout = group_layout(4, 64, (True, False, True, False))
+    m = HybridBlockManager(layout, 40, BS, enable_prefix_caching=True)
+    prompt = list(range(2000, 2000 + 4 * BS + 5))
+    m.allocate("a", token_ids=prompt)
+    m.commit([ScheduledRow("a", len(prompt), 0)])
+    m.free("a")
+    assert m.cached_tokens(token_ids=prompt) == 4 * BS
+    assert m.reset_prefix_cache() == 8  # 4 full blocks keyed in each of the two groups
+    assert m.cached_tokens(token_ids=prompt) == 0 and m.reset_prefix_cache() == 0
+    assert m.allocate("b", token_ids=prompt) == 0
+    m.commit([ScheduledRow("b", len(prompt), 0)])
+    m.check_integrity()
+    assert HybridBlockManager(layout, 8, BS).reset_prefix_cache() == 0
+    with pytest.raises(ArgumentTypeError, match="rows"):
+        m.commit(5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="num_tokens"):
+        m.blocks_for("3")  # type: ignore[arg-type]
 
 
 def test_random_operations_keep_every_group_consistent() -> None:

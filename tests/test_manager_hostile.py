@@ -83,6 +83,21 @@ MISUSES: dict[str, tuple[Callable[[BlockManager, SwapSpace], object], type[KVCac
     "hold a bool id": (lambda m, s: m.hold([True]), ArgumentTypeError),
     "hold a string id": (lambda m, s: m.hold(["1"]), ArgumentTypeError),
     "hold a non-iterable": (lambda m, s: m.hold(1), ArgumentTypeError),
+    # appends write a running sequence's partly filled last block in place: a copy would tear
+    "hold a running sequence's partly filled last block": (
+        lambda m, s: m.hold([m.block_table("keep")[-1]]),
+        InvalidArgumentError,
+    ),
+    "hold a full block and a partly filled last block": (
+        lambda m, s: m.hold([1, m.block_table("share")[-1]]),
+        InvalidArgumentError,
+    ),
+    "commit a number": (lambda m, s: m.commit(5), ArgumentTypeError),
+    "commit None": (lambda m, s: m.commit(None), ArgumentTypeError),
+    "commit a string": (lambda m, s: m.commit("keep"), ArgumentTypeError),
+    "blocks_for a string": (lambda m, s: m.blocks_for("3"), ArgumentTypeError),
+    "blocks_for None": (lambda m, s: m.blocks_for(None), ArgumentTypeError),
+    "blocks_for -1": (lambda m, s: m.blocks_for(-1), InvalidArgumentError),
     # the allocator underneath
     "double free in the allocator": (
         lambda m, s: m.allocator.decref(m.allocator.free_blocks_in_eviction_order()[0]),

@@ -3,7 +3,7 @@ still reading them). A hold is one more owner in the allocator's reference count
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.allocator import BlockAllocator
@@ -18,13 +18,23 @@ class BlockHolds:
         self.allocator = allocator
         self.counts: dict[int, int] = {}
 
-    def hold(self, blocks: Iterable[int]) -> list[int]:
+    def hold(
+        self, blocks: Iterable[int], written_in_place: Callable[[], Mapping[int, Hashable]] | None = None
+    ) -> list[int]:
         """One hold on each owned block of ``blocks``. Raises InvalidArgumentError (nothing
-        changed) for an id that is not an owned block. Returns the blocks held."""
+        changed) for an id that is not an owned block, or that ``written_in_place()`` (blocks
+        an owner still writes into, with that owner) names. Returns the blocks held."""
         blocks = _block_list(blocks)
         for block in blocks:
             if self.allocator.is_free(block):
                 raise InvalidArgumentError(f"blocks: block {block} is free; only owned blocks can be held")
+        growing = written_in_place() if written_in_place is not None else {}
+        for block in blocks:
+            if block in growing:
+                raise InvalidArgumentError(
+                    f"blocks: block {block} is the partly filled last block of sequence {growing[block]!r:.60}, "
+                    f"which appends write in place; hold it once it is full, or after detach()"
+                )
         for block in blocks:
             self.allocator.incref(block)
             self.counts[block] = self.counts.get(block, 0) + 1

@@ -35,7 +35,7 @@ from kvcache.blocks.groups import KVGroupLayout
 from kvcache.blocks.integrity import integrity_problems
 from kvcache.blocks.manager import BlockManager, FreeReason
 from kvcache.blocks.prefix_cache import BlockKey, PrefixCache
-from kvcache.blocks.rows import ScheduledRow, computed_after
+from kvcache.blocks.rows import ScheduledRow, computed_after, row_list
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks
 from kvcache.blocks.truncation import plan_truncation
 
@@ -237,7 +237,7 @@ class HybridBlockManager:
         """Record what a step computed (:meth:`BlockManager.commit`), in every group; windowed
         groups release what fell behind their windows. Checks every row first; changes
         nothing when one does not fit."""
-        rows = list(rows)
+        rows = row_list(rows)
         computed_after(rows, self.groups[0].sequence)  # raises before any group changes
         for group in self.groups:
             group.commit(rows)
@@ -266,6 +266,11 @@ class HybridBlockManager:
             group.free(seq_id, reason=reason)
 
     # ---- checks ------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block key in every group (:meth:`BlockManager.reset_prefix_cache`);
+        returns how many were dropped, all groups together (0 without caching)."""
+        return sum(group.reset_prefix_cache() for group in self.groups)
 
     def check_integrity(self) -> None:
         """Recount every invariant of every group, and every block's owners across groups.

@@ -110,8 +110,9 @@ class BlockManager(SequenceTable):
         return self.allocator.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens."""
-        return cdiv(num_tokens, self.block_size)
+        """Blocks that hold ``num_tokens`` tokens. Raises ArgumentTypeError / InvalidArgumentError
+        naming ``num_tokens`` for a non-integer or a negative count."""
+        return cdiv(require_int("num_tokens", num_tokens, minimum=0), self.block_size)
 
     def can_allocate(
         self, num_tokens: int | None = None, *, token_ids: Sequence[int] | None = None, extra_key: Hashable = None
@@ -345,8 +346,10 @@ class BlockManager(SequenceTable):
 
     def hold(self, blocks: Iterable[int]) -> None:
         """Keep owned ``blocks`` allocated without a block table (while a copy reads them).
-        Raises InvalidArgumentError (nothing changed) for an id that is not an owned block."""
-        self.holds.hold(blocks)
+        Raises InvalidArgumentError (nothing changed) for an id that is not an owned block, or
+        that is a running sequence's partly filled last block: appends write into that one in
+        place, so a copy would read it torn (hold it once it is full, or after :meth:`detach`)."""
+        self.holds.hold(blocks, self._partial_last_blocks)
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop holds taken with :meth:`hold`. Raises InvalidArgumentError (nothing changed)
@@ -390,6 +393,15 @@ class BlockManager(SequenceTable):
             raise IntegrityError(f"{len(found)} integrity problem(s):\n  " + "\n  ".join(found))
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _partial_last_blocks(self) -> dict[int, Hashable]:
+        """Each running sequence's partly filled last block (appends write into it), with
+        the sequence's id."""
+        return {
+            seq.blocks[-1]: seq_id
+            for seq_id, seq in self._seqs.items()
+            if seq.num_tokens % self.block_size and len(seq.blocks) > seq.num_released
+        }
 
     def _advance(self, seq: SequenceBlocks, num_computed: int) -> None:
         """Set the computed prefix; index newly full blocks; release blocks behind the window."""

@@ -10,7 +10,7 @@ from attention.checks import require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 from kvcache.blocks.sequence import SequenceBlocks
 
-__all__ = ["ScheduledRow", "checked_computed", "computed_after"]
+__all__ = ["ScheduledRow", "checked_computed", "computed_after", "row_list"]
 
 
 class ScheduledRow(NamedTuple):
@@ -27,6 +27,14 @@ class ScheduledRow(NamedTuple):
     start: int | None = None
 
 
+def row_list(rows: Iterable[ScheduledRow]) -> list[ScheduledRow]:
+    """``rows`` as a list; raises ArgumentTypeError naming ``rows`` for a non-iterable (its
+    entries are checked where they are used)."""
+    if isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
+        raise ArgumentTypeError(f"rows: expected an iterable of ScheduledRow, got {type(rows).__name__}")
+    return list(rows)
+
+
 def computed_after(
     rows: Iterable[ScheduledRow], sequence: Callable[[Hashable], SequenceBlocks]
 ) -> list[tuple[SequenceBlocks, int]]:
@@ -34,7 +42,7 @@ def computed_after(
     must continue its sequence's computed prefix within its reserved tokens. Raises an
     argument error (UnknownSequenceError for an unknown id); reads, never writes."""
     updates = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(row_list(rows)):
         if not isinstance(row, ScheduledRow):
             raise ArgumentTypeError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
         seq = sequence(row.seq_id)
