@@ -23,8 +23,10 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
 H200, 16 heads (``benchmarks/results/mla-decode-hopper-2026-12-04.json``): 1.02-1.03x the
 Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% timed among
 layers). The loop is still serial within a tile (S, softmax, P V, then the next tile's load
-into the freed slot): overlapping S of tile j + 1 with P V of tile j, or a producer warp, is
-what is left to try.
+into the freed slot). :mod:`.mla_decode_hopper_ring` (``launch_mla_hopper(..., ring=True)``)
+refills each channel half as soon as its P V MMA is done, from a ring of two and a half
+tiles, and loads across a program's tokens; not yet timed. Overlapping S of tile j + 1 with
+P V of tile j, or a producer warp, is what is left after it.
 
 Safety as in :mod:`.mla_balanced`: lengths clamped to the table, block ids outside
 ``[0, num_blocks)`` read block 0 and mask their latents, latent rows past a token's length are
