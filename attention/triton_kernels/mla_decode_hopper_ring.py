@@ -107,10 +107,11 @@ if _GLUON:
         return u, start, end, table_row
 
     @gluon.jit
-    def _first_row(table_row, n0, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
+    def _first_row(table_row, n0, live, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
         """The cache row (of ``[num_blocks * BLOCK_SIZE, 576]``) of latent ``n0`` of a token's
-        table row; an id outside the cache reads block 0."""
-        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
+        table row; an id outside the cache reads block 0. Nothing is read unless ``live`` (the
+        cursor has a tile: an idle program's table row may not exist)."""
+        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1), mask=live, other=0)
         page = gl.where((page >= 0) & (page < num_blocks), page, 0)
         return page * BLOCK_SIZE + n0 % BLOCK_SIZE
 
@@ -182,25 +183,28 @@ if _GLUON:
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
 
         # The load cursor: the token whose tile loads next (t_stop: none left), that tile's
-        # first latent, its segment's end and its table row.
+        # first latent, its segment's end, its table row and the tile's row in the cache (read
+        # from the table when the cursor moves, so the read's latency passes before the TMA
+        # that needs it).
         lt, ln0, lend, lrow = _next_busy_token(
             work_ptr, rows_ptr, lens_ptr, table_ptr, t0, t_stop, g0, g1, num_rows, table_width, BLOCK_SIZE, BLOCK_N
         )  # fmt: skip
+        lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
         if lt < t_stop:
             _load_query(q_desc, qe_desc, q_bufs, qe_buf, q_bar, lt, num_heads, HALF)
         for h in gl.static_range(NH):  # halves 0 .. 4: tiles 0 and 1, tile 2's first half
             if lt < t_stop:
-                first = _first_row(lrow, ln0, table_width, num_blocks, BLOCK_SIZE)
                 if h % 2 == 0:
-                    _load_first_half(c_desc, e_desc, c_bufs, e_bufs, ready, h, first, HALF, NH, NE)
+                    _load_first_half(c_desc, e_desc, c_bufs, e_bufs, ready, h, lfirst, HALF, NH, NE)
                 else:
-                    _load_second_half(c_desc, c_bufs, ready, h, first, HALF, NH)
+                    _load_second_half(c_desc, c_bufs, ready, h, lfirst, HALF, NH)
                     ln0 += BLOCK_N
                     if ln0 >= lend:
                         lt, ln0, lend, lrow = _next_busy_token(
                             work_ptr, rows_ptr, lens_ptr, table_ptr, lt + 1, t_stop, g0, g1, num_rows, table_width,
                             BLOCK_SIZE, BLOCK_N,
                         )  # fmt: skip
+                    lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
 
         k = 0  # tiles this program computed (tile k: halves 2k and 2k + 1)
         segs = 0  # segments with latents this program ran (the query barrier's phase)
@@ -227,14 +231,15 @@ if _GLUON:
                     hb = ha + 1
                     lat_a = c_bufs.index(ha % NH)
                     lat_b = c_bufs.index(hb % NH)
+                    # The tile's block id, read before the waits (its latency off the S -> softmax path).
+                    n0 = start + j * BLOCK_N
+                    page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
                     mbarrier.wait(ready.index(ha % NH), (ha // NH) & 1)
                     s = warpgroup_mma(lat_a, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     s = warpgroup_mma(e_bufs.index(k % NE), qe_buf.permute((1, 0)), s, is_async=True)
                     mbarrier.wait(ready.index(hb % NH), (hb // NH) & 1)
                     s = warpgroup_mma(lat_b, q_bufs.index(1).permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    n0 = start + j * BLOCK_N
-                    page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
                     page_ok = (page >= 0) & (page < num_blocks)
                     valid = gl.where(page_ok, end - n0, 0)  # latents of the tile inside the row
                     s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
@@ -257,23 +262,19 @@ if _GLUON:
                     o_a = warpgroup_mma_wait(num_outstanding=1, deps=(o_a,))
                     _partition_barrier()  # every warp is done with the first half
                     if lt < t_stop:  # half 2k + 5: the second half of tile k + 2
-                        _load_second_half(
-                            c_desc, c_bufs, ready, ha + NH, _first_row(lrow, ln0, table_width, num_blocks, BLOCK_SIZE),
-                            HALF, NH,
-                        )  # fmt: skip
+                        _load_second_half(c_desc, c_bufs, ready, ha + NH, lfirst, HALF, NH)
                         ln0 += BLOCK_N
                         if ln0 >= lend:
                             lt, ln0, lend, lrow = _next_busy_token(
                                 work_ptr, rows_ptr, lens_ptr, table_ptr, lt + 1, t_stop, g0, g1, num_rows,
                                 table_width, BLOCK_SIZE, BLOCK_N,
                             )  # fmt: skip
+                        # (read while the second P V runs)
+                        lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
                     o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_b,))
                     _partition_barrier()  # every warp is done with the second half (and with P)
                     if lt < t_stop:  # half 2k + 6: the first half and rotary part of tile k + 3
-                        _load_first_half(
-                            c_desc, e_desc, c_bufs, e_bufs, ready, hb + NH,
-                            _first_row(lrow, ln0, table_width, num_blocks, BLOCK_SIZE), HALF, NH, NE,
-                        )  # fmt: skip
+                        _load_first_half(c_desc, e_desc, c_bufs, e_bufs, ready, hb + NH, lfirst, HALF, NH, NE)
                     k += 1
                 segs += gl.where(n_tiles > 0, 1, 0)
 
