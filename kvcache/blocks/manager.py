@@ -112,7 +112,9 @@ class BlockManager(SequenceTable):
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens. Raises ArgumentTypeError / InvalidArgumentError
         naming ``num_tokens`` for a non-integer or a negative count."""
-        return cdiv(require_int("num_tokens", num_tokens, minimum=0), self.block_size)
+        if type(num_tokens) is not int or num_tokens < 0:  # (the hot path: a plain int, checked once)
+            num_tokens = require_int("num_tokens", num_tokens, minimum=0)
+        return cdiv(num_tokens, self.block_size)
 
     def can_allocate(
         self, num_tokens: int | None = None, *, token_ids: Sequence[int] | None = None, extra_key: Hashable = None
