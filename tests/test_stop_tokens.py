@@ -9,9 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from examples.decode_loop import VOCAB_SIZE
-from examples.engine.scheduler import Request
+from examples.engine.loop import run_requests
+from examples.engine.parts import engine_for
+from examples.engine.scheduler import Request, make_preemption
+from examples.model.llama import random_llama
+from examples.model.shape import shape_for_cache
+from kvcache import KVCacheConfig, load_config
 from tests.test_overlap import serve
 
 
@@ -54,3 +60,39 @@ def test_kept_output_stops_at_the_first_stop_token_and_the_budget() -> None:
     assert req.output == [] and not req.stopped  # nothing changed
     assert req.append_output([3, 4]) == [3, 4] and not req.is_finished
     assert req.append_output([9, 5]) == [9] and req.stopped and req.is_finished and req.fully_sampled
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5, 6])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_token_applied_while_making_room_ends_the_request(num_blocks: int, overlap: bool) -> None:
+    """A full pool: a request's next row needs a block, so the overlapped loop first applies
+    the step in flight, whose token for that very request is a stop token. The request ends
+    there (its blocks freed), and the scheduler goes on without it; it used to look the
+    freed sequence up and crash with UnknownSequenceError."""
+    torch.set_num_threads(1)
+    base = load_config("tiny-cpu")
+    config = KVCacheConfig.model_validate(
+        {**base.model_dump(), "cache": {**base.cache.model_dump(), "num_blocks": num_blocks}}, strict=False
+    )
+    shape = shape_for_cache(config.model, vocab_size=VOCAB_SIZE)
+    engine = engine_for(config, shape, num_blocks=num_blocks)
+    rng = random.Random(num_blocks)
+    block = config.cache.block_size  # prompts of one whole block: the first decode token needs a new one
+    every_token = frozenset(range(VOCAB_SIZE))
+    requests = [
+        Request(i, [rng.randrange(VOCAB_SIZE) for _ in range(block)], 5, stop_token_ids=every_token) for i in range(4)
+    ]
+    report = run_requests(
+        random_llama(shape, seed=0),
+        requests,
+        manager=engine.manager,
+        cache=engine.cache,
+        backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache, config.cache.swap_space),
+        token_budget=4 * block,
+        max_running=4,
+        overlap=overlap,
+    )
+    assert [len(r.output) for r in requests] == [1, 1, 1, 1] and all(r.stopped for r in requests)
+    assert report.finished == 4 and engine.manager.num_sequences == 0
+    assert engine.manager.num_free_blocks == num_blocks

@@ -285,6 +285,8 @@ def run_requests(
             if pipeline.busy:  # everything running waits on the step in flight
                 pipeline.drain()
                 continue
+            if scheduler.done:  # scheduling applied the step in flight, which finished the rest
+                continue
             arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
             if arrival is None or arrival <= step:
                 raise RuntimeError("the scheduler is idle but no request is due to arrive")

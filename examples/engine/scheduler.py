@@ -309,6 +309,7 @@ class StepBatch:
     sampling: per row, whether it reaches the end of its sequence, so its logits give the
               next token (a prompt chunk short of the end does not); sampling rows come in
               row order, as the metadata's ``sampling_rows_host``.
+    num_sampling: how many of ``sampling`` are True (the next sampling row's index).
     """
 
     step: int
@@ -318,6 +319,7 @@ class StepBatch:
     feed: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    num_sampling: int = 0
 
     @property
     def has_drafts(self) -> bool:
@@ -411,7 +413,9 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running or req.fully_sampled:  # a victim above, or done
+            # A victim of a preemption above left ``running`` (a list scan per row would make
+            # the step quadratic in its rows); running requests are never marked preempted.
+            if req.preempted or req.fully_sampled:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             reserved = self.manager.num_tokens(req.req_id)
@@ -497,11 +501,15 @@ class Scheduler:
                     req.deferred_slot = False
                 if req.is_finished and req.in_flight == 0:
                     self._finish(req, batch, done)
+        if done:  # one pass over the running list, not one per finished request
+            gone = set(done)
+            self.running = [r for r in self.running if r not in gone]
         return done
 
     def _finish(self, req: Request, batch: StepBatch, done: list[Request]) -> None:
+        """Free ``req``'s blocks and record it in ``done`` (:meth:`finish_step` then drops
+        ``done`` from the running list)."""
         self.manager.free(req.req_id)
-        self.running.remove(req)
         req.finish_step = batch.step
         self.finished.append(req)
         done.append(req)
@@ -568,7 +576,8 @@ class Scheduler:
         if drafts:  # the last sampled token (known: no overlap with drafting), then the drafts
             batch.token_ids.extend(req.tokens_at(start, start + n - len(drafts)) + drafts)
             batch.feed.append(-1)
-            req.sample_row = sum(batch.sampling)
+            req.sample_row = batch.num_sampling
+            batch.num_sampling += 1
             req.in_flight += 1
             batch.sampling.append(True)
             req.num_computed = start + n
@@ -579,7 +588,8 @@ class Scheduler:
         batch.feed.append(req.sample_row if fed else -1)
         samples = start + n == req.num_tokens
         if samples:
-            req.sample_row = sum(batch.sampling)
+            req.sample_row = batch.num_sampling
+            batch.num_sampling += 1
             req.in_flight += 1
         batch.sampling.append(samples)
         req.num_computed = start + n
@@ -588,9 +598,14 @@ class Scheduler:
     def _make_room(self, req: Request, extra: int) -> bool:
         """Preempt the newest running requests until ``req`` can take ``extra`` more slots
         (after applying the step in flight, which may free blocks and leaves no token in
-        flight). False when ``req`` itself had to go."""
-        if self.drain is not None and not self.manager.can_append(req.req_id, extra):
+        flight). False when ``req`` itself had to go, or when applying that step ended it (a
+        stop token): nothing is left to schedule for it then (finished, its blocks freed)."""
+        if self.manager.can_append(req.req_id, extra):  # the common case: one check
+            return True
+        if self.drain is not None:
             self.drain()
+            if req.fully_sampled:
+                return False
         while not self.manager.can_append(req.req_id, extra):
             victim = self.running[-1]
             self._preempt(victim)
