@@ -15,8 +15,9 @@ the free queue in every group before any group takes fresh blocks, so one group'
 never evicts another group's hit.
 
 What a serving engine asks of a :class:`BlockManager` is here too (``blocks_for``,
-``append_slots(defer_ids=)``/``fill_token_ids``, ``truncate``, ``sequence``, the prefix-cache
-and preemption counters), so the example engine runs on either manager.
+``append_slots(defer_ids=)``/``fill_token_ids``, ``truncate``, ``sequence``,
+``reset_prefix_cache``, the prefix-cache and preemption counters), so the example engine runs
+on either manager.
 
 Not here yet: lower tiers, swap and holds (a hybrid manager has none: ``lower_tier`` is None).
 """
@@ -265,12 +266,12 @@ class HybridBlockManager:
         for group in self.groups[1:]:
             group.free(seq_id, reason=reason)
 
-    # ---- checks ------------------------------------------------------------------------
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key in every group (:meth:`BlockManager.reset_prefix_cache`);
         returns how many were dropped, all groups together (0 without caching)."""
         return sum(group.reset_prefix_cache() for group in self.groups)
+
+    # ---- checks ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Recount every invariant of every group, and every block's owners across groups.
