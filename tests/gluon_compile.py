@@ -1,8 +1,13 @@
 """Ahead-of-time sm_90 compiles of Gluon kernels without a GPU, for the compile tests' child
-scripts (tests/test_prefill_hopper_compile.py, tests/test_mla_prefill_hopper_compile.py)."""
+scripts (tests/test_prefill_hopper_compile.py, tests/test_mla_prefill_hopper_compile.py, the
+MLA decode ones), and what those tests read off a compiled kernel: its counts of warpgroup MMAs
+and TMA loads, its register spills (ptxas) and the spills inside its MMA loop (cuobjdump)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
 from typing import Any
 
 
@@ -39,3 +44,47 @@ def compile_sm90(
             sig[name] = "fp32" if name in ("qk_scale", "scale_log2") else "i32"
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+
+
+def kernel_report(kernel: Any, scratch: str = "/tmp/gluon_compile_check") -> dict[str, int]:
+    """A compiled kernel's shared memory (bytes), ``wgmma`` and ``tma_load`` counts (PTX),
+    ``spills`` (the largest ptxas "bytes spill stores", -1 when ptxas said none) and
+    ``loop_spill_ops`` (:func:`loop_spill_ops`)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = kernel.asm["ptx"]
+    Path(f"{scratch}.ptx").write_text(ptx)
+    ptxas = get_ptxas(90).path
+    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{scratch}.ptx", "-o", "/dev/null"], capture_output=True,
+                          text=True)  # fmt: skip
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    return {
+        "shared": kernel.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma_load": ptx.count("cp.async.bulk.tensor.2d.shared::"),
+        "spills": max(spills, default=-1),
+        "loop_spill_ops": loop_spill_ops(kernel.asm["cubin"], str(Path(ptxas).parent / "cuobjdump"), scratch),
+    }
+
+
+def loop_spill_ops(cubin: bytes, cuobjdump: str, scratch: str = "/tmp/gluon_compile_check") -> int:
+    """Local-memory loads and stores (STL / LDL) inside the innermost loop holding every HGMMA
+    of the SASS: the shortest backward branch from after the last HGMMA to before the first
+    (a longer one is an outer loop or a wait's out-of-line retry). -1 without such a loop."""
+    Path(f"{scratch}.cubin").write_bytes(cubin)
+    sass = subprocess.run([cuobjdump, "-sass", f"{scratch}.cubin"], capture_output=True, text=True, check=True).stdout
+    code = []  # (address, instruction)
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    mma = [a for a, ins in code if "HGMMA" in ins]
+    loops = []
+    for a, ins in code:
+        m = re.search(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)", ins)
+        if mma and m and int(m.group(1), 16) <= mma[0] and a >= mma[-1]:
+            loops.append((int(m.group(1), 16), a))
+    if not loops:
+        return -1
+    lo, hi = min(loops, key=lambda span: span[1] - span[0])
+    return sum(1 for a, ins in code if lo <= a <= hi and re.search(r"\b(STL|LDL)\b", ins))

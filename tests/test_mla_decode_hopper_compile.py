@@ -16,10 +16,9 @@ from tests.child_env import compile_report
 pytestmark = pytest.mark.skipif(not _GLUON, reason="this Triton has no Gluon (needs >= 3.6)")
 
 _SCRIPT = r"""
-import json, re, subprocess
+import json
 import torch
-from triton.backends.nvidia.compiler import get_ptxas
-from tests.gluon_compile import compile_sm90
+from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import mla_decode_hopper as mh
 
 report = {}
@@ -32,18 +31,7 @@ for dtype in (torch.bfloat16, torch.float16):
             consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct)
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
             k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem, types={"acc_ptr": "*fp32", "ml_ptr": "*fp32"})
-            ptx = k.asm["ptx"]
-            path = "/tmp/mla_decode_hopper_check.ptx"
-            open(path, "w").write(ptx)
-            done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", "/dev/null"],
-                                  capture_output=True, text=True)
-            spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", done.stderr)]
-            report[f"{dtype}-{bs}-{direct}"] = {
-                "shared": k.metadata.shared,
-                "wgmma": ptx.count("wgmma.mma_async"),
-                "tma_load": ptx.count("cp.async.bulk.tensor.2d.shared::"),
-                "spills": max(spills, default=-1),
-            }
+            report[f"{dtype}-{bs}-{direct}"] = kernel_report(k, "/tmp/mla_decode_hopper_check")
 print(json.dumps(report))
 """
 

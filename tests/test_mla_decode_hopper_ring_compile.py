@@ -24,38 +24,11 @@ from tests.child_env import compile_report
 pytestmark = pytest.mark.skipif(not _GLUON, reason="this Triton has no Gluon (needs >= 3.6)")
 
 _SCRIPT = r"""
-import json, os, re, subprocess
+import json
 import torch
-from triton.backends.nvidia.compiler import get_ptxas
-from tests.gluon_compile import compile_sm90
+from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import mla_decode_hopper as mh
 from attention.triton_kernels import mla_decode_hopper_ring as mr
-
-ptxas = get_ptxas(90).path
-cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-
-
-def loop_spills(cubin):
-    # STL/LDL inside the innermost loop holding every HGMMA (-1: no such loop found).
-    path = "/tmp/mla_decode_hopper_ring_check.cubin"
-    open(path, "wb").write(cubin)
-    sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    code = []  # (address, instruction)
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            code.append((int(m.group(1), 16), m.group(2)))
-    mma = [a for a, ins in code if "HGMMA" in ins]
-    loops = []
-    for a, ins in code:
-        m = re.search(r"BRA\s+(?:\S+,\s*)?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) <= mma[0] and a >= mma[-1]:
-            loops.append((int(m.group(1), 16), a))
-    if not loops:
-        return -1
-    lo, hi = min(loops, key=lambda span: span[1] - span[0])  # (not a wait's out-of-line retry)
-    return sum(1 for a, ins in code if lo <= a <= hi and re.search(r"\b(STL|LDL)\b", ins))
-
 
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
@@ -69,19 +42,7 @@ for dtype in (torch.bfloat16, torch.float16):
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
             k = compile_sm90(mr._mla_hopper_ring_kernel, descs, consts, elem,
                              types={"acc_ptr": "*fp32", "ml_ptr": "*fp32"})
-            ptx = k.asm["ptx"]
-            path = "/tmp/mla_decode_hopper_ring_check.ptx"
-            open(path, "w").write(ptx)
-            done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", "/dev/null"], capture_output=True,
-                                  text=True)
-            spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", done.stderr)]
-            report[f"{dtype}-{bs}-{direct}"] = {
-                "shared": k.metadata.shared,
-                "wgmma": ptx.count("wgmma.mma_async"),
-                "tma_load": ptx.count("cp.async.bulk.tensor.2d.shared::"),
-                "spills": max(spills, default=-1),
-                "loop_spill_ops": loop_spills(k.asm["cubin"]),
-            }
+            report[f"{dtype}-{bs}-{direct}"] = kernel_report(k, "/tmp/mla_decode_hopper_ring_check")
 print(json.dumps(report))
 """
 

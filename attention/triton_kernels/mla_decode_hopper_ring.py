@@ -50,6 +50,7 @@ from attention.triton_kernels.prefill_hopper import _GLUON
 if _GLUON:
     from attention.triton_kernels.mla_hopper_stores import store_segment, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
+        _page,
         _partition_barrier,
         _tma_load,
         fence_async_shared,
@@ -105,15 +106,6 @@ if _GLUON:
             u = gl.where(found, u, u + 1)
             searching = (not found) & (u < t_stop)
         return u, start, end, table_row
-
-    @gluon.jit
-    def _first_row(table_row, n0, live, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
-        """The cache row (of ``[num_blocks * BLOCK_SIZE, 576]``) of latent ``n0`` of a token's
-        table row; an id outside the cache reads block 0. Nothing is read unless ``live`` (the
-        cursor has a tile: an idle program's table row may not exist)."""
-        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1), mask=live, other=0)
-        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
-        return page * BLOCK_SIZE + n0 % BLOCK_SIZE
 
     @gluon.jit
     def _load_first_half(  # type: ignore[no-untyped-def]
@@ -189,8 +181,9 @@ if _GLUON:
         lt, ln0, lend, lrow = _next_busy_token(
             work_ptr, rows_ptr, lens_ptr, table_ptr, t0, t_stop, g0, g1, num_rows, table_width, BLOCK_SIZE, BLOCK_N
         )  # fmt: skip
-        lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
-        if lt < t_stop:
+        lfirst = 0
+        if lt < t_stop:  # (an idle program's table row may not exist: nothing is read)
+            lfirst = _page(lrow, ln0, table_width, num_blocks, BLOCK_SIZE)
             _load_query(q_desc, qe_desc, q_bufs, qe_buf, q_bar, lt, num_heads, HALF)
         for h in gl.static_range(NH):  # halves 0 .. 4: tiles 0 and 1, tile 2's first half
             if lt < t_stop:
@@ -204,7 +197,8 @@ if _GLUON:
                             work_ptr, rows_ptr, lens_ptr, table_ptr, lt + 1, t_stop, g0, g1, num_rows, table_width,
                             BLOCK_SIZE, BLOCK_N,
                         )  # fmt: skip
-                    lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
+                    if lt < t_stop:
+                        lfirst = _page(lrow, ln0, table_width, num_blocks, BLOCK_SIZE)
 
         k = 0  # tiles this program computed (tile k: halves 2k and 2k + 1)
         segs = 0  # segments with latents this program ran (the query barrier's phase)
@@ -269,8 +263,8 @@ if _GLUON:
                                 work_ptr, rows_ptr, lens_ptr, table_ptr, lt + 1, t_stop, g0, g1, num_rows,
                                 table_width, BLOCK_SIZE, BLOCK_N,
                             )  # fmt: skip
-                        # (read while the second P V runs)
-                        lfirst = _first_row(lrow, ln0, lt < t_stop, table_width, num_blocks, BLOCK_SIZE)
+                        if lt < t_stop:  # (read while the second P V runs)
+                            lfirst = _page(lrow, ln0, table_width, num_blocks, BLOCK_SIZE)
                     o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_b,))
                     _partition_barrier()  # every warp is done with the second half (and with P)
                     if lt < t_stop:  # half 2k + 6: the first half and rotary part of tile k + 3
