@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from array import array
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -371,8 +372,12 @@ class TritonBackend(AttentionBackend):
         if self.spec.latent_attention:
             return self._plan_latent(metadata, staging, graph)
         q_lens, most = metadata.query_lens_host, self.max_decode_query_len
-        decode_rows = tuple(r for r, q in enumerate(q_lens) if q <= most)
-        prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > most)
+        if max(q_lens, default=1) <= most:  # the common step: every row decodes
+            decode_rows: tuple[int, ...] = tuple(range(len(q_lens)))
+            prefill_rows: tuple[int, ...] = ()
+        else:
+            decode_rows = tuple(r for r, q in enumerate(q_lens) if q <= most)
+            prefill_rows = tuple(r for r, q in enumerate(q_lens) if q > most)
         if metadata.tree_masks is not None and prefill_rows:
             r = prefill_rows[0]
             raise MetadataError(
@@ -514,10 +519,13 @@ class TritonBackend(AttentionBackend):
         padded batch) alone, so every replay of the bucket launches exactly what was captured."""
         s_lens, q_lens = meta.seq_lens_host, meta.query_lens_host
         sms, kvh = self._sms(meta.device), self.spec.num_kv_heads
+        every_row = len(rows) == len(q_lens)  # rows ascend: then they are every row, in order
+        row_q_lens = list(q_lens) if every_row else [q_lens[r] for r in rows]
         starts = _starts(q_lens)
+        row_tokens = starts[: len(rows)] if every_row else [starts[r] for r in rows]
         max_rows = meta.padded_batch if graph else None
         max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
-        launch_query_len = max_query_len or max((q_lens[r] for r in rows), default=1)
+        launch_query_len = max_query_len or max(row_q_lens, default=1)
         config, policy = self._decode_launch(launch_query_len, meta.block_size)
         max_items = max_decode_items(meta.padded_batch, kvh, sms, policy) if graph else None
         launches = []
@@ -535,8 +543,8 @@ class TritonBackend(AttentionBackend):
                 policy=policy,
                 chunk_len=self.decode_chunk_len,
                 table_rows=rows,
-                q_tokens=[starts[r] for r in rows],
-                q_lens=[q_lens[r] for r in rows],
+                q_tokens=row_tokens,
+                q_lens=row_q_lens,
                 max_query_len=max_query_len,
             )
             items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
@@ -886,8 +894,4 @@ class TritonBackend(AttentionBackend):
 
 def _starts(query_lens: tuple[int, ...]) -> list[int]:
     """First query token of each row (query_start_loc, on the host)."""
-    starts, total = [], 0
-    for q in query_lens:
-        starts.append(total)
-        total += q
-    return starts
+    return list(accumulate(query_lens[:-1], initial=0)) if query_lens else []

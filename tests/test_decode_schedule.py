@@ -214,6 +214,12 @@ def test_per_row_table_rows_and_tokens() -> None:
     [
         ({"kv_ranges": [(0, 5), (3, 3)]}, r"kv_ranges\[1\]: \(3, 3\) must satisfy"),
         ({"kv_ranges": [(-1, 5)]}, r"kv_ranges\[0\]"),
+        ({"kv_ranges": [(0, 5), (0.5, 9)]}, r"kv_ranges\[1\]: \(0.5, 9\) must be a pair of integers"),
+        ({"kv_ranges": [(0, 5), (0, 1, 9)]}, r"kv_ranges\[1\]: \(0, 1, 9\) must be a pair of integers"),
+        ({"kv_ranges": [(0, 5), (0, 1 << 70)]}, r"kv_ranges\[1\]: \(0, 1180591620717411303424\) must satisfy"),
+        ({"kv_ranges": [(0, 5), (0, 1 << 31)]}, r"kv_ranges\[1\]: .* <= 2147483647"),
+        ({"table_rows": [0, 1.5]}, "table_rows: entries must be integers in int64 range"),
+        ({"q_tokens": [0, 1 << 31]}, "q_tokens: entries must be <= 2147483647"),
         ({"max_items": 1}, "max_items: 1 is below the 2 rows"),
         ({"max_rows": 1}, "max_rows: 1 is below the 2 rows"),
         ({"table_rows": [0]}, "table_rows: 1 entries for 2 rows"),

@@ -40,9 +40,12 @@ every schedule :func:`schedule_decode` makes for that many rows or fewer. Pure P
 from __future__ import annotations
 
 import math
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import add, index, le, lt, sub
 
 __all__ = [
     "ITEM_FIELDS",
@@ -71,6 +74,12 @@ PAD_ITEM = (-1, 0, 0, -1, -1, -1, 0, -1, 1, 0)
 PAD_ROW = (-1, -1, 0, -1, 1)
 #: Most new tokens a decode row may bring (a row verifying up to 7 draft tokens).
 MAX_DECODE_QUERY_LEN = 8
+#: Largest value of an int32 field.
+_INT32_MAX = (1 << 31) - 1
+#: An item's and a row's fields as native int32 bytes (the layout of ``array("i")``).
+_ITEM = struct.Struct(f"={ITEM_FIELDS}i")
+_ROW = struct.Struct(f"={ROW_FIELDS}i")
+_PACKED_PAD_ITEM, _PACKED_PAD_ROW = _ITEM.pack(*PAD_ITEM), _ROW.pack(*PAD_ROW)
 
 
 @dataclass(frozen=True)
@@ -205,11 +214,15 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name}: {v} must be >= 1")
 
 
-def _count_items(ranges: Sequence[tuple[int, int]], chunk_len: int) -> int:
-    return sum((e - 1) // chunk_len - s // chunk_len + 1 for s, e in ranges)
+def _count_items(starts: list[int], ends: list[int], chunk_len: int, aligned: bool) -> int:
+    """Items of ``chunk_len`` tokens the rows make: per row ``(e - 1) // c - s // c + 1``.
+    ``aligned``: every start is 0 (the ``s // c`` terms vanish)."""
+    c = chunk_len
+    count = sum([(e - 1) // c for e in ends]) + len(ends)
+    return count if aligned else count - sum([s // c for s in starts])
 
 
-def _smallest_fitting(ranges: Sequence[tuple[int, int]], budget: int, granule: int, lo: int) -> int:
+def _smallest_fitting(starts: list[int], ends: list[int], aligned: bool, budget: int, granule: int, lo: int) -> int:
     """A multiple of ``granule`` >= ``lo`` whose item count is <= budget (budget >= R: a
     chunk as long as the furthest kv_end gives every row one item): the smallest one when
     every row starts at 0 (counts then fall as chunks grow); with windows the bisection
@@ -219,30 +232,32 @@ def _smallest_fitting(ranges: Sequence[tuple[int, int]], budget: int, granule: i
     so c >= T / budget; a row starting at 0 needs <= n / c + 1, so when every row starts at
     0, c = T / (budget - R) always fits. Few count passes then: this runs every step.
     """
-    total = sum(e - s for s, e in ranges)
+    total = sum(ends) - sum(starts)
     lo_k = max(1, -(-lo // granule), total // (budget * granule))
-    hi_k = max(lo_k, -(-max(e for _, e in ranges) // granule))
-    if budget > len(ranges) and all(s == 0 for s, _ in ranges):
-        hi_k = max(lo_k, min(hi_k, -(-total // ((budget - len(ranges)) * granule))))
-    if _count_items(ranges, lo_k * granule) <= budget:
+    hi_k = max(lo_k, -(-max(ends) // granule))
+    if budget > len(ends) and aligned:
+        hi_k = max(lo_k, min(hi_k, -(-total // ((budget - len(ends)) * granule))))
+    if _count_items(starts, ends, lo_k * granule, aligned) <= budget:
         return lo_k * granule
     while hi_k - lo_k > 1:  # invariant: count(lo) > budget >= count(hi)
         mid = (lo_k + hi_k) // 2
-        if _count_items(ranges, mid * granule) <= budget:
+        if _count_items(starts, ends, mid * granule, aligned) <= budget:
             hi_k = mid
         else:
             lo_k = mid
     return hi_k * granule
 
 
-def _largest_with_at_least(ranges: Sequence[tuple[int, int]], want: int, granule: int, lo: int, hi: int) -> int:
+def _largest_with_at_least(
+    starts: list[int], ends: list[int], aligned: bool, want: int, granule: int, lo: int, hi: int
+) -> int:
     """Largest multiple of ``granule`` in [lo, hi] giving >= ``want`` items, else ``lo``."""
     lo_k, hi_k = max(1, -(-lo // granule)), max(1, hi // granule)
-    if hi_k < lo_k or _count_items(ranges, lo_k * granule) < want:
+    if hi_k < lo_k or _count_items(starts, ends, lo_k * granule, aligned) < want:
         return lo_k * granule
     while hi_k > lo_k:  # invariant: count(lo) >= want
         mid = (lo_k + hi_k + 1) // 2
-        if _count_items(ranges, mid * granule) >= want:
+        if _count_items(starts, ends, mid * granule, aligned) >= want:
             lo_k = mid
         else:
             hi_k = mid - 1
@@ -250,38 +265,59 @@ def _largest_with_at_least(ranges: Sequence[tuple[int, int]], want: int, granule
 
 
 def _choose_chunk_len(
-    ranges: Sequence[tuple[int, int]], budget: int, num_kv_heads: int, num_sms: int, block_n: int, policy: DecodePolicy
+    starts: list[int],
+    ends: list[int],
+    aligned: bool,
+    budget: int,
+    num_kv_heads: int,
+    num_sms: int,
+    block_n: int,
+    policy: DecodePolicy,
 ) -> int:
-    total = sum(e - s for s, e in ranges)
-    chunk = -(-math.ceil(policy.balance * total / len(ranges)) // block_n) * block_n
+    rows = len(ends)
+    total = sum(ends) - sum(starts)
+    chunk = -(-math.ceil(policy.balance * total / rows) // block_n) * block_n
     target = _target_items(num_kv_heads, num_sms, policy)
-    if len(ranges) < target:
-        chunk = min(chunk, _smallest_fitting(ranges, target, block_n, block_n))
+    if rows < target:
+        chunk = min(chunk, _smallest_fitting(starts, ends, aligned, target, block_n, block_n))
     floor = -(-policy.min_chunk_tokens // block_n) * block_n
     one_per_sm = math.ceil(num_sms / num_kv_heads)
-    if _count_items(ranges, floor) < one_per_sm:
+    if _count_items(starts, ends, floor, aligned) < one_per_sm:
         # Too small a batch to give every SM a program at the usual floor: shorter chunks,
         # as long as possible while still reaching one program per SM.
-        floor = _largest_with_at_least(ranges, one_per_sm, block_n, policy.small_batch_chunk_tokens, floor)
+        floor = _largest_with_at_least(
+            starts, ends, aligned, one_per_sm, block_n, policy.small_batch_chunk_tokens, floor
+        )
     chunk = max(chunk, floor)
-    if _count_items(ranges, chunk) <= budget:
+    if _count_items(starts, ends, chunk, aligned) <= budget:
         return chunk
     # Only windowed rows get here: with unaligned starts a longer chunk can even give more
     # items (a row may straddle one more boundary), so search up from here for one that fits.
-    return _smallest_fitting(ranges, budget, block_n, chunk)
+    return _smallest_fitting(starts, ends, aligned, budget, block_n, chunk)
 
 
-def _check_ranges(kv_ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    ranges = []
-    for d, (s, e) in enumerate(kv_ranges):
-        s, e = int(s), int(e)
-        if not 0 <= s < e:
+def _check_ranges(kv_ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The rows' kv_start and kv_end values as two lists of ints, after checking every range
+    (C-speed passes; the element-by-element search only to name a bad one)."""
+    try:
+        flat = array("q", chain.from_iterable(kv_ranges))
+    except (TypeError, ValueError, OverflowError):
+        flat = None
+    if flat is not None and len(flat) == 2 * len(kv_ranges):
+        starts, ends = flat[0::2].tolist(), flat[1::2].tolist()
+        if (not starts or (min(starts) >= 0 and max(ends) <= _INT32_MAX)) and all(map(lt, starts, ends)):
+            return starts, ends
+    for d, pair in enumerate(kv_ranges):
+        try:
+            s, e = (index(v) for v in pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_ranges[{d}]: {pair!r:.60} must be a pair of integers (kv_start, kv_end)") from None
+        if not 0 <= s < e <= _INT32_MAX:
             raise ValueError(
-                f"kv_ranges[{d}]: ({s}, {e}) must satisfy 0 <= kv_start < kv_end (a decode row "
-                f"attends at least its own new token)"
+                f"kv_ranges[{d}]: ({s}, {e}) must satisfy 0 <= kv_start < kv_end <= {_INT32_MAX} (a decode "
+                f"row attends at least its own new token; the kernel's positions are int32)"
             )
-        ranges.append((s, e))
-    return ranges
+    raise ValueError("kv_ranges: every entry must be a pair of integers (kv_start, kv_end)")
 
 
 def _per_row(name: str, values: Sequence[int] | None, num_rows: int) -> list[int]:
@@ -289,9 +325,14 @@ def _per_row(name: str, values: Sequence[int] | None, num_rows: int) -> list[int
         return list(range(num_rows))
     if len(values) != num_rows:
         raise ValueError(f"{name}: {len(values)} entries for {num_rows} rows; give one per kv_range")
-    out = [int(v) for v in values]
-    if any(v < 0 for v in out):
+    try:
+        out = array("q", values).tolist()
+    except (TypeError, OverflowError):
+        raise ValueError(f"{name}: entries must be integers in int64 range, got {list(values)!r:.80}") from None
+    if out and min(out) < 0:
         raise ValueError(f"{name}: entries must be >= 0, got {min(out)}")
+    if out and max(out) > _INT32_MAX:
+        raise ValueError(f"{name}: entries must be <= {_INT32_MAX} (the kernel reads int32), got {max(out)}")
     return out
 
 
@@ -338,11 +379,11 @@ def schedule_decode(
     """
     policy = policy or DecodePolicy()
     _check_positive(num_kv_heads=num_kv_heads, num_sms=num_sms, block_n=block_n)
-    ranges = _check_ranges(kv_ranges)
-    num_rows = len(ranges)
+    starts, ends = _check_ranges(kv_ranges)
+    num_rows = len(ends)
     tables, tokens = _per_row("table_rows", table_rows, num_rows), _per_row("q_tokens", q_tokens, num_rows)
     lens = [1] * num_rows if q_lens is None else _per_row("q_lens", q_lens, num_rows)
-    query_len = _query_len(ranges, lens, max_query_len)
+    query_len = _query_len(starts, ends, lens, max_query_len)
     if max_items is not None and max_items < num_rows:
         raise ValueError(
             f"max_items: {max_items} is below the {num_rows} rows (each row needs >= 1 item); "
@@ -355,24 +396,28 @@ def schedule_decode(
     budget = max_decode_items(num_rows, num_kv_heads, num_sms, policy)
     if max_items is not None:
         budget = min(budget, max_items)
-    if not ranges:
+    aligned = not any(starts)
+    if not num_rows:
         chunk = block_n
     elif chunk_len is not None:
-        chunk = _smallest_fitting(ranges, budget, block_n, chunk_len)
+        chunk = _smallest_fitting(starts, ends, aligned, budget, block_n, chunk_len)
     else:
-        chunk = _choose_chunk_len(ranges, budget, num_kv_heads, num_sms, block_n, policy)
-    return _build(ranges, tables, tokens, lens, query_len, chunk, block_n, max_items, max_rows)
+        chunk = _choose_chunk_len(starts, ends, aligned, budget, num_kv_heads, num_sms, block_n, policy)
+    return _build(starts, ends, tables, tokens, lens, query_len, chunk, block_n, max_items, max_rows)
 
 
-def _query_len(ranges: list[tuple[int, int]], lens: list[int], max_query_len: int | None) -> int:
+def _query_len(starts: list[int], ends: list[int], lens: list[int], max_query_len: int | None) -> int:
     """The launch's tokens per row (a power of two), after checking every row's q_len."""
-    for d, (q, (s, e)) in enumerate(zip(lens, ranges, strict=True)):
-        if not 1 <= q <= min(MAX_DECODE_QUERY_LEN, e - s):
-            raise ValueError(
-                f"q_lens[{d}]: {q} must be in [1, {MAX_DECODE_QUERY_LEN}] and within its kv range ({s}, {e}); "
-                f"longer rows go to the prefill kernel"
-            )
     longest = max(lens, default=1)
+    in_range = not lens or (min(lens) >= 1 and longest <= MAX_DECODE_QUERY_LEN)
+    # Every range holds >= 1 token (checked), so rows of one token always fit in theirs.
+    if not in_range or (longest > 1 and not all(map(le, lens, map(sub, ends, starts)))):
+        for d, (q, s, e) in enumerate(zip(lens, starts, ends, strict=True)):
+            if not 1 <= q <= min(MAX_DECODE_QUERY_LEN, e - s):
+                raise ValueError(
+                    f"q_lens[{d}]: {q} must be in [1, {MAX_DECODE_QUERY_LEN}] and within its kv range ({s}, {e}); "
+                    f"longer rows go to the prefill kernel"
+                )
     if max_query_len is None:
         return 1 << (longest - 1).bit_length()
     if max_query_len < longest or max_query_len > MAX_DECODE_QUERY_LEN or max_query_len & (max_query_len - 1):
@@ -384,7 +429,8 @@ def _query_len(ranges: list[tuple[int, int]], lens: list[int], max_query_len: in
 
 
 def _build(
-    ranges: list[tuple[int, int]],
+    starts: list[int],
+    ends: list[int],
     tables: list[int],
     tokens: list[int],
     lens: list[int],
@@ -394,36 +440,40 @@ def _build(
     max_items: int | None,
     max_rows: int | None,
 ) -> DecodeSchedule:
-    num_rows = len(ranges)
+    """The item and row arrays for one chunk length. Each item is packed to its int32 bytes
+    as it is made (one C call), then the packed items are joined heaviest first: a stable
+    sort on the negated token count keeps ties in the order they were made, by row, then
+    position."""
+    num_rows = len(ends)
     grid_rows = num_rows if max_rows is None else max_rows
-    row_fields: list[int] = []
-    pieces: list[tuple[int, int, int, int]] = []  # (-tokens, d, start, end): sorts heaviest first
+    pack_item, pack_row = _ITEM.pack, _ROW.pack
+    packed_rows: list[bytes] = []
+    packed_items: list[bytes] = []
+    weights: list[int] = []  # per item, minus its tokens
     next_slot = 0
-    for d, (s, e) in enumerate(ranges):
+    for d, s, e, table_row, q_token, q_len in zip(range(num_rows), starts, ends, tables, tokens, lens, strict=True):
         first_j, last_j = s // chunk, (e - 1) // chunk
-        n = last_j - first_j + 1
-        if n == 1:
-            row_fields += (tables[d], tokens[d], 1, -1, lens[d])
-            pieces.append((s - e, d, s, e))
+        if first_j == last_j:
+            packed_rows.append(pack_row(table_row, q_token, 1, -1, q_len))
+            packed_items.append(pack_item(d, s, e, -1, table_row, q_token, 1, -1, q_len, e))
+            weights.append(s - e)
             continue
-        row_fields += (tables[d], tokens[d], n, next_slot, lens[d])
-        next_slot += n * lens[d]
+        n = last_j - first_j + 1
+        packed_rows.append(pack_row(table_row, q_token, n, next_slot, q_len))
         for j in range(first_j, last_j + 1):
             a, b = max(s, j * chunk), min(e, (j + 1) * chunk)
-            pieces.append((a - b, d, a, b))
-    pieces.sort()
-    num_items = len(pieces)
+            packed_items.append(pack_item(d, a, b, next_slot + j - first_j, table_row, q_token, n, next_slot, q_len, e))
+            weights.append(a - b)
+        next_slot += n * q_len
+    num_items = len(packed_items)
     grid_items = num_items if max_items is None else max_items
-    assert num_items <= grid_items, f"scheduler made {num_items} items for a grid of {grid_items}"
-    item_fields: list[int] = []
-    for _, d, a, b in pieces:
-        table_row, q_token, n, first_partial, q_len = row_fields[d * ROW_FIELDS : (d + 1) * ROW_FIELDS]
-        slot = first_partial + a // chunk - ranges[d][0] // chunk if n > 1 else -1
-        item_fields += (d, a, b, slot, table_row, q_token, n, first_partial, q_len, ranges[d][1])
-    items = array("i", item_fields)
-    items.extend(PAD_ITEM * (grid_items - num_items))
-    rows = array("i", row_fields)
-    rows.extend(PAD_ROW * (grid_rows - num_rows))
+    if num_items > grid_items:  # max_decode_items bounds every schedule; a bug if not
+        raise RuntimeError(f"scheduler made {num_items} items for a grid of {grid_items}")
+    order = sorted(range(num_items), key=weights.__getitem__)
+    items = array("i", b"".join(map(packed_items.__getitem__, order)))
+    items.frombytes(_PACKED_PAD_ITEM * (grid_items - num_items))
+    rows = array("i", b"".join(packed_rows))
+    rows.frombytes(_PACKED_PAD_ROW * (grid_rows - num_rows))
     return DecodeSchedule(
         chunk_len=chunk,
         block_n=block_n,
@@ -437,5 +487,5 @@ def _build(
         rows=rows,
         fixed_grid=max_items is not None,
         max_table_row=max(tables, default=-1),
-        max_q_token=max((t + q - 1 for t, q in zip(tokens, lens, strict=True)), default=-1),
+        max_q_token=max(map(sub, map(add, tokens, lens), [1] * num_rows), default=-1),
     )
