@@ -160,6 +160,13 @@ def test_bad_arguments_are_refused_naming_them() -> None:
     with pytest.raises(InvalidArgumentError, match="query_lens"):
         causal_queries([3], [4])
     assert causal_queries([5, 4, 3], [2, 3, 1], skip={1}) == ([0, 0, -1, -1, -1, 2], [4, 5, 0, 0, 0, 3])
+    # A decode step (one token a row) takes a shortcut: the same answer, the same refusal.
+    assert causal_queries((5, 4, 3), (1, 1, 1)) == ([0, 1, 2], [5, 4, 3])
+    assert causal_queries((5, 4), (1, 1), skip={0}) == ([-1, 1], [0, 4])
+    with pytest.raises(InvalidArgumentError, match=r"query_lens\[1\]: 1 new tokens in a row of 0"):
+        causal_queries([3, 0], [1, 1])
+    with pytest.raises(ValueError):
+        causal_queries([3, 2], [1])
     with pytest.raises(InvalidArgumentError, match="num_splits"):
         mla_decode(q, c, tables, lens, kv_lora_rank=32, scale=0.1, num_splits=0)
     with pytest.raises(InvalidArgumentError, match="split_len: expected an int32 \\[1\\] tensor"):

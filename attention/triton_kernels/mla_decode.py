@@ -255,6 +255,12 @@ def causal_queries(
     the latents it sees (its position + 1). The tokens of rows in ``skip`` get row -1 and 0
     latents (they see nothing: attended elsewhere). Raises InvalidArgumentError for a row
     with more new tokens than latents."""
+    if (
+        not skip
+        and len(seq_lens) == len(query_lens)
+        and (not query_lens or (min(query_lens) == max(query_lens) == 1 and min(seq_lens) >= 1))
+    ):  # a decode step: one token a row, seeing its whole row
+        return list(range(len(seq_lens))), list(seq_lens)
     rows: list[int] = []
     lens: list[int] = []
     for r, (s_len, q_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
