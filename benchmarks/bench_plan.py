@@ -17,9 +17,6 @@ Run: python benchmarks/bench_plan.py [--rows 128,256,512,1024]
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import statistics
 import sys
@@ -33,7 +30,7 @@ if str(HERE) not in sys.path:  # loaded by file path: common.py is beside this f
     sys.path.insert(0, str(HERE))
 
 # common puts this checkout first on sys.path: the project is imported from source.
-from common import RESULTS  # noqa: E402
+from common import batch_sizes, write_host_results  # noqa: E402
 
 from attention import AttentionBackend, StepCapacity  # noqa: E402
 from attention.reference import ReferenceBackend  # noqa: E402
@@ -76,12 +73,7 @@ def main() -> None:
     parser.add_argument("--rows", default="128,256,512,1024", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    try:
-        sizes = [int(x) for x in args.rows.split(",") if x]
-    except ValueError:
-        parser.error(f"--rows: {args.rows!r}; give comma-separated integers, e.g. 128,512")
-    if not sizes or min(sizes) < 1:
-        parser.error(f"--rows: {args.rows!r}; every batch size must be >= 1")
+    sizes = batch_sizes(parser, args.rows)
     torch.set_num_threads(1)
     print(f"host ms of MetadataBuilder.plan per decode step (CPU, one thread; LogNormal rows, block {BLOCK}, "
           f"planned for {H200_SMS} SMs)")  # fmt: skip
@@ -91,14 +83,7 @@ def main() -> None:
         ms = {name: measure(backend, rows) for name, backend in backends().items()}
         results.append({"rows": rows, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}})
         print(f"{rows:>6} {ms['reference']:>10.3f} {ms['triton']:>8.3f} {ms['triton'] / rows * 1e3:>14.2f}")
-    date = datetime.date.today().isoformat()
-    out = args.out or RESULTS / f"plan-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"header": {"date": date, "machine": platform.processor() or platform.machine(),
-                      "python": platform.python_version(), "torch": torch.__version__,
-                      "command": f"python benchmarks/bench_plan.py --rows {args.rows}"},
-           "rows": results}  # fmt: skip
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out = write_host_results(args.out, "plan", f"python benchmarks/bench_plan.py --rows {args.rows}", results)
     print(f"wrote {out}")
 
 

@@ -17,9 +17,6 @@ Run: python benchmarks/bench_scheduler.py [--rows 128,256,512,1024]
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import statistics
 import sys
@@ -36,7 +33,7 @@ if str(HERE) not in sys.path:  # loaded by file path: common.py is beside this f
     sys.path.insert(0, str(HERE))
 
 # common puts this checkout first on sys.path: the project is imported from source.
-from common import RESULTS  # noqa: E402
+from common import batch_sizes, write_host_results  # noqa: E402
 
 from examples.engine.loop import run_requests  # noqa: E402
 from examples.engine.parts import engine_for  # noqa: E402
@@ -117,12 +114,7 @@ def main() -> None:
     parser.add_argument("--rows", default="128,256,512,1024", help="comma-separated batch sizes")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    try:
-        sizes = [int(x) for x in args.rows.split(",") if x]
-    except ValueError:
-        parser.error(f"--rows: {args.rows!r}; give comma-separated integers, e.g. 128,512")
-    if not sizes or min(sizes) < 1:
-        parser.error(f"--rows: {args.rows!r}; every batch size must be >= 1")
+    sizes = batch_sizes(parser, args.rows)
     torch.set_num_threads(1)
     print(f"host work per decode step of the example engine (CPU, one thread; median ms over the steps of a "
           f"burst: prompts of {PROMPT}, {NEW_TOKENS} new tokens)")  # fmt: skip
@@ -134,14 +126,7 @@ def main() -> None:
         results.append({"rows": rows, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}, "total_ms": round(total, 4)})
         print(f"{rows:>6} {ms['schedule']:>9.3f} {ms['plan']:>7.3f} {ms['finish_step']:>7.3f} {total:>7.3f} "
               f"{total / rows * 1e3:>7.2f}")  # fmt: skip
-    date = datetime.date.today().isoformat()
-    out = args.out or RESULTS / f"scheduler-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"header": {"date": date, "machine": platform.processor() or platform.machine(),
-                      "python": platform.python_version(), "torch": torch.__version__,
-                      "command": f"python benchmarks/bench_scheduler.py --rows {args.rows}"},
-           "rows": results}  # fmt: skip
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out = write_host_results(args.out, "scheduler", f"python benchmarks/bench_scheduler.py --rows {args.rows}", results)
     print(f"wrote {out}")
 
 

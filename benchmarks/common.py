@@ -10,6 +10,8 @@ checkout first on ``sys.path``, so ``python3 benchmarks/bench_x.py`` runs the pr
 - :class:`Run`: one run's frame (copy bandwidth first, notes, the JSON with :func:`header`, the
   environment and definitions, written even when the run aborts, the exit status), with
   :func:`add_run_options` (``--out``, ``--warmup-ms``, ``--rep-ms``) and :func:`require_cuda`;
+- CPU host benchmarks (bench_scheduler.py, bench_plan.py): :func:`batch_sizes`,
+  :func:`write_host_results`;
 - rows: :class:`JsonRow`, :func:`record_error`, :func:`rel_err`, :func:`set_vs_flash_attn`,
   :func:`flash_attn_backend`; tables: :func:`print_table`, :func:`fmt`, :func:`describe`.
 """
@@ -268,6 +270,33 @@ def _version(dist: str) -> str | None:
     except ImportError:
         return None
     return str(getattr(module, "__version__", "unknown"))
+
+
+def batch_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """The CPU host benchmarks' ``--rows`` option (comma-separated batch sizes, each >= 1);
+    anything else exits through ``parser.error`` naming the option."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        parser.error(f"--rows: {text!r}; give comma-separated integers, e.g. 128,512")
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--rows: {text!r}; every batch size must be >= 1")
+    return sizes
+
+
+def write_host_results(out: Path | None, stem: str, command: str, rows: list[dict[str, Any]]) -> Path:
+    """A CPU host benchmark's JSON (machine, Python and torch in the header) at ``out``, by
+    default ``results/<stem>-<date>.json``; returns the path written."""
+    import platform
+
+    date = datetime.date.today().isoformat()
+    path = out or RESULTS / f"{stem}-{date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"header": {"date": date, "machine": platform.processor() or platform.machine(),
+                      "python": platform.python_version(), "torch": torch.__version__, "command": command},
+           "rows": rows}  # fmt: skip
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
 
 
 def header(copy_tbps: float, notes: list[str], definitions: dict[str, str]) -> dict[str, Any]:

@@ -3,33 +3,19 @@ calls of every step, restores them afterwards, and writes its JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from examples.engine.scheduler import Scheduler
 from kvcache import MetadataBuilder
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_bench() -> Any:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_scheduler", BENCH / "bench_scheduler.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_script import load_bench
 
 
 def test_timed_calls_time_each_call_and_restore_the_methods() -> None:
-    bench = load_bench()
+    bench = load_bench("bench_scheduler")
     originals = (Scheduler.schedule, Scheduler.finish_step, MetadataBuilder.plan)
     result = bench.measure(8)
     assert set(result) == {"schedule", "plan", "finish_step"} and all(v > 0 for v in result.values())
@@ -37,7 +23,7 @@ def test_timed_calls_time_each_call_and_restore_the_methods() -> None:
 
 
 def test_main_writes_one_row_per_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = load_bench()
+    bench = load_bench("bench_scheduler")
     out = tmp_path / "s.json"
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--rows", "4,6", "--out", str(out)])
     bench.main()

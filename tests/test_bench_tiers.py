@@ -4,30 +4,17 @@ writes the JSON. In float32 on CPU the three runs give the same tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_bench() -> object:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_tiers", BENCH / "bench_tiers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_script import load_bench
 
 
 def test_tiny_cpu_run_saves_prefill_with_the_same_tokens(tmp_path: Path) -> None:
-    module: Any = load_bench()
+    module: Any = load_bench("bench_tiers")
     out = tmp_path / "tiers.json"
     threads = torch.get_num_threads()
     try:
@@ -48,7 +35,7 @@ def test_damaged_disk_files_cost_no_wrong_token(tmp_path: Path) -> None:
     """A tiny host tier over a disk tier, every third block file damaged after it is written:
     the blocks read back from disk and the damaged ones recomputed, every turn's tokens equal the
     roomy run's."""
-    module: Any = load_bench()
+    module: Any = load_bench("bench_tiers")
     threads = torch.get_num_threads()
     try:
         doc = module.run(

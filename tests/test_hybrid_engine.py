@@ -277,16 +277,12 @@ def _gemma3_spec() -> Any:
 
 def test_the_serving_benchmark_runs_its_tiny_case(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     """benchmarks/bench_hybrid_serving.py on the CPU (its H200 figures come from the same code)."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hybrid_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_hybrid_serving", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [str(path), "--device", "cpu", "--tiny"])
+    from tests.bench_script import load_bench
+
+    module = load_bench("bench_hybrid_serving")
+    monkeypatch.setattr(sys, "argv", ["bench_hybrid_serving.py", "--device", "cpu", "--tiny"])
     module.main()
     out = capsys.readouterr().out
     assert "identical requests: 12 / 12" in out, out
