@@ -1,9 +1,10 @@
 """The example engine on random small runs: workloads of every kind, stop tokens, pools small
 enough to preempt (by recomputation or swap), prefix caching with and without a host tier,
-sliding-window and hybrid layouts, prompt-lookup drafts, budgets and batch limits. Each run is
-served twice, sequentially and overlapped: the tokens must be the same, every request must
-finish, and the manager must end empty and consistent. (A request whose stop token was applied
-while the scheduler made room for it once crashed only the overlapped loop.)"""
+sliding-window and hybrid layouts, a latent-attention (MLA) model, prompt-lookup drafts,
+budgets and batch limits. Each run is served twice, sequentially and overlapped: the tokens
+must be the same, every request must finish, and the manager must end empty and consistent.
+(A request whose stop token was applied while the scheduler made room for it once crashed only
+the overlapped loop.)"""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ from kvcache import KVCacheConfig, load_config
 VOCAB = 64
 
 
-def serve(seed: int, overlap: bool) -> tuple[list[list[int]], dict[str, object]]:
-    """One random run (the same for a seed); returns every request's output and the setting."""
+#: A tiny latent-attention (DeepSeek MLA) model section: one latent of 32 + 8 values per token.
+LATENT_MODEL = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 1, "head_dim": 24, "kv_lora_rank": 32,
+                "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}  # fmt: skip
+
+
+def serve(seed: int, overlap: bool, latent: bool = False) -> tuple[list[list[int]], dict[str, object]]:
+    """One random run (the same for a seed); returns every request's output and the setting.
+    ``latent``: the model is the latent-attention one (its cache one latent per token)."""
     torch.set_num_threads(1)
     rng = random.Random(seed)
     base = load_config("tiny-cpu")
@@ -38,8 +45,10 @@ def serve(seed: int, overlap: bool) -> tuple[list[list[int]], dict[str, object]]
         if layout == "hybrid":
             model_section["window_pattern"] = [True, False]
         preempt = "recompute"  # swap needs one table for every layer
+    if latent:
+        layout, model_section = "latent", {**base.model.model_dump(), **LATENT_MODEL}
     cache_section = {**base.cache.model_dump(), "num_blocks": num_blocks, "enable_prefix_caching": caching}
-    if caching and layout == "full" and rng.random() < 0.5:
+    if caching and layout in ("full", "latent") and rng.random() < 0.5:
         cache_section["host_cache_space"] = "64KiB"
     config = KVCacheConfig.model_validate(
         {**base.model_dump(), "model": model_section, "cache": cache_section}, strict=False
@@ -77,4 +86,11 @@ def serve(seed: int, overlap: bool) -> tuple[list[list[int]], dict[str, object]]
 def test_sequential_and_overlapped_runs_agree(seed: int) -> None:
     sequential, setting = serve(seed, overlap=False)
     overlapped, _ = serve(seed, overlap=True)
+    assert overlapped == sequential, setting
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_latent_attention_runs_agree(seed: int) -> None:
+    sequential, setting = serve(seed, overlap=False, latent=True)
+    overlapped, _ = serve(seed, overlap=True, latent=True)
     assert overlapped == sequential, setting
