@@ -26,6 +26,8 @@ from attention.capabilities import BackendInfo, backend_info
 from attention.checks import check_tensor, same_device
 from attention.dtypes import dtype_name, torch_dtype
 from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnsupportedSettingError
+from attention.kv_rotation import rotate as rotate_basis
+from attention.kv_rotation import rotate_back
 from attention.latent_prefill import LatentPrefill, latent_key_slots, reference_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
@@ -196,6 +198,8 @@ class AttentionBackend(ABC):
         shape = (meta.num_tokens, self.spec.num_kv_heads, self.spec.head_dim)
         check_tensor("key", key, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         check_tensor("value", value, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
+        if layer.rotation is not None:  # the cache holds K and V rotated (attention.kv_rotation)
+            key, value = rotate_basis(key, layer.rotation), rotate_basis(value, layer.rotation)
         self._write_kv(key, value, layer, plan)
 
     def attend(
@@ -233,7 +237,15 @@ class AttentionBackend(ABC):
             raise InvalidArgumentError(
                 "sinks: given, but the spec has no attention_sinks (AttentionSpec(attention_sinks=True))"
             )
-        return self._attend(query, layer, plan, out, sinks)
+        if layer.rotation is None:
+            return self._attend(query, layer, plan, out, sinks)
+        # K and V are stored rotated: so is the query (scores unchanged), and the output,
+        # a mix of rotated values, is rotated back.
+        rotated = self._attend(rotate_basis(query, layer.rotation), layer, plan, None, sinks)
+        result = rotate_back(rotated, layer.rotation)
+        if out is None:
+            return result
+        return out.copy_(result)
 
     def gather_latent_keys(self, layer: LayerCache, plan: StepPlan) -> torch.Tensor:
         """The latents of ``plan.latent_prefill``'s keys, [num_keys, latent_dim] in the compute
@@ -345,6 +357,13 @@ class AttentionBackend(ABC):
                 f"rotary: the table covers {rotary.max_positions} positions, but a row of this step reaches "
                 f"{longest}; build the table for the longest sequence the engine serves"
             )
+        if layer.rotation is not None:  # composed: the fused kernels store K/V unrotated
+            positions = meta.positions
+            rotation = layer.rotation
+            self._write_kv(
+                rotate_basis(rotate(key, positions, rotary), rotation), rotate_basis(value, rotation), layer, plan
+            )
+            return rotate(query, positions, rotary)
         return self._rotary_write_kv(query, key, value, layer, plan, rotary)
 
     # ---- warm-up -----------------------------------------------------------------------
@@ -409,7 +428,8 @@ class AttentionBackend(ABC):
         ks, vs = layer.k_scale, layer.v_scale
         scales = None if ks is None else (ks.data_ptr(), None if vs is None else vs.data_ptr())
         centre = None if layer.k_centre is None else layer.k_centre.data_ptr()
-        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales, centre)
+        rotation = None if layer.rotation is None else layer.rotation.data_ptr()
+        seen = (k.data_ptr(), layer.value.data_ptr(), k.shape, k.device, k.dtype, scales, centre, rotation)
         if seen not in self._accepted:
             self._check_layer(layer, meta)
             self._accepted.add(seen)
@@ -423,6 +443,23 @@ class AttentionBackend(ABC):
                 f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device"
             )
         return meta
+
+    def _check_rotation(self, layer: LayerCache, rotation: torch.Tensor, head_dim: int) -> None:
+        """A rotated cache (``LayerCache.rotation``): an fp32 [head_dim, head_dim] matrix on the
+        cache's device, not with key centring, not for a latent (MLA) cache (its latent is
+        read by the decompressed prefill too, which knows no rotation). That it is orthonormal
+        is checked where it is set (``kvcache.KVCacheTensors``), on the host: no device sync here."""
+        check_tensor(
+            "layer.rotation", rotation, shape=(head_dim, head_dim), dtype=torch.float32, device=layer.key.device
+        )
+        if self.spec.latent_attention:
+            raise UnsupportedSettingError(
+                "layer.rotation: a latent (MLA) cache is stored unrotated; pass a layer without a rotation"
+            )
+        if layer.k_centre is not None:
+            raise UnsupportedSettingError(
+                "layer.rotation: with key centring (layer.k_centre); keep one of them (kvcache refuses both)"
+            )
 
     def _check_key_centre(self, centre: torch.Tensor, kv_heads: int, head_dim: int, device: torch.device) -> None:
         """Key centring (``LayerCache.k_centre``) is exact only where a common shift of a
@@ -483,5 +520,7 @@ class AttentionBackend(ABC):
                 check_tensor(f"layer.{name}", scale, shape=(kvh,), dtype=torch.float32, device=layer.key.device)
         if layer.k_centre is not None:
             self._check_key_centre(layer.k_centre, kvh, d, layer.key.device)
+        if layer.rotation is not None:
+            self._check_rotation(layer, layer.rotation, d)
         if spec.window_layers is not None:
             spec.window_of(layer.index)  # raises for a layer index outside the pattern

@@ -26,6 +26,10 @@ class LayerCache:
                 None. It is never added back: it shifts all of a query's scores by the same
                 ``q . k_centre``, which the softmax ignores, while the rows left to quantize
                 are smaller. Refused with a score cap or attention sinks (not shift-invariant).
+    rotation:   fp32 [head_dim, head_dim] orthonormal, or None: the cache holds K and V
+                rotated, ``k @ rotation`` and ``v @ rotation`` (:mod:`attention.kv_rotation`);
+                ``write_kv`` rotates what it stores, ``attend`` rotates the query and its output
+                back, so callers pass and get unrotated tensors. Not with ``k_centre``.
     ``kvcache.KVCacheTensors.layer(i)`` builds these once per layer and hands the same objects
     out every step.
     """
@@ -36,6 +40,7 @@ class LayerCache:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     k_centre: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:

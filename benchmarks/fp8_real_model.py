@@ -18,7 +18,11 @@ Runs:
   written (:mod:`attention.token_scales`; nothing to calibrate);
 - ``int8-centred``: the same with keys stored less their mean per (layer, KV head, channel)
   over the first ``--calibration`` prompts prefilled into a bf16 cache
-  (:func:`examples.engine.calibration.calibrate_key_centres`).
+  (:func:`examples.engine.calibration.calibrate_key_centres`);
+- ``int8-hadamard``, ``fp8-calibrated-hadamard``: int8, and calibrated fp8, with K and V
+  stored in a rotated basis (``cache.kv_rotation: hadamard``, :mod:`attention.kv_rotation`).
+
+``--runs`` picks the 8-bit runs (default: all); fp32 and bf16 always run.
 
 Reported against the bf16 run: greedy token agreement (position by position), identical
 requests, first divergence; and teacher-forced (each fp8 run re-fed the bf16 run's tokens):
@@ -103,9 +107,17 @@ def make_prompts(tok: Any, count: int, seed: int) -> list[list[int]]:
     return out
 
 
-def config_for(model: Llama, compute: str, cache_dtype: str, num_blocks: int) -> KVCacheConfig:
+#: The 8-bit runs, in table order.
+RUNS = ("fp8-static", "fp8-calibrated", "fp8-calibrated-hadamard", "int8", "int8-centred", "int8-hadamard")
+
+
+def config_for(
+    model: Llama, compute: str, cache_dtype: str, num_blocks: int, rotation: str = "none"
+) -> KVCacheConfig:
     model_section = {**model.shape.model_section().model_dump(), "dtype": compute}
-    cache: dict[str, Any] = {"block_size": 32, "dtype": cache_dtype, "num_blocks": num_blocks, "device": "cpu"}
+    cache: dict[str, Any] = {
+        "block_size": 32, "dtype": cache_dtype, "num_blocks": num_blocks, "device": "cpu", "kv_rotation": rotation,
+    }  # fmt: skip
     if cache_dtype == "float8_e4m3":
         cache["kv_scale"] = 1.0
     return KVCacheConfig.model_validate(
@@ -189,8 +201,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--margin", type=float, default=1.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated 8-bit runs, of {', '.join(RUNS)}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    wanted = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in wanted if r not in RUNS]
+    if unknown or not wanted:
+        p.error(f"--runs: {args.runs!r}; give some of {', '.join(RUNS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = find_gguf(args.gguf)
@@ -207,23 +224,27 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     )
     runs["bf16"] = serve(bf16, config_for(bf16, "bfloat16", "bfloat16", blocks), prompts, args.new_tokens)
     ref = runs["bf16"]
-    fp8 = config_for(bf16, "bfloat16", "float8_e4m3", blocks)
     calib = (prompts[: args.calibration], args.margin)
-    runs["fp8-static"] = serve(bf16, fp8, prompts, args.new_tokens, keep_logits=False)
-    runs["fp8-calibrated"] = serve(bf16, fp8, prompts, args.new_tokens, calibrate=calib, keep_logits=False)
-    int8 = config_for(bf16, "bfloat16", "int8", blocks)
-    runs["int8"] = serve(bf16, int8, prompts, args.new_tokens, keep_logits=False)
     centre_on = prompts[: args.calibration]
-    runs["int8-centred"] = serve(bf16, int8, prompts, args.new_tokens, centre_on=centre_on, keep_logits=False)
-    forced = {
-        "int8": serve(bf16, int8, prompts, args.new_tokens, forced=ref["tokens"]),
-        "int8-centred": serve(bf16, int8, prompts, args.new_tokens, forced=ref["tokens"], centre_on=centre_on),
-        "fp8-static": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"]),
-        "fp8-calibrated": serve(bf16, fp8, prompts, args.new_tokens, forced=ref["tokens"], calibrate=calib),
-        "fp32": serve(
-            fp32, config_for(fp32, "float32", "float32", blocks), prompts, args.new_tokens, forced=ref["tokens"]
+    # Each 8-bit run: its config and how it is prepared (calibrated scales, key centres).
+    setups: dict[str, tuple[KVCacheConfig, dict[str, Any]]] = {
+        "fp8-static": (config_for(bf16, "bfloat16", "float8_e4m3", blocks), {}),
+        "fp8-calibrated": (config_for(bf16, "bfloat16", "float8_e4m3", blocks), {"calibrate": calib}),
+        "fp8-calibrated-hadamard": (
+            config_for(bf16, "bfloat16", "float8_e4m3", blocks, "hadamard"), {"calibrate": calib}
         ),
+        "int8": (config_for(bf16, "bfloat16", "int8", blocks), {}),
+        "int8-centred": (config_for(bf16, "bfloat16", "int8", blocks), {"centre_on": centre_on}),
+        "int8-hadamard": (config_for(bf16, "bfloat16", "int8", blocks, "hadamard"), {}),
     }
+    forced: dict[str, Any] = {}
+    for name in (r for r in RUNS if r in wanted):
+        config, prepare = setups[name]
+        runs[name] = serve(bf16, config, prompts, args.new_tokens, keep_logits=False, **prepare)
+        forced[name] = serve(bf16, config, prompts, args.new_tokens, forced=ref["tokens"], **prepare)
+    forced["fp32"] = serve(
+        fp32, config_for(fp32, "float32", "float32", blocks), prompts, args.new_tokens, forced=ref["tokens"]
+    )
     results: dict[str, Any] = {}
     for name, r in runs.items():
         row: dict[str, Any] = {"seconds": r["seconds"]}

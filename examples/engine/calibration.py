@@ -2,7 +2,8 @@
 
 The calibration prompts are prefilled once into a zero-filled cache in the model's compute
 dtype (bf16 or fp32), through the same backend. For an fp8 cache the largest K and V magnitude
-per layer and KV head, times a margin, becomes that layer's and head's scale; for an int8
+per layer and KV head (of the rotated K/V when the cache stores them rotated, ``cache.kv_rotation``),
+times a margin, becomes that layer's and head's scale; for an int8
 cache the mean key per layer, KV head and channel becomes its key centre. Either is fixed from
 then on.
 """
@@ -38,7 +39,7 @@ def calibrate_kv_scales(
     ``fp8_cache``'s per-layer, per-head scales from what was written, and return them
     (``[num_layers, 2, num_kv_heads]``). Raises ValueError for no prompts."""
     scratch = _calibration_prefill(model, config, fp8_cache.device, prompts, backend)
-    scales = scales_from_cache(scratch, margin)
+    scales = scales_from_cache(scratch, margin, rotation=fp8_cache.rotation)
     apply_scales(fp8_cache, scales)
     return scales
 
@@ -59,6 +60,8 @@ def calibrate_key_centres(
     (before any prefill)."""
     if int8_cache.dtype != torch.int8:
         raise InvalidArgumentError(f"int8_cache: a {int8_cache.dtype} cache; key centring is built for the int8 cache")
+    if int8_cache.rotation is not None:
+        raise InvalidArgumentError("int8_cache: stores K and V rotated (cache.kv_rotation); keep one of the two")
     scratch = _calibration_prefill(model, config, int8_cache.device, prompts, backend)
     centres = key_centres_from_cache(scratch)
     int8_cache.set_key_centres(centres)
@@ -76,7 +79,8 @@ def _calibration_prefill(
     blocks = sum(-(-(len(p) + 1) // bs) for p in prompts) + 2
     section = {**config.cache.model_dump(), "dtype": compute, "num_blocks": blocks, "memory_budget": None}
     section.update(
-        enable_prefix_caching=False, host_cache_space=0, swap_space=0, disk_cache_space=0, disk_cache_dir=None
+        enable_prefix_caching=False, host_cache_space=0, swap_space=0, disk_cache_space=0, disk_cache_dir=None,
+        kv_rotation="none",  # the scratch cache holds K/V as computed; scales see them rotated
     )
     scratch = KVCacheConfig.model_validate({**config.model_dump(), "cache": section}, strict=False)
     engine = engine_for(scratch, model.shape, device=device, backend=backend, fill=0.0)

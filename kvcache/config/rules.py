@@ -70,6 +70,7 @@ def cross_field_problems(values: Values) -> list[ConfigProblem]:
         _one_size,
         _compute_dtype_given,
         _scale_fits_the_dtype,
+        _kv_rotation,
         _window_pattern,
         _latent_attention,
         _backend_supports,
@@ -213,6 +214,41 @@ def _scale_fits_the_dtype(values: Values) -> list[ConfigProblem]:
             "writes; remove kv_scale",
         )
     ]
+
+
+def _kv_rotation(values: Values) -> list[ConfigProblem]:
+    """cache.kv_rotation rotates what an 8-bit cache quantizes: for a 16- or 32-bit cache it
+    would only cost time; Sylvester's Hadamard matrix needs a power-of-two head_dim; a latent
+    cache is read unrotated by the decompressed prefill."""
+    if values.get("cache.kv_rotation") != "hadamard":
+        return []
+    found = []
+    cache_dtype = _name(values, "cache.dtype", DTYPES)
+    if cache_dtype is not None and not DTYPES[cache_dtype].cache_only:
+        found.append(
+            ConfigProblem(
+                "cache.kv_rotation",
+                f"hadamard with cache.dtype {cache_dtype}: the rotation helps an 8-bit cache's quantization "
+                "(int8, float8_e4m3) and would only cost time here; remove kv_rotation",
+            )
+        )
+    head_dim = _count(values, "model.head_dim", 1, MAX_LATENT)
+    if head_dim is not None and head_dim & (head_dim - 1):
+        found.append(
+            ConfigProblem(
+                "cache.kv_rotation",
+                f"hadamard needs a power-of-two model.head_dim, got {head_dim}; remove kv_rotation",
+            )
+        )
+    if values.get("model.kv_lora_rank") is not None:
+        found.append(
+            ConfigProblem(
+                "cache.kv_rotation",
+                "is not supported with latent attention (the latent is read unrotated by the decompressed "
+                "prefill); remove it",
+            )
+        )
+    return found
 
 
 def _preferred_compute() -> list[str]:

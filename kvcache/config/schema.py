@@ -284,6 +284,13 @@ class CacheSection(BaseModel):
     starts with (a stored value times the scale is the real K/V; float8_e4m3 holds up to 448
     times it). Per-layer, per-head scales can be set later with KVCacheTensors.set_scales."""
 
+    kv_rotation: Literal["none", "hadamard"] = "none"
+    """For an 8-bit cache (int8, float8_e4m3): store K and V in a rotated basis (hadamard:
+    QuaRot's randomized Hadamard rotation of the head dimension, which needs a power-of-two
+    head_dim), so a key's few large channels no longer set every channel's step; attention
+    rotates the query alike and its output back, so results are unchanged but for rounding.
+    Not with a latent (MLA) cache."""
+
     @field_validator("block_size")
     @classmethod
     def _block_size_rule(cls, value: int) -> int:

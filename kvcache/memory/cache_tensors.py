@@ -27,6 +27,7 @@ import torch
 from attention.checks import require_int
 from attention.dtypes import dtype_info, torch_dtype
 from attention.errors import ArgumentTypeError, CacheAllocationError, InvalidArgumentError
+from attention.kv_rotation import hadamard_rotation
 from attention.layer_cache import LayerCache
 from attention.token_scales import layer_views
 from attention.value_layout import token_major_view, uses_token_major_values
@@ -121,6 +122,9 @@ class KVCacheTensors:
              tokens); None: ``storage.shape[3]``.
     key_centres: an int8 cache's key centring, fp32 [num_layers, num_kv_heads, head_dim]
              (:meth:`set_key_centres`), or None.
+    rotation: fp32 [head_dim, head_dim] orthonormal, or None: every layer stores its K and V
+             rotated by it (:mod:`attention.kv_rotation`, ``cache.kv_rotation: hadamard``);
+             not with key centres, not for a latent cache. Moved to the cache's device.
     ``layer(i)`` hands out the same :class:`~attention.LayerCache` object every time (until
     :meth:`set_key_centres` replaces them).
     """
@@ -130,6 +134,7 @@ class KVCacheTensors:
     layout: KVGroupLayout | None = None
     tokens_per_block: int | None = None
     key_centres: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
     _layers: list[LayerCache] = field(init=False, repr=False)
     _groups: list[int] = field(init=False, repr=False)
 
@@ -148,10 +153,13 @@ class KVCacheTensors:
         if s is not None and s.shape[0] != len(places):
             raise InvalidArgumentError(f"scales: {s.shape[0]} layers of scales for a model of {len(places)} layers")
         self._groups = [group for group, _ in places]
+        self._check_rotation()
         two_parts = self.storage.shape[1] == 2
         token_major = two_parts and uses_token_major_values(self.storage.dtype)
         if self.storage.dtype == torch.int8:
-            self._layers = [self._int8_layer(i, t) for i, (_, t) in enumerate(places)]
+            self._layers = [
+                replace(self._int8_layer(i, t), rotation=self.rotation) for i, (_, t) in enumerate(places)
+            ]
             if self.key_centres is not None:
                 centres, self.key_centres = self.key_centres, None
                 self.set_key_centres(centres)
@@ -167,9 +175,33 @@ class KVCacheTensors:
                 k_scale=None if s is None else s[i, 0],
                 # A latent cache's K and V views are one tensor: they share the K scale.
                 v_scale=None if s is None else s[i, 1 if self.storage.shape[1] == 2 else 0],
+                rotation=self.rotation,
             )
             for i, (_, t) in enumerate(places)
         ]
+
+    def _check_rotation(self) -> None:
+        """``rotation``: fp32-convertible [head_dim, head_dim], finite and orthonormal (checked
+        on the host, once), for a cache of K and V parts without key centres."""
+        if self.rotation is None:
+            return
+        d = int(self.storage.shape[-1])
+        r = self.rotation
+        if not isinstance(r, torch.Tensor) or tuple(r.shape) != (d, d) or not r.is_floating_point():
+            got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+            raise InvalidArgumentError(f"rotation: expected a floating-point [{d}, {d}] tensor, got {got}")
+        if self.storage.shape[1] != 2:
+            raise InvalidArgumentError("rotation: a latent (MLA) cache is stored unrotated; allocate it without one")
+        if self.key_centres is not None:
+            raise InvalidArgumentError("rotation: not with key_centres; keep one of them")
+        host = r.detach().to("cpu", torch.float64)
+        identity = torch.eye(d, dtype=torch.float64)
+        if not bool(torch.isfinite(host).all()) or not torch.allclose(host @ host.T, identity, atol=1e-5):
+            raise InvalidArgumentError(
+                "rotation: not orthonormal (rotation @ rotation.T is not the identity); use "
+                "attention.kv_rotation.hadamard_rotation"
+            )
+        self.rotation = r.detach().to(device=self.storage.device, dtype=torch.float32).contiguous()
 
     def _int8_layer(self, index: int, tensor: int) -> LayerCache:
         """Model layer ``index``'s views of an int8 cache's tensor ``tensor``: values and
@@ -271,6 +303,10 @@ class KVCacheTensors:
         if self.dtype != torch.int8:
             raise InvalidArgumentError(
                 f"set_key_centres: this cache is {self.dtype}; key centring is built for the int8 cache"
+            )
+        if self.rotation is not None:
+            raise InvalidArgumentError(
+                "set_key_centres: this cache stores K and V rotated (cache.kv_rotation); keep one of the two"
             )
         head = self._layers[0].key.shape[2:]
         want = [self.num_layers, *head]
@@ -384,7 +420,8 @@ def allocate_kv_cache(
     if info.cache_only and not info.token_scales:
         scales = torch.full((m.num_layers, 2, kv_heads), config.cache.kv_scale, dtype=torch.float32, device=dev)
     tokens = config.cache.block_size if info.token_scales else None
-    return KVCacheTensors(storage, scales, layout, tokens)
+    rotation = hadamard_rotation(m.head_dim) if config.cache.kv_rotation == "hadamard" else None
+    return KVCacheTensors(storage, scales, layout, tokens, rotation=rotation)
 
 
 def _too_big(blocks: int, per_block: int, free: int, device: torch.device) -> CacheAllocationError:

@@ -26,14 +26,18 @@ from kvcache.memory.cache_tensors import KVCacheTensors
 __all__ = ["apply_scales", "key_centres_from_cache", "scales_from_cache"]
 
 
-def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6) -> torch.Tensor:
+def scales_from_cache(
+    cache: KVCacheTensors, margin: float = 1.25, floor: float = 1e-6, rotation: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 ``[num_layers, 2, num_kv_heads]`` dequantization scales: per layer, K (0) and V
     (1), each KV head's largest magnitude in ``cache`` times ``margin``, over 448 (a latent
     cache's one tensor gives K and V the same scale; with KV groups, a layer takes the largest
     over the layer tensor it shares with one layer of each other group). ``cache``
     holds the calibration K/V in a 16- or 32-bit dtype; slots never written must hold zeros
-    (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. Raises
-    InvalidArgumentError for an fp8 cache, a margin below 1 or a non-finite value."""
+    (allocate it with ``fill=0``). Heads that saw nothing get ``floor``. ``rotation``: the fp8
+    cache stores K and V rotated by it (``KVCacheTensors.rotation``): the magnitudes are those
+    of the rotated K/V. Raises InvalidArgumentError for an fp8 cache, a margin below 1 or a
+    non-finite value."""
     if cache.scales is not None or cache.dtype.itemsize == 1:
         raise InvalidArgumentError(
             f"cache: {cache.dtype}; calibrate from a 16- or 32-bit cache, not an 8-bit one (an int8 cache "
@@ -42,6 +46,8 @@ def scales_from_cache(cache: KVCacheTensors, margin: float = 1.25, floor: float 
     if not (isinstance(margin, (int, float)) and 1.0 <= margin <= 1e3):
         raise InvalidArgumentError(f"margin: {margin!r} must be a number in [1, 1000]")
     storage = cache.storage  # [tensors, 2, blocks, block_size, kv_heads, head_dim]
+    if rotation is not None:
+        storage = storage.float() @ rotation.to(storage.device, torch.float32)
     amax = storage.abs().amax(dim=(2, 3, 5)).float()  # [tensors, 2, kv_heads]
     if amax.shape[1] == 1:  # a latent cache (MLA): K and V are one tensor with one scale
         amax = amax.expand(-1, 2, -1).contiguous()
