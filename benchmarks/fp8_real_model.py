@@ -275,13 +275,13 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'run':15} {'tokens = bf16':>14} {'same requests':>14} {'diverge <2':>11} {'TF top-1':>9} {'TF mean KL':>11}"
+        f"{'run':24} {'tokens = bf16':>14} {'same requests':>14} {'diverge <2':>11} {'TF top-1':>9} {'TF mean KL':>11}"
     ]
     for name, r in results.items():
         g = r.get("greedy_vs_bf16")
         f = r.get("teacher_forced_vs_bf16")
         lines.append(
-            f"{name:15} {'-' if g is None else format(g['token_agreement'], '.1%'):>14} "
+            f"{name:24} {'-' if g is None else format(g['token_agreement'], '.1%'):>14} "
             f"{'-' if g is None else str(g['identical_requests']) + '/' + str(g['requests']):>14} "
             f"{'-' if g is None else str(g['diverge_by_token_2']):>11} "
             f"{'-' if f is None else format(f['top1_agreement'], '.2%'):>9} "
