@@ -67,6 +67,12 @@ def test_plan_shows_what_a_scaled_caches_scales_cost(
     out = capsys.readouterr().out
     for w in words:
         assert w in out, (w, out)
+    assert "rotated" not in out
+    # The same cache with K and V rotated: the same bytes, and the plan says so.
+    config.write_text(config.read_text().replace(f"dtype: {dtype}", f"dtype: {dtype}\n  kv_rotation: hadamard"))
+    assert main(["plan", str(config), "--memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert all(w in out for w in words) and "K and V stored rotated (cache.kv_rotation: hadamard)" in out, out
 
 
 def test_plan_needs_memory_for_a_fractional_budget(capsys: pytest.CaptureFixture[str]) -> None:

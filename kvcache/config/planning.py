@@ -267,20 +267,22 @@ def plan_capacity(
 def _scales_line(config: KVCacheConfig, tp: TensorParallel) -> str:
     """What a scaled cache's scales cost: int8 keeps an fp16 scale per token and KV head in
     its blocks (counted in the bytes per token above); fp8 one fp32 scale per layer and KV head
-    beside the cache."""
+    beside the cache. Says so when K and V are stored rotated (no bytes: the rotation is one
+    head_dim x head_dim matrix for the whole cache)."""
     info = DTYPES[config.cache.dtype]
     if not info.cache_only:
         return ""
     m = config.model
+    rotated = "; K and V stored rotated (cache.kv_rotation: hadamard)" if config.cache.kv_rotation != "none" else ""
     if info.token_scales:
         per_token = config.bytes_per_token_per_rank(tp)
         values = 2 * m.num_layers * config.kv_heads_per_rank(tp) * m.head_dim
         return (
             f"fp16 per token and KV head, in the blocks (padded to whole rows): {per_token - values:,} of the "
-            f"{per_token:,} bytes per token"
+            f"{per_token:,} bytes per token{rotated}"
         )
     heads = 1 if m.latent_dim is not None else config.kv_heads_per_rank(tp)
-    return f"fp32 per layer and KV head, beside the blocks: {2 * m.num_layers * heads * 4:,} bytes in all"
+    return f"fp32 per layer and KV head, beside the blocks: {2 * m.num_layers * heads * 4:,} bytes in all{rotated}"
 
 
 def _hybrid_groups(config: KVCacheConfig) -> KVGroupLayout | None:
