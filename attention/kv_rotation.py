@@ -14,6 +14,9 @@ prompts x 64 tokens, ``benchmarks/results/kv-quant-hadamard-2026-12-05.json``), 
 next-token distributions against the bf16 cache: int8 per token 2.78e-3, with keys centred
 2.41e-3, rotated 2.05e-3 (fp32 compute's own 1.10e-3); fp8 with static per-head scales 8.91e-3,
 rotated 7.70e-3. fp8 with per-token scales gains nothing (its error is relative per element).
+Centring the keys as well adds nothing to speak of (2.02e-3, a paired difference of -3.8e-5,
+95% CI [-1.5e-4, 1.0e-4]: ``kv-quant-hadamard-centred-2026-12-05.json``), so a cache takes one
+or the other.
 
 Applied around the backends' kernels (:class:`attention.base.AttentionBackend`): three small
 matrix products per layer and step, in float32.

@@ -133,6 +133,7 @@ PAIRS = [
     ("h fp8e4m3 per-token, Hadamard K and V (fp16 scale)", per_token("b", "fp16")),
     ("h fp8e4m3 static/(layer,head), Hadamard K and V", A),
     ("h int8 per-token, Hadamard K and V (fp16 scale)", per_token("d", "fp16")),
+    ("h int8 per-token, Hadamard K and V, K centred (fp16 scale)", "h int8 per-token, Hadamard K and V (fp16 scale)"),
     ("h fp8e4m3 per-token, Hadamard K and V (fp16 scale)", NOISE_FLOOR),
 ]
 #: Paired KL differences (A - B) with the schemes in fp32 compute, against the fp32 model.
@@ -506,8 +507,8 @@ def _int4_schemes(calib: Calibration, clips: dict[str, ClipCount]) -> dict[str, 
 
 def _rotated_schemes(calib: Calibration, keys_values: tuple[PerLayer, PerLayer], margin: float) -> dict[str, Scheme]:
     """h: fp8 e4m3 and int8 in a randomized Hadamard basis (:func:`hadamard`), per token (fp16
-    scales) on K and V or on K alone, and fp8 with static per-(layer, KV head) scales
-    calibrated on the rotated calibration K/V."""
+    scales) on K and V or on K alone, int8 with K also centred (the calibrated mean, rotated),
+    and fp8 with static per-(layer, KV head) scales calibrated on the rotated calibration K/V."""
     d = calib.head_dim
     r = hadamard(d)
     n2, n = _nbytes("e4m3", d, 2), _nbytes("e4m3", d)
@@ -519,6 +520,9 @@ def _rotated_schemes(calib: Calibration, keys_values: tuple[PerLayer, PerLayer],
         "h fp8e4m3 per-token, Hadamard K and V (fp16 scale)": Scheme(rotated(fp8_tok, r), rotated(fp8_tok, r), n2, n2),
         "h fp8e4m3 per-token, Hadamard K only (fp16 scale)": Scheme(rotated(fp8_tok, r), fp8_tok, n2, n2),
         "h int8 per-token, Hadamard K and V (fp16 scale)": Scheme(rotated(int8_tok, r), rotated(int8_tok, r), n2, n2),
+        "h int8 per-token, Hadamard K and V, K centred (fp16 scale)": Scheme(
+            rotated(_token("int8", torch.float16, [m @ r for m in calib.mu]), r), rotated(int8_tok, r), n2, n2, calib.mu
+        ),
         "h fp8e4m3 static/(layer,head), Hadamard K and V": Scheme(
             rotated(make_q("e4m3", "static", static=k_static), r),
             rotated(make_q("e4m3", "static", static=v_static), r),
