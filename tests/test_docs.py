@@ -105,6 +105,8 @@ BAD_CONFIGS = {
     "cache:\n  block_sise: 32\n  dtype: bf16\n  memory_budget: 1.5\nattention:\n  backend: flash-attn\n",
     "fp8.yaml": "model:\n  num_layers: 32\n  num_heads: 32\n  num_kv_heads: 8\n  head_dim: 128\n"
     "  window_pattern: [true, false]\ncache:\n  block_size: 32\n  dtype: float8_e4m3\n",
+    "int8.yaml": "model:\n  num_layers: 32\n  num_heads: 32\n  num_kv_heads: 8\n  head_dim: 96\n  dtype: bfloat16\n"
+    "cache:\n  kv_rotation: hadamard\n  block_size: 32\n  dtype: int8\n  memory_budget: 0.9\n",
 }
 
 
