@@ -41,6 +41,8 @@ Cold start: our first prefill step before any warm-up vs after it, and the warm-
 ``kvcache`` allocates it; compute stays bf16), ``--kv-cache-dtype int8`` from an int8 cache
 with a scale per token and head: with ``--profile``, the attention class of the
 per-iteration breakdown against a bf16 run gives the end-to-end attention time they buy.
+``--kv-rotation hadamard`` stores that cache's K and V rotated (``cache.kv_rotation``): against
+the same run without it, what the rotation around the kernels costs.
 
 Every part runs in its own try/except: a failure is recorded under ``errors`` in the JSON and
 the rest still runs. A table is printed last; the JSON goes to ``--out``.
@@ -154,6 +156,7 @@ class Settings:
     profile: bool
     workloads: tuple[str, ...]
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
+    kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
 
     @property
     def cache_dtype(self) -> str:
@@ -195,6 +198,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         profile=on_cuda if args.profile is None else args.profile,
         workloads=tuple(args.workloads.split(",")),
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_rotation=args.kv_rotation,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -462,7 +466,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     num_blocks = max(sum(cdiv(p, bs) for p in v) for v in peaks.values()) + 2 * cdiv(longest, bs) + 8
     config = cache_config_for(
         shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
-        compute_dtype=s.dtype if s.kv_cache_dtype else None,
+        compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
     engine = engine_for(config, shape)
     capacity = StepCapacity(
@@ -476,6 +480,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     out: dict[str, Any] = {
         "backend": engine.backend.name,
         "cache_dtype": s.cache_dtype,
+        "kv_rotation": s.kv_rotation,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1031,6 +1036,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("float8_e4m3", "int8"),
         help="our engine's KV cache in fp8 (unit scales) or int8 (per-token scales); compute stays in the model dtype",
     )
+    p.add_argument(
+        "--kv-rotation",
+        choices=("none", "hadamard"),
+        default="none",
+        help="with --kv-cache-dtype: store K and V rotated (cache.kv_rotation)",
+    )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
@@ -1050,7 +1061,10 @@ PROFILE_WINDOWS = {"burst": (24, 30), "poisson": (160, 30)}
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (also printed as a table and written)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.kv_rotation != "none" and args.kv_cache_dtype is None:
+        parser.error("--kv-rotation: rotates an 8-bit cache's K and V; give --kv-cache-dtype int8 or float8_e4m3")
     s = settings_from(args)
     if s.tiny and not s.on_cuda:
         # Tiny matrices: with several OpenMP threads each CPU GEMM pays a thread wake-up

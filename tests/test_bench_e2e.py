@@ -76,22 +76,31 @@ def test_transformers_gets_the_paged_attention_name_its_version_takes() -> None:
     assert name("sdpa", "5.25.0") == "sdpa"
 
 
-@pytest.mark.parametrize(("cache_dtype", "scale_bytes"), [("float8_e4m3", 0), ("int8", 2)])
-def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int) -> None:
+@pytest.mark.parametrize(
+    ("cache_dtype", "scale_bytes", "rotation"),
+    [("float8_e4m3", 0, "none"), ("int8", 2, "none"), ("int8", 2, "hadamard")],
+)
+def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int, rotation: str) -> None:
     """``--kv-cache-dtype float8_e4m3`` / ``int8``: our engine serves from an 8-bit cache
     (compute stays in the model dtype) and the roofline counts one byte per cached value, plus
-    int8's fp16 scale per token and KV head."""
+    int8's fp16 scale per token and KV head; ``--kv-rotation hadamard`` stores it rotated."""
     threads = torch.get_num_threads()
     try:
         args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst"]
-        doc = _bench().run([*args, "--kv-cache-dtype", cache_dtype])
+        doc = _bench().run([*args, "--kv-cache-dtype", cache_dtype, "--kv-rotation", rotation])
     finally:
         torch.set_num_threads(threads)
     results, errors = doc["results"], doc["errors"]
     assert not any(name.startswith(("ours", "model")) for name in errors), errors
     assert results["ours_engine"]["cache_dtype"] == cache_dtype
+    assert results["ours_engine"]["kv_rotation"] == rotation
     burst = results["workloads"]["burst"]
     assert burst["ours"]["generated_tokens"] == burst["workload"]["requests"] * burst["workload"]["new_tokens"]
     shape = results["model"]["shape"]
     per_head = shape["head_dim"] + scale_bytes
     assert burst["ours"]["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * per_head
+
+
+def test_kv_rotation_needs_an_8bit_cache() -> None:
+    with pytest.raises(SystemExit):
+        _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])

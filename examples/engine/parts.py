@@ -85,10 +85,12 @@ def cache_config_for(
     compute_dtype: str | None = None,
     disk_cache_dir: str | None = None,
     disk_cache_space: int | str = 0,
+    kv_rotation: str = "none",
 ) -> KVCacheConfig:
     """A validated cache config whose ``model`` section is ``shape``'s (give ``num_blocks``
     or ``memory_budget``); ``compute_dtype`` is ``model.dtype`` (required for an fp8
-    ``dtype``). Raises pydantic's ValidationError naming the field."""
+    ``dtype``); ``kv_rotation``: ``cache.kv_rotation``. Raises pydantic's ValidationError
+    naming the field."""
     cache: dict[str, object] = {
         "block_size": block_size,
         "dtype": dtype,
@@ -98,6 +100,7 @@ def cache_config_for(
         "host_cache_space": host_cache_space,
         "disk_cache_space": disk_cache_space,
         "disk_cache_dir": disk_cache_dir,
+        "kv_rotation": kv_rotation,
     }
     if num_blocks is not None:
         cache["num_blocks"] = num_blocks
