@@ -442,6 +442,30 @@ def test_detach_swapped_reserves_the_id_until_attach_or_drop() -> None:
     m.check_integrity()
 
 
+def test_detach_with_a_hold_keeps_the_blocks_until_released() -> None:
+    """What an asynchronous swap-out does: its partly filled last block is held too (nothing
+    appends to a detached sequence), every block stays allocated until released; blocks a
+    fork shares stay with the fork."""
+    m = BlockManager(8, BS)
+    m.allocate("a", 2 * BS + 1)  # three blocks, the last partly filled
+    blocks = m.block_table("a")
+    with pytest.raises(InvalidArgumentError, match="partly filled last block of sequence 'a'"):
+        m.hold(blocks)  # running, it may still append into its last block
+    m.detach("a", swapped=True, hold=True)
+    assert m.num_free_blocks == 5 and "a" not in m
+    m.check_integrity()
+    m.release(blocks)
+    assert m.num_free_blocks == 8
+    m.check_integrity()
+    m.allocate("p", 2 * BS)
+    m.fork("p", "child")  # shares p's two full blocks
+    shared = m.block_table("p")
+    m.detach("p", swapped=True, hold=True)
+    m.release(shared)
+    assert m.block_table("child") == shared and m.num_free_blocks == 6
+    m.check_integrity()
+
+
 # ---- swap space construction ------------------------------------------------------------
 
 

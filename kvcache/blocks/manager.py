@@ -308,13 +308,23 @@ class BlockManager(SequenceTable):
         if reason == "preempted":
             self.preemptions["recompute"] += 1
 
-    def detach(self, seq_id: Hashable, *, swapped: bool = False, holder: object | None = None) -> SequenceBlocks:
+    def detach(
+        self, seq_id: Hashable, *, swapped: bool = False, holder: object | None = None, hold: bool = False
+    ) -> SequenceBlocks:
         """Remove ``seq_id`` and release its blocks, returning its record (with the block ids
         it held) so that :meth:`attach` can bring it back later. ``swapped``: its K/V was
         copied out (a swap preemption, counted); the id stays reserved until :meth:`attach`
         or :meth:`drop_swapped`. ``holder``: the swap space holding that K/V (a SwapSpace
-        passes itself), which alone may drop the id."""
+        passes itself), which alone may drop the id. ``hold``: keep its blocks allocated
+        under a hold (:meth:`release` them later), e.g. while an asynchronous copy still
+        reads them; its partly filled last block may be held, since nothing appends to a
+        detached sequence. Raises InvalidArgumentError (nothing changed) when another running
+        sequence still appends into one of them."""
         seq = self.sequence(seq_id)
+        if hold:
+            real = [b for b in seq.blocks if b != PAD_BLOCK]
+            others = {b: s for b, s in self._partial_last_blocks().items() if s != seq_id}
+            self.holds.hold(real, lambda: others)
         del self._seqs[seq_id]
         self._release_blocks(seq.blocks)
         if swapped:

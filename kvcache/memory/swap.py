@@ -103,8 +103,19 @@ class SwapSpace:
         if not self.allocator.can_allocate(len(device_blocks)):
             raise OutOfBlocksError(len(device_blocks), self.allocator.num_free, f"swap out {seq_id!r} (host pool)")
         host_blocks = self.allocator.allocate(len(device_blocks))
-        self._copy_to_host(device_blocks, host_blocks)
-        self.manager.detach(seq_id, swapped=True, holder=self)
+        asynchronous = self._stream is not None
+        try:
+            if not asynchronous:
+                self._copy_to_host(device_blocks, host_blocks)
+            # Asynchronous: the device blocks stay allocated under a hold until the copy,
+            # queued below, has read them (see poll()); nothing appends to a detached sequence.
+            self.manager.detach(seq_id, swapped=True, holder=self, hold=asynchronous)
+        except BaseException:
+            self.allocator.release(host_blocks)
+            raise
+        done = self._copy_to_host(device_blocks, host_blocks) if asynchronous else None
+        if done is not None:
+            self._in_flight.append((done, device_blocks))
         self._swapped[seq_id] = _Swapped(record, host_blocks)
         self.swapped_out_blocks += len(device_blocks)
         return list(zip(device_blocks, host_blocks, strict=True))
@@ -168,11 +179,13 @@ class SwapSpace:
                 raise SequenceExistsError(seq_id) from None
             raise UnknownSequenceError(seq_id) from None
 
-    def _copy_to_host(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+    def _copy_to_host(self, device_blocks: list[int], host_blocks: list[int]) -> torch.cuda.Event | None:
+        """Copy the blocks out: at once without a copy stream (None), else queued on it after
+        the compute stream's work, returning the event that marks its end."""
         storage = self.cache.storage
         if self._stream is None:
             self.host[host_blocks] = storage[:, :, device_blocks].movedim(2, 0)
-            return
+            return None
         compute = torch.cuda.current_stream(storage.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
@@ -182,9 +195,7 @@ class SwapSpace:
                 self.host[h].copy_(gathered[i], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        # Keep the device blocks allocated until the copy has read them (see poll()).
-        self.manager.hold(device_blocks)
-        self._in_flight.append((done, device_blocks))
+        return done
 
     def _copy_to_device(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         storage = self.cache.storage
