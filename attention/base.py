@@ -122,6 +122,8 @@ class AttentionBackend(ABC):
         self.latent_prefill_min_tokens: int | None = LATENT_PREFILL_MIN_TOKENS if spec.latent_attention else None
         #: The last plan whose decompressed keys' slots were found, and those slots.
         self._latent_slots: tuple[StepPlan, torch.Tensor] | None = None
+        #: Rotated caches' matrices in the compute dtype, by the fp32 matrix's address (kept).
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def info(self) -> BackendInfo:
@@ -199,7 +201,8 @@ class AttentionBackend(ABC):
         check_tensor("key", key, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         check_tensor("value", value, shape=shape, dtype=self.compute_dtype, device=layer.key.device)
         if layer.rotation is not None:  # the cache holds K and V rotated (attention.kv_rotation)
-            key, value = rotate_basis(key, layer.rotation), rotate_basis(value, layer.rotation)
+            rotation = self._rotation_of(layer.rotation)
+            key, value = rotate_basis(key, rotation), rotate_basis(value, rotation)
         self._write_kv(key, value, layer, plan)
 
     def attend(
@@ -241,8 +244,9 @@ class AttentionBackend(ABC):
             return self._attend(query, layer, plan, out, sinks)
         # K and V are stored rotated: so is the query (scores unchanged), and the output,
         # a mix of rotated values, is rotated back.
-        rotated = self._attend(rotate_basis(query, layer.rotation), layer, plan, None, sinks)
-        result = rotate_back(rotated, layer.rotation)
+        rotation = self._rotation_of(layer.rotation)
+        rotated = self._attend(rotate_basis(query, rotation), layer, plan, None, sinks)
+        result = rotate_back(rotated, rotation)
         if out is None:
             return result
         return out.copy_(result)
@@ -359,7 +363,7 @@ class AttentionBackend(ABC):
             )
         if layer.rotation is not None:  # composed: the fused kernels store K/V unrotated
             positions = meta.positions
-            rotation = layer.rotation
+            rotation = self._rotation_of(layer.rotation)
             self._write_kv(
                 rotate_basis(rotate(key, positions, rotary), rotation), rotate_basis(value, rotation), layer, plan
             )
@@ -443,6 +447,17 @@ class AttentionBackend(ABC):
                 f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device"
             )
         return meta
+
+    def _rotation_of(self, rotation: torch.Tensor) -> torch.Tensor:
+        """``rotation`` in the compute dtype, made once per matrix: each product is then one
+        kernel in the compute dtype (accumulating in fp32), with no casts of the activations
+        (in a 16-bit dtype the matrix's entries round once, about as much as the product's
+        result does)."""
+        entry = self._rotations.get(rotation.data_ptr())
+        if entry is None or entry[0] is not rotation:  # (held: its address is not reused)
+            entry = (rotation, rotation.to(self.compute_dtype))
+            self._rotations[rotation.data_ptr()] = entry
+        return entry[1]
 
     def _check_rotation(self, layer: LayerCache, rotation: torch.Tensor, head_dim: int) -> None:
         """A rotated cache (``LayerCache.rotation``): an fp32 [head_dim, head_dim] matrix on the

@@ -19,10 +19,11 @@ Centring the keys as well adds nothing to speak of (2.02e-3, a paired difference
 or the other.
 
 Applied around the backends' kernels (:class:`attention.base.AttentionBackend`): four small
-matrix products per layer and step (q, k, v, the output), in float32. That costs: on the H200
-an 8B-shaped model's 128-row decode iteration over an int8 cache takes 10.56 ms rotated against
-7.72 ms (``benchmarks/results/e2e-int8-rotation-2026-12-05.json``), mostly the casts around the
-products; folding the rotation into the kernels is what would make it free.
+matrix products per layer and step (q, k, v, the output), in the compute dtype (the matrix
+rounded to it once). With float32 products and the casts around them, an 8B-shaped model's
+128-row decode iteration over an int8 cache took 10.56 ms rotated against 7.72 ms on the H200
+(``benchmarks/results/e2e-int8-rotation-2026-12-05.json``), mostly the casts; folding the
+rotation into the kernels is what would make it free.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ def hadamard_rotation(head_dim: int, *, device: torch.device | str | None = None
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``x @ rotation`` over the last dimension, computed in float32, in ``x``'s dtype."""
-    return (x.float() @ rotation).to(x.dtype)
+    """``x @ rotation`` over the last dimension, in ``x``'s dtype: one product when
+    ``rotation`` has that dtype (the backends pass it so), else computed in float32."""
+    if rotation.dtype == x.dtype:
+        return x @ rotation
+    return (x.float() @ rotation.float()).to(x.dtype)
 
 
 def rotate_back(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """``x @ rotation^T`` (the inverse of :func:`rotate`), computed in float32, in ``x``'s dtype."""
-    return (x.float() @ rotation.T).to(x.dtype)
+    """``x @ rotation^T`` (the inverse of :func:`rotate`), as :func:`rotate` computes it."""
+    return rotate(x, rotation.T)
