@@ -79,6 +79,29 @@ def test_attention_over_a_rotated_cache_is_unchanged(under: UnderTest) -> None:
 
 
 @pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+def test_a_rotated_cache_in_bf16_stays_within_bf16s_error(under: UnderTest) -> None:
+    """bf16 compute: the rotation's products run in bf16 (the matrix rounded once), and the
+    output stays within bf16's tolerance of the float64 oracle, as an unrotated cache's does."""
+    if not under.supports(torch.bfloat16):
+        pytest.skip(f"{under.name} does not compute in bfloat16")
+    spec = make_spec(8, 2, 64, torch.bfloat16)
+    case = make_case(ROWS, spec, block_size=under.block_size, device=under.device, seed=11)
+    rotation = hadamard_rotation(64, device=under.device)
+    layer = _rotated_copy(case.layer, rotation)
+    backend = under.make(spec)
+    plan = backend.plan(case.meta)
+    backend.write_kv(case.new_key, case.new_value, layer, plan)
+    out = backend.attend(case.query, layer, plan)
+    assert out.dtype == torch.bfloat16
+    real = case.meta.num_real_tokens
+    err = rel_err(out[:real], reference_output(case))
+    plain = dataclasses.replace(case.layer, key=case.layer.key.clone(), value=case.layer.value.clone())
+    backend.write_kv(case.new_key, case.new_value, plain, plan)
+    plain_err = rel_err(backend.attend(case.query, plain, plan)[:real], reference_output(case))
+    assert err < 2e-2 and err < 3 * plain_err, (err, plain_err)
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
 def test_rotary_write_kv_into_a_rotated_cache(under: UnderTest) -> None:
     """The fused boundary stores rotary(K) rotated, returns the unrotated rotary(query), and
     attention over that cache equals attention over an unrotated one."""
