@@ -33,10 +33,10 @@ bf16 cache is 128 + 128):
 - g: int8 K with static per-channel scales (as KIVI), centred or not; V int8 per token;
 - x: e5m2 (a plain cast; per token), fp8 on K only and on V only, int8 static (centred or not),
   the centring mean taken from prompt + generated tokens, int4 per token and per channel;
-- h: K and V (or K alone) quantized in a randomized Hadamard basis (QuaRot's rotation: the
-  query, or the output, is rotated alike, so exact scores and outputs are unchanged): fp8 and
-  int8 per token (fp16 scales), fp8 with static per-(layer, KV head) scales of the rotated
-  calibration K/V;
+- h: K and V (or K alone) quantized in a randomized Hadamard basis (QuaRot's rotation,
+  ``attention.kv_rotation.hadamard_rotation``: the query, or the output, is rotated alike, so
+  exact scores and outputs are unchanged): fp8 and int8 per token (fp16 scales), fp8 with
+  static per-(layer, KV head) scales of the rotated calibration K/V;
 - bf16 rows: the identity (a sanity check: 100%), K centred without quantization (what the
   centring costs in bf16 arithmetic alone), bf16 rounding of K/V (a change only in fp32 compute).
 
@@ -86,6 +86,8 @@ if str(HERE) not in sys.path:  # loaded by file path: fp8_real_model.py is besid
     sys.path.insert(0, str(HERE))
 
 from fp8_real_model import find_gguf, load, make_prompts  # noqa: E402
+
+from attention.kv_rotation import hadamard_rotation  # noqa: E402
 
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int4": 7.0}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -335,20 +337,6 @@ def bf16_round(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-def hadamard(d: int, seed: int = 0) -> torch.Tensor:
-    """A randomized Hadamard rotation of ``d`` channels (``d`` a power of two), float32 [d, d]:
-    Sylvester's Hadamard matrix over sqrt(d), its rows' signs flipped at random (seeded), so
-    ``x @ R`` spreads every channel over all of them and ``R @ R.T`` is the identity (as in
-    QuaRot, arXiv:2404.00456). Scores are unchanged when q and k are both rotated."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"head_dim {d}: a Hadamard rotation needs a power of two")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-    return (signs[:, None].float() * h) / d**0.5
-
-
 def rotated(fn: QuantFn, rotation: torch.Tensor) -> QuantFn:
     """``fn`` applied in the rotated basis, then rotated back, in float32: what attention sees
     when the cache holds ``fn`` of the rotated K (or V) and the query (or the output) is
@@ -506,11 +494,11 @@ def _int4_schemes(calib: Calibration, clips: dict[str, ClipCount]) -> dict[str, 
 
 
 def _rotated_schemes(calib: Calibration, keys_values: tuple[PerLayer, PerLayer], margin: float) -> dict[str, Scheme]:
-    """h: fp8 e4m3 and int8 in a randomized Hadamard basis (:func:`hadamard`), per token (fp16
+    """h: fp8 e4m3 and int8 in a randomized Hadamard basis (``hadamard_rotation``), per token (fp16
     scales) on K and V or on K alone, int8 with K also centred (the calibrated mean, rotated),
     and fp8 with static per-(layer, KV head) scales calibrated on the rotated calibration K/V."""
     d = calib.head_dim
-    r = hadamard(d)
+    r = hadamard_rotation(d)
     n2, n = _nbytes("e4m3", d, 2), _nbytes("e4m3", d)
     keys, values = keys_values
     k_static = [(k.float() @ r).abs().amax(dim=(1, 2), keepdim=True) * margin / QMAX["e4m3"] for k in keys]

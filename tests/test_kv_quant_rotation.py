@@ -1,7 +1,7 @@
-"""The Hadamard rotation of benchmarks/kv_quant_schemes.py (the "h" schemes): an orthonormal
-rotation that leaves K/V unchanged when nothing is quantized, and what it does to the error of
-an int8 and an fp8 per-token quantizer on keys with outlier channels (int8: far smaller; fp8:
-larger)."""
+"""The "h" schemes of benchmarks/kv_quant_schemes.py (attention.kv_rotation's rotation, whose
+own tests are in test_kv_rotation.py): it leaves K/V unchanged when nothing is quantized, and
+what it does to the error of an int8 and an fp8 per-token quantizer on keys with outlier
+channels (int8: far smaller; fp8: larger)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from attention.kv_rotation import hadamard_rotation
 from tests.bench_script import load_bench
-
-
-def test_the_rotation_is_orthonormal_and_seeded() -> None:
-    kvq = load_bench("kv_quant_schemes")
-    for d in (1, 2, 16, 64, 128):
-        r = kvq.hadamard(d)
-        torch.testing.assert_close(r @ r.T, torch.eye(d), atol=1e-6, rtol=0)
-        assert torch.equal(r, kvq.hadamard(d)) and (d < 8 or not torch.equal(r, kvq.hadamard(d, seed=1)))
-    for bad in (0, 3, 48, 96):
-        with pytest.raises(ValueError, match="power of two"):
-            kvq.hadamard(bad)
 
 
 def test_rotating_a_quantizer_spreads_outlier_channels() -> None:
@@ -33,7 +23,7 @@ def test_rotating_a_quantizer_spreads_outlier_channels() -> None:
     x = torch.randn(1, 3, 257, 64, generator=g)
     x[..., 5] *= 40
     x[..., 17] += 25
-    r = kvq.hadamard(64)
+    r = hadamard_rotation(64)
     torch.testing.assert_close(kvq.rotated(kvq.ident, r)(x, 0), x, atol=2e-4, rtol=1e-5)
 
     def rel_err(fn: object) -> float:
