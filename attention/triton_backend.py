@@ -498,8 +498,8 @@ class TritonBackend(AttentionBackend):
     def _decode_launch(self, query_len: int, block_size: int) -> tuple[DecodeConfig, DecodePolicy]:
         """The launch parameters and chunking policy for rows of up to ``query_len`` new
         tokens in blocks of ``block_size`` tokens: the given ones, else the defaults
-        (``default_decode_config`` knows the block size; its ``programs_per_sm``, when set,
-        replaces the default policy's)."""
+        (``default_decode_config`` knows the block size; its ``programs_per_sm`` and
+        ``wave_fill``, when set, replace the default policy's)."""
         if query_len > 1:
             config = self.verify_decode_config
         elif self._given_decode_config:
@@ -510,6 +510,8 @@ class TritonBackend(AttentionBackend):
         policy = self.decode_policy
         if config.programs_per_sm is not None and not self._given_decode_policy:
             policy = replace(policy, programs_per_sm=min(config.programs_per_sm, policy.programs_per_sm))
+        if config.wave_fill is not None and not self._given_decode_policy:
+            policy = replace(policy, wave_fill=config.wave_fill)
         return config, policy
 
     def _plan_decode(

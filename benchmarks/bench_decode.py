@@ -139,13 +139,20 @@ class Variant:
     window: int | None = None
     contiguous_values: bool = False  # an fp8 V stored contiguous instead of token-major
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
+    wave_fill: float | None = None  # the default launch for the block size, with this wave fill
 
-    def backend(self) -> Any:
+    def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
+        from attention.triton_kernels import default_decode_config
 
+        config = self.config
+        if self.wave_fill is not None:
+            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
+            default = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
+            config = dataclasses.replace(config or default, wave_fill=self.wave_fill)
         return TritonBackend(
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
-            decode_config=self.config,
+            decode_config=config,
             decode_policy=self.policy,
         )
 
@@ -186,6 +193,20 @@ def int8_variants() -> list[Variant]:
         Variant("int8 cache, 2 stages", config=dataclasses.replace(base, num_stages=2), int8=True),
         Variant("int8 cache, 4 stages", config=dataclasses.replace(base, num_stages=4), int8=True),
     ]
+
+
+def wave_fill_variants() -> list[Variant]:
+    """``--wave-fill``: each cache's default launch with near-equal rows cut until the
+    launch's waves are at least 90% / 95% full (``DecodePolicy.wave_fill``), and the default
+    launch with wave fill off (where the default has it on)."""
+    out = []
+    for fill in (0.9, 0.95, 0.0):
+        out += [
+            Variant(f"wave fill {fill}", wave_fill=fill),
+            Variant(f"fp8 cache, wave fill {fill}", fp8=True, wave_fill=fill),
+            Variant(f"int8 cache, wave fill {fill}", int8=True, wave_fill=fill),
+        ]
+    return out
 
 
 def fp8_variants() -> list[Variant]:
@@ -380,12 +401,14 @@ def run_decode(
     notes: list[str],
     budget_s: float,
     fp8_sweep: bool = False,
+    wave_fill: bool = False,
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
     (noted); the default and flash-attn rows always run."""
     flash = common.flash_attn_backend(notes, "decode rows")
     chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
+    chosen += wave_fill_variants() if wave_fill else []
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []
@@ -423,7 +446,7 @@ def run_decode(
                     max(shape.lens),
                     extra={"kv_bytes": shape.kv_bytes},
                 )
-                backend = flash if variant is None else variant.backend()
+                backend = flash if variant is None else variant.backend(block_size)
                 fp8 = variant is not None and variant.fp8
                 int8 = variant is not None and variant.int8
                 if fp8:
@@ -467,7 +490,7 @@ def run_window(
             continue
         read = DecodeShape(shape.label, (min(n, WINDOW),) * WINDOW_ROWS).kv_bytes
         shape_rows: list[DecodeRow] = []
-        for name, backend in (("flash_attn", flash), ("triton", ours.backend())):
+        for name, backend in (("flash_attn", flash), ("triton", ours.backend(256))):
             if backend is None:
                 continue
             row = DecodeRow(shape.label, name, "window", 256, WINDOW_ROWS, n * WINDOW_ROWS, n, extra={"kv_bytes": read})
@@ -604,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fp8-sweep", action="store_true", help="also time fp8-cache variants (bf16 dots, other tiles)"
     )
+    parser.add_argument(
+        "--wave-fill", action="store_true", help="also time each cache with near-equal rows cut to fill the waves"
+    )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="seconds after which sweep variants are skipped")
     parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
@@ -630,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode_shapes(args.quick, args.shapes),
                 sweep=args.sweep,
                 fp8_sweep=args.fp8_sweep,
+                wave_fill=args.wave_fill,
                 timer=timer,
                 copy_tbps=run.copy_tbps,
                 notes=run.notes,

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attention.triton_kernels.decode_schedule import (
     PAD_ITEM,
     PAD_ROW,
+    WAVE_FILL_SPLITS,
     DecodePolicy,
     DecodeSchedule,
     max_decode_items,
@@ -183,6 +184,102 @@ def test_h200_decisions_on_the_benchmark_shapes(lens: list[int], chunk_len: int 
         assert s.chunk_len == chunk_len
 
 
+def _waves_full(s: DecodeSchedule, kv_heads: int, places: int) -> float:
+    programs = s.num_items * kv_heads
+    return programs / (math.ceil(programs / places) * places)
+
+
+@pytest.mark.parametrize(
+    ("lens", "pieces"),
+    [
+        ([4096] * 64, 3),  # 512 programs for 396 places (65% full) -> 1,536 (97%)
+        ([2048] * 128, 3),  # 1,024 (86%) -> 3,072 (97%)
+        ([1024] * 256, 2),  # 2,048 (86%) -> 4,096 (94%)
+        ([4000 + 7 * i for i in range(64)], 3),  # near-equal rows count as equal
+    ],
+)
+def test_wave_fill_cuts_near_equal_rows_until_the_waves_are_full(lens: list[int], pieces: int) -> None:
+    """64 rows x 8 KV heads leave the second wave of a 396-place launch mostly idle; with
+    wave_fill 0.9 every row is cut into the fewest pieces that fill 90% of the waves, on a
+    free and on a CUDA graph's fixed grid alike. Without it the rows stay whole."""
+    ranges = [(0, n) for n in lens]
+    policy = DecodePolicy(wave_fill=0.9)
+    plain = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128)
+    assert plain.num_items == len(lens) and _waves_full(plain, 8, 3 * H200_SMS) < 0.9
+    free = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=policy)
+    _check_invariants(free, ranges, policy)
+    assert all(free.row(d)[2] == pieces for d in range(len(lens))), free.chunk_len
+    assert _waves_full(free, 8, 3 * H200_SMS) >= 0.9 and free.chunk_len % 128 == 0
+    bucket = len(lens) + 5
+    fixed = schedule_decode(
+        ranges,
+        num_kv_heads=8,
+        num_sms=H200_SMS,
+        block_n=128,
+        policy=policy,
+        max_items=max_decode_items(bucket, 8, H200_SMS, policy),
+        max_rows=bucket,
+    )
+    _check_invariants(fixed, ranges, policy)
+    assert fixed.items[: free.num_items * 10] == free.items[: free.num_items * 10]
+    assert fixed.num_partials == free.num_partials <= max_decode_partials(bucket, 8, H200_SMS, policy)
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [
+        _lognormal(64, 2048, 0.8, 16384),  # unequal rows: counts say nothing about the waves
+        [4096] * 32 + [2000] * 32,  # the shortest under 3/4 of the longest
+        [16384] * 16,  # too few rows for one wave: parallelism splits them, as before
+        [4096] * 99,  # 792 programs: exactly two full waves
+        [300] * 64,  # pieces would fall under the 256-token floor
+    ],
+)
+def test_wave_fill_leaves_other_batches_as_they_were(lens: list[int]) -> None:
+    ranges = [(0, n) for n in lens]
+    plain = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128)
+    filled = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=DecodePolicy(wave_fill=0.9))
+    assert (filled.chunk_len, filled.items) == (plain.chunk_len, plain.items)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    base=st.integers(1, 20_000),
+    jitter=st.lists(st.integers(0, 200), min_size=1, max_size=120),
+    start=st.integers(0, 3000),
+    kv_heads=st.sampled_from([1, 2, 8]),
+    sms=st.sampled_from([1, 4, 16, 132]),
+    block_n=st.sampled_from([16, 64, 128]),
+    fill=st.sampled_from([0.5, 0.9, 1.0]),
+    spare=st.integers(0, 40),
+)
+def test_wave_fill_keeps_the_invariants_and_the_graph_bounds(
+    base: int, jitter: list[int], start: int, kv_heads: int, sms: int, block_n: int, fill: float, spare: int
+) -> None:
+    """Near-equal rows (where wave fill acts), windowed or not: every token in one item, and
+    a bucket's fixed grid and partial slots hold whatever it cuts."""
+    policy = DecodePolicy(wave_fill=fill, min_chunk_tokens=64, small_batch_chunk_tokens=16)
+    for s0 in (0, start):
+        ranges = [(s0, s0 + base + j) for j in jitter]
+        bucket = len(ranges) + spare
+        free = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, policy=policy)
+        _check_invariants(free, ranges, policy)
+        assert free.num_items <= WAVE_FILL_SPLITS * len(ranges) or free.num_items <= max_decode_items(
+            len(ranges), kv_heads, sms, policy
+        )
+        fixed = schedule_decode(
+            ranges,
+            num_kv_heads=kv_heads,
+            num_sms=sms,
+            block_n=block_n,
+            policy=policy,
+            max_items=max_decode_items(bucket, kv_heads, sms, policy),
+            max_rows=bucket,
+        )
+        _check_invariants(fixed, ranges, policy)
+        assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
+
+
 def test_lognormal_batch_splits_only_its_long_rows() -> None:
     """Rows of very different lengths: the long ones are cut so no program reads much more
     than the typical row, the short ones stay whole (no combine work for them)."""
@@ -258,3 +355,6 @@ def test_policy_checks_its_fields() -> None:
         DecodePolicy(programs_per_sm=0)
     with pytest.raises(ValueError, match="small_batch_chunk_tokens"):
         DecodePolicy(min_chunk_tokens=32, small_batch_chunk_tokens=64)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"DecodePolicy\.wave_fill"):
+            DecodePolicy(wave_fill=bad)

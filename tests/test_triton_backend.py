@@ -215,6 +215,31 @@ def test_plan_sends_rows_to_their_kernels(triton_device: str) -> None:
     assert pure.decode[0].schedule.row(0)[:2] == (0, 0)
 
 
+def test_a_launchs_wave_fill_reaches_the_schedule(triton_device: str) -> None:
+    """``DecodeConfig.wave_fill`` becomes the policy's when no policy is given (a given
+    policy keeps its own), and the step's equal rows are then cut to fill the waves; out of
+    range it is refused."""
+    spec = make_spec(8, 2, 64, torch.float16)
+    config = DecodeConfig(block_n=16, wave_fill=0.9)
+    assert TritonBackend(spec, decode_config=config)._decode_launch(1, 32)[1].wave_fill == 0.9
+    given = TritonBackend(spec, decode_config=config, decode_policy=DecodePolicy())
+    assert given._decode_launch(1, 32)[1].wave_fill == 0.0
+    # 10 rows x 2 KV heads on 6 SMs, one program an SM: 20 programs for 6 places (83% of 4
+    # waves), cut in two: 40 (95% of 7).
+    case = make_case([(600, 1)] * 10, spec, block_size=32, device=triton_device)
+    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1), num_sms=6)
+    filled = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1, wave_fill=0.9), num_sms=6)
+    assert plain.decode_policy == filled.decode_policy == DecodePolicy()
+    (whole,) = plain.plan(case.meta).decode  # type: ignore[attr-defined]
+    (cut,) = filled.plan(case.meta).decode  # type: ignore[attr-defined]
+    assert whole.schedule.num_items == 10 and cut.schedule.num_items > 10
+    out, _ = _attend(filled, case)
+    _check(out, reference_output(case), torch.float16)
+    for bad in (-0.5, 2.0):
+        with pytest.raises(ValueError, match=r"DecodeConfig\.wave_fill"):
+            DecodeConfig(wave_fill=bad)
+
+
 @pytest.mark.parametrize("cache", ["float8_e4m3", None])
 def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: str) -> None:
     """The default one-token launch of an fp8 cache takes 3 stages where its tiles span

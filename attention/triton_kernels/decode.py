@@ -84,6 +84,8 @@ class DecodeConfig:
                 than the chunking policy assumes (its registers and shared memory decide):
                 a backend without a given policy then schedules for this many
                 (``DecodePolicy.programs_per_sm``). None: the policy's.
+    wave_fill:  likewise ``DecodePolicy.wave_fill`` for a backend without a given policy
+                (None: the policy's).
     """
 
     block_n: int = 64
@@ -93,12 +95,15 @@ class DecodeConfig:
     combine_num_warps: int = 4
     f16_fp8_dots: bool = True
     programs_per_sm: int | None = None
+    wave_fill: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n: {self.block_n} must be a power of two >= 16")
         if self.programs_per_sm is not None and self.programs_per_sm < 1:
             raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
+        if self.wave_fill is not None and not 0.0 <= self.wave_fill <= 1.0:
+            raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path

@@ -20,7 +20,11 @@ positions, so every chunk but a row's first starts on a tile boundary, also when
   one length never split for it.
 
 In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row x 1024
-tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. A fixed grid
+tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. With a
+``wave_fill`` policy, a batch of near-equal rows whose programs fill the SMs more than once
+but leave the last wave mostly idle (64 rows x 8 KV heads = 512 programs for 396 places:
+1.29 waves) cuts each row into up to :data:`WAVE_FILL_SPLITS` pieces, the fewest whose
+waves are at least ``wave_fill`` full (3 pieces: 1,536 programs, 3.9 waves). A fixed grid
 (``max_items``) too small for that chunk makes it grow until the items fit.
 
 The defaults started from a model (HBM shared by the resident programs, each capped at what
@@ -53,6 +57,7 @@ __all__ = [
     "PAD_ITEM",
     "PAD_ROW",
     "ROW_FIELDS",
+    "WAVE_FILL_SPLITS",
     "DecodePolicy",
     "DecodeSchedule",
     "max_decode_items",
@@ -74,6 +79,8 @@ PAD_ITEM = (-1, 0, 0, -1, -1, -1, 0, -1, 1, 0)
 PAD_ROW = (-1, -1, 0, -1, 1)
 #: Most new tokens a decode row may bring (a row verifying up to 7 draft tokens).
 MAX_DECODE_QUERY_LEN = 8
+#: Most pieces a ``wave_fill`` policy cuts a row into (it bounds a CUDA graph's grid).
+WAVE_FILL_SPLITS = 3
 #: Largest value of an int32 field.
 _INT32_MAX = (1 << 31) - 1
 #: An item's and a row's fields as native int32 bytes (the layout of ``array("i")``).
@@ -96,12 +103,20 @@ class DecodePolicy:
                       cost more than the parallelism gains.
     small_batch_chunk_tokens: shortest chunk in a batch that cannot give every SM one
                       program at ``min_chunk_tokens`` (1 row x 1024 tokens on 8 KV heads).
+    wave_fill:        0 (off), or in (0, 1]: when near-equal rows (the shortest >= 3/4 of
+                      the longest, none split) give more programs than the SMs hold at once
+                      (``programs_per_sm`` each) and their waves are less than this full,
+                      cut each row into the fewest pieces (<= WAVE_FILL_SPLITS, each >=
+                      ``min_chunk_tokens``) whose waves are at least this full. For launches
+                      whose programs are limited by an SM's issue rate (a one-byte cache's
+                      conversions), where a half-empty last wave leaves SMs idle.
     """
 
     programs_per_sm: int = 3
     balance: float = 1.25
     min_chunk_tokens: int = 256
     small_batch_chunk_tokens: int = 64
+    wave_fill: float = 0.0
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -113,6 +128,8 @@ class DecodePolicy:
                 f"DecodePolicy: need 1 <= small_batch_chunk_tokens ({self.small_batch_chunk_tokens}) "
                 f"<= min_chunk_tokens ({self.min_chunk_tokens})"
             )
+        if not 0.0 <= self.wave_fill <= 1.0:
+            raise ValueError(f"DecodePolicy.wave_fill: {self.wave_fill} must be in [0, 1] (0: off)")
 
 
 @dataclass(frozen=True)
@@ -181,7 +198,10 @@ def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: Dec
     if num_rows < 0:
         raise ValueError(f"num_rows: {num_rows} must be >= 0")
     balanced = num_rows + math.ceil(num_rows / policy.balance)
-    return max(balanced, _target_items(num_kv_heads, num_sms, policy)) if num_rows else 0
+    target = _target_items(num_kv_heads, num_sms, policy)
+    # Wave fill cuts rows only when they alone reach the target (see _fill_waves).
+    filled = WAVE_FILL_SPLITS * num_rows if policy.wave_fill and num_rows >= target else 0
+    return max(balanced, target, filled) if num_rows else 0
 
 
 def max_decode_partials(
@@ -289,11 +309,50 @@ def _choose_chunk_len(
             starts, ends, aligned, one_per_sm, block_n, policy.small_batch_chunk_tokens, floor
         )
     chunk = max(chunk, floor)
+    if policy.wave_fill and rows >= target:
+        chunk = _fill_waves(starts, ends, aligned, budget, num_kv_heads, num_sms, block_n, floor, chunk, policy)
     if _count_items(starts, ends, chunk, aligned) <= budget:
         return chunk
     # Only windowed rows get here: with unaligned starts a longer chunk can even give more
     # items (a row may straddle one more boundary), so search up from here for one that fits.
     return _smallest_fitting(starts, ends, aligned, budget, block_n, chunk)
+
+
+def _fill_waves(
+    starts: list[int],
+    ends: list[int],
+    aligned: bool,
+    budget: int,
+    num_kv_heads: int,
+    num_sms: int,
+    block_n: int,
+    floor: int,
+    chunk: int,
+    policy: DecodePolicy,
+) -> int:
+    """``chunk``, or a shorter one that cuts each row into 2..WAVE_FILL_SPLITS pieces when
+    the rows are near-equal, unsplit, and their programs leave the last wave of the launch
+    less than ``policy.wave_fill`` full (DecodePolicy). Programs of unequal rows end at
+    different times, so counting them says nothing about the waves: those keep ``chunk``."""
+    lengths = list(map(sub, ends, starts))
+    longest = max(lengths)
+    if longest > chunk or 4 * min(lengths) < 3 * longest:
+        return chunk
+    places = policy.programs_per_sm * num_sms
+
+    def fill(c: int) -> float:
+        programs = _count_items(starts, ends, c, aligned) * num_kv_heads
+        return programs / (-(-programs // places) * places)
+
+    if fill(chunk) >= policy.wave_fill:
+        return chunk
+    for pieces in range(2, WAVE_FILL_SPLITS + 1):
+        cut = -(-longest // (pieces * block_n)) * block_n
+        if cut < floor or _count_items(starts, ends, cut, aligned) > budget:
+            break
+        if fill(cut) >= policy.wave_fill:
+            return cut
+    return chunk
 
 
 def _check_ranges(kv_ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
