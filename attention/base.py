@@ -89,6 +89,10 @@ class AttentionBackend(ABC):
     #: Whether the backend reads a token-major V (``attention.value_layout``, what kvcache
     #: allocates for 8-bit caches) besides a contiguous one.
     reads_token_major_values: ClassVar[bool] = True
+    #: Whether ``_rotary_write_kv`` stores K and V in a rotated cache's basis itself (it then
+    #: gets ``layer.rotation``); otherwise ``rotary_write_kv`` composes rotary, the products
+    #: and ``_write_kv``.
+    rotates_kv_in_rotary_write: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec):
         if not isinstance(spec, AttentionSpec):
@@ -361,7 +365,7 @@ class AttentionBackend(ABC):
                 f"rotary: the table covers {rotary.max_positions} positions, but a row of this step reaches "
                 f"{longest}; build the table for the longest sequence the engine serves"
             )
-        if layer.rotation is not None:  # composed: the fused kernels store K/V unrotated
+        if layer.rotation is not None and not self.rotates_kv_in_rotary_write:  # composed
             positions = meta.positions
             rotation = self._rotation_of(layer.rotation)
             self._write_kv(

@@ -228,6 +228,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    rotates_kv_in_rotary_write = True  # the fused kernel multiplies K and V (rotary_write)
 
     def __init__(
         self,
@@ -595,6 +596,7 @@ class TritonBackend(AttentionBackend):
             layer.k_scale,
             layer.v_scale,
             layer.k_centre,
+            None if layer.rotation is None else self._rotation_of(layer.rotation),
         )
 
     def _attend(

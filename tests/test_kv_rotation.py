@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 
-from attention import LayerCache, ReferenceBackend
+from attention import BACKENDS, LayerCache, ReferenceBackend
 from attention.errors import InvalidArgumentError, UnsupportedSettingError
 from attention.kv_rotation import hadamard_rotation, rotate, rotate_back
+from attention.quantize import dequantize
 from attention.rotary import RotaryTable
+from attention.token_scales import dequantize_rows
 from examples.engine.calibration import calibrate_key_centres, calibrate_kv_scales
 from examples.engine.loop import run_requests
 from examples.engine.parts import engine_for
@@ -127,6 +129,58 @@ def test_rotary_write_kv_into_a_rotated_cache(under: UnderTest) -> None:
     a = backend.attend(q_plain, plain, plan)[:real]
     b = backend.attend(q_rotated, rotated, plan)[:real]
     torch.testing.assert_close(b, a, atol=3e-5, rtol=1e-5)
+
+
+def _stored(layer: LayerCache, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V a layer holds at ``slots``, dequantized to float64: [slots, kv_heads, d]."""
+    kvh, d = layer.key.shape[-2:]
+    k, v = layer.key.reshape(-1, kvh, d)[slots], layer.value.reshape(-1, kvh, d)[slots]
+    if layer.key.dtype == torch.int8:
+        scales = [s.reshape(-1, kvh)[slots] for s in (layer.k_scale, layer.v_scale)]  # type: ignore[union-attr]
+        return dequantize_rows(k, scales[0], torch.float64), dequantize_rows(v, scales[1], torch.float64)
+    return dequantize(k, layer.k_scale, torch.float64), dequantize(v, layer.v_scale, torch.float64)
+
+
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("cache", [None, "int8", "float8_e4m3"])
+def test_the_fused_boundary_stores_what_the_composed_one_stores(under: UnderTest, cache: str | None) -> None:
+    """A backend whose rotary + cache-write kernel multiplies K and V itself
+    (``rotates_kv_in_rotary_write``) stores, in a rotated bf16 / int8 / fp8 cache, what the
+    reference's composed boundary (rotary, the products, the write) stores, within one
+    rounding of the cache's format; every other byte of the poisoned cache is left as it was,
+    and the query comes back unrotated. GQA 8:2 (K/V tiles padded to 16 heads for the dot)."""
+    spec = make_spec(8, 2, 64, torch.bfloat16, kv_cache_dtype=cache)
+    if not under.supports(torch.bfloat16) or (cache and cache not in BACKENDS[under.name].kv_cache_dtypes):
+        pytest.skip(f"{under.name} has no bf16 compute with a {cache} cache")
+    if not under.make(spec).rotates_kv_in_rotary_write:
+        pytest.skip(f"{under.name} composes the boundary of a rotated cache (the reference for this test)")
+    rotation = hadamard_rotation(64, device=under.device)
+    inv_freq = 1.0 / 500.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    table = RotaryTable.build(inv_freq.to(under.device), 140)
+    cases = [make_case(ROWS, spec, block_size=under.block_size, device=under.device, seed=5) for _ in range(2)]
+    fused, composed = (dataclasses.replace(c.layer, rotation=rotation) for c in cases)
+    before = cases[0].storage.clone()
+    old_key, old_value = (x.reshape(-1, 2, 64).clone() for x in (fused.key, fused.value))
+    backend, reference = under.make(spec), ReferenceBackend(spec)
+    q_fused = backend.rotary_write_kv(
+        cases[0].query, cases[0].new_key, cases[0].new_value, fused, backend.plan(cases[0].meta), table
+    )
+    q_composed = reference.rotary_write_kv(
+        cases[1].query, cases[1].new_key, cases[1].new_value, composed, reference.plan(cases[1].meta), table
+    )
+    torch.testing.assert_close(q_fused, q_composed, atol=1.6e-2, rtol=1.6e-2)
+    slots = cases[0].meta.slot_mapping[cases[0].meta.slot_mapping >= 0]
+    (k_fused, v_fused), (k_composed, v_composed) = _stored(fused, slots), _stored(composed, slots)
+    atol, rtol = {None: (1.6e-2, 1.6e-2), "int8": (0.05, 0.0), "float8_e4m3": (2e-3, 0.07)}[cache]
+    for got, want in ((k_fused, k_composed), (v_fused, v_composed)):
+        assert got.abs().max() > 0.5  # the step's K/V, not zeros
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    others = torch.ones(old_key.shape[0], dtype=torch.bool, device=slots.device)
+    others[slots] = False
+    for now, then in ((fused.key, old_key), (fused.value, old_value)):
+        assert torch.equal(now.reshape(-1, 2, 64)[others].view(torch.uint8), then[others].view(torch.uint8))
+    for edge in (0, -1):
+        assert torch.equal(cases[0].storage[:, edge].view(torch.uint8), before[:, edge].view(torch.uint8))
 
 
 def test_an_int8_cache_loses_far_less_on_keys_with_outlier_channels() -> None:

@@ -5,6 +5,12 @@ Numbers follow :func:`attention.rotary.rotate`: float32 math, one rounding to th
 (and, for an fp8 cache, the same scaling and saturation as the cache write). For an int8
 cache the rotated K is first rounded to the input's dtype, as the composed boundary
 (:func:`attention.rotary.rotate`, then the cache write) rounds it, so both store the same bits.
+
+A cache stored in a rotated basis (:mod:`attention.kv_rotation`) gets K and V multiplied by
+its matrix here too, as the composed boundary does: K after rotary, both rounded to the
+input's dtype before and after the product (a [heads, head_dim] x [head_dim, head_dim] dot in
+four quarters, the halves this kernel holds), so the cache write needs no products of its own.
+The query leaves unrotated: :meth:`attention.base.AttentionBackend.attend` rotates it.
 """
 
 from __future__ import annotations
@@ -57,6 +63,43 @@ def _as_input_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):  # type:
 
 
 @triton.jit
+def _basis_quarter(  # type: ignore[no-untyped-def]
+    rot_ptr, ROW0: tl.constexpr, COL0: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr
+):
+    """The [HALF_PAD, HALF_PAD] quarter of the [2 HALF, 2 HALF] matrix at ``rot_ptr`` from
+    row ROW0 and column COL0 (each 0 or HALF); zero past HALF."""
+    j = tl.arange(0, HALF_PAD)
+    mask = (j[:, None] < HALF) & (j[None, :] < HALF)
+    return tl.load(rot_ptr + (ROW0 + j)[:, None] * (2 * HALF) + (COL0 + j)[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _to_basis(  # type: ignore[no-untyped-def]
+    lo, hi, mask, rot_ptr, dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """fp32 rows ``[lo | hi]`` ([heads, HALF_PAD] each; lanes outside ``mask`` read as 0)
+    times the [2 HALF, 2 HALF] matrix at ``rot_ptr`` (of ``dtype``, the input's): the rows
+    rounded to ``dtype``, fp32 sums, the result rounded to ``dtype``; returned as fp32 halves."""
+    a = tl.where(mask, _as_input_dtype(lo, dtype, INTERPRETED), 0.0)
+    b = tl.where(mask, _as_input_dtype(hi, dtype, INTERPRETED), 0.0)
+    r00 = _basis_quarter(rot_ptr, 0, 0, HALF, HALF_PAD)
+    r01 = _basis_quarter(rot_ptr, 0, HALF, HALF, HALF_PAD)
+    r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
+    r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
+    if INTERPRETED or dtype == tl.float32:
+        # fp32 products of values on dtype's grid (the interpreter has no 16-bit dots); no
+        # TF32, so they are as exact as the composed boundary's.
+        r00, r01, r10, r11 = r00.to(tl.float32), r01.to(tl.float32), r10.to(tl.float32), r11.to(tl.float32)
+        new_lo = tl.dot(a, r00, input_precision="ieee") + tl.dot(b, r10, input_precision="ieee")
+        new_hi = tl.dot(a, r01, input_precision="ieee") + tl.dot(b, r11, input_precision="ieee")
+    else:
+        a, b = a.to(dtype), b.to(dtype)
+        new_lo = tl.dot(a, r00) + tl.dot(b, r10)
+        new_hi = tl.dot(a, r01) + tl.dot(b, r11)
+    return _as_input_dtype(new_lo, dtype, INTERPRETED), _as_input_dtype(new_hi, dtype, INTERPRETED)
+
+
+@triton.jit
 def _store_int8_halves(  # type: ignore[no-untyped-def]
     lo, hi, mask, cache_ptr, dst, stride_d, scale_ptr, s_dst, s_mask, HALF: tl.constexpr
 ):
@@ -86,6 +129,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     k_scale_ptr,
     v_scale_ptr,
     k_centre_ptr,
+    rot_ptr,
     num_slots,
     max_positions,
     stride_sb,
@@ -117,6 +161,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     QUANTIZE: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
     CENTRE_K: tl.constexpr,
+    ROTATE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
@@ -131,7 +176,9 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     gets its own fp16 scale, stored at ``k_scale_ptr`` / ``v_scale_ptr`` + block * stride_sb
     + offset * stride_st + head * stride_sh, as the cache write stores it. CENTRE_K: the
     rotated K, rounded to the input's dtype, less ``k_centre`` (fp32 [NUM_KV_HEADS, 2 * HALF])
-    is what the int8 cache quantizes, as the cache write does.
+    is what the int8 cache quantizes, as the cache write does. ROTATE: K (after rotary) and V
+    are multiplied by the [2 HALF, 2 HALF] matrix at ``rot_ptr`` (the input's dtype) before
+    they are stored or quantized (:func:`_to_basis`).
     """
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -165,6 +212,14 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         v_lo = tl.load(v_src, mask=kv_mask)
         v_hi = tl.load(v_src + HALF, mask=kv_mask)
         dtype = k_cache_ptr.dtype.element_ty
+        if ROTATE:  # K and V into the cache's basis, rounded to the input's dtype
+            k_in_dtype = k_ptr.dtype.element_ty
+            k_lo, k_hi = _to_basis(k_lo, k_hi, kv_mask, rot_ptr, k_in_dtype, HALF, HALF_PAD, INTERPRETED)
+            v_lo_rot, v_hi_rot = _to_basis(
+                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, rot_ptr, k_in_dtype, HALF, HALF_PAD, INTERPRETED
+            )
+            v_lo = v_lo_rot.to(k_in_dtype)
+            v_hi = v_hi_rot.to(k_in_dtype)
         if TOKEN_SCALES:
             # K as the composed boundary stores it: rotated, rounded to the input's dtype, quantized.
             k_in = k_ptr.dtype.element_ty
@@ -210,6 +265,7 @@ def rotary_write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     k_centre: torch.Tensor | None = None,
+    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate ``query``/``key`` at ``positions``, write rotated K and V to ``slot_mapping``'s
     slots, return the rotated query.
@@ -227,6 +283,10 @@ def rotary_write_kv(
                       each row.
     k_centre:         an int8 cache's key centre, fp32 [num_kv_heads, head_dim] contiguous
                       (``LayerCache.k_centre``), or None.
+    rotation:         a rotated cache's basis (:mod:`attention.kv_rotation`) in query's dtype,
+                      [head_dim, head_dim] contiguous: K (after rotary) and V are stored times
+                      it; the query is returned in the model's basis all the same. Not with
+                      ``k_centre``.
     Returns a new contiguous [num_tokens, num_heads, head_dim] tensor of query's dtype.
     Arguments are assumed checked by the caller (``AttentionBackend.rotary_write_kv``).
     """
@@ -242,6 +302,8 @@ def rotary_write_kv(
     # K/V tiles as tall as the KV heads, no taller: masked rows of a query-sized tile still
     # cost an int8 cache's row maxima (cross-thread shuffles) in the one K/V program of a token.
     kv_block_h = min(next_power_of_2(kv_heads), block_h)
+    if rotation is not None:  # tl.dot takes >= 16 rows
+        kv_block_h = max(16, kv_block_h)
     grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, kv_block_h))
     token_scales = k_cache.dtype == torch.int8
     scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
@@ -258,6 +320,7 @@ def rotary_write_kv(
         k_scale if k_scale is not None else cos_sin,  # unused unless QUANTIZE
         v_scale if v_scale is not None else cos_sin,
         k_centre if k_centre is not None else cos_sin,  # unused unless CENTRE_K
+        rotation if rotation is not None else query,  # unused unless ROTATE
         num_blocks * block_size,
         cos_sin.shape[0],
         *scale_strides,
@@ -284,6 +347,7 @@ def rotary_write_kv(
         QUANTIZE=k_scale is not None and not token_scales,
         TOKEN_SCALES=token_scales,
         CENTRE_K=token_scales and k_centre is not None,
+        ROTATE=rotation is not None,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )
