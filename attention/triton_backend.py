@@ -60,6 +60,7 @@ from attention.triton_kernels import (
     schedule_decode,
     write_kv_cache,
 )
+from attention.triton_kernels.decode import TOKEN_SCALED_KV_DTYPES
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
 from attention.triton_kernels.mla_balanced import (
@@ -475,11 +476,11 @@ class TritonBackend(AttentionBackend):
     def _plan_dequant(
         self, meta: AttentionMetadata, rows: tuple[int, ...], config: PrefillConfig
     ) -> BlockDequant | None:
-        """For an eager step over an fp8 cache that the Hopper kernel could take (its shapes,
+        """For an eager step over an 8-bit cache that the Hopper kernel could take (its shapes,
         no cap or sinks in the spec): the blocks to dequantize, unless their 16-bit copy would
         pass ``_DEQUANT_SCRATCH_BYTES``. Its arrays go up in pinned memory, without a host wait."""
         spec = self.spec
-        if not spec.quantized_cache or spec.token_scaled_cache or not self.hopper_prefill:
+        if not spec.quantized_cache or not self.hopper_prefill:
             return None
         if self.prefill_config is not None or config.block_m != HOPPER_PREFILL_BLOCK_M:
             return None
@@ -755,15 +756,21 @@ class TritonBackend(AttentionBackend):
         sinks: torch.Tensor | None,
     ) -> bool:
         """Whether this layer's prefill rows run on the Hopper kernel over a dequantized copy of
-        their blocks: the plan made one (an eager step, an fp8 cache, the kernel's shapes), the
-        layer has per-KV-head scales, and the copy (16-bit, contiguous) suits the kernel."""
+        their blocks: the plan made one (an eager step, an 8-bit cache, the kernel's shapes), the
+        layer has per-KV-head scales (fp8) or per-token scales of one layout (int8,
+        :mod:`attention.token_scales`), and the copy (16-bit, contiguous) suits the kernel."""
         if launch.dequant is None:
             return False
-        if layer.key.dtype not in FP8_KV_DTYPES or not layer.key.is_contiguous():
+        key, k_scale, v_scale = layer.key, layer.k_scale, layer.v_scale
+        if k_scale is None or v_scale is None or key.stride(-1) != 1 or key.stride(2) != key.shape[-1]:
             return False
-        kvh = self.spec.num_kv_heads
-        scales = (layer.k_scale, layer.v_scale)
-        if any(x is None or x.numel() != kvh for x in scales):  # one per KV head
+        if key.dtype in FP8_KV_DTYPES:
+            if k_scale.numel() != self.spec.num_kv_heads or v_scale.numel() != self.spec.num_kv_heads:
+                return False  # one scale per KV head
+        elif key.dtype in TOKEN_SCALED_KV_DTYPES:
+            if k_scale.shape != key.shape[:3] or k_scale.stride() != v_scale.stride() or v_scale.shape != key.shape[:3]:
+                return False  # one scale per (token, KV head), K's and V's laid out alike
+        else:
             return False
         # The copy: fresh contiguous tensors in the query's dtype, without scales.
         return self._hopper_prefill_takes(

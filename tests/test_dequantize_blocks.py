@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention.token_scales import dequantize_rows, quantized_layer
 from attention.triton_kernels import kernels_interpreted
 from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
 from attention.value_layout import token_major_view
@@ -51,3 +52,27 @@ def test_copy_matches_torch_dequantization(token_major: bool, dtype: torch.dtype
         torch.testing.assert_close(key[i], k_ref, rtol=rtol, atol=0.0, msg=f"K of scratch block {i}")
         torch.testing.assert_close(value[i], v_ref, rtol=rtol, atol=0.0, msg=f"V of scratch block {i}")
     assert key.is_contiguous() and value.is_contiguous() and key.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_copy_takes_each_tokens_scale(dtype: torch.dtype) -> None:
+    """An int8 cache (values and per-token fp16 scales in each block, V token-major:
+    attention.token_scales): every row comes out as its values times its own scale, rounded
+    once to ``dtype``; ids outside the cache read block 0."""
+    gen = torch.Generator().manual_seed(4)
+    blocks, bs, kvh, d = 5, 32, 2, 64
+    # Rows of very different ranges, so one scale per head could not give these values.
+    key = torch.randn(blocks, bs, kvh, d, generator=gen) * torch.logspace(-2, 2, bs)[None, :, None, None]
+    value = torch.randn(blocks, bs, kvh, d, generator=gen) * torch.logspace(2, -2, bs)[None, :, None, None]
+    layer = quantized_layer(key.to(DEVICE), value.to(DEVICE))
+    assert layer.k_scale is not None and layer.v_scale is not None
+    tables = torch.tensor([[3, 0, 4], [2, 77, -1]], dtype=torch.int32, device=DEVICE)
+    sources = torch.tensor([[0, 0], [0, 2], [1, 0], [1, 1], [0, 1]], dtype=torch.int32, device=DEVICE)
+    k_out, v_out = dequantize_blocks(layer.key, layer.value, layer.k_scale, layer.v_scale, tables, sources, dtype)
+    rtol = 2.0**-7 if kernels_interpreted() and dtype == torch.bfloat16 else 2.0**-24
+    for i, src in enumerate([3, 4, 2, 0, 0]):
+        for got, values, scales in ((k_out, layer.key, layer.k_scale), (v_out, layer.value, layer.v_scale)):
+            want = dequantize_rows(values[src], scales[src], torch.float32).to(dtype)
+            torch.testing.assert_close(got[i], want, rtol=rtol, atol=0.0, msg=f"scratch block {i}")
+            assert got[i].float().abs().amax() > 0
+    assert k_out.is_contiguous() and k_out.dtype == dtype

@@ -27,19 +27,20 @@ def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
     return ASTSource(fn, sig, constexprs=consts)
 
-def rotary(dtype, cache, quantize, int8=False):
+def rotary(dtype, cache, quantize, int8=False, rotate=False):
     scale = "*fp16" if int8 else "*fp32"
     sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "q_out_ptr": dtype, "k_cache_ptr": cache,
            "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
-           "k_scale_ptr": scale, "v_scale_ptr": scale, "k_centre_ptr": "*fp32", "num_slots": "i64",
+           "k_scale_ptr": scale, "v_scale_ptr": scale, "k_centre_ptr": "*fp32", "rot_ptr": dtype, "num_slots": "i64",
            "max_positions": "i32"}
     for name in ("stride_sb", "stride_st", "stride_sh",
                  "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
                  "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
                  "stride_vd"):
         sig[name] = "i32"
-    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, KV_BLOCK_H=8, Q_CHUNKS=1,
-                  BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, CENTRE_K=int8, INTERPRETED=False)
+    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, KV_BLOCK_H=16 if rotate else 8,
+                  Q_CHUNKS=1, BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, CENTRE_K=int8 and not rotate,
+                  ROTATE=rotate, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
 
 def norm(dtype, add):
@@ -97,18 +98,21 @@ def mla_merge(balanced, direct=False):
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
     return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64, BLOCK_TAIL=0))
 
-def dequant(out):
-    sig = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+def dequant(out, int8=False):
+    cache, scale = ("*i8", "*fp16") if int8 else ("*fp8e4nv", "*fp32")
+    sig = {"k_ptr": cache, "v_ptr": cache, "k_scale_ptr": scale, "v_scale_ptr": scale,
            "tables_ptr": "*i32", "sources_ptr": "*i32", "k_out_ptr": out, "v_out_ptr": out}
-    for name in ("num_blocks", "num_rows", "table_width", "stride_bt", "stride_vb", "stride_vt", "stride_vh",
-                 "stride_vd"):
+    for name in ("num_blocks", "num_rows", "table_width", "stride_bt", "stride_kb", "stride_kt", "stride_kh",
+                 "stride_vb", "stride_vt", "stride_vh", "stride_vd", "stride_sb", "stride_st", "stride_sh"):
         sig[name] = "i32"
-    return source(_dequantize_blocks_kernel, sig, dict(BLOCK_SIZE=256, KV_HEADS=8, HEAD_DIM=128, D_PAD=128, TOKENS=32))
+    return source(_dequantize_blocks_kernel, sig, dict(BLOCK_SIZE=256, KV_HEADS=8, HEAD_DIM=128, D_PAD=128, TOKENS=32,
+                                                       TOKEN_SCALES=int8))
 
 target = GPUTarget("cuda", 90, 32)
 kernels = {
     "dequantize-blocks-bf16": dequant("*bf16"),
     "dequantize-blocks-fp16": dequant("*fp16"),
+    "dequantize-blocks-int8-bf16": dequant("*bf16", int8=True),
     "mla-split-bf16": mla("*bf16", "*bf16", False),
     "mla-split-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", False, block_size=32, block_n=64),
     "mla-balanced-bf16-unrolled": mla("*bf16", "*bf16", True, unrolled=2),
@@ -122,6 +126,10 @@ kernels = {
     "rotary-fp32": rotary("*fp32", "*fp32", False),
     "rotary-bf16-fp8-cache": rotary("*bf16", "*fp8e4nv", True),
     "rotary-bf16-int8-cache": rotary("*bf16", "*i8", False, int8=True),
+    "rotary-bf16-rotated": rotary("*bf16", "*bf16", False, rotate=True),
+    "rotary-fp32-rotated": rotary("*fp32", "*fp32", False, rotate=True),
+    "rotary-bf16-int8-cache-rotated": rotary("*bf16", "*i8", False, int8=True, rotate=True),
+    "rotary-bf16-fp8-cache-rotated": rotary("*bf16", "*fp8e4nv", True, rotate=True),
     "norm-bf16": norm("*bf16", False),
     "add-norm-bf16": norm("*bf16", True),
     "add-norm-fp32": norm("*fp32", True),
@@ -150,4 +158,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 29, report
+    assert len(report) == 34, report

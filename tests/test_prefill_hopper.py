@@ -90,16 +90,17 @@ def test_backend_falls_back_where_the_kernel_does_not_apply(hopper_calls: list[i
     assert not hopper_calls
 
 
+@pytest.mark.parametrize("cache", ["float8_e4m3", "int8"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 128, 256), (9, 3, 64, 128), (8, 2, 128, 32)]
 )
-def test_fp8_cache_through_a_dequantized_copy(
-    hopper_calls: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int
+def test_8_bit_cache_through_a_dequantized_copy(
+    hopper_calls: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, cache: str
 ) -> None:
-    """An eager step over an fp8 cache (V token-major, as kvcache allocates it) runs on the
-    Hopper kernel over a 16-bit copy of the blocks its rows read, and matches the oracle on the
-    dequantized cache."""
-    spec = make_spec(heads, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="float8_e4m3")
+    """An eager step over an fp8 or int8 cache (V token-major, as kvcache allocates it) runs on
+    the Hopper kernel over a 16-bit copy of the blocks its rows read, and matches the oracle on
+    the dequantized cache."""
+    spec = make_spec(heads, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype=cache)
     case = make_case(ROWS, spec, block_size=block_size, device="cuda", seed=11)
     backend = TritonBackend(spec)
     plan = backend.plan(case.meta)

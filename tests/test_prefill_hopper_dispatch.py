@@ -88,6 +88,26 @@ def test_an_fp8_cache_runs_on_the_copy_only_when_the_plan_made_one(block_size: i
     assert _routes(backend, unscaled, _launch(dequant=True)) == (False, False)
 
 
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_an_int8_cache_runs_on_the_copy_only_when_the_plan_made_one(block_size: int) -> None:
+    """An int8 cache (per-token scales stored in its blocks) takes the dequantized copy as fp8
+    does; a layer without scales, or with K's and V's scales laid out differently, does not."""
+    from attention.token_scales import quantized_layer
+
+    spec = make_spec(HEADS, KV_HEADS, 128, torch.bfloat16, kv_cache_dtype="int8")
+    backend = TritonBackend(spec)
+    dense = torch.zeros(4, block_size, KV_HEADS, 128)
+    layer = quantized_layer(dense, dense)
+    assert _routes(backend, layer, _launch(dequant=True)) == (False, True)
+    assert _routes(backend, layer, _launch(dequant=False)) == (False, False)
+    assert _routes(TritonBackend(spec, hopper_prefill=False), layer, _launch(dequant=True)) == (False, False)
+    assert layer.v_scale is not None
+    unscaled = LayerCache(layer.key, layer.value)
+    assert _routes(backend, unscaled, _launch(dequant=True)) == (False, False)
+    apart = LayerCache(layer.key, layer.value, k_scale=layer.v_scale.contiguous(), v_scale=layer.v_scale)
+    assert _routes(backend, apart, _launch(dequant=True)) == (False, False)
+
+
 def test_which_outputs_take_the_tma_store() -> None:
     """``out_takes_tma``: packed heads of the given dtype with 16-byte aligned rows; a padded
     head stride, rows off alignment or another dtype take the masked stores."""

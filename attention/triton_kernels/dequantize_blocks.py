@@ -2,11 +2,12 @@
 
 Prefill is compute-bound: over an fp8 cache the attention kernel does the same multiply-adds
 as over a 16-bit one, and the Hopper prefill kernel (:mod:`.prefill_hopper`) takes only 16-bit
-tiles. So for an fp8 cache (a scale per KV head) the backend first copies the blocks its
-prefill rows read, dequantized (``(x.float() * scale).to(dtype)``, exactly what the Triton
-kernels compute on the fly), into a contiguous scratch cache laid out row after row, and runs
-the 16-bit kernel over it with a block table that points there
-(:func:`plan_block_dequant`). Reading the fp8 blocks and writing them at 16 bits moves three
+tiles. So for an 8-bit cache (fp8 with a scale per KV head, int8 with a scale per token and
+KV head) the backend first copies the blocks its prefill rows read, dequantized
+(``(x.float() * scale).to(dtype)``; for fp8 exactly what the Triton kernels compute on the
+fly, for int8 one rounding to ``dtype`` more than their scaled scores), into a contiguous
+scratch cache laid out row after row, and runs the 16-bit kernel over it with a block table
+that points there (:func:`plan_block_dequant`). Reading the fp8 blocks and writing them at 16 bits moves three
 times their bytes once per layer call, while the attention does hundreds of multiply-adds per
 byte read. On the H200 (``benchmarks/results/prefill-hopper-fp8-dequant-2026-12-04.json``), copy
 and kernel together ran at 0.97-1.06x the bf16 cache's speed at 8x4096 / 32x1024 / 2x16384: the
@@ -74,13 +75,17 @@ def plan_block_dequant(seq_lens: Sequence[int], rows: Sequence[int], block_size:
 @triton.jit
 def _dequantize_blocks_kernel(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr,
-    num_blocks, num_rows, table_width, stride_bt, stride_vb, stride_vt, stride_vh, stride_vd,
+    num_blocks, num_rows, table_width, stride_bt, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_st, stride_sh,
     BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    TOKENS: tl.constexpr,
+    TOKENS: tl.constexpr, TOKEN_SCALES: tl.constexpr,
 ):  # fmt: skip
     """Program (i, h, t): tokens ``t * TOKENS ..`` of KV head ``h`` of scratch block ``i``.
-    K is contiguous; V has strides ``stride_v*`` (contiguous or token-major); the output is
-    contiguous ``[num_scratch_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]``."""
+    K has strides ``stride_k*`` (unit along head_dim); V ``stride_v*`` (contiguous or
+    token-major); the output is contiguous ``[num_scratch_blocks, BLOCK_SIZE, KV_HEADS,
+    HEAD_DIM]``. Scales: one per KV head (fp32 [KV_HEADS]), or with TOKEN_SCALES one per
+    (token, KV head) at ``scale_ptr + block * stride_sb + token * stride_st + head *
+    stride_sh`` (an int8 cache, :mod:`attention.token_scales`; K's and V's alike)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(sources_ptr + 2 * i)
@@ -90,14 +95,19 @@ def _dequantize_blocks_kernel(  # type: ignore[no-untyped-def]
     src = tl.where(ok & (src >= 0) & (src < num_blocks), src, 0).to(tl.int64)
     t = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)
     d = tl.arange(0, D_PAD)
-    mask = (t < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]
-    row_off = (t[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :]
-    k = tl.load(k_ptr + src * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + row_off, mask=mask, other=0.0)
+    t_ok = t < BLOCK_SIZE
+    mask = t_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + src * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :], mask=mask, other=0.0)
     v_off = src * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :] * stride_vd
     v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
-    out_off = i.to(tl.int64) * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + row_off
-    ks = tl.load(k_scale_ptr + h)
-    vs = tl.load(v_scale_ptr + h)
+    out_off = i.to(tl.int64) * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + (t[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :]
+    if TOKEN_SCALES:
+        s_off = src * stride_sb + t * stride_st + h * stride_sh
+        ks = tl.load(k_scale_ptr + s_off, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        vs = tl.load(v_scale_ptr + s_off, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        ks = tl.load(k_scale_ptr + h)
+        vs = tl.load(v_scale_ptr + h)
     tl.store(k_out_ptr + out_off, (k.to(tl.float32) * ks).to(k_out_ptr.dtype.element_ty), mask=mask)
     tl.store(v_out_ptr + out_off, (v.to(tl.float32) * vs).to(v_out_ptr.dtype.element_ty), mask=mask)
 
@@ -112,22 +122,29 @@ def dequantize_blocks(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks ``sources`` (int32 [n, 2] of (row, column) of ``block_tables``, on the
-    device) of an fp8 cache with per-KV-head scales (fp32 [kv_heads]) as two new contiguous
-    ``[n, block_size, kv_heads, head_dim]`` caches of ``dtype``. K contiguous, V contiguous or
-    token-major (:mod:`attention.value_layout`)."""
+    device) of an 8-bit cache as two new contiguous ``[n, block_size, kv_heads, head_dim]``
+    caches of ``dtype``: fp8 with per-KV-head scales (fp32 [kv_heads]), or int8 with per-token
+    scales (fp16 [num_blocks, block_size, kv_heads] views, K's and V's with one set of
+    strides: :mod:`attention.token_scales`). K with unit stride along head_dim, V contiguous
+    or token-major (:mod:`attention.value_layout`)."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    if not k_cache.is_contiguous():
-        raise ValueError(f"k_cache: expected a contiguous cache, got strides {k_cache.stride()}")
+    if k_cache.stride(-1) != 1 or k_cache.stride(2) != head_dim:
+        raise ValueError(f"k_cache: expected rows of head_dim contiguous values, got strides {k_cache.stride()}")
+    token_scales = k_scale.dim() == 3
+    if token_scales and k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale, v_scale: expected one layout, got strides {k_scale.stride()}, {v_scale.stride()}")
     n = sources.shape[0]
     k_out = torch.empty(n, block_size, kv_heads, head_dim, dtype=dtype, device=k_cache.device)
     v_out = torch.empty_like(k_out)
     if n == 0:
         return k_out, v_out
     grid = (n, kv_heads, triton.cdiv(block_size, _TOKENS))
+    scale_strides = k_scale.stride() if token_scales else (0, 0, 0)
     _dequantize_blocks_kernel[grid](
         k_cache, v_cache, k_scale, v_scale, block_tables, sources, k_out, v_out,
-        num_blocks, block_tables.shape[0], block_tables.shape[1], block_tables.stride(0), *v_cache.stride(),
+        num_blocks, block_tables.shape[0], block_tables.shape[1], block_tables.stride(0), *k_cache.stride()[:3],
+        *v_cache.stride(), *scale_strides,
         BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim, D_PAD=next_power_of_2(max(head_dim, 16)),
-        TOKENS=_TOKENS,
+        TOKENS=_TOKENS, TOKEN_SCALES=token_scales,
     )  # fmt: skip
     return k_out, v_out
