@@ -193,15 +193,15 @@ def _waves_full(s: DecodeSchedule, kv_heads: int, places: int) -> float:
     ("lens", "pieces"),
     [
         ([4096] * 64, 3),  # 512 programs for 396 places (65% full) -> 1,536 (97%)
-        ([2048] * 128, 3),  # 1,024 (86%) -> 3,072 (97%)
-        ([1024] * 256, 2),  # 2,048 (86%) -> 4,096 (94%)
         ([4000 + 7 * i for i in range(64)], 3),  # near-equal rows count as equal
+        ([3000] * 80, 3),  # 640 (81%) -> 1,280 (81%) -> 1,920 (97%)
     ],
 )
 def test_wave_fill_cuts_near_equal_rows_until_the_waves_are_full(lens: list[int], pieces: int) -> None:
     """64 rows x 8 KV heads leave the second wave of a 396-place launch mostly idle; with
     wave_fill 0.9 every row is cut into the fewest pieces that fill 90% of the waves, on a
     free and on a CUDA graph's fixed grid alike. Without it the rows stay whole."""
+    assert pieces <= WAVE_FILL_SPLITS
     ranges = [(0, n) for n in lens]
     policy = DecodePolicy(wave_fill=0.9)
     plain = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128)
@@ -232,6 +232,9 @@ def test_wave_fill_cuts_near_equal_rows_until_the_waves_are_full(lens: list[int]
         [4096] * 32 + [2000] * 32,  # the shortest under 3/4 of the longest
         [16384] * 16,  # too few rows for one wave: parallelism splits them, as before
         [4096] * 99,  # 792 programs: exactly two full waves
+        [2048] * 128,  # 1,024 programs (2.6 waves, 86% full): two waves or more stay whole
+        [1024] * 256,
+        [8000] * 55,  # 440 programs (56%): 2 or 3 pieces fill only 74% / 83%
         [300] * 64,  # pieces would fall under the 256-token floor
     ],
 )

@@ -224,15 +224,15 @@ def test_a_launchs_wave_fill_reaches_the_schedule(triton_device: str) -> None:
     assert TritonBackend(spec, decode_config=config)._decode_launch(1, 32)[1].wave_fill == 0.9
     given = TritonBackend(spec, decode_config=config, decode_policy=DecodePolicy())
     assert given._decode_launch(1, 32)[1].wave_fill == 0.0
-    # 10 rows x 2 KV heads on 6 SMs, one program an SM: 20 programs for 6 places (83% of 4
-    # waves), cut in two: 40 (95% of 7).
-    case = make_case([(600, 1)] * 10, spec, block_size=32, device=triton_device)
-    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1), num_sms=6)
-    filled = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1, wave_fill=0.9), num_sms=6)
+    # 10 rows x 2 KV heads on 12 SMs, one program an SM: 20 programs for 12 places (83% of 2
+    # waves); in 2 pieces 40 (83% of 4), in 3 pieces 60 (100% of 5).
+    case = make_case([(900, 1)] * 10, spec, block_size=32, device=triton_device)
+    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1), num_sms=12)
+    filled = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, programs_per_sm=1, wave_fill=0.9), num_sms=12)
     assert plain.decode_policy == filled.decode_policy == DecodePolicy()
     (whole,) = plain.plan(case.meta).decode  # type: ignore[attr-defined]
     (cut,) = filled.plan(case.meta).decode  # type: ignore[attr-defined]
-    assert whole.schedule.num_items == 10 and cut.schedule.num_items > 10
+    assert whole.schedule.num_items == 10 and cut.schedule.num_items == 30
     out, _ = _attend(filled, case)
     _check(out, reference_output(case), torch.float16)
     for bad in (-0.5, 2.0):
@@ -259,6 +259,7 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
         assert launch.config.block_n == tile
         assert launch.config.num_stages == (4 if inside else 3 if cache else 2), (block_size, launch.config)
         assert launch.config.programs_per_sm == (2 if inside else None)
+        assert launch.config.wave_fill == (0.9 if cache and not inside else None)
         policy = DecodePolicy(programs_per_sm=3)
         (kept,) = TritonBackend(spec, num_sms=16, decode_policy=policy).plan(case.meta).decode  # type: ignore[attr-defined]
         # 2 rows on 2 KV heads, 16 SMs: 3 programs an SM want <= 24 items, 2 want <= 16.

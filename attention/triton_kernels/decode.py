@@ -149,6 +149,13 @@ def default_decode_config(
     (benchmarks/results/decode-fp8-min-2026-12-04.md); four stay, since a CUDA-graph bucket
     fixes its launch before the step's lengths are known and the wave loss is the larger.
 
+    Where an fp8 cache's tiles span blocks (block 32), near-equal rows that make between one
+    and two waves of programs are cut until the waves are 90% full (``wave_fill``, see
+    :class:`~.decode_schedule.DecodePolicy`): 64 rows x 4096 tokens, 512 programs for 396
+    places, in 0.164 ms against 0.190 (benchmarks/results/decode-wave-fill-2026-12-05.json).
+    Four stages scheduled for 2 programs an SM did better on that one shape (1.60x the bf16
+    cache against 1.53x) but lost 4-14% on every other block-32 shape.
+
     An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
     same tiles and three stages. On the H200 (benchmarks/results/decode-int8-2026-12-04.json),
     over the bench's shapes, 2 stages ran 1.05x / 1.01x and 4 stages 0.94x / 0.97x the speed
@@ -165,6 +172,8 @@ def default_decode_config(
     stages = 3 if one_byte and query_len <= 1 else 2
     if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and block_size is not None and block_size % block_n == 0:
         return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=4, programs_per_sm=2)
+    if kv_dtype in FP8_KV_DTYPES and query_len <= 1:
+        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, wave_fill=0.9)
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
 
 

@@ -21,10 +21,10 @@ positions, so every chunk but a row's first starts on a tile boundary, also when
 
 In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row x 1024
 tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. With a
-``wave_fill`` policy, a batch of near-equal rows whose programs fill the SMs more than once
-but leave the last wave mostly idle (64 rows x 8 KV heads = 512 programs for 396 places:
-1.29 waves) cuts each row into up to :data:`WAVE_FILL_SPLITS` pieces, the fewest whose
-waves are at least ``wave_fill`` full (3 pieces: 1,536 programs, 3.9 waves). A fixed grid
+``wave_fill`` policy (an fp8 cache at block 32), a batch of near-equal rows whose programs
+fill the SMs more than once but leave the second wave mostly idle (64 rows x 8 KV heads = 512
+programs for 396 places: 1.29 waves) cuts each row into up to :data:`WAVE_FILL_SPLITS` pieces,
+the fewest whose waves are at least ``wave_fill`` full (3 pieces: 1,536 programs, 3.9 waves). A fixed grid
 (``max_items``) too small for that chunk makes it grow until the items fit.
 
 The defaults started from a model (HBM shared by the resident programs, each capped at what
@@ -105,11 +105,16 @@ class DecodePolicy:
                       program at ``min_chunk_tokens`` (1 row x 1024 tokens on 8 KV heads).
     wave_fill:        0 (off), or in (0, 1]: when near-equal rows (the shortest >= 3/4 of
                       the longest, none split) give more programs than the SMs hold at once
-                      (``programs_per_sm`` each) and their waves are less than this full,
-                      cut each row into the fewest pieces (<= WAVE_FILL_SPLITS, each >=
-                      ``min_chunk_tokens``) whose waves are at least this full. For launches
-                      whose programs are limited by an SM's issue rate (a one-byte cache's
-                      conversions), where a half-empty last wave leaves SMs idle.
+                      (``programs_per_sm`` each) but fewer than twice that, and their two
+                      waves are less than this full, cut each row into the fewest pieces
+                      (<= WAVE_FILL_SPLITS, each >= ``min_chunk_tokens``) whose waves are at
+                      least this full. For launches whose programs are limited by an SM's
+                      issue rate (an fp8 cache's conversions), where a mostly empty second
+                      wave leaves SMs idle. On the H200 (bench_decode.py --wave-fill,
+                      benchmarks/results/decode-wave-fill-2026-12-05.json): fp8 at block 32,
+                      64 rows x 4096 tokens, 0.190 -> 0.164 ms (3 pieces); with more waves it
+                      lost (fp8 128 x 2048: 0.154 -> 0.172 ms, 256 x 1024: 0.151 -> 0.191), and
+                      the bf16 and int8 caches lost at every shape it cut (5-25%).
     """
 
     programs_per_sm: int = 3
@@ -339,6 +344,8 @@ def _fill_waves(
     if longest > chunk or 4 * min(lengths) < 3 * longest:
         return chunk
     places = policy.programs_per_sm * num_sms
+    if _count_items(starts, ends, chunk, aligned) * num_kv_heads >= 2 * places:
+        return chunk  # two waves or more: cutting lost 10-25% at 2.6 and 5.2 (see DecodePolicy)
 
     def fill(c: int) -> float:
         programs = _count_items(starts, ends, c, aligned) * num_kv_heads
