@@ -18,12 +18,13 @@ Centring the keys as well adds nothing to speak of (2.02e-3, a paired difference
 95% CI [-1.5e-4, 1.0e-4]: ``kv-quant-hadamard-centred-2026-12-05.json``), so a cache takes one
 or the other.
 
-Applied around the backends' kernels (:class:`attention.base.AttentionBackend`): four small
-matrix products per layer and step (q, k, v, the output), in the compute dtype (the matrix
-rounded to it once). With float32 products and the casts around them, an 8B-shaped model's
-128-row decode iteration over an int8 cache took 10.56 ms rotated against 7.72 ms on the H200
-(``benchmarks/results/e2e-int8-rotation-2026-12-05.json``), mostly the casts; folding the
-rotation into the kernels is what would make it free.
+Applied by :class:`attention.base.AttentionBackend` around the backends' kernels, in the
+compute dtype (the matrix rounded to it once): the query and the output on every backend; K
+and V too, except where the fused rotary + cache-write kernel multiplies them itself
+(``rotates_kv_in_rotary_write``: the Triton backend). On the H200 an 8B-shaped model's
+128-row decode iteration over an int8 cache took 8.26 ms rotated against 7.92 unrotated with K
+and V in the fused kernel, 9.82 ms with all four products around the kernels
+(``benchmarks/results/e2e-int8-rotation-fused-2026-12-05.json``, ``-composed-bf16-``).
 """
 
 from __future__ import annotations
