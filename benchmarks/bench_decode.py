@@ -198,7 +198,11 @@ def int8_variants() -> list[Variant]:
 def wave_fill_variants() -> list[Variant]:
     """``--wave-fill``: each cache's default launch with near-equal rows cut until the
     launch's waves are at least 90% / 95% full (``DecodePolicy.wave_fill``), and the default
-    launch with wave fill off (where the default has it on)."""
+    launch with wave fill off (where the default has it on); and the fp8 cache's three-stage
+    launch (its block-32 default, three programs an SM) at every block size, with and without
+    wave fill (at block 256 the default is four stages, two programs an SM)."""
+    from attention.triton_kernels import DecodeConfig
+
     out = []
     for fill in (0.9, 0.95, 0.0):
         out += [
@@ -206,6 +210,9 @@ def wave_fill_variants() -> list[Variant]:
             Variant(f"fp8 cache, wave fill {fill}", fp8=True, wave_fill=fill),
             Variant(f"int8 cache, wave fill {fill}", int8=True, wave_fill=fill),
         ]
+    for three_fill in (0.9, None):
+        three = DecodeConfig(block_n=128, num_warps=4, num_stages=3, wave_fill=three_fill)
+        out.append(Variant(f"fp8 cache, 3 stages, wave fill {three_fill}", config=three, fp8=True))
     return out
 
 
