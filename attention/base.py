@@ -453,13 +453,14 @@ class AttentionBackend(ABC):
         return meta
 
     def _rotation_of(self, rotation: torch.Tensor) -> torch.Tensor:
-        """``rotation`` in the compute dtype, made once per matrix: each product is then one
+        """``rotation`` in the compute dtype and row-major (the fused kernels index it so,
+        whatever the strides it came with), made once per matrix: each product is then one
         kernel in the compute dtype (accumulating in fp32), with no casts of the activations
         (in a 16-bit dtype the matrix's entries round once, about as much as the product's
         result does)."""
         entry = self._rotations.get(rotation.data_ptr())
         if entry is None or entry[0] is not rotation:  # (held: its address is not reused)
-            entry = (rotation, rotation.to(self.compute_dtype))
+            entry = (rotation, rotation.to(self.compute_dtype).contiguous())
             self._rotations[rotation.data_ptr()] = entry
         return entry[1]
 

@@ -183,6 +183,30 @@ def test_the_fused_boundary_stores_what_the_composed_one_stores(under: UnderTest
         assert torch.equal(cases[0].storage[:, edge].view(torch.uint8), before[:, edge].view(torch.uint8))
 
 
+@pytest.mark.parametrize("under", BACKENDS_UNDER_TEST)
+def test_the_fused_boundary_takes_any_orthonormal_matrix(under: UnderTest) -> None:
+    """A caller's own rotation (``KVCacheTensors(rotation=...)`` takes any orthonormal matrix):
+    column-major (as torch.linalg.qr returns it), head_dim 40 (halves padded to 32 lanes), 3 KV
+    heads; fp32, so the fused and the composed boundary store the same values."""
+    if not under.supports(torch.float32):
+        pytest.skip(f"{under.name} does not compute in float32")
+    spec = make_spec(6, 3, 40, torch.float32)
+    if not under.make(spec).rotates_kv_in_rotary_write:
+        pytest.skip(f"{under.name} composes the boundary of a rotated cache (the reference for this test)")
+    rotation = torch.linalg.qr(torch.randn(40, 40, generator=torch.Generator().manual_seed(2)))[0]
+    assert not rotation.is_contiguous()
+    inv_freq = 1.0 / 500.0 ** (torch.arange(0, 40, 2, dtype=torch.float32) / 40)
+    table = RotaryTable.build(inv_freq.to(under.device), 140)
+    cases = [make_case(ROWS, spec, block_size=under.block_size, device=under.device, seed=9) for _ in range(2)]
+    fused, composed = (dataclasses.replace(c.layer, rotation=rotation.to(under.device)) for c in cases)
+    for backend, case, layer in ((under.make(spec), cases[0], fused), (ReferenceBackend(spec), cases[1], composed)):
+        backend.rotary_write_kv(case.query, case.new_key, case.new_value, layer, backend.plan(case.meta), table)
+    slots = cases[0].meta.slot_mapping[cases[0].meta.slot_mapping >= 0]
+    for got, want in zip(_stored(fused, slots), _stored(composed, slots), strict=True):
+        assert want.abs().max() > 0.5
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_an_int8_cache_loses_far_less_on_keys_with_outlier_channels() -> None:
     """Keys whose channels 3 and 17 are 30x the rest (as real models' are): through an int8
     cache, attention rotated is several times closer to the float64 oracle than unrotated."""
