@@ -204,8 +204,8 @@ def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: Dec
         raise ValueError(f"num_rows: {num_rows} must be >= 0")
     balanced = num_rows + math.ceil(num_rows / policy.balance)
     target = _target_items(num_kv_heads, num_sms, policy)
-    # Wave fill cuts rows only when they alone reach the target (see _fill_waves).
-    filled = WAVE_FILL_SPLITS * num_rows if policy.wave_fill and num_rows >= target else 0
+    # Wave fill cuts only batches of [target, 2 x target) rows (one to two waves: _fill_waves).
+    filled = WAVE_FILL_SPLITS * min(num_rows, 2 * target) if policy.wave_fill and num_rows >= target else 0
     return max(balanced, target, filled) if num_rows else 0
 
 
