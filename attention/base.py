@@ -89,11 +89,6 @@ class AttentionBackend(ABC):
     #: Whether the backend reads a token-major V (``attention.value_layout``, what kvcache
     #: allocates for 8-bit caches) besides a contiguous one.
     reads_token_major_values: ClassVar[bool] = True
-    #: Whether ``_rotary_write_kv`` stores K and V in a rotated cache's basis itself (it then
-    #: gets ``layer.rotation``); otherwise ``rotary_write_kv`` composes rotary, the products
-    #: and ``_write_kv``.
-    rotates_kv_in_rotary_write: ClassVar[bool] = False
-
     def __init__(self, spec: AttentionSpec):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
@@ -451,6 +446,13 @@ class AttentionBackend(ABC):
                 f"metadata: on {meta.device}, but the cache is on {k.device}; build it for the cache's device"
             )
         return meta
+
+    @property
+    def rotates_kv_in_rotary_write(self) -> bool:
+        """Whether ``_rotary_write_kv`` stores K and V in a rotated cache's basis itself (it
+        then gets ``layer.rotation``); otherwise ``rotary_write_kv`` composes rotary, the
+        products and ``_write_kv``. Default: no."""
+        return False
 
     def _rotation_of(self, rotation: torch.Tensor) -> torch.Tensor:
         """``rotation`` in the compute dtype and row-major (the fused kernels index it so,

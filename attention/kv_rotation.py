@@ -21,7 +21,7 @@ or the other.
 Applied by :class:`attention.base.AttentionBackend` around the backends' kernels, in the
 compute dtype (the matrix rounded to it once): the query and the output on every backend; K
 and V too, except where the fused rotary + cache-write kernel multiplies them itself
-(``rotates_kv_in_rotary_write``: the Triton backend). On the H200 an 8B-shaped model's
+(``rotates_kv_in_rotary_write``: the Triton backend, head_dim up to 128). On the H200 an 8B-shaped model's
 128-row decode iteration over an int8 cache took 8.26 ms rotated against 7.92 unrotated with K
 and V in the fused kernel, 9.82 ms with all four products around the kernels
 (``benchmarks/results/e2e-int8-rotation-fused-2026-12-05.json``, ``-composed-bf16-``).

@@ -229,7 +229,6 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
-    rotates_kv_in_rotary_write = True  # the fused kernel multiplies K and V (rotary_write)
 
     def __init__(
         self,
@@ -574,6 +573,13 @@ class TritonBackend(AttentionBackend):
         write_kv_cache(
             key, value, layer.key, layer.value, meta.slot_mapping, layer.k_scale, layer.v_scale, layer.k_centre
         )
+
+    @property
+    def rotates_kv_in_rotary_write(self) -> bool:
+        """The fused kernel multiplies K and V up to head_dim 128 (its [d, d] matrix in four
+        [d/2, d/2] quarters: 32 KiB in bf16). At 256 the quarters took 136 KiB of shared
+        memory and spilled (sm_90, Triton 3.6), so those caches compose the boundary."""
+        return self.spec.head_dim <= 128
 
     def _rotary_write_kv(
         self,

@@ -207,6 +207,16 @@ def test_the_fused_boundary_takes_any_orthonormal_matrix(under: UnderTest) -> No
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_which_boundaries_the_triton_kernel_rotates() -> None:
+    """Up to head_dim 128 the fused kernel multiplies K and V; at 256 (its matrix would not
+    fit the kernel's shared memory) the boundary is composed; the reference always composes."""
+    from attention.triton_backend import TritonBackend
+
+    assert TritonBackend(make_spec(8, 2, 128, torch.bfloat16)).rotates_kv_in_rotary_write
+    assert not TritonBackend(make_spec(4, 2, 256, torch.bfloat16)).rotates_kv_in_rotary_write
+    assert not ReferenceBackend(make_spec(8, 2, 128, torch.bfloat16)).rotates_kv_in_rotary_write
+
+
 def test_an_int8_cache_loses_far_less_on_keys_with_outlier_channels() -> None:
     """Keys whose channels 3 and 17 are 30x the rest (as real models' are): through an int8
     cache, attention rotated is several times closer to the float64 oracle than unrotated."""

@@ -23,9 +23,10 @@ In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row
 tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. With a
 ``wave_fill`` policy (an fp8 cache at block 32), a batch of near-equal rows whose programs
 fill the SMs more than once but leave the second wave mostly idle (64 rows x 8 KV heads = 512
-programs for 396 places: 1.29 waves) cuts each row into up to :data:`WAVE_FILL_SPLITS` pieces,
-the fewest whose waves are at least ``wave_fill`` full (3 pieces: 1,536 programs, 3.9 waves). A fixed grid
-(``max_items``) too small for that chunk makes it grow until the items fit.
+programs for 396 places: 1.29 waves) cuts each row into up to :data:`WAVE_FILL_SPLITS`
+pieces, the fewest whose waves are at least ``wave_fill`` full (3 pieces: 1,536 programs, 3.9
+waves). A fixed grid (``max_items``) too small for that chunk makes it grow until the items
+fit.
 
 The defaults started from a model (HBM shared by the resident programs, each capped at what
 its own pipeline keeps in flight: ~20 GB/s on the H200, which is why flash-attn needs 354 us
