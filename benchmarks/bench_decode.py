@@ -24,7 +24,9 @@ and the run goes on (except after a CUDA error that kills the context).
 ``--sweep`` also times the decode variants (fused combine, DECODE_SWEEP's tiles, a finer and
 a coarser chunking policy; variants after ``--budget-s`` seconds are skipped, with a note) and
 reports the best per shape; ``--fp8-sweep`` adds fp8-cache variants (the dots in bf16, the
-conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--shapes``
+conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--wave-fill``
+each cache with near-equal rows cut to fill the launch's waves; ``--variants`` keeps only the
+added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
 
@@ -33,8 +35,8 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 "decode_window": [rows]}). Without a CUDA GPU it says so and exits 2.
 
 Run (from the project root, on the GPU machine):
-    python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--window]
-        [--shapes 64x4096,32x512] [--out PATH] [--warmup-ms 25] [--rep-ms 100]
+    python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
+        [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH] [--warmup-ms 25] [--rep-ms 100]
 """
 
 from __future__ import annotations
@@ -409,6 +411,7 @@ def run_decode(
     budget_s: float,
     fp8_sweep: bool = False,
     wave_fill: bool = False,
+    variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
     flash-attn at 256, on every shape. Sweep variants stop once ``budget_s`` has passed
@@ -416,6 +419,9 @@ def run_decode(
     flash = common.flash_attn_backend(notes, "decode rows")
     chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
     chosen += wave_fill_variants() if wave_fill else []
+    if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
+        keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
+        chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
     deadline = time.monotonic() + budget_s
     skipped = 0
     rows: list[DecodeRow] = []
@@ -638,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
         "--wave-fill", action="store_true", help="also time each cache with near-equal rows cut to fill the waves"
     )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
+    parser.add_argument(
+        "--variants", default="", help="comma-separated substrings: keep only the sweep variants naming one"
+    )
     parser.add_argument("--budget-s", type=float, default=270.0, help="seconds after which sweep variants are skipped")
     parser.add_argument("--window", action="store_true", help="also time sliding-window decode past the window")
     parser.add_argument("--window-only", action="store_true", help="time sliding-window decode only")
@@ -664,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep=args.sweep,
                 fp8_sweep=args.fp8_sweep,
                 wave_fill=args.wave_fill,
+                variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,
                 notes=run.notes,
