@@ -272,7 +272,8 @@ class TritonBackend(AttentionBackend):
         self._given_decode_policy = decode_policy is not None
         #: The chunking policy (given, or the default); a default-policy launch whose config
         #: names fewer programs per SM schedules for those (:meth:`_decode_launch`), which
-        #: never needs more items or partial slots than this policy's bounds.
+        #: never needs more items or partial slots than this policy's bounds; one whose config
+        #: names a wave fill may need more (the buffers take :meth:`_bounding_decode_policy`).
         self.decode_policy = decode_policy or DecodePolicy()
         self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
@@ -316,9 +317,10 @@ class TritonBackend(AttentionBackend):
         rows = capacity.max_rows
         sms = self._sms(None)
         kvh, heads, d = self.spec.num_kv_heads, self.spec.num_heads, self.spec.head_dim
-        items = max_decode_items(rows, kvh, sms, self.decode_policy)
+        bound = self._bounding_decode_policy()
+        items = max_decode_items(rows, kvh, sms, bound)
         q = self._graph_query_len(rows, capacity.max_tokens)
-        partials = max(1, max_decode_partials(rows, kvh, sms, self.decode_policy, max_query_len=q))
+        partials = max(1, max_decode_partials(rows, kvh, sms, bound, max_query_len=q))
         tiles = max_prefill_tiles(capacity.max_rows, capacity.max_tokens, _MIN_BLOCK_M)
         found = [
             BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True),
@@ -495,6 +497,20 @@ class TritonBackend(AttentionBackend):
         sources = direct.stage("prefill_dequant_sources", plan.sources).view(-1, 2)
         tables = direct.stage("prefill_dequant_tables", plan.tables).view(plan.batch, plan.width)
         return BlockDequant(sources, tables)
+
+    def _bounding_decode_policy(self) -> DecodePolicy:
+        """A policy whose item and partial-slot bounds (``max_decode_items``,
+        ``max_decode_partials``) hold every policy :meth:`_decode_launch` returns, at any block
+        size: the backend's own, with wave fill if any launch may take it (a launch's
+        ``programs_per_sm`` is never above the policy's, and fewer programs an SM only lower
+        the bounds). The fixed buffers are sized from it, before block sizes are known."""
+        policy = self.decode_policy
+        if self._given_decode_policy:
+            return policy
+        # Block 1 spans tiles; 2^20 holds whole tiles of any size: the two kinds of default.
+        launches = [self._decode_launch(n, b) for n in (1, self.max_decode_query_len) for b in (1, 1 << 20)]
+        fills = [p.wave_fill for _, p in launches]
+        return replace(policy, wave_fill=max(fills)) if max(fills) > policy.wave_fill else policy
 
     def _decode_launch(self, query_len: int, block_size: int) -> tuple[DecodeConfig, DecodePolicy]:
         """The launch parameters and chunking policy for rows of up to ``query_len`` new

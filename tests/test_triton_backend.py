@@ -240,6 +240,28 @@ def test_a_launchs_wave_fill_reaches_the_schedule(triton_device: str) -> None:
             DecodeConfig(wave_fill=bad)
 
 
+def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None:
+    """An fp8 cache at block 32 cuts near-equal rows to fill the waves (its default launch's
+    ``wave_fill``), which takes more items and partial slots than the default policy's
+    bounds: the builder's fixed buffers are sized for it, so a CUDA-graph bucket of such rows
+    plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three)."""
+    from kvcache import BlockManager, MetadataBuilder, ScheduledRow, StepCapacity
+
+    spec = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
+    backend = TritonBackend(spec, num_sms=4)
+    manager = BlockManager(8 * 32 + 4, 32)
+    for i in range(8):
+        manager.allocate(i, 1000)
+    MetadataBuilder(triton_device).build(manager, [ScheduledRow(i, 999, start=0) for i in range(8)])  # the prompts
+    builder = MetadataBuilder(triton_device, capacity=StepCapacity(8, 8, 32), backend=backend)
+    plan = builder.plan(manager, [ScheduledRow(i, 1, start=999) for i in range(8)], pad_to=8)
+    (launch,) = plan.decode  # type: ignore[attr-defined]
+    assert launch.config.wave_fill == 0.9 and launch.schedule.num_items == 24, launch.schedule
+    bound = backend._bounding_decode_policy()
+    assert bound.wave_fill == 0.9 and bound.programs_per_sm == backend.decode_policy.programs_per_sm
+    assert TritonBackend(make_spec(8, 2, 64, torch.float16))._bounding_decode_policy().wave_fill == 0.0
+
+
 @pytest.mark.parametrize("cache", ["float8_e4m3", None])
 def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: str) -> None:
     """The default one-token launch of an fp8 cache takes 3 stages where its tiles span
