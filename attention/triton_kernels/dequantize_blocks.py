@@ -7,12 +7,14 @@ KV head) the backend first copies the blocks its prefill rows read, dequantized
 (``(x.float() * scale).to(dtype)``; for fp8 exactly what the Triton kernels compute on the
 fly, for int8 one rounding to ``dtype`` more than their scaled scores), into a contiguous
 scratch cache laid out row after row, and runs the 16-bit kernel over it with a block table
-that points there (:func:`plan_block_dequant`). Reading the fp8 blocks and writing them at 16 bits moves three
-times their bytes once per layer call, while the attention does hundreds of multiply-adds per
-byte read. On the H200 (``benchmarks/results/prefill-hopper-fp8-dequant-2026-12-04.json``), copy
-and kernel together ran at 0.97-1.06x the bf16 cache's speed at 8x4096 / 32x1024 / 2x16384: the
-copy is compact (a row's blocks in order), which the kernel reads faster than scattered
-blocks. The copy is transient memory outside the cache sizing, capped by the backend
+that points there (:func:`plan_block_dequant`). Reading the 8-bit blocks and writing them at
+16 bits moves three times their bytes once per layer call, while the attention does hundreds
+of multiply-adds per byte read. On the H200
+(``benchmarks/results/prefill-hopper-fp8-dequant-2026-12-04.json``), copy and kernel together
+ran at 0.97-1.06x the bf16 cache's speed at 8x4096 / 32x1024 / 2x16384 for fp8 (the copy is
+compact, a row's blocks in order, which the kernel reads faster than scattered blocks), and
+0.90-1.03x for int8 (``prefill-int8-dequant-2026-12-05.json``; 0.64-0.71x on the Triton
+kernel). The copy is transient memory outside the cache sizing, capped by the backend
 (``_DEQUANT_SCRATCH_BYTES``, 1 GiB; larger steps stay on the Triton kernel).
 
 The plan is made on the host from host lengths; the kernel reads block ids from the device
