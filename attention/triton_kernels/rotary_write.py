@@ -75,17 +75,14 @@ def _basis_quarter(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _to_basis(  # type: ignore[no-untyped-def]
-    lo, hi, mask, rot_ptr, dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, INTERPRETED: tl.constexpr
+    lo, hi, mask, r00, r01, r10, r11, dtype: tl.constexpr, INTERPRETED: tl.constexpr
 ):
     """fp32 rows ``[lo | hi]`` ([heads, HALF_PAD] each; lanes outside ``mask`` read as 0)
-    times the [2 HALF, 2 HALF] matrix at ``rot_ptr`` (of ``dtype``, the input's): the rows
-    rounded to ``dtype``, fp32 sums, the result rounded to ``dtype``; returned as fp32 halves."""
+    times the [2 HALF, 2 HALF] matrix whose quarters are ``r00 .. r11`` (:func:`_basis_quarter`,
+    of ``dtype``, the input's): the rows rounded to ``dtype``, fp32 sums, the result rounded to
+    ``dtype``; returned as fp32 halves."""
     a = tl.where(mask, _as_input_dtype(lo, dtype, INTERPRETED), 0.0)
     b = tl.where(mask, _as_input_dtype(hi, dtype, INTERPRETED), 0.0)
-    r00 = _basis_quarter(rot_ptr, 0, 0, HALF, HALF_PAD)
-    r01 = _basis_quarter(rot_ptr, 0, HALF, HALF, HALF_PAD)
-    r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
-    r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
     if INTERPRETED or dtype == tl.float32:
         # fp32 products of values on dtype's grid (the interpreter has no 16-bit dots); no
         # TF32, so they are as exact as the composed boundary's.
@@ -214,9 +211,13 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         dtype = k_cache_ptr.dtype.element_ty
         if ROTATE:  # K and V into the cache's basis, rounded to the input's dtype
             k_in_dtype = k_ptr.dtype.element_ty
-            k_lo, k_hi = _to_basis(k_lo, k_hi, kv_mask, rot_ptr, k_in_dtype, HALF, HALF_PAD, INTERPRETED)
+            r00 = _basis_quarter(rot_ptr, 0, 0, HALF, HALF_PAD)  # the matrix, loaded once for K and V
+            r01 = _basis_quarter(rot_ptr, 0, HALF, HALF, HALF_PAD)
+            r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
+            r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
+            k_lo, k_hi = _to_basis(k_lo, k_hi, kv_mask, r00, r01, r10, r11, k_in_dtype, INTERPRETED)
             v_lo_rot, v_hi_rot = _to_basis(
-                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, rot_ptr, k_in_dtype, HALF, HALF_PAD, INTERPRETED
+                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, r00, r01, r10, r11, k_in_dtype, INTERPRETED
             )
             v_lo = v_lo_rot.to(k_in_dtype)
             v_hi = v_hi_rot.to(k_in_dtype)
