@@ -89,6 +89,7 @@ class AttentionBackend(ABC):
     #: Whether the backend reads a token-major V (``attention.value_layout``, what kvcache
     #: allocates for 8-bit caches) besides a contiguous one.
     reads_token_major_values: ClassVar[bool] = True
+
     def __init__(self, spec: AttentionSpec):
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")

@@ -267,9 +267,7 @@ def test_wave_fill_keeps_the_invariants_and_the_graph_bounds(
         bucket = len(ranges) + spare
         free = schedule_decode(ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, policy=policy)
         _check_invariants(free, ranges, policy)
-        assert free.num_items <= WAVE_FILL_SPLITS * len(ranges) or free.num_items <= max_decode_items(
-            len(ranges), kv_heads, sms, policy
-        )
+        assert free.num_items <= max_decode_items(len(ranges), kv_heads, sms, policy)
         fixed = schedule_decode(
             ranges,
             num_kv_heads=kv_heads,

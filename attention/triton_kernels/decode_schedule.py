@@ -345,20 +345,22 @@ def _fill_waves(
     if longest > chunk or 4 * min(lengths) < 3 * longest:
         return chunk
     places = policy.programs_per_sm * num_sms
-    if _count_items(starts, ends, chunk, aligned) * num_kv_heads >= 2 * places:
-        return chunk  # two waves or more: cutting lost 10-25% at 2.6 and 5.2 (see DecodePolicy)
 
-    def fill(c: int) -> float:
-        programs = _count_items(starts, ends, c, aligned) * num_kv_heads
+    def fill(items: int) -> float:
+        """How full the waves of ``items`` x KV heads programs are."""
+        programs = items * num_kv_heads
         return programs / (-(-programs // places) * places)
 
-    if fill(chunk) >= policy.wave_fill:
+    items = _count_items(starts, ends, chunk, aligned)
+    # Two waves or more stay whole: cutting lost 10-25% at 2.6 and 5.2 (see DecodePolicy).
+    if items * num_kv_heads >= 2 * places or fill(items) >= policy.wave_fill:
         return chunk
     for pieces in range(2, WAVE_FILL_SPLITS + 1):
         cut = -(-longest // (pieces * block_n)) * block_n
-        if cut < floor or _count_items(starts, ends, cut, aligned) > budget:
+        items = _count_items(starts, ends, cut, aligned)
+        if cut < floor or items > budget:
             break
-        if fill(cut) >= policy.wave_fill:
+        if fill(items) >= policy.wave_fill:
             return cut
     return chunk
 
