@@ -25,7 +25,9 @@ and the run goes on (except after a CUDA error that kills the context).
 a coarser chunking policy; variants after ``--budget-s`` seconds are skipped, with a note) and
 reports the best per shape; ``--fp8-sweep`` adds fp8-cache variants (the dots in bf16, the
 conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--wave-fill``
-each cache with near-equal rows cut to fill the launch's waves; ``--variants`` keeps only the
+each cache with near-equal rows cut to fill the launch's waves; ``--query-in-registers`` the
+fp8 cache compiled with its query tile kept in registers (``query_in_registers.py``, a Triton
+pipeline hook, in a fresh Triton cache); ``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
@@ -36,7 +38,8 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 
 Run (from the project root, on the GPU machine):
     python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
-        [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH] [--warmup-ms 25] [--rep-ms 100]
+        [--query-in-registers] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH]
+        [--warmup-ms 25] [--rep-ms 100]
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -54,6 +59,7 @@ from typing import Any
 import common
 import torch
 from common import DEVICE, DTYPE, HEAD_DIM, HEADS, KV_HEADS, REL_ERR_LIMIT, JsonRow, KernelTimer, fmt
+from query_in_registers import keep_query_in_registers
 
 FP8 = torch.float8_e4m3fn
 UNIFORM = [(1, 1024), (1, 32768), (8, 512), (32, 512), (64, 4096), (128, 2048), (256, 1024), (16, 16384)]
@@ -216,6 +222,33 @@ def wave_fill_variants() -> list[Variant]:
         three = DecodeConfig(block_n=128, num_warps=4, num_stages=3, wave_fill=three_fill)
         out.append(Variant(f"fp8 cache, 3 stages, wave fill {three_fill}", config=three, fp8=True))
     return out
+
+
+def query_register_variants() -> list[Variant]:
+    """``--query-in-registers``: the fp8 cache compiled without Triton's ReorderInstructions
+    (:mod:`query_in_registers`: the query tile stays in registers instead of being reloaded
+    from shared memory every tile), selected by ``maxnreg``: four stages two an SM (the block-256
+    default's launch), three stages two an SM (the block-32 default's, at the 223 registers it
+    then takes) and three stages capped at 168 registers (three an SM, with spills)."""
+    from attention.triton_kernels import DecodeConfig
+
+    return [
+        Variant(
+            "fp8 cache, query in registers, 4 stages, 2 an SM",
+            config=DecodeConfig(block_n=128, num_warps=4, num_stages=4, programs_per_sm=2, maxnreg=255),
+            fp8=True,
+        ),
+        Variant(
+            "fp8 cache, query in registers, 3 stages, 2 an SM",
+            config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=255, wave_fill=0.9),
+            fp8=True,
+        ),
+        Variant(
+            "fp8 cache, query in registers, 3 stages, 168 registers",
+            config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, maxnreg=168, wave_fill=0.9),
+            fp8=True,
+        ),
+    ]
 
 
 def fp8_variants() -> list[Variant]:
@@ -411,6 +444,7 @@ def run_decode(
     budget_s: float,
     fp8_sweep: bool = False,
     wave_fill: bool = False,
+    query_in_registers: bool = False,
     variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
@@ -419,6 +453,7 @@ def run_decode(
     flash = common.flash_attn_backend(notes, "decode rows")
     chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
     chosen += wave_fill_variants() if wave_fill else []
+    chosen += query_register_variants() if query_in_registers else []
     if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
         keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
         chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
@@ -643,6 +678,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wave-fill", action="store_true", help="also time each cache with near-equal rows cut to fill the waves"
     )
+    parser.add_argument(
+        "--query-in-registers",
+        action="store_true",
+        help="also time the fp8 cache compiled with its query kept in registers (query_in_registers.py)",
+    )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument(
         "--variants", default="", help="comma-separated substrings: keep only the sweep variants naming one"
@@ -673,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep=args.sweep,
                 fp8_sweep=args.fp8_sweep,
                 wave_fill=args.wave_fill,
+                query_in_registers=args.query_in_registers,
                 variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,
@@ -695,7 +736,14 @@ def main(argv: list[str] | None = None) -> int:
             doc["decode_window"] = [r.as_json() for r in window]
         return doc
 
-    run.measure(body, document)
+    if args.query_in_registers:
+        # Triton 3.6 does not key its cache on the stages hook: compile this run afresh.
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-query-registers-")
+        run.notes.append(f"--query-in-registers: Triton cache {os.environ['TRITON_CACHE_DIR']}")
+        with keep_query_in_registers():
+            run.measure(body, document)
+    else:
+        run.measure(body, document)
     if window:
         print_decode_table(window)
     if decode:

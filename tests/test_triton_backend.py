@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -238,6 +239,35 @@ def test_a_launchs_wave_fill_reaches_the_schedule(triton_device: str) -> None:
     for bad in (-0.5, 2.0):
         with pytest.raises(ValueError, match=r"DecodeConfig\.wave_fill"):
             DecodeConfig(wave_fill=bad)
+
+
+def test_a_register_cap_reaches_the_launch(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DecodeConfig.maxnreg`` is passed to the chunk kernel's launch (a compile option: the
+    output is the same); outside [32, 255] or not an int it is refused."""
+    from attention.triton_kernels import decode as decode_module
+
+    kernel = decode_module.decode_items_kernel
+    options: list[object] = []
+
+    class Recording:
+        def __getitem__(self, grid: object) -> Any:
+            def launch(*args: object, **kwargs: object) -> object:
+                options.append(kwargs.get("maxnreg"))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    spec = make_spec(8, 2, 64, torch.float16)
+    case = make_case([(300, 1), (77, 1)], spec, block_size=32, device=triton_device)
+    monkeypatch.setattr(decode_module, "decode_items_kernel", Recording())
+    for cap in (128, None):
+        backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, maxnreg=cap))
+        out, _ = _attend(backend, case)
+        _check(out, reference_output(case), torch.float16)
+        assert options[-1] == cap
+    for bad in (31, 256, 128.0, True):
+        with pytest.raises(ValueError, match=r"DecodeConfig\.maxnreg"):
+            DecodeConfig(maxnreg=bad)  # type: ignore[arg-type]
 
 
 def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None:

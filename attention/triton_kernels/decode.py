@@ -86,6 +86,9 @@ class DecodeConfig:
                 (``DecodePolicy.programs_per_sm``). None: the policy's.
     wave_fill:  likewise ``DecodePolicy.wave_fill`` for a backend without a given policy
                 (None: the policy's).
+    maxnreg:    registers per thread the chunk kernel may use (Triton's ``maxnreg``, in
+                [32, 255]); ptxas spills past it. None: the compiler's choice. A cap can keep
+                one more program an SM (``programs_per_sm``) at the price of spills.
     """
 
     block_n: int = 64
@@ -96,6 +99,7 @@ class DecodeConfig:
     f16_fp8_dots: bool = True
     programs_per_sm: int | None = None
     wave_fill: float | None = None
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -104,6 +108,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
         if self.wave_fill is not None and not 0.0 <= self.wave_fill <= 1.0:
             raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
+        if self.maxnreg is not None and (type(self.maxnreg) is not int or not 32 <= self.maxnreg <= 255):
+            raise ValueError(f"DecodeConfig.maxnreg: {self.maxnreg!r} must be an int in [32, 255] (or None)")
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -527,6 +533,7 @@ def paged_decode(
         V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     if schedule.needs_combine and not config.fused_combine:
         decode_combine_kernel[(num_heads, schedule.grid_rows)](
