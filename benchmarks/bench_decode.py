@@ -148,16 +148,19 @@ class Variant:
     contiguous_values: bool = False  # an fp8 V stored contiguous instead of token-major
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
+    fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
         from attention.triton_kernels import default_decode_config
 
         config = self.config
+        kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
+        default = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
         if self.wave_fill is not None:
-            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
-            default = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
             config = dataclasses.replace(config or default, wave_fill=self.wave_fill)
+        if self.fused_combine:
+            config = dataclasses.replace(config or default, fused_combine=True)
         return TritonBackend(
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
             decode_config=config,
@@ -254,8 +257,9 @@ def query_register_variants() -> list[Variant]:
 def fp8_variants() -> list[Variant]:
     """``--fp8-sweep``: the fp8 cache with V contiguous (the layout before token-major V) at
     3 and 2 stages, with its dots in the query's dtype (bf16, the conversion the fp16 dots
-    replace), and launches around the fp8 default (tile 64 / 128 tokens, 4 / 8 warps, 2-4
-    stages)."""
+    replace), each cache's default launch with its split rows merged by the last of their
+    programs (``fused_combine``: no second launch), and launches around the fp8 default (tile
+    64 / 128 tokens, 4 / 8 warps, 2-4 stages)."""
     from attention.triton_kernels import DecodeConfig, default_decode_config
 
     base = default_decode_config(HEAD_DIM, DTYPE, FP8)
@@ -268,6 +272,9 @@ def fp8_variants() -> list[Variant]:
             contiguous_values=True,
         ),
         Variant("fp8 cache, bf16 dots", config=dataclasses.replace(base, f16_fp8_dots=False), fp8=True),
+        Variant("fp8 cache, fused combine", fused_combine=True, fp8=True),
+        Variant("int8 cache, fused combine", fused_combine=True, int8=True),
+        Variant("bf16 cache, fused combine", fused_combine=True),
     ]
     for block_n, warps, stages in ((128, 4, 2), (128, 4, 4), (128, 8, 3), (64, 4, 3), (64, 4, 4)):
         config = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)

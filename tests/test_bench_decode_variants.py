@@ -1,0 +1,37 @@
+"""benchmarks/bench_decode.py's added launches: what each variant hands the backend (no GPU
+needed to build a backend and ask it for its launch)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attention.triton_kernels import default_decode_config
+from tests.bench_script import load_bench
+
+
+def test_fused_combine_variants_keep_each_block_sizes_default_launch() -> None:
+    bench = load_bench("bench_decode")
+    named = {v.name: v for v in bench.fp8_variants()}
+    for name, kv_dtype in (
+        ("fp8 cache, fused combine", torch.float8_e4m3fn),
+        ("int8 cache, fused combine", torch.int8),
+        ("bf16 cache, fused combine", None),
+    ):
+        for block_size in (32, 256):
+            config, _ = named[name].backend(block_size)._decode_launch(1, block_size)
+            default = default_decode_config(bench.HEAD_DIM, bench.DTYPE, kv_dtype, block_size=block_size)
+            assert config == dataclasses.replace(default, fused_combine=True), (name, block_size)
+
+
+def test_query_register_variants_are_capped_so_the_hook_takes_them() -> None:
+    bench = load_bench("bench_decode")
+    chosen = bench.query_register_variants()
+    assert len(chosen) == 3
+    for variant in chosen:
+        assert variant.fp8 and variant.config.maxnreg is not None, variant.name  # the hook's selector
+        config, policy = variant.backend(32)._decode_launch(1, 32)
+        assert config.maxnreg == variant.config.maxnreg
+        # 223 registers (block 32) and 191 (block 256) hold two programs an SM; capped at 168, three
+        assert policy.programs_per_sm == (3 if variant.config.maxnreg == 168 else 2), variant.name
