@@ -2,8 +2,8 @@
 
 Compiled for sm_90 with Triton 3.6 (the H200's; off the device, ``triton.compile`` plus
 cuobjdump), the fp8 decode loop reloads the query tile from shared memory on every K/V tile:
-38-48 ``LDS.64`` and about 130 register moves (``IMAD.MOV``) a 128-token tile, of 833
-instructions at block 32 and 891 at block 256. The query is loop-invariant; Triton's
+at block 32, 38 ``LDS.64`` and most of the 167 register moves (``IMAD.MOV``) of the 833
+instructions a 128-token tile takes (891 at block 256). The query is loop-invariant; Triton's
 ``ReorderInstructions`` pass moves the shared-memory load of a dot operand into the loop
 whenever that load has one user inside it ("sink conversions into loops when they will
 increase register pressure"), and no form of the kernel source tried avoids it (a second user
