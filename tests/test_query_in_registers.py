@@ -16,40 +16,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from query_in_registers import PIPELINE_KEY, keep_query_in_registers, stages_hook
 
 _SCRIPT = r"""
-import json, os, re, sys
+import contextlib, json, os, re, sys
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the hook is what is tested: no cached binary may answer
 sys.path.insert(0, "benchmarks")
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from attention.triton_kernels.decode_kernels import decode_items_kernel
 from query_in_registers import keep_query_in_registers
-
-def fp8_items():
-    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32",
-           "v_scale_ptr": "*fp32", "sinks_ptr": "*fp32", "tree_ptr": "*i32", "block_tables_ptr": "*i32",
-           "items_ptr": "*i32", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-           "counters_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32", "window": "i32"}
-    for name in ("num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
-                 "num_partial_slots", "num_counter_rows", "stride_qt", "stride_qh", "stride_bt",
-                 "stride_ot", "stride_oh"):
-        sig[name] = "i32"
-    consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, G_PAD=4, Q_PAD=1, M_PAD=16, HEAD_DIM=128, D_PAD=128,
-                  BLOCK_SIZE=256, BLOCK_N=128, BLOCK_STRIDE=256 * 8 * 128, KV_SCALED=True, TOKEN_SCALES=False,
-                  F16_DOTS=True, UPCAST=False, DOT_PRECISION="tf32", FUSED_COMBINE=False, MERGE_CHUNKS=32,
-                  SOFTCAP=False, SINKS=False, TREE=False, V_TOKEN_MAJOR=True)
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    aligned = [*range(13), 23, 24, 26, 27]
-    return ASTSource(decode_items_kernel, sig, constexprs=consts,
-                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+from tests.decode_compile_source import items_kernel
 
 def query_loads(options, hooked):
     options = dict(num_warps=4, num_stages=4, **options)
-    if hooked:
-        with keep_query_in_registers():
-            k = triton.compile(fp8_items(), target=GPUTarget("cuda", 90, 128), options=options)
-    else:
-        k = triton.compile(fp8_items(), target=GPUTarget("cuda", 90, 128), options=options)
+    with keep_query_in_registers() if hooked else contextlib.nullcontext():
+        k = triton.compile(items_kernel(256, False, fp8=True, token_major=True), target=GPUTarget("cuda", 90, 128),
+                           options=options)
     ttgir = k.asm["ttgir"]
     loop = ttgir.index("scf.for")
     return ["in loop" if m.start() > loop else "before" for m in re.finditer(r"%q\w* = ttg.local_load", ttgir)]
