@@ -155,12 +155,13 @@ class Variant:
         from attention.triton_kernels import default_decode_config
 
         config = self.config
-        kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
-        default = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
-        if self.wave_fill is not None:
-            config = dataclasses.replace(config or default, wave_fill=self.wave_fill)
-        if self.fused_combine:
-            config = dataclasses.replace(config or default, fused_combine=True)
+        if self.wave_fill is not None or self.fused_combine:
+            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
+            config = config or default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
+            if self.wave_fill is not None:
+                config = dataclasses.replace(config, wave_fill=self.wave_fill)
+            if self.fused_combine:
+                config = dataclasses.replace(config, fused_combine=True)
         return TritonBackend(
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
             decode_config=config,
