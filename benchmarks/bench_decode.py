@@ -27,7 +27,9 @@ reports the best per shape; ``--fp8-sweep`` adds fp8-cache variants (the dots in
 conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--wave-fill``
 each cache with near-equal rows cut to fill the launch's waves; ``--query-in-registers`` the
 fp8 cache compiled with its query tile kept in registers (``query_in_registers.py``, a Triton
-pipeline hook, in a fresh Triton cache); ``--variants`` keeps only the
+pipeline hook, in a fresh Triton cache); ``--hopper-fp8`` the fp8 cache on the Gluon kernel
+of fp8 warpgroup MMAs (``attention/triton_kernels/decode_fp8_hopper.py``, block 256 only);
+``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
@@ -38,7 +40,7 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 
 Run (from the project root, on the GPU machine):
     python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
-        [--query-in-registers] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH]
+        [--query-in-registers] [--hopper-fp8] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
 """
 
@@ -149,6 +151,7 @@ class Variant:
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
+    block_size: int | None = None  # timed at this block size only (None: at every one)
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -252,6 +255,25 @@ def query_register_variants() -> list[Variant]:
             config=DecodeConfig(block_n=128, num_warps=4, num_stages=3, maxnreg=168, wave_fill=0.9),
             fp8=True,
         ),
+    ]
+
+
+def hopper_fp8_variants() -> list[Variant]:
+    """``--hopper-fp8``: the fp8 cache's chunks on the Gluon kernel of
+    ``attention/triton_kernels/decode_fp8_hopper.py`` (fp8 warpgroup MMAs, no conversion of K
+    or V), at block 256 only (it takes blocks of a multiple of 128 tokens; at block 32 the
+    same config would run the Triton kernel): a ring of 2 tiles (70 KiB of shared memory,
+    three programs an SM) and of 3 (103 KiB, two an SM)."""
+    from attention.triton_kernels import DecodeConfig
+
+    return [
+        Variant(
+            f"fp8 cache, hopper wgmma, {stages} stages, {per_sm} an SM",
+            config=DecodeConfig(block_n=128, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_fp8=True),
+            fp8=True,
+            block_size=256,
+        )
+        for stages, per_sm in ((2, 3), (3, 2))
     ]
 
 
@@ -453,6 +475,7 @@ def run_decode(
     fp8_sweep: bool = False,
     wave_fill: bool = False,
     query_in_registers: bool = False,
+    hopper_fp8: bool = False,
     variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
@@ -462,6 +485,7 @@ def run_decode(
     chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
     chosen += wave_fill_variants() if wave_fill else []
     chosen += query_register_variants() if query_in_registers else []
+    chosen += hopper_fp8_variants() if hopper_fp8 else []
     if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
         keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
         chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
@@ -481,7 +505,9 @@ def run_decode(
                 notes.append(f"{shape.label} bs={block_size}: setup failed: {type(err).__name__}: {err}"[:300])
                 traceback.print_exc()
                 continue
-            todo: list[tuple[str, Variant | None]] = [("triton", v) for v in chosen]
+            todo: list[tuple[str, Variant | None]] = [
+                ("triton", v) for v in chosen if v.block_size in (None, block_size)
+            ]
             if block_size == 256 and flash is not None:
                 todo.insert(0, ("flash_attn", None))
             for backend_name, variant in todo:
@@ -691,6 +717,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the fp8 cache compiled with its query kept in registers (query_in_registers.py)",
     )
+    parser.add_argument(
+        "--hopper-fp8",
+        action="store_true",
+        help="also time the fp8 cache on the Gluon kernel of fp8 warpgroup MMAs (block 256)",
+    )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument(
         "--variants", default="", help="comma-separated substrings: keep only the sweep variants naming one"
@@ -722,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_sweep=args.fp8_sweep,
                 wave_fill=args.wave_fill,
                 query_in_registers=args.query_in_registers,
+                hopper_fp8=args.hopper_fp8,
                 variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,

@@ -104,3 +104,28 @@ def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int, rot
 def test_kv_rotation_needs_an_8bit_cache() -> None:
     with pytest.raises(SystemExit):
         _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--device", "cuda", "--hopper-fp8-decode"],  # no fp8 cache
+        ["--device", "cpu", "--tiny", "--kv-cache-dtype", "float8_e4m3", "--hopper-fp8-decode"],  # no GPU
+        ["--device", "cuda", "--backend", "reference", "--kv-cache-dtype", "float8_e4m3", "--hopper-fp8-decode"],
+    ],
+)
+def test_hopper_fp8_decode_needs_an_fp8_cache_on_the_triton_backend(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        _bench().run(argv)
+
+
+def test_hopper_fp8_decode_backend_launches_one_token_rows_on_the_gluon_kernel() -> None:
+    bench = _bench()
+    from examples.engine import cache_config_for
+
+    config = cache_config_for(bench.TINY, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
+                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
+    backend = bench._hopper_fp8_backend(bench.TINY, config)
+    assert backend.spec == bench.TINY.attention_spec("bfloat16", "float8_e4m3")
+    launch, policy = backend._decode_launch(1, 256)
+    assert launch.hopper_fp8 and launch.block_n == 128 and policy.programs_per_sm == 3

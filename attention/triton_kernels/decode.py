@@ -33,6 +33,11 @@ import torch
 
 from attention.checks import same_device
 from attention.token_scales import layout_problem
+from attention.triton_kernels.decode_fp8_hopper import (
+    HOPPER_FP8_BLOCK_N,
+    decode_fp8_hopper_applies,
+    launch_decode_fp8_hopper,
+)
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import (
@@ -89,6 +94,11 @@ class DecodeConfig:
     maxnreg:    registers per thread the chunk kernel may use (Triton's ``maxnreg``, in
                 [32, 255]); ptxas spills past it. None: the compiler's choice. A cap can keep
                 one more program an SM (``programs_per_sm``) at the price of spills.
+    hopper_fp8: run the chunks of an fp8 (float8_e4m3fn) cache with the Gluon kernel of
+                :mod:`.decode_fp8_hopper` (fp8 warpgroup MMAs, no conversion of K or V) where
+                it applies (sm_90, its shapes; else the Triton kernel runs). Needs block_n
+                128; num_stages is its ring of K/V tiles (32 KiB each at head_dim 128: 2 stages
+                fit 3 programs an SM, 3 or 4 fit 2). Not yet timed on the H200, so off by default.
     """
 
     block_n: int = 64
@@ -100,6 +110,7 @@ class DecodeConfig:
     programs_per_sm: int | None = None
     wave_fill: float | None = None
     maxnreg: int | None = None
+    hopper_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -110,6 +121,13 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
         if self.maxnreg is not None and (type(self.maxnreg) is not int or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"DecodeConfig.maxnreg: {self.maxnreg!r} must be an int in [32, 255] (or None)")
+        if self.hopper_fp8 and self.block_n != HOPPER_FP8_BLOCK_N:
+            raise ValueError(
+                f"DecodeConfig.block_n: {self.block_n} with hopper_fp8; the Hopper fp8 kernel's tiles are "
+                f"{HOPPER_FP8_BLOCK_N} tokens (pass block_n={HOPPER_FP8_BLOCK_N})"
+            )
+        if self.hopper_fp8 and not 2 <= self.num_stages <= 4:
+            raise ValueError(f"DecodeConfig.num_stages: {self.num_stages} with hopper_fp8 must be 2, 3 or 4")
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -480,61 +498,75 @@ def paged_decode(
     ws = workspace
     num_q_tokens = min(query.shape[0], out.shape[0])
     g_pad = next_power_of_2(group)
-    decode_items_kernel[(kv_heads, schedule.grid_items)](
-        query,
-        k_cache,
-        v_cache,
-        k_scale if k_scale is not None else ws.part_lse,  # unused unless KV_SCALED
-        v_scale if v_scale is not None else ws.part_lse,
-        sinks if sinks is not None else ws.part_lse,  # unused unless SINKS
-        tree_masks if tree_masks is not None else ws.counters,  # unused unless TREE
-        block_tables,
-        items,
-        out,
-        ws.part_o,
-        ws.part_lse,
-        ws.counters,
-        softmax_scale * _LOG2E,
-        (softcap or 1.0) * _LOG2E,  # the scores' log2 units
-        window or 0,
-        items.shape[0],
-        block_tables.shape[0],
-        block_tables.shape[1],
-        num_blocks,
-        num_q_tokens,
-        ws.max_partials,
-        ws.counters.shape[0],
-        query.stride(0),
-        query.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=kv_heads,
-        GROUP=group,
-        G_PAD=g_pad,
-        Q_PAD=schedule.query_len,
-        M_PAD=max(16, schedule.query_len * g_pad),
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=config.block_n,
-        BLOCK_STRIDE=cache_block_stride(k_cache),
-        KV_SCALED=scaled,
-        TOKEN_SCALES=token_scaled,
-        F16_DOTS=config.f16_fp8_dots and f16_dots_for(query.dtype, k_cache.dtype),
-        UPCAST=upcast_for(query.dtype),
-        DOT_PRECISION=dot_precision_for(query.dtype),
-        FUSED_COMBINE=config.fused_combine,
-        MERGE_CHUNKS=_MERGE_CHUNKS,
-        SOFTCAP=softcap is not None,
-        SINKS=sinks is not None,
-        TREE=tree_masks is not None and schedule.query_len > 1,
-        V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
-    )
+    extras = softcap is not None or sinks is not None or tree_masks is not None
+    if (
+        config.hopper_fp8
+        and k_scale is not None
+        and v_scale is not None
+        and decode_fp8_hopper_applies(
+            query, k_cache, v_cache, schedule.query_len, fused_combine=config.fused_combine, extras=extras
+        )
+    ):
+        launch_decode_fp8_hopper(
+            query, k_cache, v_cache, k_scale, v_scale, block_tables, items, schedule.grid_items, out, ws.part_o,
+            ws.part_lse, softmax_scale * _LOG2E, config.num_stages,
+        )  # fmt: skip
+    else:
+        decode_items_kernel[(kv_heads, schedule.grid_items)](
+            query,
+            k_cache,
+            v_cache,
+            k_scale if k_scale is not None else ws.part_lse,  # unused unless KV_SCALED
+            v_scale if v_scale is not None else ws.part_lse,
+            sinks if sinks is not None else ws.part_lse,  # unused unless SINKS
+            tree_masks if tree_masks is not None else ws.counters,  # unused unless TREE
+            block_tables,
+            items,
+            out,
+            ws.part_o,
+            ws.part_lse,
+            ws.counters,
+            softmax_scale * _LOG2E,
+            (softcap or 1.0) * _LOG2E,  # the scores' log2 units
+            window or 0,
+            items.shape[0],
+            block_tables.shape[0],
+            block_tables.shape[1],
+            num_blocks,
+            num_q_tokens,
+            ws.max_partials,
+            ws.counters.shape[0],
+            query.stride(0),
+            query.stride(1),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=kv_heads,
+            GROUP=group,
+            G_PAD=g_pad,
+            Q_PAD=schedule.query_len,
+            M_PAD=max(16, schedule.query_len * g_pad),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=config.block_n,
+            BLOCK_STRIDE=cache_block_stride(k_cache),
+            KV_SCALED=scaled,
+            TOKEN_SCALES=token_scaled,
+            F16_DOTS=config.f16_fp8_dots and f16_dots_for(query.dtype, k_cache.dtype),
+            UPCAST=upcast_for(query.dtype),
+            DOT_PRECISION=dot_precision_for(query.dtype),
+            FUSED_COMBINE=config.fused_combine,
+            MERGE_CHUNKS=_MERGE_CHUNKS,
+            SOFTCAP=softcap is not None,
+            SINKS=sinks is not None,
+            TREE=tree_masks is not None and schedule.query_len > 1,
+            V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
+        )
     if schedule.needs_combine and not config.fused_combine:
         decode_combine_kernel[(num_heads, schedule.grid_rows)](
             rows,

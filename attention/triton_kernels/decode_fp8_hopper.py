@@ -1,0 +1,370 @@
+"""fp8 decode on Hopper (sm_90): both dots as warpgroup MMAs on e4m3 operands, no conversions.
+
+The chunk kernel of :mod:`.decode` (same work items, same partial outputs for
+:func:`.decode_kernels.decode_combine_kernel`) for an fp8 (float8_e4m3fn) cache with
+per-KV-head scales, opt-in through ``DecodeConfig.hopper_fp8``.
+
+Why: the Triton kernel converts every K and V byte to fp16 before its ``mma.sync`` dots, since
+Hopper runs fp8 tensor-core math only in warpgroup MMAs (M = 64) and Triton 3.6 gives a
+16-row decode tile ``mma.sync``; compiled for sm_90, ``ptxas`` even emulates an fp8
+``mma.sync`` through fp16 (``F2FP.F16.E4M3.UNPACK_B`` + ``HMMA.16816`` + ``FADD``). Its loop
+takes 891 instructions a 128-token tile at block 256 (136 conversions, 64 V guards), and on
+short rows the kernel is issue-bound (``benchmarks/results/decode-block32-ncu-2026-12-04.md``).
+Here the tokens are the MMA's M and the query heads of one KV group its N, as in
+:mod:`.mla_decode_hopper`:
+
+- S^T = K Q^T ([128 tokens, BLOCK_H heads]): the K tile as stored is the A operand (K-major),
+  the query the B operand;
+- O^T += V^T P^T ([head_dim, BLOCK_H]): a token-major V tile (:mod:`attention.value_layout`)
+  is V^T with the tokens, the reduction, contiguous: the A operand as stored;
+- the query and P are 16-bit values; e4m3 keeps 4 significant bits, so each is split into
+  ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)`` and both dots run twice (hi and lo into one
+  accumulator): ~8 significant bits, a bf16 query's. The query is scaled per head so its
+  largest element is 224 (e4m3's largest is 448), P by 2^8 (its largest is 1); both factors
+  come out again exactly (the scores' scale, and the lse minus 8);
+- the softmax runs per head over the tile's tokens; the row sums are kept per thread and
+  reduced once after the loop.
+
+Compiled off the device for sm_90 (Triton 3.6), the loop takes about 600 instructions a tile
+(32 warpgroup MMAs, no conversion of K or V) where the Triton kernel takes 891. Not yet timed
+on the H200: ``benchmarks/bench_decode.py --hopper-fp8`` times it against the default launch.
+
+Scope (:func:`decode_fp8_hopper_applies`): float8_e4m3fn K/V with a token-major V, a bf16 or
+fp16 query with one new token per row, head_dim 64 or 128, GQA groups of up to 16 heads,
+blocks of a multiple of 128 tokens (a 128-token tile is one TMA box of K and one of V), no
+cap, sinks, window or draft tree. Everything else runs the Triton kernel.
+
+Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
+slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
+tokens; kv ranges are clamped to the table. V tokens a tile does not attend (past the chunk,
+before it, or of a bad block; stale slots may hold NaN, which would survive p = 0) are zeroed
+in shared memory before P V reads them, on the tiles that have any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attention.triton_kernels.paging import next_power_of_2
+from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
+from attention.value_layout import is_token_major
+
+if _GLUON:
+    from attention.triton_kernels.prefill_hopper import (
+        TensorDescriptor,
+        _partition_barrier,
+        _tma_load,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+__all__ = [
+    "HOPPER_FP8_BLOCK_N",
+    "decode_fp8_hopper_applies",
+    "decode_fp8_hopper_shape_ok",
+    "launch_decode_fp8_hopper",
+]
+
+#: Tokens per tile (two warpgroup MMA blocks of 64); schedules must be made for it.
+HOPPER_FP8_BLOCK_N = 128
+_HEAD_DIMS = (64, 128)
+_MAX_GROUP = 16
+#: P is scaled by 2^_P_SHIFT before its e4m3 split (its largest value, 1, becomes 256).
+_P_SHIFT = 8.0
+#: The query's largest element per head after scaling (e4m3's largest finite value is 448).
+_Q_TOP = 224.0
+
+
+def decode_fp8_hopper_shape_ok(head_dim: int, group: int, block_size: int, query_len: int) -> bool:
+    """Whether the kernel takes this shape: head_dim 64 or 128, 1-16 query heads per KV head,
+    blocks of a positive multiple of 128 tokens, one new token per row."""
+    blocks_ok = block_size > 0 and block_size % HOPPER_FP8_BLOCK_N == 0
+    return head_dim in _HEAD_DIMS and 0 < group <= _MAX_GROUP and blocks_ok and query_len == 1
+
+
+def decode_fp8_hopper_applies(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_len: int,
+    *,
+    fused_combine: bool,
+    extras: bool,
+) -> bool:
+    """Whether :func:`launch_decode_fp8_hopper` takes a call :func:`.decode.paged_decode` has
+    checked: an sm_90 GPU with Gluon, a float8_e4m3fn cache (K contiguous, V token-major, 16-byte
+    aligned), a bf16 / fp16 query with a unit last stride, :func:`decode_fp8_hopper_shape_ok`,
+    the separate combine kernel (not ``fused_combine``) and none of cap, sinks, window or tree
+    (``extras``)."""
+    if fused_combine or extras or k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != k_cache.dtype:
+        return False
+    if query.dtype not in (torch.bfloat16, torch.float16) or query.stride(-1) != 1:
+        return False
+    if not hopper_prefill_possible(k_cache.device):
+        return False
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    if not decode_fp8_hopper_shape_ok(head_dim, query.shape[1] // kv_heads, block_size, query_len):
+        return False
+    if not (k_cache.is_contiguous() and is_token_major(v_cache)):
+        return False
+    return k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+
+
+if _GLUON:
+    # Triton 3.6 names a shared-memory view of another type ``_reinterpret``; later versions
+    # ``reinterpret``.
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+
+        @gluon.jit
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf.reinterpret(gl.int32, shape, layout)
+
+    else:
+
+        @gluon.jit
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf._reinterpret(gl.int32, shape, layout)
+
+    @gluon.constexpr_function
+    def _query_layout(block_h, head_dim):  # type: ignore[no-untyped-def]
+        """A blocked layout of the [block_h, head_dim] query tile that holds each element once
+        (up to 8 contiguous channels a thread)."""
+        vec = max(1, min(8, block_h * head_dim // 128))
+        cols = head_dim // vec
+        return gl.BlockedLayout([1, vec], [32 // cols, cols], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
+        """(block id to read, whether it is the row's) for the tile at token ``n0``: the table
+        entry clamped to the table; a bad id, or any id of a bad table row, reads block 0."""
+        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1), mask=row_ok, other=-1)
+        ok = (page >= 0) & (page < num_blocks)
+        return gl.where(ok, page, 0), ok
+
+    @gluon.jit
+    def _load_tile(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, ready, j, first, table_row, row_ok, table_width, num_blocks, kvh,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
+        NUM_KV_HEADS: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of tile ``j`` (tokens ``first + j * BLOCK_N ..``) into ring slot ``j % STAGES``:
+        K rows ``[page * BLOCK_SIZE + n0 % BLOCK_SIZE, +BLOCK_N)`` at columns ``kvh * HEAD_DIM``
+        of K viewed ``[num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]``; V^T rows ``(page *
+        kv_heads + kvh) * HEAD_DIM ..`` at columns ``n0 % BLOCK_SIZE`` of token-major V viewed
+        ``[num_blocks * kv_heads * HEAD_DIM, BLOCK_SIZE]``."""
+        slot = j % STAGES
+        n0 = first + j * BLOCK_N
+        page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [page * BLOCK_SIZE + n0 % BLOCK_SIZE, kvh * HEAD_DIM], bar, k_bufs.index(slot))
+        _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, n0 % BLOCK_SIZE], bar, v_bufs.index(slot))
+
+    @gluon.jit
+    def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero the tokens (columns) outside ``[lo, hi)`` of a [HEAD_DIM, BLOCK_N] fp8 V^T tile in
+        shared memory, four tokens a 32-bit word: the tile viewed as int32 [HEAD_DIM, BLOCK_N / 4]
+        (the same 128-byte swizzle), each word ANDed with a mask of its kept bytes (byte b of word
+        c is token 4c + b)."""
+        words: gl.constexpr = BLOCK_N // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        view = _as_words(v_tile, [HEAD_DIM, words], gl.NVMMASharedLayout.get_default_for([HEAD_DIM, words], gl.int32))
+        c4 = gl.arange(0, words, layout=gl.SliceLayout(0, layout)) * 4
+        below = gl.minimum(gl.maximum(hi - c4, 0), 4)  # bytes of the word before hi
+        before = gl.minimum(gl.maximum(lo - c4, 0), 4)  # bytes of the word before lo
+        keep_low = gl.where(below >= 4, -1, (1 << (8 * gl.minimum(below, 3))) - 1)
+        drop_low = gl.where(before >= 4, -1, (1 << (8 * gl.minimum(before, 3))) - 1)
+        mask = keep_low & ~drop_low
+        view.store(view.load(layout) & mask[None, :])
+
+    @gluon.jit(
+        do_not_specialize=[
+            "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
+            "num_partial_slots", "stride_bt",
+        ]
+    )  # fmt: skip
+    def _decode_fp8_hopper_kernel(  # type: ignore[no-untyped-def]
+        q_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr, out_ptr, part_o_ptr,
+        part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks, num_q_tokens,
+        num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
+        (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
+        q_len, row_end), for the GROUP query heads of kv_head (padded to BLOCK_H, the MMA's N).
+        A chunk that is its row's only one (partial_slot < 0) stores its output to ``out``,
+        else its normalised output and log2-sum-exp to the partial slot, as the Triton kernel."""
+        kvh = gl.program_id(0)
+        i = gl.program_id(1)
+        if i >= num_item_slots:
+            return
+        item = items_ptr + i.to(gl.int64) * 10
+        d = gl.load(item)
+        if d < 0:
+            return  # padding of a fixed (CUDA-graph) grid
+        kv_start = gl.maximum(gl.load(item + 1), 0)
+        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
+        slot = gl.load(item + 3)
+        table_index = gl.load(item + 4)
+        token = gl.load(item + 5)
+        q_len = gl.load(item + 8)
+        row_ok = (table_index >= 0) & (table_index < num_table_rows)
+        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
+        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
+
+        f8: gl.constexpr = gl.float8e4nv
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+        )
+        q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], f8)
+        p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], f8)
+        q_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, HEAD_DIM], q_smem)
+        p_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, BLOCK_N], p_smem)
+        k_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(f8, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+
+        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: one block, one box each
+        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
+        for st in gl.static_range(STAGES):
+            if st < n_tiles:
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, st, first, table_row, row_ok, table_width,
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS)  # fmt: skip
+
+        # The group's queries, each head scaled so its largest element is _Q_TOP, split hi + lo.
+        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        heads = kvh * GROUP + h
+        q_rows = token_ok & (h < GROUP)
+        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
+        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0).to(gl.float32)
+        q_amax = gl.max(gl.abs(q), 1)
+        q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
+        q = q * q_mul[:, None]
+        q_hi = q.to(f8)
+        q_bufs.index(0).store(q_hi)
+        q_bufs.index(1).store((q - q_hi.to(gl.float32)).to(f8))
+        fence_async_shared()
+        _partition_barrier()
+        score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+        col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
+        o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        for j in range(n_tiles):
+            s_slot = j % STAGES
+            n0 = first + j * BLOCK_N
+            mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+            k_tile = k_bufs.index(s_slot)
+            v_tile = v_bufs.index(s_slot)
+            s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            _page, page_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            n = n0 + offs_n
+            seen = (n >= kv_start) & (n < kv_end) & page_ok
+            s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - (m_safe - 8.0)[None, :])  # 2^8 p: e4m3 keeps small p as normals
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            p_hi = p.to(f8)
+            p_bufs.index(0).store(gl.permute(p_hi, (1, 0)))
+            p_bufs.index(1).store(gl.permute((p - p_hi.to(gl.float32)).to(f8), (1, 0)))
+            if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (page_ok == 0):  # stale V (maybe NaN) must not meet p = 0
+                _zero_tokens(v_tile, kv_start - n0, gl.where(page_ok, kv_end - n0, 0), HEAD_DIM, BLOCK_N)
+            fence_async_shared()
+            _partition_barrier()
+            o = warpgroup_mma(v_tile, p_bufs.index(0).permute((1, 0)), o * alpha[None, :], is_async=True)
+            o = warpgroup_mma(v_tile, p_bufs.index(1).permute((1, 0)), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _partition_barrier()  # every warp is done with the slot and with P
+            if j + STAGES < n_tiles:
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok, table_width,
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS)  # fmt: skip
+
+        l_i = gl.sum(l_part, 0)
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        o = o * (gl.load(v_scale_ptr + kvh) / l_safe)[None, :]
+        out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        o = gl.convert_layout(o, out_layout)
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
+        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
+        head_o = (kvh * GROUP + ho).to(gl.int64)
+        if slot < 0:
+            keep = token_ok & (ho < GROUP)
+            dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
+            gl.store(dst[None, :] + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=keep[None, :])
+        else:
+            slot_ok = (q_len > 0) & (slot < num_partial_slots)
+            part = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + head_o
+            keep = slot_ok & (ho < GROUP)
+            gl.store(part_o_ptr + part[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - 8.0, float("-inf"))
+            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
+            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[Any, Any]:
+    """TMA descriptors: K as ``[num_blocks * block_size, kv_heads * head_dim]`` in boxes of
+    [128, head_dim]; token-major V's memory as ``[num_blocks * kv_heads * head_dim,
+    block_size]`` in boxes of [head_dim, 128]."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k2 = k_cache.view(num_blocks * block_size, kv_heads * head_dim)
+    v2 = v_cache.permute(0, 2, 3, 1).reshape(num_blocks * kv_heads * head_dim, block_size)  # a view: token-major
+    n = HOPPER_FP8_BLOCK_N
+    k_layout = gl.NVMMASharedLayout.get_default_for([n, head_dim], gl.float8e4nv)
+    v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, n], gl.float8e4nv)
+    k_desc = TensorDescriptor(k2, list(k2.shape), [kv_heads * head_dim, 1], [n, head_dim], k_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), [block_size, 1], [head_dim, n], v_layout)
+    return k_desc, v_desc
+
+
+def launch_decode_fp8_hopper(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    items: torch.Tensor,
+    grid_items: int,
+    out: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    qk_scale: float,
+    stages: int,
+) -> None:
+    """The chunk kernel on arguments :func:`.decode.paged_decode` has checked and
+    :func:`decode_fp8_hopper_applies` accepted, items made for :data:`HOPPER_FP8_BLOCK_N`;
+    ``qk_scale`` is softmax_scale * log2(e); ``stages``: K/V tiles in flight per program
+    (32 KiB each at head_dim 128). Split rows are left in ``part_o`` / ``part_lse`` for the
+    combine kernel."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // kv_heads
+    k_desc, v_desc = _descriptors(k_cache, v_cache)
+    _decode_fp8_hopper_kernel[(kv_heads, grid_items)](
+        query, k_desc, v_desc, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
+        items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
+        part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=HOPPER_FP8_BLOCK_N, BLOCK_SIZE=block_size, STAGES=stages, num_warps=4,
+    )  # fmt: skip

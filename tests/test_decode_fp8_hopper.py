@@ -1,0 +1,161 @@
+"""The Hopper fp8 decode kernel (attention/triton_kernels/decode_fp8_hopper.py) and the launch
+that selects it (``DecodeConfig(hopper_fp8=True)``).
+
+The float64 checks run everywhere: on an sm_90 GPU with Gluon they run the Gluon kernel (and
+assert it ran), elsewhere (the CPU interpreter included) the same call runs the Triton kernel,
+which must then give the same answers. Caches come from tests/paged_case.py: float8_e4m3fn K
+and a token-major V whose unwritten slots hold NaN, shuffled block ids, two NaN blocks around
+the cache; rows end inside tiles and blocks, split rows go through the combine kernel.
+tests/test_decode_fp8_hopper_compile.py compiles the kernel for sm_90 without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import attention.triton_kernels.decode as decode_module
+from attention.triton_kernels import DecodeConfig, DecodeWorkspace
+from attention.triton_kernels.decode_fp8_hopper import HOPPER_FP8_BLOCK_N, decode_fp8_hopper_shape_ok
+from attention.triton_kernels.prefill_hopper import gluon_available
+from attention.value_layout import token_major_view
+from tests.paged_case import PagedCase
+from tests.test_decode_kernel import DEVICE, _canaried, _case, _check, _prepare, _reference, _run
+
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The Gluon kernel's launches (their stage counts)."""
+    calls: list[int] = []
+    real = decode_module.launch_decode_fp8_hopper
+
+    def counted(*args: object) -> None:
+        calls.append(int(args[-1]))  # type: ignore[call-overload]
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_module, "launch_decode_fp8_hopper", counted)
+    return calls
+
+
+def _fp8_case(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, query_dtype: torch.dtype
+) -> tuple[PagedCase, PagedCase, tuple[torch.Tensor, torch.Tensor]]:
+    """(fp8 case, its dequantised float32 twin, (k_scale, v_scale)): K float8_e4m3fn, V
+    float8_e4m3fn token-major with NaN in every slot no token was written to."""
+    case = _case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+    key = case.layer.key.nan_to_num(0.0).to(torch.float8_e4m3fn)
+    value = case.layer.value.to(torch.float8_e4m3fn)  # unwritten slots stay NaN
+    v_token_major = token_major_view(torch.empty_like(value))
+    v_token_major.copy_(value)
+    query = case.query.to(query_dtype)
+    fp8 = dataclasses.replace(case, layer=dataclasses.replace(case.layer, key=key, value=v_token_major), query=query)
+    plain = dataclasses.replace(
+        case, layer=dataclasses.replace(case.layer, key=key.float(), value=value.float()), query=query
+    )
+    gen = torch.Generator().manual_seed(len(lens))
+    k_scale = (0.25 + torch.rand(kv_heads, generator=gen)).to(DEVICE)
+    v_scale = (0.25 + torch.rand(kv_heads, generator=gen)).to(DEVICE)
+    return fp8, plain, (k_scale, v_scale)
+
+
+CASES = [
+    # heads, kv_heads, head_dim, block_size, row lengths, forced chunk_len (None: the policy)
+    pytest.param(8, 2, 128, 256, [1, 127, 128, 129, 300, 513], None, id="gqa4-d128-b256-edges"),
+    pytest.param(16, 2, 128, 128, [45, 700, 7, 256], 256, id="gqa8-d128-b128-split"),
+    pytest.param(16, 1, 64, 256, [200, 1000, 3], 128, id="gqa16-d64-b256-split"),
+    pytest.param(6, 2, 128, 256, [90, 400], 128, id="gqa3-split"),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES)
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_matches_float64_reference(  # type: ignore[no-untyped-def]
+    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, query_dtype, stages
+) -> None:
+    """Rows ending inside a tile and a block, one-token rows, split rows merged by the combine
+    kernel, GQA groups of 3 to 16 heads, head_dim 64 and 128, per-head K and V scales: the output
+    matches the float64 attention of the dequantised cache, with no NaN from the stale slots."""
+    if DEVICE == "cpu" and (stages == 3 or query_dtype == torch.float16):
+        pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
+    fp8, plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, query_dtype)
+    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, **({} if chunk is None else {"chunk_len": chunk}))
+    config = DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=stages, hopper_fp8=True)
+    out = _run(fp8, launch, config, scales=scales)
+    ranges = [(0, n) for n in fp8.meta.seq_lens_host]
+    rows = list(range(len(lens)))
+    ref = _reference(plain, ranges, rows, rows, 1 / math.sqrt(head_dim), scales)
+    _check(out, ref, query_dtype)
+    assert hopper_calls == ([stages] if ON_HOPPER else [])
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int]) -> None:
+    """Block ids out of range (the NaN blocks around the cache, -1, 2^31 - 1), a table row, a
+    query token and a partial slot out of range, a kv end past the table: no crash, no NaN from
+    outside the cache, and the slabs around the output and the partial buffers keep their bits."""
+    fp8, _plain, scales = _fp8_case([300, 290, 280, 270, 260], 8, 2, 128, 128, torch.bfloat16)
+    num_blocks = fp8.layer.num_blocks
+    fp8.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)
+    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, chunk_len=128)
+    s = launch.schedule
+    out_store, out = _canaried(tuple(fp8.query.shape), torch.bfloat16, 3.0)
+    po_store, part_o = _canaried(tuple(launch.workspace.part_o.shape), torch.float32, 5.0)
+    pl_store, part_lse = _canaried(tuple(launch.workspace.part_lse.shape), torch.float32, 5.0)
+    ws = DecodeWorkspace(part_o=part_o, part_lse=part_lse, counters=launch.workspace.counters)
+    items = launch.items.clone()
+    first_item = {int(items[i, 0]): i for i in reversed(range(s.num_items))}  # each row's first item
+    items[first_item[0], 4] = 10**6  # table row out of range: nothing of row 0's first chunk is seen
+    items[first_item[2], 5] = 10**6  # query token out of range
+    items[first_item[3], 2] = 10**9  # kv end past the table: clamped, but then reads unwritten slots
+    items[first_item[4], 3] = 10**6  # partial slot out of range
+    bad = dataclasses.replace(launch, items=items, workspace=ws)
+    before = [t.clone() for t in (out_store, po_store, pl_store)]
+    config = DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=2, hopper_fp8=True)
+    _run(fp8, bad, config, out, scales=scales)
+    assert not out[[0, 1, 2]].isnan().any()
+    for store, old in zip((out_store, po_store, pl_store), before, strict=True):
+        assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"
+    assert hopper_calls == ([2] if ON_HOPPER else [])
+
+
+@pytest.mark.parametrize(
+    ("change", "applies"),
+    [
+        ({}, True),
+        ({"head_dim": 96}, False),
+        ({"group": 17}, False),
+        ({"group": 0}, False),
+        ({"block_size": 64}, False),
+        ({"block_size": 32}, False),
+        ({"block_size": 384}, True),
+        ({"query_len": 2}, False),
+    ],
+)
+def test_the_shapes_it_takes(change: dict[str, int], applies: bool) -> None:
+    shape = {"head_dim": 128, "group": 4, "block_size": 256, "query_len": 1, **change}
+    assert decode_fp8_hopper_shape_ok(**shape) is applies
+
+
+def test_the_config_asks_for_its_tile() -> None:
+    with pytest.raises(ValueError, match="block_n: 64 with hopper_fp8"):
+        DecodeConfig(hopper_fp8=True)
+    with pytest.raises(ValueError, match="num_stages: 1 with hopper_fp8"):
+        DecodeConfig(block_n=128, num_stages=1, hopper_fp8=True)
+    assert DecodeConfig(block_n=128, num_stages=4, hopper_fp8=True).hopper_fp8
+
+
+def test_other_launches_run_the_triton_kernel(hopper_calls: list[int]) -> None:
+    """Where the kernel does not apply (here blocks of 64 tokens: a 128-token tile would span
+    two), the same config runs the Triton kernel: the call never reaches the Gluon launch."""
+    fp8, plain, scales = _fp8_case([70, 200], 8, 2, 64, 64, torch.bfloat16)
+    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N)
+    out = _run(fp8, launch, DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, hopper_fp8=True), scales=scales)
+    ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], [0, 1], [0, 1], 1 / math.sqrt(64), scales)
+    _check(out, ref, torch.bfloat16)
+    assert hopper_calls == []
