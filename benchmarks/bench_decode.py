@@ -28,7 +28,7 @@ conversion the default's fp16 dots replace; other tiles and pipeline depths); ``
 each cache with near-equal rows cut to fill the launch's waves; ``--query-in-registers`` the
 fp8 cache compiled with its query tile kept in registers (``query_in_registers.py``, a Triton
 pipeline hook, in a fresh Triton cache); ``--hopper-fp8`` the fp8 cache on the Gluon kernel
-of fp8 warpgroup MMAs (``attention/triton_kernels/decode_fp8_hopper.py``, block 256 only);
+of fp8 warpgroup MMAs (``attention/triton_kernels/decode_fp8_hopper.py``);
 ``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
@@ -151,7 +151,6 @@ class Variant:
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
-    block_size: int | None = None  # timed at this block size only (None: at every one)
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -261,19 +260,20 @@ def query_register_variants() -> list[Variant]:
 def hopper_fp8_variants() -> list[Variant]:
     """``--hopper-fp8``: the fp8 cache's chunks on the Gluon kernel of
     ``attention/triton_kernels/decode_fp8_hopper.py`` (fp8 warpgroup MMAs, no conversion of K
-    or V), at block 256 only (it takes blocks of a multiple of 128 tokens; at block 32 the
-    same config would run the Triton kernel): a ring of 2 tiles (70 KiB of shared memory,
-    three programs an SM) and of 3 (103 KiB, two an SM)."""
+    or V): a ring of 2 tiles (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB,
+    two an SM), with and without wave fill (the block-32 fp8 default's)."""
     from attention.triton_kernels import DecodeConfig
 
     return [
         Variant(
-            f"fp8 cache, hopper wgmma, {stages} stages, {per_sm} an SM",
-            config=DecodeConfig(block_n=128, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_fp8=True),
+            f"fp8 cache, hopper wgmma, {stages} stages, {per_sm} an SM" + (f", wave fill {fill}" if fill else ""),
+            config=DecodeConfig(
+                block_n=128, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_fp8=True, wave_fill=fill
+            ),
             fp8=True,
-            block_size=256,
         )
         for stages, per_sm in ((2, 3), (3, 2))
+        for fill in (None, 0.9)
     ]
 
 
@@ -505,9 +505,7 @@ def run_decode(
                 notes.append(f"{shape.label} bs={block_size}: setup failed: {type(err).__name__}: {err}"[:300])
                 traceback.print_exc()
                 continue
-            todo: list[tuple[str, Variant | None]] = [
-                ("triton", v) for v in chosen if v.block_size in (None, block_size)
-            ]
+            todo: list[tuple[str, Variant | None]] = [("triton", v) for v in chosen]
             if block_size == 256 and flash is not None:
                 todo.insert(0, ("flash_attn", None))
             for backend_name, variant in todo:
@@ -720,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hopper-fp8",
         action="store_true",
-        help="also time the fp8 cache on the Gluon kernel of fp8 warpgroup MMAs (block 256)",
+        help="also time the fp8 cache on the Gluon kernel of fp8 warpgroup MMAs",
     )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument(

@@ -69,6 +69,8 @@ CASES = [
     pytest.param(16, 2, 128, 128, [45, 700, 7, 256], 256, id="gqa8-d128-b128-split"),
     pytest.param(16, 1, 64, 256, [200, 1000, 3], 128, id="gqa16-d64-b256-split"),
     pytest.param(6, 2, 128, 256, [90, 400], 128, id="gqa3-split"),
+    pytest.param(8, 2, 128, 32, [1, 33, 127, 200, 513], None, id="gqa4-d128-b32-parts"),
+    pytest.param(16, 2, 64, 64, [65, 300, 129], 128, id="gqa8-d64-b64-split"),
 ]
 
 
@@ -79,7 +81,8 @@ def test_matches_float64_reference(  # type: ignore[no-untyped-def]
     hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, query_dtype, stages
 ) -> None:
     """Rows ending inside a tile and a block, one-token rows, split rows merged by the combine
-    kernel, GQA groups of 3 to 16 heads, head_dim 64 and 128, per-head K and V scales: the output
+    kernel, GQA groups of 3 to 16 heads, head_dim 64 and 128, blocks of 32 to 256 tokens (a tile
+    of 1, 2 or 4 block-sized parts at shuffled block ids), per-head K and V scales: the output
     matches the float64 attention of the dequantised cache, with no NaN from the stale slots."""
     if DEVICE == "cpu" and (stages == 3 or query_dtype == torch.float16):
         pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
@@ -94,12 +97,28 @@ def test_matches_float64_reference(  # type: ignore[no-untyped-def]
     assert hopper_calls == ([stages] if ON_HOPPER else [])
 
 
+@pytest.mark.parametrize("block_size", [256, 32])
+def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int) -> None:
+    """One-token rows under a window of 200: each row's range starts inside a tile (and, at
+    block 32, inside a part), so a tile's tokens before the range are masked and zeroed too."""
+    lens = [150, 333, 700, 1000]
+    fp8, plain, scales = _fp8_case(lens, 8, 2, 128, block_size, torch.bfloat16)
+    ranges = [(max(0, n - 200), n) for n in lens]
+    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, kv_ranges=ranges, chunk_len=128)
+    out = _run(fp8, launch, DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=2, hopper_fp8=True), scales=scales)
+    rows = list(range(len(lens)))
+    _check(out, _reference(plain, ranges, rows, rows, 1 / math.sqrt(128), scales), torch.bfloat16)
+    assert hopper_calls == ([2] if ON_HOPPER else [])
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
-def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int]) -> None:
-    """Block ids out of range (the NaN blocks around the cache, -1, 2^31 - 1), a table row, a
-    query token and a partial slot out of range, a kv end past the table: no crash, no NaN from
-    outside the cache, and the slabs around the output and the partial buffers keep their bits."""
-    fp8, _plain, scales = _fp8_case([300, 290, 280, 270, 260], 8, 2, 128, 128, torch.bfloat16)
+@pytest.mark.parametrize("block_size", [128, 32])
+def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], block_size: int) -> None:
+    """Block ids out of range (the NaN blocks around the cache, -1, 2^31 - 1; at block 32 three of
+    a tile's four parts), a table row, a query token and a partial slot out of range, a kv end
+    past the table: no crash, no NaN from outside the cache, and the slabs around the output and
+    the partial buffers keep their bits."""
+    fp8, _plain, scales = _fp8_case([300, 290, 280, 270, 260], 8, 2, 128, block_size, torch.bfloat16)
     num_blocks = fp8.layer.num_blocks
     fp8.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)
     launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, chunk_len=128)
@@ -131,8 +150,10 @@ def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int]) -> 
         ({"head_dim": 96}, False),
         ({"group": 17}, False),
         ({"group": 0}, False),
-        ({"block_size": 64}, False),
-        ({"block_size": 32}, False),
+        ({"block_size": 64}, True),
+        ({"block_size": 32}, True),
+        ({"block_size": 16}, False),
+        ({"block_size": 96}, False),
         ({"block_size": 384}, True),
         ({"query_len": 2}, False),
     ],
@@ -151,9 +172,10 @@ def test_the_config_asks_for_its_tile() -> None:
 
 
 def test_other_launches_run_the_triton_kernel(hopper_calls: list[int]) -> None:
-    """Where the kernel does not apply (here blocks of 64 tokens: a 128-token tile would span
-    two), the same config runs the Triton kernel: the call never reaches the Gluon launch."""
-    fp8, plain, scales = _fp8_case([70, 200], 8, 2, 64, 64, torch.bfloat16)
+    """Where the kernel does not apply (here blocks of 96 tokens: a 128-token tile would have a
+    part in two blocks), the same config runs the Triton kernel: the call never reaches the
+    Gluon launch."""
+    fp8, plain, scales = _fp8_case([70, 200], 8, 2, 64, 96, torch.bfloat16)
     launch = _prepare(fp8, HOPPER_FP8_BLOCK_N)
     out = _run(fp8, launch, DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, hopper_fp8=True), scales=scales)
     ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], [0, 1], [0, 1], 1 / math.sqrt(64), scales)

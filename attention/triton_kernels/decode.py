@@ -98,7 +98,8 @@ class DecodeConfig:
                 :mod:`.decode_fp8_hopper` (fp8 warpgroup MMAs, no conversion of K or V) where
                 it applies (sm_90, its shapes; else the Triton kernel runs). Needs block_n
                 128; num_stages is its ring of K/V tiles (32 KiB each at head_dim 128: 2 stages
-                fit 3 programs an SM, 3 or 4 fit 2). Not yet timed on the H200, so off by default.
+                fit 3 programs an SM, 3 fit 2, 4 fit 1). Not yet timed on the H200, so off by
+                default.
     """
 
     block_n: int = 64

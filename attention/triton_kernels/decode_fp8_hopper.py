@@ -25,14 +25,17 @@ Here the tokens are the MMA's M and the query heads of one KV group its N, as in
 - the softmax runs per head over the tile's tokens; the row sums are kept per thread and
   reduced once after the loop.
 
-Compiled off the device for sm_90 (Triton 3.6), the loop takes about 600 instructions a tile
-(32 warpgroup MMAs, no conversion of K or V) where the Triton kernel takes 891. Not yet timed
-on the H200: ``benchmarks/bench_decode.py --hopper-fp8`` times it against the default launch.
+Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
+a tile's path through the loop takes 450 instructions at block 256 and 627 at block 32 (32
+warpgroup MMAs, no conversion of K or V) where the Triton kernel takes 891 and 833. Not yet
+timed on the H200: ``benchmarks/bench_decode.py --hopper-fp8`` times it against the default
+launch.
 
 Scope (:func:`decode_fp8_hopper_applies`): float8_e4m3fn K/V with a token-major V, a bf16 or
 fp16 query with one new token per row, head_dim 64 or 128, GQA groups of up to 16 heads,
-blocks of a multiple of 128 tokens (a 128-token tile is one TMA box of K and one of V), no
-cap, sinks, window or draft tree. Everything else runs the Triton kernel.
+blocks of 32 or 64 tokens or a multiple of 128 (a 128-token tile is 4, 2 or 1 block-sized
+parts, each one TMA box of K and one of V), no cap, sinks or draft tree. Everything else runs
+the Triton kernel.
 
 Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
 slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
@@ -83,8 +86,8 @@ _Q_TOP = 224.0
 
 def decode_fp8_hopper_shape_ok(head_dim: int, group: int, block_size: int, query_len: int) -> bool:
     """Whether the kernel takes this shape: head_dim 64 or 128, 1-16 query heads per KV head,
-    blocks of a positive multiple of 128 tokens, one new token per row."""
-    blocks_ok = block_size > 0 and block_size % HOPPER_FP8_BLOCK_N == 0
+    blocks of 32 or 64 tokens or a positive multiple of 128, one new token per row."""
+    blocks_ok = block_size in (32, 64) or (block_size > 0 and block_size % HOPPER_FP8_BLOCK_N == 0)
     return head_dim in _HEAD_DIMS and 0 < group <= _MAX_GROUP and blocks_ok and query_len == 1
 
 
@@ -100,8 +103,8 @@ def decode_fp8_hopper_applies(
     """Whether :func:`launch_decode_fp8_hopper` takes a call :func:`.decode.paged_decode` has
     checked: an sm_90 GPU with Gluon, a float8_e4m3fn cache (K contiguous, V token-major, 16-byte
     aligned), a bf16 / fp16 query with a unit last stride, :func:`decode_fp8_hopper_shape_ok`,
-    the separate combine kernel (not ``fused_combine``) and none of cap, sinks, window or tree
-    (``extras``)."""
+    the separate combine kernel (not ``fused_combine``) and none of cap, sinks or draft tree
+    (``extras``; a sliding window is the items' kv ranges for one-token rows)."""
     if fused_combine or extras or k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != k_cache.dtype:
         return False
     if query.dtype not in (torch.bfloat16, torch.float16) or query.stride(-1) != 1:
@@ -151,29 +154,36 @@ if _GLUON:
     def _load_tile(  # type: ignore[no-untyped-def]
         k_desc, v_desc, k_bufs, v_bufs, ready, j, first, table_row, row_ok, table_width, num_blocks, kvh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
-        NUM_KV_HEADS: gl.constexpr,
+        NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr,
     ):  # fmt: skip
-        """TMA of tile ``j`` (tokens ``first + j * BLOCK_N ..``) into ring slot ``j % STAGES``:
-        K rows ``[page * BLOCK_SIZE + n0 % BLOCK_SIZE, +BLOCK_N)`` at columns ``kvh * HEAD_DIM``
-        of K viewed ``[num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]``; V^T rows ``(page *
-        kv_heads + kvh) * HEAD_DIM ..`` at columns ``n0 % BLOCK_SIZE`` of token-major V viewed
-        ``[num_blocks * kv_heads * HEAD_DIM, BLOCK_SIZE]``."""
+        """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
+        STAGES``, one K box and one V box per part of PART tokens (a part lies in one block): K
+        rows ``[page * BLOCK_SIZE + t % BLOCK_SIZE, +PART)`` (``t`` the part's first token) at
+        columns ``kvh * HEAD_DIM`` of K viewed ``[num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]``,
+        into the part's rows of the slot's K tile; V^T rows ``(page * kv_heads + kvh) * HEAD_DIM
+        ..`` at columns ``t % BLOCK_SIZE`` of token-major V viewed ``[num_blocks * kv_heads *
+        HEAD_DIM, BLOCK_SIZE]``, into the part's own V^T buffer."""
+        PARTS: gl.constexpr = BLOCK_N // PART
         slot = j % STAGES
         n0 = first + j * BLOCK_N
-        page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
         bar = ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [page * BLOCK_SIZE + n0 % BLOCK_SIZE, kvh * HEAD_DIM], bar, k_bufs.index(slot))
-        _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, n0 % BLOCK_SIZE], bar, v_bufs.index(slot))
+        mbarrier.expect(bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for part in gl.static_range(PARTS):
+            t = n0 + part * PART
+            page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
+            _tma_load(k_desc, [page * BLOCK_SIZE + t % BLOCK_SIZE, kvh * HEAD_DIM], bar, k_dst)
+            v_dst = v_bufs.index(slot * PARTS + part)
+            _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], bar, v_dst)
 
     @gluon.jit
-    def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):  # type: ignore[no-untyped-def]
-        """Zero the tokens (columns) outside ``[lo, hi)`` of a [HEAD_DIM, BLOCK_N] fp8 V^T tile in
-        shared memory, four tokens a 32-bit word: the tile viewed as int32 [HEAD_DIM, BLOCK_N / 4]
-        (the same 128-byte swizzle), each word ANDed with a mask of its kept bytes (byte b of word
-        c is token 4c + b)."""
-        words: gl.constexpr = BLOCK_N // 4
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, PART: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero the tokens (columns) outside ``[lo, hi)`` of a [HEAD_DIM, PART] fp8 V^T buffer in
+        shared memory, four tokens a 32-bit word: the buffer viewed as int32 [HEAD_DIM, PART / 4]
+        (the same swizzle of PART-byte rows), each word ANDed with a mask of its kept bytes (byte
+        b of word c is token 4c + b)."""
+        words: gl.constexpr = PART // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (words // 4), words // 4], [4, 1], [1, 0])
         view = _as_words(v_tile, [HEAD_DIM, words], gl.NVMMASharedLayout.get_default_for([HEAD_DIM, words], gl.int32))
         c4 = gl.arange(0, words, layout=gl.SliceLayout(0, layout)) * 4
         below = gl.minimum(gl.maximum(hi - c4, 0), 4)  # bytes of the word before hi
@@ -195,12 +205,17 @@ if _GLUON:
         num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
+        PART: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
         q_len, row_end), for the GROUP query heads of kv_head (padded to BLOCK_H, the MMA's N).
         A chunk that is its row's only one (partial_slot < 0) stores its output to ``out``,
-        else its normalised output and log2-sum-exp to the partial slot, as the Triton kernel."""
+        else its normalised output and log2-sum-exp to the partial slot, as the Triton kernel.
+        A tile is BLOCK_N / PART parts of PART = min(BLOCK_SIZE, BLOCK_N) tokens, each in one
+        block: one K box into the part's rows of the tile, one V^T box into a buffer of its own
+        (a [HEAD_DIM, PART] box cannot land inside a wider swizzled row), whose P V MMAs read the
+        part's columns of P."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -229,17 +244,18 @@ if _GLUON:
         q_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, HEAD_DIM], q_smem)
         p_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, BLOCK_N], p_smem)
         k_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(f8, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+        PARTS: gl.constexpr = BLOCK_N // PART
+        v_bufs = gl.allocate_shared_memory(f8, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
 
-        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: one block, one box each
+        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
         n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
         for st in gl.static_range(STAGES):
             if st < n_tiles:
                 _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, st, first, table_row, row_ok, table_width,
-                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS)  # fmt: skip
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART)  # fmt: skip
 
         # The group's queries, each head scaled so its largest element is _Q_TOP, split hi + lo.
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -269,14 +285,21 @@ if _GLUON:
             n0 = first + j * BLOCK_N
             mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
             k_tile = k_bufs.index(s_slot)
-            v_tile = v_bufs.index(s_slot)
             s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-            _page, page_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
             n = n0 + offs_n
-            seen = (n >= kv_start) & (n < kv_end) & page_ok
+            _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            if PARTS == 1:
+                seen = (n >= kv_start) & (n < kv_end) & tile_ok
+            else:  # each token's block (the table entries are in L1 after the tile's loads)
+                _pages, in_block = _tile_page(table_row, n, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                seen = (n >= kv_start) & (n < kv_end) & in_block
+                for part in gl.static_range(1, PARTS):
+                    _page, part_ok = _tile_page(table_row, n0 + part * PART, row_ok, table_width, num_blocks,
+                                                BLOCK_SIZE)  # fmt: skip
+                    tile_ok = tile_ok & part_ok
             s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
@@ -287,17 +310,24 @@ if _GLUON:
             p_hi = p.to(f8)
             p_bufs.index(0).store(gl.permute(p_hi, (1, 0)))
             p_bufs.index(1).store(gl.permute((p - p_hi.to(gl.float32)).to(f8), (1, 0)))
-            if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (page_ok == 0):  # stale V (maybe NaN) must not meet p = 0
-                _zero_tokens(v_tile, kv_start - n0, gl.where(page_ok, kv_end - n0, 0), HEAD_DIM, BLOCK_N)
+            if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):  # stale V (maybe NaN) must not meet p = 0
+                for part in gl.static_range(PARTS):
+                    t = n0 + part * PART
+                    _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                    hi = gl.where(part_ok, kv_end - t, 0)
+                    _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
             fence_async_shared()
             _partition_barrier()
-            o = warpgroup_mma(v_tile, p_bufs.index(0).permute((1, 0)), o * alpha[None, :], is_async=True)
-            o = warpgroup_mma(v_tile, p_bufs.index(1).permute((1, 0)), o, is_async=True)
+            o = o * alpha[None, :]
+            for hl in gl.static_range(2):  # P's hi and lo parts
+                for part in gl.static_range(PARTS):
+                    p_part = p_bufs.index(hl) if PARTS == 1 else p_bufs.index(hl).slice(part * PART, PART, 1)
+                    o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             _partition_barrier()  # every warp is done with the slot and with P
             if j + STAGES < n_tiles:
                 _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok, table_width,
-                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS)  # fmt: skip
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -322,14 +352,20 @@ if _GLUON:
             gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
 
 
+def tile_part(block_size: int) -> int:
+    """Tokens of a tile's part, each in one block: 128 (the tile) for blocks of a multiple of
+    128, else the block (32 or 64)."""
+    return min(block_size, HOPPER_FP8_BLOCK_N)
+
+
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[Any, Any]:
     """TMA descriptors: K as ``[num_blocks * block_size, kv_heads * head_dim]`` in boxes of
-    [128, head_dim]; token-major V's memory as ``[num_blocks * kv_heads * head_dim,
-    block_size]`` in boxes of [head_dim, 128]."""
+    [part, head_dim]; token-major V's memory as ``[num_blocks * kv_heads * head_dim,
+    block_size]`` in boxes of [head_dim, part] (``part``: :func:`tile_part`)."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k2 = k_cache.view(num_blocks * block_size, kv_heads * head_dim)
     v2 = v_cache.permute(0, 2, 3, 1).reshape(num_blocks * kv_heads * head_dim, block_size)  # a view: token-major
-    n = HOPPER_FP8_BLOCK_N
+    n = tile_part(block_size)
     k_layout = gl.NVMMASharedLayout.get_default_for([n, head_dim], gl.float8e4nv)
     v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, n], gl.float8e4nv)
     k_desc = TensorDescriptor(k2, list(k2.shape), [kv_heads * head_dim, 1], [n, head_dim], k_layout)
@@ -366,5 +402,6 @@ def launch_decode_fp8_hopper(
         items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=HOPPER_FP8_BLOCK_N, BLOCK_SIZE=block_size, STAGES=stages, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_N=HOPPER_FP8_BLOCK_N, BLOCK_SIZE=block_size, STAGES=stages,
+        PART=tile_part(block_size), num_warps=4,
     )  # fmt: skip
