@@ -311,11 +311,12 @@ if _GLUON:
             p_bufs.index(0).store(gl.permute(p_hi, (1, 0)))
             p_bufs.index(1).store(gl.permute((p - p_hi.to(gl.float32)).to(f8), (1, 0)))
             if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):  # stale V (maybe NaN) must not meet p = 0
-                for part in gl.static_range(PARTS):
+                for part in gl.static_range(PARTS):  # only the parts that hold such tokens
                     t = n0 + part * PART
                     _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
-                    hi = gl.where(part_ok, kv_end - t, 0)
-                    _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
+                    if (t < kv_start) | (t + PART > kv_end) | (part_ok == 0):
+                        hi = gl.where(part_ok, kv_end - t, 0)
+                        _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
             fence_async_shared()
             _partition_barrier()
             o = o * alpha[None, :]
