@@ -27,8 +27,8 @@ reports the best per shape; ``--fp8-sweep`` adds fp8-cache variants (the dots in
 conversion the default's fp16 dots replace; other tiles and pipeline depths); ``--wave-fill``
 each cache with near-equal rows cut to fill the launch's waves; ``--query-in-registers`` the
 fp8 cache compiled with its query tile kept in registers (``query_in_registers.py``, a Triton
-pipeline hook, in a fresh Triton cache); ``--hopper-fp8`` the fp8 cache on the Gluon kernel
-of fp8 warpgroup MMAs (``attention/triton_kernels/decode_fp8_hopper.py``);
+pipeline hook, in a fresh Triton cache); ``--hopper-wgmma`` the fp8 and bf16 caches on the
+Gluon kernel of warpgroup MMAs (``attention/triton_kernels/decode_hopper.py``);
 ``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
@@ -40,7 +40,8 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 
 Run (from the project root, on the GPU machine):
     python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
-        [--query-in-registers] [--hopper-fp8] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512] [--out PATH]
+        [--query-in-registers] [--hopper-wgmma] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512]
+        [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
 """
 
@@ -257,23 +258,26 @@ def query_register_variants() -> list[Variant]:
     ]
 
 
-def hopper_fp8_variants() -> list[Variant]:
-    """``--hopper-fp8``: the fp8 cache's chunks on the Gluon kernel of
-    ``attention/triton_kernels/decode_fp8_hopper.py`` (fp8 warpgroup MMAs, no conversion of K
-    or V): a ring of 2 tiles (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB,
-    two an SM), with and without wave fill (the block-32 fp8 default's)."""
+def hopper_wgmma_variants() -> list[Variant]:
+    """``--hopper-wgmma``: the chunks on the Gluon kernel of
+    ``attention/triton_kernels/decode_hopper.py`` (the tokens as the warpgroup MMA's M; an fp8
+    cache's K and V reach fp8 MMAs as stored), for the fp8 and the bf16 cache: a ring of 2 tiles
+    (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB, two an SM), and for fp8
+    the 2-tile ring with wave fill too (the block-32 fp8 default's)."""
     from attention.triton_kernels import DecodeConfig
 
-    return [
-        Variant(
-            f"fp8 cache, hopper wgmma, {stages} stages, {per_sm} an SM" + (f", wave fill {fill}" if fill else ""),
-            config=DecodeConfig(
-                block_n=128, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_fp8=True, wave_fill=fill
-            ),
-            fp8=True,
+    def config(block_n: int, stages: int, fill: float | None = None) -> Any:
+        per_sm = {2: 3, 3: 2}[stages]
+        return DecodeConfig(
+            block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill
         )
-        for stages, per_sm in ((2, 3), (3, 2))
-        for fill in (None, 0.9)
+
+    return [
+        Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM", config=config(128, 2), fp8=True),
+        Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM, wave fill 0.9", config=config(128, 2, 0.9), fp8=True),
+        Variant("fp8 cache, hopper wgmma, 3 stages, 2 an SM", config=config(128, 3), fp8=True),
+        Variant("bf16 cache, hopper wgmma, 2 stages, 3 an SM", config=config(64, 2)),
+        Variant("bf16 cache, hopper wgmma, 3 stages, 2 an SM", config=config(64, 3)),
     ]
 
 
@@ -475,7 +479,7 @@ def run_decode(
     fp8_sweep: bool = False,
     wave_fill: bool = False,
     query_in_registers: bool = False,
-    hopper_fp8: bool = False,
+    hopper_wgmma: bool = False,
     variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
@@ -485,7 +489,7 @@ def run_decode(
     chosen = [*variants(sweep), FP8_VARIANT, INT8_VARIANT, *(fp8_variants() + int8_variants() if fp8_sweep else [])]
     chosen += wave_fill_variants() if wave_fill else []
     chosen += query_register_variants() if query_in_registers else []
-    chosen += hopper_fp8_variants() if hopper_fp8 else []
+    chosen += hopper_wgmma_variants() if hopper_wgmma else []
     if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
         keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
         chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
@@ -716,9 +720,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the fp8 cache compiled with its query kept in registers (query_in_registers.py)",
     )
     parser.add_argument(
-        "--hopper-fp8",
+        "--hopper-wgmma",
         action="store_true",
-        help="also time the fp8 cache on the Gluon kernel of fp8 warpgroup MMAs",
+        help="also time the fp8 and bf16 caches on the Gluon kernel of warpgroup MMAs (decode_hopper.py)",
     )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument(
@@ -751,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_sweep=args.fp8_sweep,
                 wave_fill=args.wave_fill,
                 query_in_registers=args.query_in_registers,
-                hopper_fp8=args.hopper_fp8,
+                hopper_wgmma=args.hopper_wgmma,
                 variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,

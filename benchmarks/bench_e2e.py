@@ -157,7 +157,7 @@ class Settings:
     workloads: tuple[str, ...]
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
-    hopper_fp8_decode: bool = False  # an fp8 cache's decode chunks on the Gluon kernel (decode_fp8_hopper)
+    hopper_decode: bool = False  # decode chunks on the Gluon kernel of warpgroup MMAs (decode_hopper)
 
     @property
     def cache_dtype(self) -> str:
@@ -200,7 +200,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         workloads=tuple(args.workloads.split(",")),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_rotation=args.kv_rotation,
-        hopper_fp8_decode=args.hopper_fp8_decode,
+        hopper_decode=args.hopper_decode,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -458,15 +458,18 @@ class OurEngine:
     summary: dict[str, Any]
 
 
-def _hopper_fp8_backend(shape: LlamaShape, config: Any) -> Any:
-    """The triton backend with one-token decode rows on the Gluon fp8 kernel
-    (``attention/triton_kernels/decode_fp8_hopper.py``: a ring of 2 tiles, three programs an
-    SM); rows it does not take (other block sizes, several new tokens) run the Triton kernel."""
+def _hopper_backend(shape: LlamaShape, config: Any) -> Any:
+    """The triton backend with one-token decode rows on the Gluon kernel of warpgroup MMAs
+    (``attention/triton_kernels/decode_hopper.py``: its tile for the cache's dtype, a ring of 2
+    tiles, three programs an SM); rows it does not take (several new tokens) run the Triton
+    kernel."""
     from attention.triton_backend import TritonBackend
     from attention.triton_kernels import DecodeConfig
+    from attention.triton_kernels.decode_hopper import hopper_block_n
 
     spec = shape.attention_spec(config.compute_dtype, config.cache.dtype)
-    launch = DecodeConfig(block_n=128, num_warps=4, num_stages=2, programs_per_sm=3, hopper_fp8=True)
+    tile = hopper_block_n(torch_dtype(spec.cache_dtype))
+    launch = DecodeConfig(block_n=tile, num_warps=4, num_stages=2, programs_per_sm=3, hopper_wgmma=True)
     return TritonBackend(spec, decode_config=launch)
 
 
@@ -482,7 +485,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
         compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
-    engine = engine_for(config, shape, backend=_hopper_fp8_backend(shape, config) if s.hopper_fp8_decode else None)
+    engine = engine_for(config, shape, backend=_hopper_backend(shape, config) if s.hopper_decode else None)
     capacity = StepCapacity(
         max_rows=s.max_running,
         max_tokens=max(*(w.token_budget for w in workloads.values()), s.max_running),
@@ -495,7 +498,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "backend": engine.backend.name,
         "cache_dtype": s.cache_dtype,
         "kv_rotation": s.kv_rotation,
-        "hopper_fp8_decode": s.hopper_fp8_decode,
+        "hopper_decode": s.hopper_decode,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1058,9 +1061,9 @@ def _parser() -> argparse.ArgumentParser:
         help="with --kv-cache-dtype: store K and V rotated (cache.kv_rotation)",
     )
     p.add_argument(
-        "--hopper-fp8-decode",
+        "--hopper-decode",
         action="store_true",
-        help="with --kv-cache-dtype float8_e4m3: decode chunks on the Gluon kernel of fp8 warpgroup MMAs",
+        help="decode chunks on the Gluon kernel of warpgroup MMAs (a bf16 or float8_e4m3 cache; an sm_90 GPU)",
     )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
@@ -1083,10 +1086,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (also printed as a table and written)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.hopper_fp8_decode and args.kv_cache_dtype != "float8_e4m3":
-        parser.error("--hopper-fp8-decode: runs an fp8 cache's decode; give --kv-cache-dtype float8_e4m3")
-    if args.hopper_fp8_decode and (not args.device.startswith("cuda") or args.backend not in (None, "triton")):
-        parser.error("--hopper-fp8-decode: a kernel of the triton backend on an sm_90 GPU; run on --device cuda")
+    if args.hopper_decode and args.kv_cache_dtype not in (None, "float8_e4m3"):
+        parser.error("--hopper-decode: runs a bf16 or float8_e4m3 cache's decode; drop --kv-cache-dtype int8")
+    if args.hopper_decode and (not args.device.startswith("cuda") or args.backend not in (None, "triton")):
+        parser.error("--hopper-decode: a kernel of the triton backend on an sm_90 GPU; run on --device cuda")
     if args.kv_rotation != "none" and args.kv_cache_dtype is None:
         parser.error("--kv-rotation: rotates an 8-bit cache's K and V; give --kv-cache-dtype int8 or float8_e4m3")
     s = settings_from(args)

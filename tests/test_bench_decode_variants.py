@@ -37,15 +37,16 @@ def test_query_register_variants_are_capped_so_the_hook_takes_them() -> None:
         assert policy.programs_per_sm == (3 if variant.config.maxnreg == 168 else 2), variant.name
 
 
-def test_hopper_fp8_variants_schedule_for_the_programs_their_ring_fits() -> None:
+def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> None:
     bench = load_bench("bench_decode")
-    chosen = bench.hopper_fp8_variants()
-    assert [(v.config.num_stages, v.config.wave_fill) for v in chosen] == [(2, None), (2, 0.9), (3, None), (3, 0.9)]
+    chosen = bench.hopper_wgmma_variants()
+    assert [(v.fp8, v.config.block_n, v.config.num_stages, v.config.wave_fill) for v in chosen] == [
+        (True, 128, 2, None), (True, 128, 2, 0.9), (True, 128, 3, None), (False, 64, 2, None), (False, 64, 3, None)
+    ]  # fmt: skip
     for variant in chosen:
-        assert variant.fp8, variant.name
         for block_size in (32, 256):
             config, policy = variant.backend(block_size)._decode_launch(1, block_size)
-            assert config.hopper_fp8 and config.block_n == 128
+            assert config.hopper_wgmma and config == variant.config
             # a ring of 2 tiles is 70 KiB of shared memory (three programs an SM), of 3 tiles 103 KiB (two)
             assert policy.programs_per_sm == {2: 3, 3: 2}[config.num_stages], variant.name
             assert policy.wave_fill == (variant.config.wave_fill or 0.0), variant.name

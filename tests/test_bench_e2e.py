@@ -109,23 +109,24 @@ def test_kv_rotation_needs_an_8bit_cache() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--device", "cuda", "--hopper-fp8-decode"],  # no fp8 cache
-        ["--device", "cpu", "--tiny", "--kv-cache-dtype", "float8_e4m3", "--hopper-fp8-decode"],  # no GPU
-        ["--device", "cuda", "--backend", "reference", "--kv-cache-dtype", "float8_e4m3", "--hopper-fp8-decode"],
+        ["--device", "cuda", "--kv-cache-dtype", "int8", "--hopper-decode"],  # int8: not its cache
+        ["--device", "cpu", "--tiny", "--kv-cache-dtype", "float8_e4m3", "--hopper-decode"],  # no GPU
+        ["--device", "cuda", "--backend", "reference", "--hopper-decode"],
     ],
 )
-def test_hopper_fp8_decode_needs_an_fp8_cache_on_the_triton_backend(argv: list[str]) -> None:
+def test_hopper_decode_needs_its_cache_on_the_triton_backend(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         _bench().run(argv)
 
 
-def test_hopper_fp8_decode_backend_launches_one_token_rows_on_the_gluon_kernel() -> None:
+@pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
+def test_hopper_decode_backend_launches_one_token_rows_on_the_gluon_kernel(cache_dtype: str, tile: int) -> None:
     bench = _bench()
     from examples.engine import cache_config_for
 
-    config = cache_config_for(bench.TINY, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
+    config = cache_config_for(bench.TINY, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._hopper_fp8_backend(bench.TINY, config)
-    assert backend.spec == bench.TINY.attention_spec("bfloat16", "float8_e4m3")
+    backend = bench._hopper_backend(bench.TINY, config)
+    assert backend.spec == bench.TINY.attention_spec("bfloat16", cache_dtype)
     launch, policy = backend._decode_launch(1, 256)
-    assert launch.hopper_fp8 and launch.block_n == 128 and policy.programs_per_sm == 3
+    assert launch.hopper_wgmma and launch.block_n == tile and policy.programs_per_sm == 3

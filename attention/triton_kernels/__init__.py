@@ -10,8 +10,8 @@ One concept per module:
                            Python; fixed grids for CUDA graphs);
 - :mod:`.decode_kernels`:  the decode kernels (one program per chunk and KV head, combine);
 - :mod:`.decode`:          their launch parameters, workspace and launcher;
-- :mod:`.decode_fp8_hopper`: the chunk kernel for an fp8 cache on Hopper in Gluon (fp8
-                           warpgroup MMAs; opt-in, ``DecodeConfig.hopper_fp8``);
+- :mod:`.decode_hopper`:   the chunk kernel on Hopper in Gluon, the tokens as the warpgroup
+                           MMA's M (fp8 and 16-bit caches; opt-in, ``DecodeConfig.hopper_wgmma``);
 - :mod:`.prefill`:         FlashAttention-2 style varlen causal attention for prefill/extend;
 - :mod:`.prefill_hopper`:  the same on Hopper in Gluon, warp-specialized (FlashAttention-3's
                            layout), for the common 16-bit case;

@@ -33,11 +33,7 @@ import torch
 
 from attention.checks import same_device
 from attention.token_scales import layout_problem
-from attention.triton_kernels.decode_fp8_hopper import (
-    HOPPER_FP8_BLOCK_N,
-    decode_fp8_hopper_applies,
-    launch_decode_fp8_hopper,
-)
+from attention.triton_kernels.decode_hopper import decode_hopper_applies, hopper_block_n, launch_decode_hopper
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import (
@@ -94,12 +90,13 @@ class DecodeConfig:
     maxnreg:    registers per thread the chunk kernel may use (Triton's ``maxnreg``, in
                 [32, 255]); ptxas spills past it. None: the compiler's choice. A cap can keep
                 one more program an SM (``programs_per_sm``) at the price of spills.
-    hopper_fp8: run the chunks of an fp8 (float8_e4m3fn) cache with the Gluon kernel of
-                :mod:`.decode_fp8_hopper` (fp8 warpgroup MMAs, no conversion of K or V) where
-                it applies (sm_90, its shapes; else the Triton kernel runs). Needs block_n
-                128; num_stages is its ring of K/V tiles (32 KiB each at head_dim 128: 2 stages
-                fit 3 programs an SM, 3 fit 2, 4 fit 1). Not yet timed on the H200, so off by
-                default.
+    hopper_wgmma: run the chunks with the Gluon kernel of :mod:`.decode_hopper` (the tokens as
+                the warpgroup MMA's M; an fp8 cache's K and V reach its fp8 MMAs as stored)
+                where it applies (sm_90, its shapes; else the Triton kernel runs). block_n must
+                be its tile, ``hopper_block_n`` of the cache's dtype: 128 for float8_e4m3fn, 64
+                for a 16-bit cache. num_stages is its ring of K/V tiles (32 KiB each at
+                head_dim 128: 2 stages fit 3 programs an SM, 3 fit 2, 4 fit 1). Not yet timed
+                on the H200, so off by default.
     """
 
     block_n: int = 64
@@ -111,7 +108,7 @@ class DecodeConfig:
     programs_per_sm: int | None = None
     wave_fill: float | None = None
     maxnreg: int | None = None
-    hopper_fp8: bool = False
+    hopper_wgmma: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -122,13 +119,13 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
         if self.maxnreg is not None and (type(self.maxnreg) is not int or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"DecodeConfig.maxnreg: {self.maxnreg!r} must be an int in [32, 255] (or None)")
-        if self.hopper_fp8 and self.block_n != HOPPER_FP8_BLOCK_N:
+        if self.hopper_wgmma and self.block_n not in (64, 128):
             raise ValueError(
-                f"DecodeConfig.block_n: {self.block_n} with hopper_fp8; the Hopper fp8 kernel's tiles are "
-                f"{HOPPER_FP8_BLOCK_N} tokens (pass block_n={HOPPER_FP8_BLOCK_N})"
+                f"DecodeConfig.block_n: {self.block_n} with hopper_wgmma; the Hopper kernel's tiles are 128 tokens "
+                f"for an fp8 cache and 64 for a 16-bit one (hopper_block_n)"
             )
-        if self.hopper_fp8 and not 2 <= self.num_stages <= 4:
-            raise ValueError(f"DecodeConfig.num_stages: {self.num_stages} with hopper_fp8 must be 2, 3 or 4")
+        if self.hopper_wgmma and not 2 <= self.num_stages <= 4:
+            raise ValueError(f"DecodeConfig.num_stages: {self.num_stages} with hopper_wgmma must be 2, 3 or 4")
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -399,6 +396,13 @@ def check_decode_launch(
             raise ValueError(f"{name}: on {t.device}, expected {k_cache.device} (the cache's device)")
     _check_int32_table("items", items, ITEM_FIELDS, schedule.grid_items, k_cache.device)
     _check_int32_table("rows", rows, ROW_FIELDS, schedule.grid_rows, k_cache.device)
+    hopper_tile = hopper_block_n(k_cache.dtype)
+    takes = k_cache.dtype == torch.float8_e4m3fn or k_cache.dtype == query.dtype != torch.float32
+    if config.hopper_wgmma and takes and config.block_n != hopper_tile:
+        raise ValueError(
+            f"config.block_n: {config.block_n} with hopper_wgmma over a {k_cache.dtype} cache; the Hopper kernel's "
+            f"tiles are {hopper_tile} tokens there: pass block_n={hopper_tile} (and make the schedule with it)"
+        )
     if schedule.chunk_len % config.block_n:
         raise ValueError(
             f"schedule: chunk_len {schedule.chunk_len} is not a multiple of config.block_n {config.block_n}; "
@@ -500,17 +504,14 @@ def paged_decode(
     num_q_tokens = min(query.shape[0], out.shape[0])
     g_pad = next_power_of_2(group)
     extras = softcap is not None or sinks is not None or tree_masks is not None
-    if (
-        config.hopper_fp8
-        and k_scale is not None
-        and v_scale is not None
-        and decode_fp8_hopper_applies(
-            query, k_cache, v_cache, schedule.query_len, fused_combine=config.fused_combine, extras=extras
-        )
-    ):
-        launch_decode_fp8_hopper(
-            query, k_cache, v_cache, k_scale, v_scale, block_tables, items, schedule.grid_items, out, ws.part_o,
-            ws.part_lse, softmax_scale * _LOG2E, config.num_stages,
+    if config.hopper_wgmma and decode_hopper_applies(
+        query, k_cache, v_cache, schedule.query_len, block_n=config.block_n, fused_combine=config.fused_combine,
+        extras=extras,
+    ):  # fmt: skip
+        launch_decode_hopper(
+            query, k_cache, v_cache, (k_scale, v_scale) if k_scale is not None and v_scale is not None else None,
+            block_tables, items, schedule.grid_items, out, ws.part_o, ws.part_lse, softmax_scale * _LOG2E,
+            config.num_stages,
         )  # fmt: skip
     else:
         decode_items_kernel[(kv_heads, schedule.grid_items)](

@@ -1,12 +1,12 @@
-"""The Hopper fp8 decode kernel (attention/triton_kernels/decode_fp8_hopper.py) and the launch
-that selects it (``DecodeConfig(hopper_fp8=True)``).
+"""The Hopper decode kernel (attention/triton_kernels/decode_hopper.py) and the launch that
+selects it (``DecodeConfig(hopper_wgmma=True)``).
 
 The float64 checks run everywhere: on an sm_90 GPU with Gluon they run the Gluon kernel (and
 assert it ran), elsewhere (the CPU interpreter included) the same call runs the Triton kernel,
 which must then give the same answers. Caches come from tests/paged_case.py: float8_e4m3fn K
-and a token-major V whose unwritten slots hold NaN, shuffled block ids, two NaN blocks around
-the cache; rows end inside tiles and blocks, split rows go through the combine kernel.
-tests/test_decode_fp8_hopper_compile.py compiles the kernel for sm_90 without a GPU.
+and a token-major V, or bf16 / fp16 K and V, whose unwritten slots hold NaN, shuffled block ids,
+two NaN blocks around the cache; rows end inside tiles and blocks, split rows go through the
+combine kernel. tests/test_decode_hopper_compile.py compiles the kernel for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 import attention.triton_kernels.decode as decode_module
 from attention.triton_kernels import DecodeConfig, DecodeWorkspace
-from attention.triton_kernels.decode_fp8_hopper import HOPPER_FP8_BLOCK_N, decode_fp8_hopper_shape_ok
+from attention.triton_kernels.decode_hopper import decode_hopper_shape_ok, hopper_block_n
 from attention.triton_kernels.prefill_hopper import gluon_available
 from attention.value_layout import token_major_view
 from tests.paged_case import PagedCase
@@ -32,13 +32,13 @@ ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) an
 def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The Gluon kernel's launches (their stage counts)."""
     calls: list[int] = []
-    real = decode_module.launch_decode_fp8_hopper
+    real = decode_module.launch_decode_hopper
 
     def counted(*args: object) -> None:
         calls.append(int(args[-1]))  # type: ignore[call-overload]
         real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(decode_module, "launch_decode_fp8_hopper", counted)
+    monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
     return calls
 
 
@@ -61,6 +61,26 @@ def _fp8_case(
     k_scale = (0.25 + torch.rand(kv_heads, generator=gen)).to(DEVICE)
     v_scale = (0.25 + torch.rand(kv_heads, generator=gen)).to(DEVICE)
     return fp8, plain, (k_scale, v_scale)
+
+
+def _wide_case(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> tuple[PagedCase, PagedCase]:
+    """(case, its float32 twin): K and V in ``dtype`` (the query's), NaN in every slot no token
+    was written to."""
+    case = _case(lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=torch.float32)
+    key, value = case.layer.key.to(dtype), case.layer.value.to(dtype)
+    wide = dataclasses.replace(
+        case, layer=dataclasses.replace(case.layer, key=key, value=value), query=case.query.to(dtype)
+    )
+    plain = dataclasses.replace(
+        case, layer=dataclasses.replace(case.layer, key=key.float(), value=value.float()), query=wide.query
+    )
+    return wide, plain
+
+
+def _config(dtype: torch.dtype, stages: int = 2) -> DecodeConfig:
+    return DecodeConfig(block_n=hopper_block_n(dtype), num_stages=stages, hopper_wgmma=True)
 
 
 CASES = [
@@ -87,14 +107,41 @@ def test_matches_float64_reference(  # type: ignore[no-untyped-def]
     if DEVICE == "cpu" and (stages == 3 or query_dtype == torch.float16):
         pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
     fp8, plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, query_dtype)
-    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, **({} if chunk is None else {"chunk_len": chunk}))
-    config = DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=stages, hopper_fp8=True)
+    config = _config(torch.float8_e4m3fn, stages)
+    launch = _prepare(fp8, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
     out = _run(fp8, launch, config, scales=scales)
     ranges = [(0, n) for n in fp8.meta.seq_lens_host]
     rows = list(range(len(lens)))
     ref = _reference(plain, ranges, rows, rows, 1 / math.sqrt(head_dim), scales)
     _check(out, ref, query_dtype)
     assert hopper_calls == ([stages] if ON_HOPPER else [])
+
+
+WIDE_CASES = [
+    # heads, kv_heads, head_dim, block_size, row lengths, forced chunk_len (None: the policy)
+    pytest.param(8, 2, 128, 256, [1, 63, 64, 65, 300, 513], None, id="gqa4-d128-b256-edges"),
+    pytest.param(16, 2, 128, 32, [45, 700, 7, 256], 128, id="gqa8-d128-b32-split"),
+    pytest.param(16, 1, 64, 64, [200, 1000, 3], 64, id="gqa16-d64-b64-split"),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), WIDE_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16bit_cache_matches_float64_reference(  # type: ignore[no-untyped-def]
+    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, dtype
+) -> None:
+    """The same for a cache in the query's dtype (64-token tiles: V read transposed as the MMA's
+    A operand, P as computed its B operand)."""
+    if DEVICE == "cpu" and dtype == torch.float16:
+        pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
+    wide, plain = _wide_case(lens, heads, kv_heads, head_dim, block_size, dtype)
+    config = _config(dtype)
+    launch = _prepare(wide, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
+    out = _run(wide, launch, config)
+    rows = list(range(len(lens)))
+    ref = _reference(plain, [(0, n) for n in wide.meta.seq_lens_host], rows, rows, 1 / math.sqrt(head_dim))
+    _check(out, ref, dtype)
+    assert hopper_calls == ([2] if ON_HOPPER else [])
 
 
 @pytest.mark.parametrize("block_size", [256, 32])
@@ -104,8 +151,8 @@ def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_si
     lens = [150, 333, 700, 1000]
     fp8, plain, scales = _fp8_case(lens, 8, 2, 128, block_size, torch.bfloat16)
     ranges = [(max(0, n - 200), n) for n in lens]
-    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, kv_ranges=ranges, chunk_len=128)
-    out = _run(fp8, launch, DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=2, hopper_fp8=True), scales=scales)
+    launch = _prepare(fp8, 128, kv_ranges=ranges, chunk_len=128)
+    out = _run(fp8, launch, _config(torch.float8_e4m3fn), scales=scales)
     rows = list(range(len(lens)))
     _check(out, _reference(plain, ranges, rows, rows, 1 / math.sqrt(128), scales), torch.bfloat16)
     assert hopper_calls == ([2] if ON_HOPPER else [])
@@ -121,7 +168,7 @@ def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], blo
     fp8, _plain, scales = _fp8_case([300, 290, 280, 270, 260], 8, 2, 128, block_size, torch.bfloat16)
     num_blocks = fp8.layer.num_blocks
     fp8.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)
-    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N, chunk_len=128)
+    launch = _prepare(fp8, 128, chunk_len=128)
     s = launch.schedule
     out_store, out = _canaried(tuple(fp8.query.shape), torch.bfloat16, 3.0)
     po_store, part_o = _canaried(tuple(launch.workspace.part_o.shape), torch.float32, 5.0)
@@ -135,8 +182,7 @@ def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], blo
     items[first_item[4], 3] = 10**6  # partial slot out of range
     bad = dataclasses.replace(launch, items=items, workspace=ws)
     before = [t.clone() for t in (out_store, po_store, pl_store)]
-    config = DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, num_stages=2, hopper_fp8=True)
-    _run(fp8, bad, config, out, scales=scales)
+    _run(fp8, bad, _config(torch.float8_e4m3fn), out, scales=scales)
     assert not out[[0, 1, 2]].isnan().any()
     for store, old in zip((out_store, po_store, pl_store), before, strict=True):
         assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"
@@ -159,16 +205,37 @@ def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], blo
     ],
 )
 def test_the_shapes_it_takes(change: dict[str, int], applies: bool) -> None:
-    shape = {"head_dim": 128, "group": 4, "block_size": 256, "query_len": 1, **change}
-    assert decode_fp8_hopper_shape_ok(**shape) is applies
+    shape = {"head_dim": 128, "group": 4, "block_size": 256, "query_len": 1, "block_n": 128, **change}
+    assert decode_hopper_shape_ok(**shape) is applies
+
+
+def test_the_shapes_of_64_token_tiles() -> None:
+    assert decode_hopper_shape_ok(128, 4, 64, 1, 64) and decode_hopper_shape_ok(128, 4, 32, 1, 64)
+    assert decode_hopper_shape_ok(128, 4, 192, 1, 64) and not decode_hopper_shape_ok(128, 4, 96, 1, 64)
+    assert hopper_block_n(torch.float8_e4m3fn) == 128 and hopper_block_n(torch.bfloat16) == 64
 
 
 def test_the_config_asks_for_its_tile() -> None:
-    with pytest.raises(ValueError, match="block_n: 64 with hopper_fp8"):
-        DecodeConfig(hopper_fp8=True)
-    with pytest.raises(ValueError, match="num_stages: 1 with hopper_fp8"):
-        DecodeConfig(block_n=128, num_stages=1, hopper_fp8=True)
-    assert DecodeConfig(block_n=128, num_stages=4, hopper_fp8=True).hopper_fp8
+    with pytest.raises(ValueError, match="block_n: 32 with hopper_wgmma"):
+        DecodeConfig(block_n=32, hopper_wgmma=True)
+    with pytest.raises(ValueError, match="num_stages: 1 with hopper_wgmma"):
+        DecodeConfig(block_n=128, num_stages=1, hopper_wgmma=True)
+    assert DecodeConfig(block_n=128, num_stages=4, hopper_wgmma=True).hopper_wgmma
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_a_launch_with_the_wrong_tile_is_refused(dtype: torch.dtype) -> None:
+    """hopper_wgmma with the other cache's tile names the tile the cache needs (checked on the
+    host before anything runs, whatever the device)."""
+    if dtype == torch.bfloat16:
+        case, _ = _wide_case([70, 200], 8, 2, 64, 64, dtype)
+        scales = None
+    else:
+        case, _, scales = _fp8_case([70, 200], 8, 2, 64, 64, torch.bfloat16)
+    wrong = 64 if dtype == torch.float8_e4m3fn else 128
+    launch = _prepare(case, wrong)
+    with pytest.raises(ValueError, match=f"config.block_n: {wrong} with hopper_wgmma .* pass block_n={192 - wrong}"):
+        _run(case, launch, DecodeConfig(block_n=wrong, hopper_wgmma=True), scales=scales)
 
 
 def test_other_launches_run_the_triton_kernel(hopper_calls: list[int]) -> None:
@@ -176,8 +243,8 @@ def test_other_launches_run_the_triton_kernel(hopper_calls: list[int]) -> None:
     part in two blocks), the same config runs the Triton kernel: the call never reaches the
     Gluon launch."""
     fp8, plain, scales = _fp8_case([70, 200], 8, 2, 64, 96, torch.bfloat16)
-    launch = _prepare(fp8, HOPPER_FP8_BLOCK_N)
-    out = _run(fp8, launch, DecodeConfig(block_n=HOPPER_FP8_BLOCK_N, hopper_fp8=True), scales=scales)
+    launch = _prepare(fp8, 128)
+    out = _run(fp8, launch, _config(torch.float8_e4m3fn), scales=scales)
     ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], [0, 1], [0, 1], 1 / math.sqrt(64), scales)
     _check(out, ref, torch.bfloat16)
     assert hopper_calls == []

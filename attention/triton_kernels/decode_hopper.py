@@ -1,0 +1,474 @@
+"""Decode on Hopper (sm_90) with the tokens as the warpgroup MMA's M: fp8 and 16-bit caches.
+
+The chunk kernel of :mod:`.decode` (same work items, same partial outputs for
+:func:`.decode_kernels.decode_combine_kernel`), opt-in through ``DecodeConfig.hopper_wgmma``,
+for a float8_e4m3fn cache (per-KV-head scales, V token-major) or a 16-bit cache in the query's
+dtype.
+
+Why: the Triton kernel puts the query heads of a KV group (4-16, padded to 16) on the M side
+of 16-row ``mma.sync`` dots. For an fp8 cache it converts every K and V byte to fp16 first:
+Hopper runs fp8 tensor-core math only in warpgroup MMAs (M = 64), and ``ptxas`` for sm_90 even
+emulates an fp8 ``mma.sync`` through fp16 (``F2FP.F16.E4M3.UNPACK_B`` + ``HMMA.16816`` +
+``FADD``). Its fp8 loop takes 891 instructions a 128-token tile at block 256 (136
+conversions), its 16-bit loop 436 a 64-token tile, and on short rows the kernel is bound by
+them (``benchmarks/results/decode-block32-ncu-2026-12-04.md``). Here the tile's tokens are
+the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hopper`:
+
+- S^T = K Q^T ([BLOCK_N tokens, BLOCK_H heads]): the K tile as stored is the A operand;
+- O^T += V^T P^T ([head_dim, BLOCK_H]): the V tile as stored is the A operand (a token-major
+  fp8 V, :mod:`attention.value_layout`, has the reduction, the tokens, contiguous, as 8-bit
+  operands must; a 16-bit V is read transposed);
+- fp8: the query and P are split into ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)`` and both dots
+  run twice (into one accumulator): ~8 significant bits, a bf16 query's. The query is scaled
+  per head so its largest element is 224 (e4m3's largest is 448), P by 2^8 (its largest is
+  1); both factors come out again exactly (the scores' scale, and the lse minus 8). An 8-bit
+  B operand must be K-major too, so P is stored transposed;
+- the softmax runs per head over the tile's tokens; the row sums are kept per thread and
+  reduced once after the loop.
+
+Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
+a tile's path through the loop takes 450 instructions (fp8, 128 tokens) and 228 (bf16, 64
+tokens) at block 256, 627 and 268 at block 32, where the Triton kernel takes 891 / 436 and
+833 / 479. Not yet timed on the H200: ``benchmarks/bench_decode.py --hopper-wgmma`` times it.
+
+Scope (:func:`decode_hopper_applies`): a bf16 or fp16 query with one new token per row,
+head_dim 64 or 128, GQA groups of up to 16 heads, no cap, sinks or draft tree; a float8_e4m3fn
+cache with a token-major V and tiles of 128 tokens, or a cache in the query's dtype and tiles
+of 64 (:func:`hopper_block_n`; 32 KiB of K and V a tile either way at head_dim 128); blocks
+of 32 or 64 tokens or a multiple of the tile (a tile is 1, 2 or 4 block-sized parts, each one
+TMA box of K and one of V). Everything else runs the Triton kernel.
+
+Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
+slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
+tokens; kv ranges are clamped to the table. V tokens a tile does not attend (past the chunk,
+before it, or of a bad block; stale slots may hold NaN, which would survive p = 0) are zeroed
+in shared memory before P V reads them, in the parts of a tile that have any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attention.triton_kernels.paging import next_power_of_2
+from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
+from attention.value_layout import is_token_major
+
+if _GLUON:
+    from attention.triton_kernels.prefill_hopper import (
+        TensorDescriptor,
+        _partition_barrier,
+        _tma_load,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+__all__ = [
+    "decode_hopper_applies",
+    "decode_hopper_shape_ok",
+    "hopper_block_n",
+    "launch_decode_hopper",
+    "tile_part",
+]
+
+_HEAD_DIMS = (64, 128)
+_MAX_GROUP = 16
+_FP8_BLOCK_N = 128
+_WIDE_BLOCK_N = 64
+
+
+def hopper_block_n(cache_dtype: torch.dtype) -> int:
+    """Tokens per tile (the MMA's M, one or two blocks of 64) for a cache of this dtype: 128
+    for an 8-bit cache, 64 for a 16-bit one. Schedules must be made for it."""
+    return _FP8_BLOCK_N if cache_dtype.itemsize == 1 else _WIDE_BLOCK_N
+
+
+def tile_part(block_size: int, block_n: int) -> int:
+    """Tokens of a tile's part, each in one block: the tile for blocks of a multiple of it, else
+    the block (32 or 64)."""
+    return min(block_size, block_n)
+
+
+def decode_hopper_shape_ok(head_dim: int, group: int, block_size: int, query_len: int, block_n: int) -> bool:
+    """Whether the kernel takes this shape with tiles of ``block_n`` tokens: head_dim 64 or
+    128, 1-16 query heads per KV head, blocks of 32 or 64 tokens or a positive multiple of the
+    tile (each part of a tile inside one block), one new token per row."""
+    inside_tile = block_size in (32, 64) and block_n % block_size == 0  # a tile of 2 or 4 blocks
+    blocks_ok = inside_tile or (block_size > 0 and block_size % block_n == 0)
+    return head_dim in _HEAD_DIMS and 0 < group <= _MAX_GROUP and blocks_ok and query_len == 1
+
+
+def decode_hopper_applies(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_len: int,
+    *,
+    block_n: int,
+    fused_combine: bool,
+    extras: bool,
+) -> bool:
+    """Whether :func:`launch_decode_hopper` takes a call :func:`.decode.paged_decode` has
+    checked, with tiles of ``block_n`` tokens (:func:`hopper_block_n` of the cache's dtype):
+    an sm_90 GPU with Gluon; a bf16 / fp16 query with a unit last stride; a contiguous K, and
+    either a float8_e4m3fn cache with a token-major V or a contiguous V in the query's dtype,
+    16-byte aligned; :func:`decode_hopper_shape_ok`; the separate combine kernel (not
+    ``fused_combine``) and none of cap, sinks or draft tree (``extras``; a sliding window is
+    the items' kv ranges for one-token rows)."""
+    if fused_combine or extras or query.dtype not in (torch.bfloat16, torch.float16) or query.stride(-1) != 1:
+        return False
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if not (fp8 or k_cache.dtype == query.dtype) or v_cache.dtype != k_cache.dtype:
+        return False
+    if block_n != hopper_block_n(k_cache.dtype) or not hopper_prefill_possible(k_cache.device):
+        return False
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    if not decode_hopper_shape_ok(head_dim, query.shape[1] // kv_heads, block_size, query_len, block_n):
+        return False
+    v_ok = is_token_major(v_cache) if fp8 else v_cache.is_contiguous()
+    if not (k_cache.is_contiguous() and v_ok):
+        return False
+    return k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+
+
+if _GLUON:
+    # Triton 3.6 names a shared-memory view of another type ``_reinterpret``; later versions
+    # ``reinterpret``.
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+
+        @gluon.jit
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf.reinterpret(gl.int32, shape, layout)
+
+    else:
+
+        @gluon.jit
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf._reinterpret(gl.int32, shape, layout)
+
+    @gluon.constexpr_function
+    def _query_layout(block_h, head_dim):  # type: ignore[no-untyped-def]
+        """A blocked layout of the [block_h, head_dim] query tile that holds each element once
+        (up to 8 contiguous channels a thread)."""
+        vec = max(1, min(8, block_h * head_dim // 128))
+        cols = head_dim // vec
+        return gl.BlockedLayout([1, vec], [32 // cols, cols], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
+        """(block id to read, whether it is the row's) for token(s) ``n0``: the table entry
+        clamped to the table; a bad id, or any id of a bad table row, reads block 0."""
+        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1), mask=row_ok, other=-1)
+        ok = (page >= 0) & (page < num_blocks)
+        return gl.where(ok, page, 0), ok
+
+    @gluon.jit
+    def _load_tile(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, ready, j, first, table_row, row_ok, table_width, num_blocks, kvh,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
+        NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
+        STAGES``, one K box and one V box per part of PART tokens (a part lies in one block):
+        K rows ``[page * BLOCK_SIZE + t % BLOCK_SIZE, +PART)`` (``t`` the part's first token) at
+        columns ``kvh * HEAD_DIM`` of K viewed ``[num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]``,
+        into the part's rows of the slot's K tile; V likewise into the V tile (16-bit), or (fp8,
+        token-major) V^T rows ``(page * kv_heads + kvh) * HEAD_DIM ..`` at columns ``t %
+        BLOCK_SIZE`` of V's memory viewed ``[num_blocks * kv_heads * HEAD_DIM, BLOCK_SIZE]``,
+        into the part's own V^T buffer."""
+        PARTS: gl.constexpr = BLOCK_N // PART
+        slot = j % STAGES
+        n0 = first + j * BLOCK_N
+        bar = ready.index(slot)
+        mbarrier.expect(bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for part in gl.static_range(PARTS):
+            t = n0 + part * PART
+            page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            row = page * BLOCK_SIZE + t % BLOCK_SIZE
+            k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
+            _tma_load(k_desc, [row, kvh * HEAD_DIM], bar, k_dst)
+            if FP8:
+                v_dst = v_bufs.index(slot * PARTS + part)
+                _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], bar, v_dst)
+            else:
+                v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
+                _tma_load(v_desc, [row, kvh * HEAD_DIM], bar, v_dst)
+
+    @gluon.jit
+    def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, PART: gl.constexpr):  # type: ignore[no-untyped-def]
+        """Zero the tokens (columns) outside ``[lo, hi)`` of a [HEAD_DIM, PART] fp8 V^T buffer in
+        shared memory, four tokens a 32-bit word: the buffer viewed as int32 [HEAD_DIM, PART / 4]
+        (the same swizzle of PART-byte rows), each word ANDed with a mask of its kept bytes (byte
+        b of word c is token 4c + b)."""
+        words: gl.constexpr = PART // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (words // 4), words // 4], [4, 1], [1, 0])
+        view = _as_words(v_tile, [HEAD_DIM, words], gl.NVMMASharedLayout.get_default_for([HEAD_DIM, words], gl.int32))
+        c4 = gl.arange(0, words, layout=gl.SliceLayout(0, layout)) * 4
+        below = gl.minimum(gl.maximum(hi - c4, 0), 4)  # bytes of the word before hi
+        before = gl.minimum(gl.maximum(lo - c4, 0), 4)  # bytes of the word before lo
+        keep_low = gl.where(below >= 4, -1, (1 << (8 * gl.minimum(below, 3))) - 1)
+        drop_low = gl.where(before >= 4, -1, (1 << (8 * gl.minimum(before, 3))) - 1)
+        mask = keep_low & ~drop_low
+        view.store(view.load(layout) & mask[None, :])
+
+    @gluon.jit
+    def _zero_rows(v_tile, n0, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,  # type: ignore[no-untyped-def]
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr):  # fmt: skip
+        """Zero the rows (tokens ``n0 + r``) of a [BLOCK_N, HEAD_DIM] 16-bit V tile in shared
+        memory that lie outside ``[kv_start, kv_end)`` or in a bad block, two values a 32-bit
+        word (the tile viewed as int32 [BLOCK_N, HEAD_DIM / 2], the same swizzle)."""
+        words: gl.constexpr = HEAD_DIM // 2
+        layout: gl.constexpr = _query_layout(BLOCK_N, words)
+        view = _as_words(v_tile, [BLOCK_N, words], gl.NVMMASharedLayout.get_default_for([BLOCK_N, words], gl.int32))
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        _pages, in_block = _tile_page(table_row, n, row_ok, table_width, num_blocks, BLOCK_SIZE)
+        keep = (n >= kv_start) & (n < kv_end) & in_block
+        v = view.load(layout)
+        view.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
+
+    @gluon.jit(
+        do_not_specialize=[
+            "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
+            "num_partial_slots", "stride_bt",
+        ]
+    )  # fmt: skip
+    def _decode_hopper_kernel(  # type: ignore[no-untyped-def]
+        q_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr, out_ptr, part_o_ptr,
+        part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks, num_q_tokens,
+        num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
+        PART: gl.constexpr,
+    ):  # fmt: skip
+        """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
+        (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
+        q_len, row_end), for the GROUP query heads of kv_head (padded to BLOCK_H, the MMA's N).
+        A chunk that is its row's only one (partial_slot < 0) stores its output to ``out``,
+        else its normalised output and log2-sum-exp to the partial slot, as the Triton kernel.
+        The cache is fp8 when K's descriptor is (then with per-KV-head ``k_scale`` / ``v_scale``),
+        else in the query's dtype. A tile is BLOCK_N / PART parts of PART tokens, each in one
+        block: one K box into the part's rows of the tile; one V box into the part's rows of
+        the V tile (16-bit), or (fp8) one V^T box into a buffer of its own (a [HEAD_DIM, PART]
+        box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P."""
+        kvh = gl.program_id(0)
+        i = gl.program_id(1)
+        if i >= num_item_slots:
+            return
+        item = items_ptr + i.to(gl.int64) * 10
+        d = gl.load(item)
+        if d < 0:
+            return  # padding of a fixed (CUDA-graph) grid
+        kv_start = gl.maximum(gl.load(item + 1), 0)
+        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
+        slot = gl.load(item + 3)
+        table_index = gl.load(item + 4)
+        token = gl.load(item + 5)
+        q_len = gl.load(item + 8)
+        row_ok = (table_index >= 0) & (table_index < num_table_rows)
+        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
+        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
+
+        kv_dtype: gl.constexpr = k_desc.dtype
+        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
+        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # fp8: P scaled by 2^8 before its e4m3 split
+        PARTS: gl.constexpr = BLOCK_N // PART
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
+        )
+        q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], kv_dtype)
+        q_bufs = gl.allocate_shared_memory(kv_dtype, [2 if FP8 else 1, BLOCK_H, HEAD_DIM], q_smem)
+        k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        if FP8:  # P^T (K-major, as 8-bit operands must be), hi and lo; V^T per part
+            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_H, BLOCK_N], p_smem)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
+        else:  # P as computed; V tiles as K's
+            p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, BLOCK_N, BLOCK_H], p_smem16)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+
+        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
+        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
+        for st in gl.static_range(STAGES):
+            if st < n_tiles:
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, st, first, table_row, row_ok, table_width,
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+
+        # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
+        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        heads = kvh * GROUP + h
+        q_rows = token_ok & (h < GROUP)
+        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
+        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
+        score_scale = qk_scale
+        if FP8:
+            q = q.to(gl.float32)
+            q_amax = gl.max(gl.abs(q), 1)
+            q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
+            q = q * q_mul[:, None]
+            q_hi = q.to(kv_dtype)
+            q_bufs.index(0).store(q_hi)
+            q_bufs.index(1).store((q - q_hi.to(gl.float32)).to(kv_dtype))
+            score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+            col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+        else:
+            q_bufs.index(0).store(q)
+            col_scale = gl.full([BLOCK_H], score_scale, gl.float32, gl.SliceLayout(0, s_layout))
+        fence_async_shared()
+        _partition_barrier()
+
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
+        o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        for j in range(n_tiles):
+            s_slot = j % STAGES
+            n0 = first + j * BLOCK_N
+            mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+            k_tile = k_bufs.index(s_slot)
+            s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if FP8:
+                s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            n = n0 + offs_n
+            _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            if PARTS == 1:
+                seen = (n >= kv_start) & (n < kv_end) & tile_ok
+            else:  # each token's block (the table entries are in L1 after the tile's loads)
+                _pages, in_block = _tile_page(table_row, n, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                seen = (n >= kv_start) & (n < kv_end) & in_block
+                for part in gl.static_range(1, PARTS):
+                    _page, part_ok = _tile_page(table_row, n0 + part * PART, row_ok, table_width, num_blocks,
+                                                BLOCK_SIZE)  # fmt: skip
+                    tile_ok = tile_ok & part_ok
+            s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - (m_safe - P_SHIFT)[None, :])  # fp8: 2^8 p, so e4m3 keeps small p as normals
+            l_part = l_part * alpha[None, :] + p
+            m_i = m_new
+            if FP8:
+                p_hi = p.to(kv_dtype)
+                p_bufs.index(0).store(gl.permute(p_hi, (1, 0)))
+                p_bufs.index(1).store(gl.permute((p - p_hi.to(gl.float32)).to(kv_dtype), (1, 0)))
+            else:
+                p_bufs.index(0).store(p.to(kv_dtype))
+            if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):  # stale V (maybe NaN) must not meet p = 0
+                if FP8:
+                    for part in gl.static_range(PARTS):  # only the parts that hold such tokens
+                        t = n0 + part * PART
+                        _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                        if (t < kv_start) | (t + PART > kv_end) | (part_ok == 0):
+                            hi = gl.where(part_ok, kv_end - t, 0)
+                            _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
+                else:
+                    _zero_rows(v_bufs.index(s_slot), n0, kv_start, kv_end, table_row, row_ok, table_width,
+                               num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
+            fence_async_shared()
+            _partition_barrier()
+            o = o * alpha[None, :]
+            if FP8:
+                for hl in gl.static_range(2):  # P's hi and lo parts
+                    for part in gl.static_range(PARTS):
+                        p_part = p_bufs.index(hl) if PARTS == 1 else p_bufs.index(hl).slice(part * PART, PART, 1)
+                        o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o,
+                                          is_async=True)  # fmt: skip
+            else:
+                o = warpgroup_mma(v_bufs.index(s_slot).permute((1, 0)), p_bufs.index(0), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _partition_barrier()  # every warp is done with the slot and with P
+            if j + STAGES < n_tiles:
+                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok, table_width,
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+
+        l_i = gl.sum(l_part, 0)
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        if FP8:  # noqa: SIM108 (a compile-time branch)
+            o = o * (gl.load(v_scale_ptr + kvh) / l_safe)[None, :]
+        else:
+            o = o / l_safe[None, :]
+        out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        o = gl.convert_layout(o, out_layout)
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
+        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
+        head_o = (kvh * GROUP + ho).to(gl.int64)
+        if slot < 0:
+            keep = token_ok & (ho < GROUP)
+            dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
+            gl.store(dst[None, :] + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=keep[None, :])
+        else:
+            slot_ok = (q_len > 0) & (slot < num_partial_slots)
+            part_row = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + head_o
+            keep = slot_ok & (ho < GROUP)
+            gl.store(part_o_ptr + part_row[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - P_SHIFT, float("-inf"))
+            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
+            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
+
+
+def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
+    """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``
+    in boxes of [part, head_dim]; a token-major fp8 V's memory as ``[num_blocks * kv_heads *
+    head_dim, block_size]`` in boxes of [head_dim, part]."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[k_cache.dtype]
+
+    def rows(t: torch.Tensor) -> Any:
+        view = t.view(num_blocks * block_size, kv_heads * head_dim)
+        layout = gl.NVMMASharedLayout.get_default_for([part, head_dim], dtype)
+        return TensorDescriptor(view, list(view.shape), [kv_heads * head_dim, 1], [part, head_dim], layout)
+
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return rows(k_cache), rows(v_cache)
+    v2 = v_cache.permute(0, 2, 3, 1).reshape(num_blocks * kv_heads * head_dim, block_size)  # a view: token-major
+    v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, part], dtype)
+    return rows(k_cache), TensorDescriptor(v2, list(v2.shape), [block_size, 1], [head_dim, part], v_layout)
+
+
+def launch_decode_hopper(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    block_tables: torch.Tensor,
+    items: torch.Tensor,
+    grid_items: int,
+    out: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    qk_scale: float,
+    stages: int,
+) -> None:
+    """The chunk kernel on arguments :func:`.decode.paged_decode` has checked and
+    :func:`decode_hopper_applies` accepted, items made for :func:`hopper_block_n` of the cache;
+    ``scales``: an fp8 cache's (k_scale, v_scale), None for a 16-bit one; ``qk_scale`` is
+    softmax_scale * log2(e); ``stages``: K/V tiles in flight per program (32 KiB each at
+    head_dim 128). Split rows are left in ``part_o`` / ``part_lse`` for the combine kernel."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // kv_heads
+    block_n = hopper_block_n(k_cache.dtype)
+    part = tile_part(block_size, block_n)
+    k_desc, v_desc = _descriptors(k_cache, v_cache, part)
+    k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
+    _decode_hopper_kernel[(kv_heads, grid_items)](
+        query, k_desc, v_desc, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
+        items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
+        part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,87 @@
+"""The Hopper decode kernel (attention/triton_kernels/decode_hopper.py) compiles for sm_90 without
+a GPU, in the forms it takes (fp8 and bf16 / fp16 caches, head_dim 64 and 128, GQA groups of 4
+to 16, blocks of 32, 64, 128 and 256, rings of 2 to 4 tiles), and compiles to what it is for:
+
+- its dots are warpgroup MMAs on the cache's type (``wgmma ... e4m3.e4m3`` for fp8): for fp8,
+  2 (query hi, lo) x 2 blocks of 64 tokens x head_dim / 32 k-steps for S and 2 (P hi, lo) x
+  head_dim / 64 x 4 k-steps for P V; for 16 bits, head_dim / 16 for S and head_dim / 64 x 4
+  for P V (one block of 64 tokens);
+- no ``mma.sync``, and the only fp8 -> fp16 conversions (``F2FP.F16.E4M3``, two values each)
+  in the SASS are the hi parts of the query (once) and of P (each tile), whose lo parts are the
+  remainders: K and V reach the tensor cores as stored (the Triton kernel converts 136 pairs a
+  128-token tile);
+- its TMA loads (a K and a V box for each block-sized part of a tile: the ring's prologue and
+  the loop's refill), shared memory within the H200's 227 KiB, and no register spills.
+
+Skipped where this Triton has no Gluon."""
+
+from __future__ import annotations
+
+import pytest
+
+from attention.triton_kernels.prefill_hopper import _GLUON
+from tests.child_env import compile_report
+
+pytestmark = pytest.mark.skipif(not _GLUON, reason="this Triton has no Gluon (needs >= 3.6)")
+
+_SCRIPT = r"""
+import json, subprocess
+from pathlib import Path
+import torch
+from triton.backends.nvidia.compiler import get_ptxas
+from tests.gluon_compile import compile_sm90, kernel_report
+from attention.triton_kernels import decode_hopper as H
+
+cuobjdump = str(Path(get_ptxas(90).path).parent / "cuobjdump")
+cases = [("fp8", 128, 4, 256, 2), ("fp8", 128, 4, 256, 3), ("fp8", 128, 16, 128, 2), ("fp8", 64, 8, 256, 4),
+         ("fp8", 128, 4, 32, 2), ("fp8", 128, 8, 64, 3), ("fp8", 64, 4, 32, 2),
+         ("bf16", 128, 4, 256, 2), ("bf16", 128, 4, 32, 3), ("fp16", 64, 16, 64, 2)]
+dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
+report = {}
+for kind, head_dim, group, block_size, stages in cases:
+    dtype = dtypes[kind]
+    block_n = H.hopper_block_n(dtype)
+    part = H.tile_part(block_size, block_n)
+    k_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
+    if kind == "fp8":  # V token-major, as kvcache allocates an 8-bit cache
+        v_cache = torch.empty(4, 2, head_dim, block_size, dtype=dtype).permute(0, 3, 1, 2)
+    else:
+        v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
+    k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
+    consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
+                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part)
+    q = "*fp16" if kind == "fp16" else "*bf16"
+    types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
+             "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+    k = compile_sm90(H._decode_hopper_kernel, {"k_desc": k_desc, "v_desc": v_desc}, consts, q, types=types)
+    r = kernel_report(k, "/tmp/decode_hopper_check")
+    ptx = k.asm["ptx"]
+    Path("/tmp/decode_hopper_check.cubin").write_bytes(k.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", "/tmp/decode_hopper_check.cubin"], capture_output=True, text=True,
+                          check=True).stdout
+    operand = {"fp8": "e4m3.e4m3", "bf16": "bf16.bf16", "fp16": "f16.f16"}[kind]
+    r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
+             mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
+             head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8")
+    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}"] = r
+print(json.dumps(report))
+"""
+
+
+def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
+    report = compile_report(_SCRIPT)
+    assert len(report) == 10, report
+    for name, r in report.items():
+        d = r["head_dim"]
+        if r["fp8"]:
+            mmas = 2 * 2 * (d // 32) + 2 * (d // 64) * 4
+            query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128  # values a thread converts back
+            assert r["f16_from_e4m3"] == (query_hi + p_hi) // 2, (name, r)
+        else:
+            mmas = d // 16 + (d // 64) * 4
+            assert r["f16_from_e4m3"] == 0, (name, r)
+        assert r["wgmma"] == r["typed_wgmma"] == mmas, (name, r)
+        assert r["mma_sync"] == 0, (name, r)
+        assert r["tma_load"] == 2 * r["parts"] * (r["stages"] + 1), (name, r)
+        assert 0 < r["shared"] <= 232448, (name, r)
+        assert r["spills"] <= 0 and r["loop_spill_ops"] <= 0, (name, r)
