@@ -25,8 +25,9 @@ Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% 
 layers). The loop is still serial within a tile (S, softmax, P V, then the next tile's load
 into the freed slot). :mod:`.mla_decode_hopper_ring` (``launch_mla_hopper(..., ring=True)``)
 refills each channel half as soon as its P V MMA is done, from a ring of two and a half
-tiles, and loads across a program's tokens; not yet timed. Overlapping S of tile j + 1 with
-P V of tile j, or a producer warp, is what is left after it.
+tiles, and loads across a program's tokens: 0.98-0.99x this kernel's speed on the H200
+(``benchmarks/results/mla-decode-ring-2026-12-05.json``), so not the default. Overlapping S
+of tile j + 1 with P V of tile j, or a producer warp, is what is left.
 
 Safety as in :mod:`.mla_balanced`: lengths clamped to the table, block ids outside
 ``[0, num_blocks)`` read block 0 and mask their latents, latent rows past a token's length are
@@ -263,7 +264,7 @@ def launch_mla_hopper(
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
     zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
-    results; not yet timed on the H200, so not the default)."""
+    results; 0.98-0.99x this kernel's speed on the H200, so not the default)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32, device=query.device)

@@ -1,9 +1,11 @@
 """MLA decode on Hopper with a deeper load ring: the kernel of :mod:`.mla_decode_hopper`
 restructured so that the copy engine never waits on a whole tile's compute.
 
-Opt-in (``launch_mla_hopper(..., ring=True)``, ``MLALaunch.hopper_ring``) until it is timed
-on the H200 against the kernel it would replace: ``benchmarks/bench_mla_decode.py
---hopper-ring`` runs both on the same steps.
+Opt-in (``launch_mla_hopper(..., ring=True)``, ``MLALaunch.hopper_ring``): timed on the H200
+against the kernel it would replace, it ran at 0.99x its speed on 64 x 4096 and 0.98x on
+LogNormal-128 at 16 heads (``benchmarks/results/mla-decode-ring-2026-12-05.json``,
+``benchmarks/bench_mla_decode.py --plan-only``), so the memory latency the model below
+blames is not what holds the two-tile kernel back.
 
 Why: :mod:`.mla_decode_hopper` refills a whole 73 KiB tile slot only after both P V MMAs of
 the tile in it, with a ring of two tiles, so a tile's load waits for a tile's compute. A model
