@@ -13,7 +13,10 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
 
 - S^T = L Q^T ([64 latents, 16 heads]) is three asynchronous MMAs over the tile's channel
   halves and its rotary part, all operands in shared memory (the query once per segment);
-- the softmax runs per head over the tile's latents; P^T goes to shared memory;
+- the softmax runs per head over the tile's latents; P^T goes to shared memory. The row sums
+  are kept per thread and summed across the warps once a segment, not every tile: compiled for
+  sm_90 (Triton 3.6) a tile's path drops from 678 to 637 instructions and from 11 to 8
+  barriers (a cross-warp sum is a shared-memory exchange), not yet timed on the H200;
 - O^T += L_R^T P^T ([512 channels, 16 heads], two accumulators of 256) reads the same latent
   tile, transposed, as the MMA's A operand;
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
@@ -182,7 +185,7 @@ if _GLUON:
                                    table_width, num_blocks, HALF, STAGES, BLOCK_SIZE)  # fmt: skip
                 mbarrier.wait(q_bar, segs & 1)
                 m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-                l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_layout))
+                l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
                 o_a = gl.zeros([HALF, BLOCK_H], gl.float32, s_layout)
                 o_b = gl.zeros([HALF, BLOCK_H], gl.float32, s_layout)
                 for j in range(n_tiles):
@@ -204,7 +207,7 @@ if _GLUON:
                     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = gl.exp2(m_i - m_safe)
                     p = gl.exp2(s - m_safe[None, :])
-                    l_i = l_i * alpha + gl.sum(p, 0)
+                    l_part = l_part * alpha[None, :] + p  # summed over the latents once, after the loop
                     m_i = m_new
                     if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
                         zero_latents_from(lat_a, valid, BLOCK_N, HALF)
@@ -224,6 +227,7 @@ if _GLUON:
                 c += n_tiles
                 segs += 1
 
+                l_i = gl.sum(l_part, 0)
                 slot_id = gl.where(seg_start == g0, first_slot, gl.load(token_slots + 2 * t))
                 store_segment(acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot,
                               stride_oh, offs_h, head_ok, o_a, o_b, m_i, l_i, out_layout, HALF, DIRECT)  # fmt: skip
