@@ -397,7 +397,8 @@ def check_decode_launch(
     _check_int32_table("items", items, ITEM_FIELDS, schedule.grid_items, k_cache.device)
     _check_int32_table("rows", rows, ROW_FIELDS, schedule.grid_rows, k_cache.device)
     hopper_tile = hopper_block_n(k_cache.dtype)
-    takes = k_cache.dtype == torch.float8_e4m3fn or k_cache.dtype == query.dtype != torch.float32
+    sixteen_bit = query.dtype in (torch.bfloat16, torch.float16)
+    takes = sixteen_bit and k_cache.dtype in (torch.float8_e4m3fn, query.dtype)  # the Hopper kernel's caches
     if config.hopper_wgmma and takes and config.block_n != hopper_tile:
         raise ValueError(
             f"config.block_n: {config.block_n} with hopper_wgmma over a {k_cache.dtype} cache; the Hopper kernel's "
