@@ -27,8 +27,8 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
   reduced once after the loop.
 
 Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
-a tile's path through the loop takes 450 instructions (fp8, 128 tokens) and 228 (bf16, 64
-tokens) at block 256, 627 and 268 at block 32, where the Triton kernel takes 891 / 436 and
+a tile's path through the loop takes 449 instructions (fp8, 128 tokens) and 229 (bf16, 64
+tokens) at block 256, 626 and 269 at block 32, where the Triton kernel takes 891 / 436 and
 833 / 479. Not yet timed on the H200: ``benchmarks/bench_decode.py --hopper-wgmma`` times it.
 
 Scope (:func:`decode_hopper_applies`): a bf16 or fp16 query with one new token per row,
