@@ -308,6 +308,18 @@ def _check_int32_table(name: str, t: torch.Tensor, fields: int, need: int, devic
         raise ValueError(f"{name}: on {t.device}, expected {device} (the cache's device)")
 
 
+def _check_hopper_tile(query: torch.Tensor, k_cache: torch.Tensor, config: DecodeConfig) -> None:
+    """A ``hopper_wgmma`` launch over a cache the Hopper kernel takes (fp8 e4m3 or the 16-bit
+    query's dtype) must use its tile (``hopper_block_n``); raises ValueError naming it."""
+    takes = query.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype in (torch.float8_e4m3fn, query.dtype)
+    tile = hopper_block_n(k_cache.dtype)
+    if takes and config.block_n != tile:
+        raise ValueError(
+            f"config.block_n: {config.block_n} with hopper_wgmma over a {k_cache.dtype} cache; the Hopper kernel's "
+            f"tiles are {tile} tokens there: pass block_n={tile} (and make the schedule with it)"
+        )
+
+
 def check_decode_launch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -396,14 +408,8 @@ def check_decode_launch(
             raise ValueError(f"{name}: on {t.device}, expected {k_cache.device} (the cache's device)")
     _check_int32_table("items", items, ITEM_FIELDS, schedule.grid_items, k_cache.device)
     _check_int32_table("rows", rows, ROW_FIELDS, schedule.grid_rows, k_cache.device)
-    hopper_tile = hopper_block_n(k_cache.dtype)
-    sixteen_bit = query.dtype in (torch.bfloat16, torch.float16)
-    takes = sixteen_bit and k_cache.dtype in (torch.float8_e4m3fn, query.dtype)  # the Hopper kernel's caches
-    if config.hopper_wgmma and takes and config.block_n != hopper_tile:
-        raise ValueError(
-            f"config.block_n: {config.block_n} with hopper_wgmma over a {k_cache.dtype} cache; the Hopper kernel's "
-            f"tiles are {hopper_tile} tokens there: pass block_n={hopper_tile} (and make the schedule with it)"
-        )
+    if config.hopper_wgmma:
+        _check_hopper_tile(query, k_cache, config)
     if schedule.chunk_len % config.block_n:
         raise ValueError(
             f"schedule: chunk_len {schedule.chunk_len} is not a multiple of config.block_n {config.block_n}; "
