@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The first GPU round of the Hopper decode kernel (attention/triton_kernels/decode_hopper.py),
+# in stages that fit one device call each (a stage stops at its timeout; the next still runs).
+# From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
+#   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [suite]
+# (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
+# (default /tmp/hopper-round) and prints a summary last.
+#   tests:  the Hopper decode tests (a wrong TMA byte count hangs on an mbarrier, hence the timeout)
+#   decode: bench_decode's Hopper variants against the default launches and flash-attn
+#   e2e:    the end-to-end burst, bf16 and fp8 caches, Triton kernel against the Hopper kernel
+#   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
+#   suite:  the whole test suite with -n 12
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source .device-extras/activate.sh
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/hopper-round}
+mkdir -p "$out"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests decode)
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+summary=()
+
+timed() {  # name, timeout seconds, command...: runs it into $out/<name>.log, notes rc and seconds
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    summary+=("$name: rc $rc ($([ $rc -eq 124 ] && echo 'timed out, ')$(($(date +%s) - start)) s)")
+    tail -40 "$out/$name.log"
+}
+
+for stage in "${stages[@]}"; do
+    case $stage in
+    tests)
+        timed tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
+            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py
+        ;;
+    decode)
+        timed decode "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --hopper-wgmma \
+            --variants "hopper wgmma" --rep-ms 30 --budget-s 200 \
+            --shapes "${DECODE_SHAPES:-32x512,64x4096,128x2048,16x16384,lognormal64(med=2048}" \
+            --out "$out/decode-hopper.json"
+        ;;
+    e2e)
+        for form in "bf16-triton" "bf16-hopper --hopper-decode" "fp8-hopper --hopper-decode --kv-cache-dtype float8_e4m3" \
+            "fp8-triton --kv-cache-dtype float8_e4m3"; do
+            read -r name args <<<"$form"
+            # shellcheck disable=SC2086  # args are words
+            timed "e2e-$name" "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \
+                --workloads burst $args --out "$out/e2e-$name.json"
+        done
+        ;;
+    mla)
+        timed mla "${MLA_TIMEOUT:-200}" python3 benchmarks/bench_mla_decode.py --plan-only \
+            --batches 64x4096,lognormal-128 --rep-ms 40 --out "$out/mla-decode.json"
+        ;;
+    suite)
+        timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
+        ;;
+    *)
+        echo "unknown stage $stage (tests, decode, e2e, mla, suite)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+echo
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+grep -h -E "passed|failed" "$out"/tests.log "$out"/suite.log 2>/dev/null | tail -2
+grep -H -E "^  ours:|^  profile:" "$out"/e2e-*.log 2>/dev/null
