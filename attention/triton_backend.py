@@ -48,6 +48,7 @@ from attention.triton_kernels import (
     PrefillConfig,
     default_decode_config,
     default_prefill_config,
+    hopper_decode_config,
     interpreter_requested,
     kernels_interpreted,
     max_decode_items,
@@ -61,6 +62,7 @@ from attention.triton_kernels import (
     write_kv_cache,
 )
 from attention.triton_kernels.decode import TOKEN_SCALED_KV_DTYPES
+from attention.triton_kernels.decode_hopper import decode_hopper_shape_ok, hopper_block_n
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
 from attention.triton_kernels.mla_balanced import (
@@ -219,6 +221,12 @@ class TritonBackend(AttentionBackend):
                         run on it (default), and so do decompressed MLA prompt rows of
                         DeepSeek-shaped heads (:mod:`~attention.triton_kernels.mla_prefill_hopper`);
                         False: always the Triton prefill kernels.
+      hopper_decode:    on an sm_90 GPU, one-token decode rows over a float8_e4m3fn cache or
+                        one in the compute dtype (bf16 / fp16) run on the Gluon kernel of
+                        warpgroup MMAs (:mod:`~attention.triton_kernels.decode_hopper`, launch
+                        :func:`~attention.triton_kernels.decode.hopper_decode_config`) where it
+                        takes the spec and block size (head_dim 64 or 128, groups of up to 16
+                        heads, no cap or sinks; default); False: the Triton decode kernel.
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
@@ -241,12 +249,14 @@ class TritonBackend(AttentionBackend):
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
+        hopper_decode: bool = True,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
     ):
         super().__init__(spec)
-        for name, flag in (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
-                           ("hopper_mla_ring", hopper_mla_ring)):  # fmt: skip
+        flags = (("hopper_prefill", hopper_prefill), ("hopper_decode", hopper_decode),
+                 ("hopper_mla_decode", hopper_mla_decode), ("hopper_mla_ring", hopper_mla_ring))  # fmt: skip
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
         if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
@@ -278,6 +288,7 @@ class TritonBackend(AttentionBackend):
         self.decode_chunk_len = decode_chunk_len
         self.num_sms = num_sms
         self.hopper_prefill = hopper_prefill
+        self.hopper_decode = hopper_decode
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
 
@@ -512,15 +523,20 @@ class TritonBackend(AttentionBackend):
         fills = [p.wave_fill for _, p in launches]
         return replace(policy, wave_fill=max(fills)) if max(fills) > policy.wave_fill else policy
 
-    def _decode_launch(self, query_len: int, block_size: int) -> tuple[DecodeConfig, DecodePolicy]:
+    def _decode_launch(
+        self, query_len: int, block_size: int, device: torch.device | None = None
+    ) -> tuple[DecodeConfig, DecodePolicy]:
         """The launch parameters and chunking policy for rows of up to ``query_len`` new
-        tokens in blocks of ``block_size`` tokens: the given ones, else the defaults
-        (``default_decode_config`` knows the block size; its ``programs_per_sm`` and
-        ``wave_fill``, when set, replace the default policy's)."""
+        tokens in blocks of ``block_size`` tokens on ``device`` (None: any): the given ones,
+        else the defaults (the Hopper kernel's where :meth:`_hopper_decode_applies`, else
+        ``default_decode_config``, which knows the block size; the config's
+        ``programs_per_sm`` and ``wave_fill``, when set, replace the default policy's)."""
         if query_len > 1:
             config = self.verify_decode_config
         elif self._given_decode_config:
             config = self.decode_config
+        elif device is not None and self._hopper_decode_applies(block_size, device):
+            config = hopper_decode_config(self.cache_dtype)
         else:
             kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
             config = default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)
@@ -530,6 +546,22 @@ class TritonBackend(AttentionBackend):
         if config.wave_fill is not None and not self._given_decode_policy:
             policy = replace(policy, wave_fill=config.wave_fill)
         return config, policy
+
+    def _hopper_decode_applies(self, block_size: int, device: torch.device) -> bool:
+        """Whether one-token rows over blocks of ``block_size`` on ``device`` take the Hopper
+        decode kernel: ``hopper_decode`` on, an sm_90 GPU with Gluon, a bf16 / fp16 compute
+        dtype over a float8_e4m3fn cache or one of that dtype, no cap or sinks, full attention
+        or a window (not latent), and :func:`~attention.triton_kernels.decode_hopper.decode_hopper_shape_ok`."""
+        spec, cache = self.spec, self.cache_dtype
+        if not self.hopper_decode or spec.latent_attention or spec.logit_softcap is not None or spec.attention_sinks:
+            return False
+        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if cache not in (torch.float8_e4m3fn, self.compute_dtype):
+            return False
+        group = spec.num_heads // spec.num_kv_heads
+        tile = hopper_block_n(cache)
+        return decode_hopper_shape_ok(spec.head_dim, group, block_size, 1, tile) and hopper_prefill_possible(device)
 
     def _plan_decode(
         self, meta: AttentionMetadata, rows: tuple[int, ...], staging: PlanStaging, graph: bool
@@ -545,7 +577,7 @@ class TritonBackend(AttentionBackend):
         max_rows = meta.padded_batch if graph else None
         max_query_len = self._graph_query_len(meta.padded_batch, meta.num_tokens) if graph else None
         launch_query_len = max_query_len or max(row_q_lens, default=1)
-        config, policy = self._decode_launch(launch_query_len, meta.block_size)
+        config, policy = self._decode_launch(launch_query_len, meta.block_size, meta.device)
         max_items = max_decode_items(meta.padded_batch, kvh, sms, policy) if graph else None
         launches = []
         partials = 1

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The first GPU round of the Hopper decode kernel (attention/triton_kernels/decode_hopper.py),
-# in stages that fit one device call each (a stage stops at its timeout; the next still runs).
+# A GPU round of the Hopper decode kernel (attention/triton_kernels/decode_hopper.py; the
+# triton backend's default for one-token rows on sm_90 since 2026-12-05), in stages that fit
+# one device call each (a stage stops at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last.
-#   tests:  the Hopper decode tests (a wrong TMA byte count hangs on an mbarrier, hence the timeout)
-#   decode: bench_decode's Hopper variants against the default launches and flash-attn
-#   e2e:    the end-to-end burst, bf16 and fp8 caches, Triton kernel against the Hopper kernel
+#   tests:  the Hopper decode tests and the backend's (a wrong TMA byte count hangs on an
+#           mbarrier, hence the timeout)
+#   decode: bench_decode's default (the Hopper kernel) against the Triton kernel, the Hopper
+#           kernel's 2-tile ring and flash-attn
+#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default against --triton-decode
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
@@ -35,17 +38,17 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests)
         timed tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
-            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py
+            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py tests/test_triton_backend.py
         ;;
     decode)
         timed decode "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --hopper-wgmma \
-            --variants "hopper wgmma" --rep-ms 30 --budget-s 200 \
+            --variants "triton kernel,hopper wgmma" --rep-ms 30 --budget-s 200 \
             --shapes "${DECODE_SHAPES:-32x512,64x4096,128x2048,16x16384,lognormal64(med=2048}" \
             --out "$out/decode-hopper.json"
         ;;
     e2e)
-        for form in "bf16-triton" "bf16-hopper --hopper-decode" "fp8-hopper --hopper-decode --kv-cache-dtype float8_e4m3" \
-            "fp8-triton --kv-cache-dtype float8_e4m3"; do
+        for form in "bf16" "bf16-triton --triton-decode" "fp8 --kv-cache-dtype float8_e4m3" \
+            "fp8-triton --triton-decode --kv-cache-dtype float8_e4m3"; do
             read -r name args <<<"$form"
             # shellcheck disable=SC2086  # args are words
             timed "e2e-$name" "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \

@@ -4,7 +4,8 @@ waited for).
 
 Classes, by kernel name (the first pattern that matches wins):
 
-- ``attention``: our paged decode and prefill kernels and their combine, flash-attn's;
+- ``attention``: our paged decode and prefill kernels (Triton and Gluon, MLA's included),
+  their combine and merge kernels and the fp8 prefill's block dequantization, flash-attn's;
 - ``gemm``: cuBLAS / cuBLASLt / CUTLASS matrix products (``nvjet``, ``sm90_xmma``, ``gemm``,
   ``gemv``, ``cutlass``) and their split-K reductions (``splitKreduce``);
 - ``boundary``: the fused rotary + cache write (``_rotary_write_kernel``) and the plain cache
@@ -24,7 +25,14 @@ from typing import Any
 __all__ = ["CLASSES", "KernelBreakdown", "breakdown", "classify"]
 
 CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("attention", re.compile(r"decode_items_kernel|decode_combine|_prefill_kernel|flash_fwd|flash::|fmha", re.I)),
+    (
+        "attention",
+        re.compile(
+            r"decode_items_kernel|decode_combine|_decode_hopper_kernel|_prefill_kernel|_prefill_hopper_kernel"
+            r"|_mla_\w*kernel|_dequantize_blocks_kernel|flash_fwd|flash::|fmha",
+            re.I,
+        ),
+    ),
     ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
     ("boundary", re.compile(r"_rotary_write_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),

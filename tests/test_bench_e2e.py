@@ -59,6 +59,9 @@ def test_kernel_classes() -> None:
     assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert classify("decode_items_kernel") == "attention"
     assert classify("_prefill_kernel") == "attention"
+    for ours in ("_decode_hopper_kernel", "_hopper_prefill_kernel", "_mla_hopper_kernel", "_mla_balanced_merge_kernel",
+                 "_mla_prefill_hopper_kernel", "_dequantize_blocks_kernel", "decode_combine_kernel"):  # fmt: skip
+        assert classify(ours) == "attention", ours
     assert classify("_rotary_write_kernel") == "boundary"
     assert classify("_rms_norm_kernel") == "elementwise"
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
@@ -106,27 +109,29 @@ def test_kv_rotation_needs_an_8bit_cache() -> None:
         _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--device", "cuda", "--kv-cache-dtype", "int8", "--hopper-decode"],  # int8: not its cache
-        ["--device", "cpu", "--tiny", "--kv-cache-dtype", "float8_e4m3", "--hopper-decode"],  # no GPU
-        ["--device", "cuda", "--backend", "reference", "--hopper-decode"],
-    ],
-)
-def test_hopper_decode_needs_its_cache_on_the_triton_backend(argv: list[str]) -> None:
+def test_triton_decode_is_a_triton_backend_choice() -> None:
     with pytest.raises(SystemExit):
-        _bench().run(argv)
+        _bench().run(["--device", "cuda", "--backend", "reference", "--triton-decode"])
 
 
-@pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
-def test_hopper_decode_backend_launches_one_token_rows_on_the_gluon_kernel(cache_dtype: str, tile: int) -> None:
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3", "bfloat16"])
+def test_triton_decode_backend_keeps_one_token_rows_off_the_gluon_kernel(
+    cache_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the Gluon decode kernel could run (here made to say so), the registry's backend
+    takes it and ``--triton-decode``'s does not."""
     bench = _bench()
+    import attention.triton_backend as backend_module
+    from attention.triton_backend import TritonBackend
     from examples.engine import cache_config_for
 
-    config = cache_config_for(bench.TINY, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
+    monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
+    shape = bench.LLAMA3_8B  # head_dim 128: the Gluon kernel's
+    config = cache_config_for(shape, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._hopper_backend(bench.TINY, config)
-    assert backend.spec == bench.TINY.attention_spec("bfloat16", cache_dtype)
-    launch, policy = backend._decode_launch(1, 256)
-    assert launch.hopper_wgmma and launch.block_n == tile and policy.programs_per_sm == 3
+    backend = bench._triton_decode_backend(shape, config)
+    spec = shape.attention_spec("bfloat16", cache_dtype)
+    assert backend.spec == spec
+    cuda = torch.device("cuda")
+    assert not backend._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma

@@ -40,6 +40,7 @@ from attention.triton_kernels.decode import (
     check_decode_launch,
     decode_metadata,
     default_decode_config,
+    hopper_decode_config,
     paged_decode,
 )
 from attention.triton_kernels.decode_schedule import (
@@ -78,6 +79,7 @@ __all__ = [
     "decode_metadata",
     "default_decode_config",
     "default_prefill_config",
+    "hopper_decode_config",
     "interpreter_requested",
     "kernels_interpreted",
     "max_decode_items",
