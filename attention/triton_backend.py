@@ -226,7 +226,8 @@ class TritonBackend(AttentionBackend):
                         warpgroup MMAs (:mod:`~attention.triton_kernels.decode_hopper`, launch
                         :func:`~attention.triton_kernels.decode.hopper_decode_config`) where it
                         takes the spec and block size (head_dim 64 or 128, groups of up to 16
-                        heads, no cap or sinks; default); False: the Triton decode kernel.
+                        heads, no cap or sinks). Off by default: on an H100 it matched the
+                        Triton kernel in bench_decode and ran 1-3% slower end to end.
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
@@ -249,7 +250,7 @@ class TritonBackend(AttentionBackend):
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
-        hopper_decode: bool = True,
+        hopper_decode: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
     ):

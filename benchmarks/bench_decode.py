@@ -152,7 +152,6 @@ class Variant:
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
-    triton_decode: bool = False  # the Triton kernel's launch also where (sm_90) the default is the Gluon kernel's
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -170,7 +169,6 @@ class Variant:
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
             decode_config=config,
             decode_policy=self.policy,
-            hopper_decode=not self.triton_decode,
         )
 
 
@@ -261,21 +259,25 @@ def query_register_variants() -> list[Variant]:
 
 
 def hopper_wgmma_variants() -> list[Variant]:
-    """``--hopper-wgmma``: on an sm_90 GPU the default and the fp8 cache run on the Gluon kernel
-    of ``attention/triton_kernels/decode_hopper.py`` (``hopper_decode_config``: a ring of 3
-    tiles, 103 KiB of shared memory, two programs an SM); these time, for the bf16 and the fp8
-    cache, the Triton kernel's default launch and the Gluon kernel's ring of 2 tiles (70 KiB,
-    three programs an SM)."""
+    """``--hopper-wgmma``: the chunks on the Gluon kernel of
+    ``attention/triton_kernels/decode_hopper.py`` (the tokens as the warpgroup MMA's M; an fp8
+    cache's K and V reach fp8 MMAs as stored), for the fp8 and the bf16 cache: a ring of 2 tiles
+    (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB, two an SM), and for fp8
+    the 2-tile ring with wave fill too (the block-32 fp8 default's)."""
     from attention.triton_kernels import DecodeConfig
 
-    def two_tiles(block_n: int) -> Any:
-        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, programs_per_sm=3, hopper_wgmma=True)
+    def config(block_n: int, stages: int, fill: float | None = None) -> Any:
+        per_sm = {2: 3, 3: 2}[stages]
+        return DecodeConfig(
+            block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill
+        )
 
     return [
-        Variant("fp8 cache, triton kernel", fp8=True, triton_decode=True),
-        Variant("bf16 cache, triton kernel", triton_decode=True),
-        Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM", config=two_tiles(128), fp8=True),
-        Variant("bf16 cache, hopper wgmma, 2 stages, 3 an SM", config=two_tiles(64)),
+        Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM", config=config(128, 2), fp8=True),
+        Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM, wave fill 0.9", config=config(128, 2, 0.9), fp8=True),
+        Variant("fp8 cache, hopper wgmma, 3 stages, 2 an SM", config=config(128, 3), fp8=True),
+        Variant("bf16 cache, hopper wgmma, 2 stages, 3 an SM", config=config(64, 2)),
+        Variant("bf16 cache, hopper wgmma, 3 stages, 2 an SM", config=config(64, 3)),
     ]
 
 
@@ -720,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hopper-wgmma",
         action="store_true",
-        help="also time the fp8 and bf16 caches on the Triton kernel and on the Gluon one's 2-tile ring",
+        help="also time the fp8 and bf16 caches on the Gluon kernel of warpgroup MMAs (decode_hopper.py)",
     )
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
     parser.add_argument(

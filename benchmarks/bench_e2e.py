@@ -157,7 +157,7 @@ class Settings:
     workloads: tuple[str, ...]
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
-    triton_decode: bool = False  # one-token decode rows on the Triton kernel even where the Gluon one runs
+    hopper_decode: bool = False  # one-token decode rows on the Gluon kernel of warpgroup MMAs (decode_hopper)
 
     @property
     def cache_dtype(self) -> str:
@@ -200,7 +200,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         workloads=tuple(args.workloads.split(",")),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_rotation=args.kv_rotation,
-        triton_decode=args.triton_decode,
+        hopper_decode=args.hopper_decode,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -458,13 +458,13 @@ class OurEngine:
     summary: dict[str, Any]
 
 
-def _triton_decode_backend(shape: LlamaShape, config: Any) -> Any:
-    """The triton backend with one-token decode rows on the Triton kernel, also on an sm_90
-    GPU where the registry's backend runs them on the Gluon kernel of warpgroup MMAs
-    (``attention/triton_kernels/decode_hopper.py``): the comparison for that default."""
+def _hopper_backend(shape: LlamaShape, config: Any) -> Any:
+    """The triton backend with ``hopper_decode`` on: on an sm_90 GPU, one-token decode rows on
+    the Gluon kernel of warpgroup MMAs (``attention/triton_kernels/decode_hopper.py``, launch
+    ``hopper_decode_config``); other rows, and other GPUs, on the Triton kernels."""
     from attention.triton_backend import TritonBackend
 
-    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), hopper_decode=False)
+    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), hopper_decode=True)
 
 
 def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> OurEngine:
@@ -479,7 +479,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
         compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
-    engine = engine_for(config, shape, backend=_triton_decode_backend(shape, config) if s.triton_decode else None)
+    engine = engine_for(config, shape, backend=_hopper_backend(shape, config) if s.hopper_decode else None)
     capacity = StepCapacity(
         max_rows=s.max_running,
         max_tokens=max(*(w.token_budget for w in workloads.values()), s.max_running),
@@ -492,7 +492,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "backend": engine.backend.name,
         "cache_dtype": s.cache_dtype,
         "kv_rotation": s.kv_rotation,
-        "triton_decode": s.triton_decode,
+        "hopper_decode": s.hopper_decode,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1055,9 +1055,9 @@ def _parser() -> argparse.ArgumentParser:
         help="with --kv-cache-dtype: store K and V rotated (cache.kv_rotation)",
     )
     p.add_argument(
-        "--triton-decode",
+        "--hopper-decode",
         action="store_true",
-        help="one-token decode rows on the Triton kernel, also where (an sm_90 GPU) the default runs the Gluon one",
+        help="one-token decode rows on the Gluon kernel of warpgroup MMAs (TritonBackend(hopper_decode=True))",
     )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
@@ -1080,8 +1080,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (also printed as a table and written)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.triton_decode and args.backend not in (None, "triton"):
-        parser.error(f"--triton-decode: a choice of the triton backend, not of --backend {args.backend}")
+    if args.hopper_decode and args.backend not in (None, "triton"):
+        parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
     if args.kv_rotation != "none" and args.kv_cache_dtype is None:
         parser.error("--kv-rotation: rotates an 8-bit cache's K and V; give --kv-cache-dtype int8 or float8_e4m3")
     s = settings_from(args)

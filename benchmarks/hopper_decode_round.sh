@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# A GPU round of the Hopper decode kernel (attention/triton_kernels/decode_hopper.py; the
-# triton backend's default for one-token rows on sm_90 since 2026-12-05), in stages that fit
-# one device call each (a stage stops at its timeout; the next still runs).
+# A GPU round of the Hopper decode kernel (attention/triton_kernels/decode_hopper.py;
+# TritonBackend(hopper_decode=True)), in stages that fit one device call each (a stage stops
+# at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
-# (default /tmp/hopper-round) and prints a summary last.
+# (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
+# $OUT a call: name one or two stages a call (e2e alone writes 8).
 #   tests:  the Hopper decode tests and the backend's (a wrong TMA byte count hangs on an
 #           mbarrier, hence the timeout)
-#   decode: bench_decode's default (the Hopper kernel) against the Triton kernel, the Hopper
-#           kernel's 2-tile ring and flash-attn
-#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default against --triton-decode
+#   decode: bench_decode's Hopper variants against the default launches and flash-attn
+#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default against --hopper-decode
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
@@ -42,13 +42,13 @@ for stage in "${stages[@]}"; do
         ;;
     decode)
         timed decode "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --hopper-wgmma \
-            --variants "triton kernel,hopper wgmma" --rep-ms 30 --budget-s 200 \
+            --variants "hopper wgmma" --rep-ms 30 --budget-s 200 \
             --shapes "${DECODE_SHAPES:-32x512,64x4096,128x2048,16x16384,lognormal64(med=2048}" \
             --out "$out/decode-hopper.json"
         ;;
     e2e)
-        for form in "bf16" "bf16-triton --triton-decode" "fp8 --kv-cache-dtype float8_e4m3" \
-            "fp8-triton --triton-decode --kv-cache-dtype float8_e4m3"; do
+        for form in "bf16-triton" "bf16-hopper --hopper-decode" "fp8-hopper --hopper-decode --kv-cache-dtype float8_e4m3" \
+            "fp8-triton --kv-cache-dtype float8_e4m3"; do
             read -r name args <<<"$form"
             # shellcheck disable=SC2086  # args are words
             timed "e2e-$name" "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
-from attention.triton_kernels import default_decode_config, hopper_decode_config
+from attention.triton_kernels import default_decode_config
 from tests.bench_script import load_bench
 
 
@@ -38,27 +37,16 @@ def test_query_register_variants_are_capped_so_the_hook_takes_them() -> None:
         assert policy.programs_per_sm == (3 if variant.config.maxnreg == 168 else 2), variant.name
 
 
-def test_hopper_wgmma_variants_time_the_triton_kernel_and_the_two_tile_ring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the Gluon decode kernel runs (here made to say so) the default is its 3-tile
-    launch; the ``--hopper-wgmma`` variants are the Triton kernel's default launches and the
-    Gluon kernel's 2-tile ring, scheduled for the programs an SM each fits."""
-    import attention.triton_backend as backend_module
-
-    monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
+def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> None:
     bench = load_bench("bench_decode")
-    cuda = torch.device("cuda")
-    chosen = {v.name: v for v in bench.hopper_wgmma_variants()}
-    assert len(chosen) == 4
-    for block_size in (32, 256):
-        for fp8 in (True, False):
-            kv = torch.float8_e4m3fn if fp8 else None
-            default = bench.FP8_VARIANT if fp8 else bench.Variant("default")
-            config, policy = default.backend(block_size)._decode_launch(1, block_size, cuda)
-            assert config == hopper_decode_config(kv or bench.DTYPE) and policy.programs_per_sm == 2
-            name = "fp8 cache" if fp8 else "bf16 cache"
-            config, _ = chosen[f"{name}, triton kernel"].backend(block_size)._decode_launch(1, block_size, cuda)
-            assert config == default_decode_config(bench.HEAD_DIM, bench.DTYPE, kv, block_size=block_size)
-            ring = chosen[f"{name}, hopper wgmma, 2 stages, 3 an SM"]
-            config, policy = ring.backend(block_size)._decode_launch(1, block_size, cuda)
-            assert config.hopper_wgmma and config.num_stages == 2 and config == ring.config
-            assert policy.programs_per_sm == 3 and config.block_n == (128 if fp8 else 64)
+    chosen = bench.hopper_wgmma_variants()
+    assert [(v.fp8, v.config.block_n, v.config.num_stages, v.config.wave_fill) for v in chosen] == [
+        (True, 128, 2, None), (True, 128, 2, 0.9), (True, 128, 3, None), (False, 64, 2, None), (False, 64, 3, None)
+    ]  # fmt: skip
+    for variant in chosen:
+        for block_size in (32, 256):
+            config, policy = variant.backend(block_size)._decode_launch(1, block_size)
+            assert config.hopper_wgmma and config == variant.config
+            # a ring of 2 tiles is 70 KiB of shared memory (three programs an SM), of 3 tiles 103 KiB (two)
+            assert policy.programs_per_sm == {2: 3, 3: 2}[config.num_stages], variant.name
+            assert policy.wave_fill == (variant.config.wave_fill or 0.0), variant.name

@@ -109,17 +109,17 @@ def test_kv_rotation_needs_an_8bit_cache() -> None:
         _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])
 
 
-def test_triton_decode_is_a_triton_backend_choice() -> None:
+def test_hopper_decode_is_a_triton_backend_choice() -> None:
     with pytest.raises(SystemExit):
-        _bench().run(["--device", "cuda", "--backend", "reference", "--triton-decode"])
+        _bench().run(["--device", "cuda", "--backend", "reference", "--hopper-decode"])
 
 
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3", "bfloat16"])
-def test_triton_decode_backend_keeps_one_token_rows_off_the_gluon_kernel(
+def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the Gluon decode kernel could run (here made to say so), the registry's backend
-    takes it and ``--triton-decode``'s does not."""
+    """Where the Gluon decode kernel could run (here made to say so), ``--hopper-decode``'s
+    backend takes it and the registry's does not."""
     bench = _bench()
     import attention.triton_backend as backend_module
     from attention.triton_backend import TritonBackend
@@ -129,9 +129,9 @@ def test_triton_decode_backend_keeps_one_token_rows_off_the_gluon_kernel(
     shape = bench.LLAMA3_8B  # head_dim 128: the Gluon kernel's
     config = cache_config_for(shape, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._triton_decode_backend(shape, config)
+    backend = bench._hopper_backend(shape, config)
     spec = shape.attention_spec("bfloat16", cache_dtype)
     assert backend.spec == spec
     cuda = torch.device("cuda")
-    assert not backend._decode_launch(1, 256, cuda)[0].hopper_wgmma
-    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    assert backend._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    assert not TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma

@@ -275,12 +275,11 @@ def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None
     """An fp8 cache at block 32 cuts near-equal rows to fill the waves (its default launch's
     ``wave_fill``), which takes more items and partial slots than the default policy's
     bounds: the builder's fixed buffers are sized for it, so a CUDA-graph bucket of such rows
-    plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three). (The
-    Triton kernel's launch: on an sm_90 GPU the Hopper kernel's would take over.)"""
+    plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three)."""
     from kvcache import BlockManager, MetadataBuilder, ScheduledRow, StepCapacity
 
     spec = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
-    backend = TritonBackend(spec, num_sms=4, hopper_decode=False)
+    backend = TritonBackend(spec, num_sms=4)
     manager = BlockManager(8 * 32 + 4, 32)
     for i in range(8):
         manager.allocate(i, 1000)
@@ -300,8 +299,7 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     blocks, and 4 stages scheduled for 2 programs an SM where a tile lies inside one block
     (``default_decode_config``): fewer chunks then, never more items or partial slots than
     the buffers hold; a bf16 cache, rows verifying drafts, a given config and a given policy
-    keep theirs. (The Triton kernel's launches: on an sm_90 GPU the Hopper kernel's would
-    take over.)"""
+    keep theirs."""
     spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
     kv = torch.float8_e4m3fn if cache else None
     tile = default_decode_config(128, torch.bfloat16, kv).block_n
@@ -309,15 +307,14 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     for block_size in (32, 2 * tile):
         inside = cache is not None and block_size % tile == 0
         case = make_case(rows, spec, block_size=block_size, device=triton_device, pad_to=4)
-        backend = TritonBackend(spec, num_sms=16, hopper_decode=False)
+        backend = TritonBackend(spec, num_sms=16)
         (launch,) = backend.plan(case.meta).decode  # type: ignore[attr-defined]
         assert launch.config.block_n == tile
         assert launch.config.num_stages == (4 if inside else 3 if cache else 2), (block_size, launch.config)
         assert launch.config.programs_per_sm == (2 if inside else None)
         assert launch.config.wave_fill == (0.9 if cache and not inside else None)
         policy = DecodePolicy(programs_per_sm=3)
-        kept_backend = TritonBackend(spec, num_sms=16, decode_policy=policy, hopper_decode=False)
-        (kept,) = kept_backend.plan(case.meta).decode  # type: ignore[attr-defined]
+        (kept,) = TritonBackend(spec, num_sms=16, decode_policy=policy).plan(case.meta).decode  # type: ignore[attr-defined]
         # 2 rows on 2 KV heads, 16 SMs: 3 programs an SM want <= 24 items, 2 want <= 16.
         assert kept.schedule.num_items > 16 and kept.schedule.num_items <= 24, kept.schedule
         assert launch.schedule.num_items <= (16 if inside else 24) and launch.schedule.num_items > 12
@@ -333,18 +330,19 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     assert verify.config.num_stages == 2 and verify.config.programs_per_sm is None
 
 
+ON = {"hopper_decode": True}
 HOPPER_CHOICES = [
     # spec keywords, block size, backend keywords, whether the Hopper launch is chosen
-    pytest.param({}, 32, {}, True, id="bf16-b32"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, True, id="fp8-b256"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, True, id="fp8-b32"),
-    pytest.param({"sliding_window": 100}, 64, {}, True, id="window"),
-    pytest.param({}, 96, {}, False, id="block-96"),
-    pytest.param({"kv_cache_dtype": "int8"}, 32, {}, False, id="int8"),
-    pytest.param({"logit_softcap": 30.0}, 32, {}, False, id="softcap"),
-    pytest.param({"attention_sinks": True}, 32, {}, False, id="sinks"),
-    pytest.param({}, 32, {"hopper_decode": False}, False, id="off"),
-    pytest.param({}, 32, {"decode_config": DecodeConfig(block_n=64)}, False, id="given-config"),
+    pytest.param({}, 32, ON, True, id="bf16-b32"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, ON, True, id="fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, ON, True, id="fp8-b32"),
+    pytest.param({"sliding_window": 100}, 64, ON, True, id="window"),
+    pytest.param({}, 96, ON, False, id="block-96"),
+    pytest.param({"kv_cache_dtype": "int8"}, 32, ON, False, id="int8"),
+    pytest.param({"logit_softcap": 30.0}, 32, ON, False, id="softcap"),
+    pytest.param({"attention_sinks": True}, 32, ON, False, id="sinks"),
+    pytest.param({}, 32, {}, False, id="default-off"),
+    pytest.param({}, 32, {**ON, "decode_config": DecodeConfig(block_n=64)}, False, id="given-config"),
 ]
 
 
@@ -357,11 +355,11 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     triton_device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where the device could run the Hopper decode kernel (here made to say so), one-token
-    rows over a bf16 or fp8 cache of blocks it takes get ``hopper_decode_config``'s launch
-    (its tile, 3 stages, 2 programs an SM, fewer items than the default policy's bound);
-    an int8 cache, a cap, sinks, a block of 96, ``hopper_decode=False`` and a given config keep
-    the Triton launch, and rows verifying drafts the verify launch. The output is right
+    """With ``hopper_decode`` on, where the device could run the Hopper decode kernel (here
+    made to say so), one-token rows over a bf16 or fp8 cache of blocks it takes get
+    ``hopper_decode_config``'s launch (its tile, 3 stages, 2 programs an SM, within the
+    default policy's bound); an int8 cache, a cap, sinks, a block of 96, the default (off) and
+    a given config keep the Triton launch, and rows verifying drafts the verify launch. The output is right
     either way (elsewhere than on an sm_90 GPU the Triton kernel runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 
@@ -380,7 +378,7 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     else:
         assert launch.config == default_decode_config(64, torch.bfloat16, kv, block_size=block_size)
     assert launch.schedule.num_items <= max_decode_items(3, 2, 8, backend._bounding_decode_policy())
-    if spec_kw or block_size != 32:
+    if spec_kw or block_size != 32 or not hopper:
         return  # one output check is enough under the interpreter; the GPU suite checks the kernel
     out, _ = _attend(backend, case)
     assert rel_err(out, reference_output(case)) < REL_TOLERANCE[torch.bfloat16]
@@ -660,9 +658,9 @@ def test_gpu_decode_chunk_lengths(
 def test_gpu_decode_runs_the_hopper_kernel_on_sm90(
     cache: str | None, block_size: int, graph: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The registry's backend (no knobs) on an sm_90 GPU with Gluon: one-token rows of a bf16
-    or fp8 cache run the Gluon decode kernel, once per layer call, and match the reference;
-    elsewhere the Triton kernel does, with the same answers."""
+    """``hopper_decode=True`` on an sm_90 GPU with Gluon: one-token rows of a bf16 or fp8 cache
+    run the Gluon decode kernel, once per layer call, and match the reference; elsewhere the
+    Triton kernel does, with the same answers."""
     import attention.triton_kernels.decode as decode_module
     from attention.triton_kernels.prefill_hopper import hopper_prefill_possible
 
@@ -676,7 +674,7 @@ def test_gpu_decode_runs_the_hopper_kernel_on_sm90(
     monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
     spec = make_spec(32, 8, 128, torch.bfloat16, kv_cache_dtype=cache)
     case = _case(GPU_DECODE, spec, block_size, "cuda", seed=block_size)
-    backend = TritonBackend(spec)
+    backend = TritonBackend(spec, hopper_decode=True)
     plan = backend.plan(case.meta, graph=graph)
     writer = ReferenceBackend(case.spec)
     writer.write_kv(case.new_key, case.new_value, case.layer, writer.plan(case.meta))

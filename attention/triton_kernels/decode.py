@@ -204,17 +204,21 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     """The launch of one-token rows on the Hopper kernel (:mod:`.decode_hopper`) over a cache
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
-    memory at head_dim 128) and two programs an SM. Callers pick it only where the kernel
-    runs (:class:`~attention.triton_backend.TritonBackend` on an sm_90 GPU); elsewhere
+    memory at head_dim 128) and two programs an SM. :class:`~attention.triton_backend.TritonBackend`
+    takes it with ``hopper_decode=True`` where the kernel runs (an sm_90 GPU); elsewhere
     :func:`paged_decode` runs the Triton kernel with the same tiles.
 
-    Measured on an H100 SXM (benchmarks/results/decode-hopper-h100-2026-12-05.md; CUDA-graph
-    replay, K/V from HBM, bf16 queries, 32 query / 8 KV heads, head_dim 128), against
-    :func:`default_decode_config`'s Triton launches at blocks 32 and 256 over 32x512,
-    64x4096, 128x2048, 16x16384 and LogNormal(2048) batches: the fp8 cache at 1.00-1.07x
-    their speed, the bf16 cache at 0.99-1.05x (1.04-1.05x at 32x512 and LogNormal). A ring of
-    two tiles (three programs an SM) was as fast on the bf16 cache and up to 7% slower on the
-    fp8 one (64x4096, block 32).
+    Measured on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
+    :func:`default_decode_config`'s Triton launches in the same run:
+
+    - bench_decode.py (CUDA-graph replay, K/V from HBM, 32 query / 8 KV heads, head_dim 128,
+      blocks 32 and 256; 32x512, 64x4096, 128x2048, 16x16384, LogNormal(2048)): the fp8
+      cache at 1.00-1.07x their speed, the bf16 cache at 0.99-1.05x;
+    - the end-to-end burst (bench_e2e.py, Llama-3-8B shapes, 128 rows, CUDA graphs): decode
+      attention (chunks and combine) 4.31 ms an iteration against 4.20 (bf16 cache) and 2.71
+      against 2.69 (fp8): no gain where users run it, so the backend keeps the Triton kernel
+      by default. A ring of two tiles (three programs an SM) did no better there (4.33 against
+      4.20, 2.72 against 2.68) and up to 3% worse in bench_decode (64x4096).
     """
     return DecodeConfig(
         block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True

@@ -16,7 +16,8 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
 - the softmax runs per head over the tile's latents; P^T goes to shared memory. The row sums
   are kept per thread and summed across the warps once a segment, not every tile: compiled for
   sm_90 (Triton 3.6) a tile's path drops from 678 to 637 instructions and from 11 to 8
-  barriers (a cross-warp sum is a shared-memory exchange), not yet timed on the H200;
+  barriers (a cross-warp sum is a shared-memory exchange); timed only on an H100 since (82%
+  of the copy rate at 64x4096, 16 heads; benchmarks/results/decode-hopper-h100-2026-12-05.md);
 - O^T += L_R^T P^T ([512 channels, 16 heads], two accumulators of 256) reads the same latent
   tile, transposed, as the MMA's A operand;
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
