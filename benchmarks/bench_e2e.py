@@ -158,6 +158,7 @@ class Settings:
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
     hopper_decode: bool = False  # one-token decode rows on the Gluon kernel of warpgroup MMAs (decode_hopper)
+    decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
 
     @property
     def cache_dtype(self) -> str:
@@ -201,6 +202,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_rotation=args.kv_rotation,
         hopper_decode=args.hopper_decode,
+        decode_launch=args.decode_launch,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -467,6 +469,40 @@ def _hopper_backend(shape: LlamaShape, config: Any) -> Any:
     return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), hopper_decode=True)
 
 
+_LAUNCH_FIELDS = {"n": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm"}
+
+
+def parse_decode_launch(text: str) -> Any:
+    """``--decode-launch``: a DecodeConfig from words ``n<tokens a tile> w<warps> s<stages>``
+    and optionally ``p<programs an SM>`` (e.g. ``n128 w4 s3 p3``); ValueError naming the word."""
+    from attention.triton_kernels import DecodeConfig
+
+    values: dict[str, int] = {}
+    for word in text.split():
+        field = _LAUNCH_FIELDS.get(word[:1])
+        if field is None or not word[1:].isdigit() or field in values:
+            raise ValueError(f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>]")
+        values[field] = int(word[1:])
+    words = {"n": "n<tile>", "w": "w<warps>", "s": "s<stages>"}
+    missing = [word for k, word in words.items() if _LAUNCH_FIELDS[k] not in values]
+    if missing:
+        raise ValueError(f"--decode-launch: {text!r} lacks {', '.join(missing)}")
+    return DecodeConfig(
+        block_n=values["block_n"],
+        num_warps=values["num_warps"],
+        num_stages=values["num_stages"],
+        programs_per_sm=values.get("programs_per_sm"),
+    )
+
+
+def _fixed_launch_backend(shape: LlamaShape, config: Any, launch: Any) -> Any:
+    """The triton backend with every decode row on ``launch`` (rows of several new tokens
+    included; the burst has none)."""
+    from attention.triton_backend import TritonBackend
+
+    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), decode_config=launch)
+
+
 def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> OurEngine:
     shape = model.shape
     bs = s.block_size
@@ -479,7 +515,12 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
         compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
-    engine = engine_for(config, shape, backend=_hopper_backend(shape, config) if s.hopper_decode else None)
+    backend = None
+    if s.hopper_decode:
+        backend = _hopper_backend(shape, config)
+    elif s.decode_launch is not None:
+        backend = _fixed_launch_backend(shape, config, parse_decode_launch(s.decode_launch))
+    engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
         max_rows=s.max_running,
         max_tokens=max(*(w.token_budget for w in workloads.values()), s.max_running),
@@ -493,6 +534,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "cache_dtype": s.cache_dtype,
         "kv_rotation": s.kv_rotation,
         "hopper_decode": s.hopper_decode,
+        "decode_launch": s.decode_launch,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1059,6 +1101,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one-token decode rows on the Gluon kernel of warpgroup MMAs (TritonBackend(hopper_decode=True))",
     )
+    p.add_argument(
+        "--decode-launch",
+        help='a fixed decode launch for the triton backend, e.g. "n128 w4 s3 p3" (tile, warps, stages, programs an SM)',
+    )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
@@ -1082,6 +1128,13 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
+    if args.decode_launch is not None:
+        if args.hopper_decode or args.backend not in (None, "triton"):
+            parser.error("--decode-launch: the Triton kernel's launch; drop --hopper-decode and --backend")
+        try:
+            parse_decode_launch(args.decode_launch)
+        except ValueError as err:
+            parser.error(str(err))
     if args.kv_rotation != "none" and args.kv_cache_dtype is None:
         parser.error("--kv-rotation: rotates an 8-bit cache's K and V; give --kv-cache-dtype int8 or float8_e4m3")
     s = settings_from(args)

@@ -12,6 +12,9 @@
 #   decode: bench_decode's Hopper variants against the default launches and flash-attn
 #   e2e:    the end-to-end burst, bf16 and fp8 caches, the default against --hopper-decode
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
+#   burst:  bench_decode's fp8 sweep and Hopper variants on the end-to-end burst's decode step
+#           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
+#   burst-e2e: the burst end to end, bf16 and fp8 defaults and two fixed fp8 launches
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,11 +62,24 @@ for stage in "${stages[@]}"; do
         timed mla "${MLA_TIMEOUT:-200}" python3 benchmarks/bench_mla_decode.py --plan-only \
             --batches 64x4096,lognormal-128 --rep-ms 40 --out "$out/mla-decode.json"
         ;;
+    burst)
+        timed burst "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --fp8-sweep --hopper-wgmma \
+            --shapes "lognormal128(med=550" --rep-ms 30 --budget-s 200 --out "$out/decode-burst.json"
+        ;;
+    burst-e2e)
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
+        timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
+        timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 --out "$out/e2e-fp8.json"
+        for launch in "n128 w4 s3 p3" "n128 w4 s2 p3"; do
+            timed "e2e-fp8-${launch// /-}" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 \
+                --decode-launch "$launch" --out "$out/e2e-fp8-${launch// /-}.json"
+        done
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
-        echo "unknown stage $stage (tests, decode, e2e, mla, suite)" >&2
+        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, suite)" >&2
         exit 2
         ;;
     esac

@@ -135,3 +135,30 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cuda = torch.device("cuda")
     assert backend._decode_launch(1, 256, cuda)[0].hopper_wgmma
     assert not TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
+
+
+def test_decode_launch_words_make_the_backends_launch() -> None:
+    bench = _bench()
+    from attention.triton_kernels import DecodeConfig
+    from examples.engine import cache_config_for
+
+    launch = bench.parse_decode_launch("n128 w4 s3 p3")
+    assert launch == DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+    assert bench.parse_decode_launch("s2 w8 n64").programs_per_sm is None
+    shape = bench.LLAMA3_8B
+    config = cache_config_for(shape, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
+                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
+    backend = bench._fixed_launch_backend(shape, config, launch)
+    config_256, policy = backend._decode_launch(1, 256)
+    assert config_256 == launch and policy.programs_per_sm == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [("n128 w4", "s<stages>"), ("n128 w4 s3 x2", "'x2'"), ("n128 n64 w4 s3", "'n64'"), ("n100 w4 s3", "block_n")],
+)
+def test_bad_decode_launch_is_refused_naming_the_word(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        _bench().parse_decode_launch(text)
+    with pytest.raises(SystemExit):
+        _bench().run(["--device", "cpu", "--tiny", "--decode-launch", text])
