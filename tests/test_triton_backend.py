@@ -359,8 +359,8 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     made to say so), one-token rows over a bf16 or fp8 cache of blocks it takes get
     ``hopper_decode_config``'s launch (its tile, 3 stages, 2 programs an SM, within the
     default policy's bound); an int8 cache, a cap, sinks, a block of 96, the default (off) and
-    a given config keep the Triton launch, and rows verifying drafts the verify launch. The output is right
-    either way (elsewhere than on an sm_90 GPU the Triton kernel runs the Hopper tiles)."""
+    a given config keep the Triton launch, and rows verifying drafts the verify launch. The
+    output is right (elsewhere than on an sm_90 GPU the Triton kernel runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 
     monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
