@@ -460,15 +460,6 @@ class OurEngine:
     summary: dict[str, Any]
 
 
-def _hopper_backend(shape: LlamaShape, config: Any) -> Any:
-    """The triton backend with ``hopper_decode`` on: on an sm_90 GPU, one-token decode rows on
-    the Gluon kernel of warpgroup MMAs (``attention/triton_kernels/decode_hopper.py``, launch
-    ``hopper_decode_config``); other rows, and other GPUs, on the Triton kernels."""
-    from attention.triton_backend import TritonBackend
-
-    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), hopper_decode=True)
-
-
 _LAUNCH_FIELDS = {"n": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm"}
 
 
@@ -495,12 +486,14 @@ def parse_decode_launch(text: str) -> Any:
     )
 
 
-def _fixed_launch_backend(shape: LlamaShape, config: Any, launch: Any) -> Any:
-    """The triton backend with every decode row on ``launch`` (rows of several new tokens
-    included; the burst has none)."""
+def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
+    """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode=True``
+    (``--hopper-decode``: on an sm_90 GPU one-token decode rows on the Gluon kernel of
+    ``attention/triton_kernels/decode_hopper.py``) or ``decode_config`` (``--decode-launch``:
+    every decode row on that launch; the burst has no rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 
-    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), decode_config=launch)
+    return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), **knobs)
 
 
 def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> OurEngine:
@@ -517,9 +510,9 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     )  # fmt: skip
     backend = None
     if s.hopper_decode:
-        backend = _hopper_backend(shape, config)
+        backend = _triton_backend(shape, config, hopper_decode=True)
     elif s.decode_launch is not None:
-        backend = _fixed_launch_backend(shape, config, parse_decode_launch(s.decode_launch))
+        backend = _triton_backend(shape, config, decode_config=parse_decode_launch(s.decode_launch))
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
         max_rows=s.max_running,

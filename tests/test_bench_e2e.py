@@ -129,7 +129,7 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     shape = bench.LLAMA3_8B  # head_dim 128: the Gluon kernel's
     config = cache_config_for(shape, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._hopper_backend(shape, config)
+    backend = bench._triton_backend(shape, config, hopper_decode=True)
     spec = shape.attention_spec("bfloat16", cache_dtype)
     assert backend.spec == spec
     cuda = torch.device("cuda")
@@ -148,7 +148,7 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
     shape = bench.LLAMA3_8B
     config = cache_config_for(shape, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._fixed_launch_backend(shape, config, launch)
+    backend = bench._triton_backend(shape, config, decode_config=launch)
     config_256, policy = backend._decode_launch(1, 256)
     assert config_256 == launch and policy.programs_per_sm == 3
 
