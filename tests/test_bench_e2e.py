@@ -114,9 +114,9 @@ def test_hopper_decode_is_a_triton_backend_choice() -> None:
         _bench().run(["--device", "cuda", "--backend", "reference", "--hopper-decode"])
 
 
-@pytest.mark.parametrize("cache_dtype", ["float8_e4m3", "bfloat16"])
+@pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
-    cache_dtype: str, monkeypatch: pytest.MonkeyPatch
+    cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the Gluon decode kernel could run (here made to say so), ``--hopper-decode``'s
     backend takes it and the registry's does not."""
@@ -133,7 +133,8 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     spec = shape.attention_spec("bfloat16", cache_dtype)
     assert backend.spec == spec
     cuda = torch.device("cuda")
-    assert backend._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    launch, _ = backend._decode_launch(1, 256, cuda)
+    assert launch.hopper_wgmma and launch.block_n == tile
     assert not TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
 
 
