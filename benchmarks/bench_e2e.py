@@ -460,19 +460,30 @@ class OurEngine:
     summary: dict[str, Any]
 
 
-_LAUNCH_FIELDS = {"n": "block_n", "w": "num_warps", "s": "num_stages", "p": "programs_per_sm"}
+_LAUNCH_FIELDS = {
+    "n": "block_n",
+    "w": "num_warps",
+    "s": "num_stages",
+    "p": "programs_per_sm",
+    "c": "fused_combine",
+}
 
 
 def parse_decode_launch(text: str) -> Any:
     """``--decode-launch``: a DecodeConfig from words ``n<tokens a tile> w<warps> s<stages>``
-    and optionally ``p<programs an SM>`` (e.g. ``n128 w4 s3 p3``); ValueError naming the word."""
+    and optionally ``p<programs an SM>`` and ``c1`` (split rows merged by the last of their
+    programs, no combine launch; ``c0`` the default), e.g. ``n128 w4 s3 p3 c1``; ValueError
+    naming the word."""
     from attention.triton_kernels import DecodeConfig
 
     values: dict[str, int] = {}
     for word in text.split():
         field = _LAUNCH_FIELDS.get(word[:1])
-        if field is None or not word[1:].isdigit() or field in values:
-            raise ValueError(f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>]")
+        bad_flag = field == "fused_combine" and word[1:] not in ("0", "1")
+        if field is None or not word[1:].isdigit() or field in values or bad_flag:
+            raise ValueError(
+                f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>] [c0|c1]"
+            )
         values[field] = int(word[1:])
     words = {"n": "n<tile>", "w": "w<warps>", "s": "s<stages>"}
     missing = [word for k, word in words.items() if _LAUNCH_FIELDS[k] not in values]
@@ -483,6 +494,7 @@ def parse_decode_launch(text: str) -> Any:
         num_warps=values["num_warps"],
         num_stages=values["num_stages"],
         programs_per_sm=values.get("programs_per_sm"),
+        fused_combine=bool(values.get("fused_combine", 0)),
     )
 
 

@@ -6,7 +6,8 @@
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
-# $OUT a call: name one or two stages a call (e2e alone writes 8).
+# $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
+# comes back), beside the summary.
 #   tests:  the Hopper decode tests and the backend's (a wrong TMA byte count hangs on an
 #           mbarrier, hence the timeout)
 #   decode: bench_decode's Hopper variants against the default launches and flash-attn
@@ -14,7 +15,9 @@
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
 #   burst:  bench_decode's fp8 sweep and Hopper variants on the end-to-end burst's decode step
 #           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
-#   burst-e2e: the burst end to end, bf16 and fp8 defaults and two fixed fp8 launches
+#   burst-e2e: the burst end to end, bf16 and fp8 defaults and the fixed launches of
+#           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
+#           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1")
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,9 +73,14 @@ for stage in "${stages[@]}"; do
         e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
         timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
         timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 --out "$out/e2e-fp8.json"
-        for launch in "n128 w4 s3 p3" "n128 w4 s2 p3"; do
-            timed "e2e-fp8-${launch// /-}" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 \
-                --decode-launch "$launch" --out "$out/e2e-fp8-${launch// /-}.json"
+        IFS=';' read -r -a launches <<<"${E2E_LAUNCHES:-fp8 n128 w4 s3 p3;fp8 n128 w4 s2 p3}"
+        for launch in "${launches[@]}"; do
+            read -r cache words <<<"$launch"
+            dtype=()
+            [ "$cache" = fp8 ] && dtype=(--kv-cache-dtype float8_e4m3)
+            name="e2e-$cache-${words// /-}"
+            timed "$name" "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${dtype[@]}" --decode-launch "$words" \
+                --out "$out/$name.json"
         done
         ;;
     suite)
@@ -85,8 +93,13 @@ for stage in "${stages[@]}"; do
     esac
 done
 
+files=$(cd "$out" && ls | grep -v '^round.tgz$')
+# shellcheck disable=SC2086  # file names without spaces
+[ -n "$files" ] && tar czf "$out/round.tgz" -C "$out" $files && (cd "$out" && rm -f $files)
 echo
 echo "== summary"
 printf '%s\n' "${summary[@]}"
-grep -h -E "passed|failed" "$out"/tests.log "$out"/suite.log 2>/dev/null | tail -2
-grep -H -E "^  ours:|^  profile:" "$out"/e2e-*.log 2>/dev/null
+tar xzf "$out/round.tgz" -O --wildcards 'tests.log' 'suite.log' 2>/dev/null | grep -E "passed|failed" | tail -2
+for log in $(tar tzf "$out/round.tgz" 2>/dev/null | grep '^e2e-.*\.log$'); do
+    tar xzf "$out/round.tgz" -O "$log" | grep -E "^  ours:|^  profile:" | sed "s/^/$log:/"
+done

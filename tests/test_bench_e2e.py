@@ -146,6 +146,8 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
     launch = bench.parse_decode_launch("n128 w4 s3 p3")
     assert launch == DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     assert bench.parse_decode_launch("s2 w8 n64").programs_per_sm is None
+    assert bench.parse_decode_launch("n128 w4 s3 c1").fused_combine
+    assert not bench.parse_decode_launch("n128 w4 s3 c0").fused_combine
     shape = bench.LLAMA3_8B
     config = cache_config_for(shape, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
@@ -156,7 +158,13 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
 
 @pytest.mark.parametrize(
     ("text", "named"),
-    [("n128 w4", "s<stages>"), ("n128 w4 s3 x2", "'x2'"), ("n128 n64 w4 s3", "'n64'"), ("n100 w4 s3", "block_n")],
+    [
+        ("n128 w4", "s<stages>"),
+        ("n128 w4 s3 x2", "'x2'"),
+        ("n128 n64 w4 s3", "'n64'"),
+        ("n100 w4 s3", "block_n"),
+        ("n128 w4 s3 c2", "'c2'"),
+    ],
 )
 def test_bad_decode_launch_is_refused_naming_the_word(text: str, named: str) -> None:
     with pytest.raises(ValueError, match=named):
