@@ -29,7 +29,8 @@ each cache with near-equal rows cut to fill the launch's waves; ``--query-in-reg
 fp8 cache compiled with its query tile kept in registers (``query_in_registers.py``, a Triton
 pipeline hook, in a fresh Triton cache); ``--hopper-wgmma`` the fp8 and bf16 caches on the
 Gluon kernel of warpgroup MMAs (``attention/triton_kernels/decode_hopper.py``);
-``--variants`` keeps only the
+``--policy-sweep`` the bf16 and fp8 caches with chunks of half and three times the mean row
+(what a program's start costs each); ``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
@@ -40,7 +41,8 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 
 Run (from the project root, on the GPU machine):
     python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
-        [--query-in-registers] [--hopper-wgmma] [--variants "3 stages"] [--window] [--shapes 64x4096,32x512]
+        [--query-in-registers] [--hopper-wgmma] [--policy-sweep] [--variants "3 stages"] [--window]
+        [--shapes 64x4096,32x512]
         [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
 """
@@ -52,6 +54,7 @@ import dataclasses
 import math
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -99,7 +102,8 @@ class DecodeShape:
 
 def decode_shapes(quick: bool, only: str | None = None) -> list[DecodeShape]:
     """The shapes (``quick``: a subset); ``only``: comma-separated labels to keep (``64x4096``,
-    ``lognormal64(med=2048,s=0.8,cap=16384)``, or a label's prefix such as ``lognormal64(med=2048``)."""
+    ``lognormal64(med=2048,s=0.8,cap=16384)``, or a label's prefix such as ``lognormal64(med=2048``);
+    any ``<rows>x<tokens>`` adds that uniform shape)."""
     shapes = [DecodeShape(f"{b}x{n}", (n,) * b) for b, n in (QUICK_UNIFORM if quick else UNIFORM)]
     for rows, median, sigma, cap in LOGNORMAL[:1] if quick else LOGNORMAL:
         rng = random.Random(SEED)
@@ -107,6 +111,11 @@ def decode_shapes(quick: bool, only: str | None = None) -> list[DecodeShape]:
         shapes.append(DecodeShape(f"lognormal{rows}(med={median},s={sigma},cap={cap})", lens))
     if only:
         wanted = [w.strip() for w in only.split(",") if w.strip()]
+        known = {s.label for s in shapes}
+        for w in wanted:  # any uniform RxL named, listed or not
+            match = re.fullmatch(r"(\d+)x(\d+)", w)
+            if match and w not in known and 0 < int(match[1]) <= 4096 and 0 < int(match[2]) <= 131072:
+                shapes.append(DecodeShape(w, (int(match[2]),) * int(match[1])))
         shapes = [s for s in shapes if any(s.label == w or (w.startswith("lognormal") and s.label.startswith(w))
                                            for w in wanted)]  # fmt: skip
         if not shapes:
@@ -154,12 +163,23 @@ class Variant:
     int8: bool = False  # an int8 cache with per-token scales (attention.token_scales)
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
+    balance: float | None = None  # the default launch and policy for the block size, with this balance
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
         from attention.triton_kernels import default_decode_config
 
-        config = self.config
+        config, policy = self.config, self.policy
+        if self.balance is not None:  # the policy the backend's default launch would take
+            from attention.triton_kernels import DecodePolicy
+
+            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
+            launch = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
+            policy = DecodePolicy(
+                balance=self.balance,
+                programs_per_sm=min(3, launch.programs_per_sm or 3),
+                wave_fill=launch.wave_fill or 0.0,
+            )
         if self.wave_fill is not None or self.fused_combine:
             kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
             config = config or default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
@@ -170,7 +190,7 @@ class Variant:
         return TritonBackend(
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
             decode_config=config,
-            decode_policy=self.policy,
+            decode_policy=policy,
         )
 
 
@@ -281,6 +301,19 @@ def hopper_wgmma_variants() -> list[Variant]:
         Variant("bf16 cache, hopper wgmma, 2 stages, 3 an SM", config=config(64, 2)),
         Variant("bf16 cache, hopper wgmma, 3 stages, 2 an SM", config=config(64, 3)),
     ]
+
+
+def policy_variants() -> list[Variant]:
+    """``--policy-sweep``: the bf16 and fp8 caches at their default launches with chunks of
+    half and of three times the batch's mean row (``DecodePolicy.balance`` 0.5 / 3.0; the
+    default 1.25): twice the programs, or no row split, to see what a program's start costs
+    each cache."""
+    out = []
+    for balance in (0.5, 3.0):
+        for fp8 in (False, True):
+            name = f"{'fp8' if fp8 else 'bf16'} cache, balance {balance}"
+            out.append(Variant(name, fp8=fp8, balance=balance))
+    return out
 
 
 def fp8_variants() -> list[Variant]:
@@ -483,6 +516,7 @@ def run_decode(
     wave_fill: bool = False,
     query_in_registers: bool = False,
     hopper_wgmma: bool = False,
+    policy_sweep: bool = False,
     variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
@@ -493,6 +527,7 @@ def run_decode(
     chosen += wave_fill_variants() if wave_fill else []
     chosen += query_register_variants() if query_in_registers else []
     chosen += hopper_wgmma_variants() if hopper_wgmma else []
+    chosen += policy_variants() if policy_sweep else []
     if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
         keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
         chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
@@ -727,7 +762,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the fp8 and bf16 caches on the Gluon kernel of warpgroup MMAs (decode_hopper.py)",
     )
-    parser.add_argument("--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512)")
+    parser.add_argument(
+        "--policy-sweep",
+        action="store_true",
+        help="also time the bf16 and fp8 caches with chunks of half / three times the mean row",
+    )
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512; any RxL is added)"
+    )
     parser.add_argument(
         "--variants", default="", help="comma-separated substrings: keep only the sweep variants naming one"
     )
@@ -759,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
                 wave_fill=args.wave_fill,
                 query_in_registers=args.query_in_registers,
                 hopper_wgmma=args.hopper_wgmma,
+                policy_sweep=args.policy_sweep,
                 variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,
