@@ -531,7 +531,8 @@ class TritonBackend(AttentionBackend):
         tokens in blocks of ``block_size`` tokens on ``device`` (None: any): the given ones,
         else the defaults (the Hopper kernel's where :meth:`_hopper_decode_applies`, else
         ``default_decode_config``, which knows the block size; the config's
-        ``programs_per_sm`` and ``wave_fill``, when set, replace the default policy's)."""
+        ``programs_per_sm``, ``wave_fill`` and ``slot_share``, when set, replace the default
+        policy's)."""
         if query_len > 1:
             config = self.verify_decode_config
         elif self._given_decode_config:
@@ -546,6 +547,8 @@ class TritonBackend(AttentionBackend):
             policy = replace(policy, programs_per_sm=min(config.programs_per_sm, policy.programs_per_sm))
         if config.wave_fill is not None and not self._given_decode_policy:
             policy = replace(policy, wave_fill=config.wave_fill)
+        if config.slot_share is not None and not self._given_decode_policy:
+            policy = replace(policy, slot_share=config.slot_share)
         return config, policy
 
     def _hopper_decode_applies(self, block_size: int, device: torch.device) -> bool:

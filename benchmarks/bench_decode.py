@@ -164,6 +164,7 @@ class Variant:
     wave_fill: float | None = None  # the default launch for the block size, with this wave fill
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
     balance: float | None = None  # the default launch and policy for the block size, with this balance
+    slot_share: float = 0.0  # ... and this slot share (with ``balance``)
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -179,6 +180,7 @@ class Variant:
                 balance=self.balance,
                 programs_per_sm=min(3, launch.programs_per_sm or 3),
                 wave_fill=launch.wave_fill or 0.0,
+                slot_share=self.slot_share,
             )
         if self.wave_fill is not None or self.fused_combine:
             kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
@@ -307,12 +309,18 @@ def policy_variants() -> list[Variant]:
     """``--policy-sweep``: the bf16 and fp8 caches at their default launches with chunks of
     half and of three times the batch's mean row (``DecodePolicy.balance`` 0.5 / 3.0; the
     default 1.25): twice the programs, or no row split, to see what a program's start costs
-    each cache."""
+    each cache; and at balance 1.25 with chunks of at least 0 (off) / 0.5 / 0.75 / 1.0 of a
+    slot's share of the step (``DecodePolicy.slot_share``; the int8 cache at 0 and 1.0)."""
     out = []
     for balance in (0.5, 3.0):
         for fp8 in (False, True):
             name = f"{'fp8' if fp8 else 'bf16'} cache, balance {balance}"
             out.append(Variant(name, fp8=fp8, balance=balance))
+    for share in (0.0, 0.5, 0.75, 1.0):
+        for fp8 in (False, True):
+            name = f"{'fp8' if fp8 else 'bf16'} cache, slot share {share}"
+            out.append(Variant(name, fp8=fp8, balance=1.25, slot_share=share))
+    out += [Variant(f"int8 cache, slot share {share}", int8=True, balance=1.25, slot_share=share) for share in (0.0, 1.0)]
     return out
 
 

@@ -17,7 +17,7 @@
 #           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
 #   burst-e2e: the burst end to end, bf16 and fp8 defaults and the fixed launches of
 #           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
-#           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1")
+#           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none)
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,9 +73,10 @@ for stage in "${stages[@]}"; do
         e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
         timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
         timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 --out "$out/e2e-fp8.json"
-        IFS=';' read -r -a launches <<<"${E2E_LAUNCHES:-fp8 n128 w4 s3 p3;fp8 n128 w4 s2 p3}"
+        IFS=';' read -r -a launches <<<"${E2E_LAUNCHES-fp8 n128 w4 s3 p3;fp8 n128 w4 s2 p3}"
         for launch in "${launches[@]}"; do
             read -r cache words <<<"$launch"
+            [ -n "$words" ] || continue
             dtype=()
             [ "$cache" = fp8 ] && dtype=(--kv-cache-dtype float8_e4m3)
             name="e2e-$cache-${words// /-}"

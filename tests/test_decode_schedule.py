@@ -281,6 +281,66 @@ def test_wave_fill_keeps_the_invariants_and_the_graph_bounds(
         assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
 
 
+def test_slot_share_keeps_rows_within_a_slots_share_whole() -> None:
+    """128 rows of LogNormal(550) tokens on 8 KV heads and 2 x 132 places: a place's share of
+    the step is ~2,500 tokens, so with slot_share 1.0 no row splits (balance alone cuts every
+    row over 1.25 x the mean); 0.5 cuts only rows over ~1,250 tokens, and chunks are never
+    shorter than the policy without a share would make them."""
+    lens = _lognormal(128, 550, 0.6, 2048)
+    ranges = [(0, n) for n in lens]
+    share_tokens = sum(lens) * 8 / (2 * H200_SMS)
+    plain = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=DecodePolicy(2))
+    assert plain.num_items > len(lens)  # balance alone splits the long rows
+    for share in (0.5, 1.0):
+        policy = DecodePolicy(2, slot_share=share)
+        s = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=policy)
+        _check_invariants(s, ranges, policy)
+        assert s.chunk_len >= max(plain.chunk_len, share * share_tokens)
+        assert s.chunk_len - 128 < max(plain.chunk_len, share * share_tokens)  # the next tile up, no more
+        split = [n for d, n in enumerate(lens) if s.row(d)[2] > 1]
+        assert all(n > share * share_tokens for n in split)
+        assert (not split) == (max(lens) <= s.chunk_len)
+    assert schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128,
+                           policy=DecodePolicy(2, slot_share=1.0)).num_items == len(lens)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 30_000), min_size=1, max_size=200),
+    start=st.integers(0, 3000),
+    kv_heads=st.sampled_from([1, 8]),
+    sms=st.sampled_from([4, 132]),
+    share=st.sampled_from([0.25, 1.0, 4.0]),
+    spare=st.integers(0, 40),
+)
+def test_slot_share_keeps_the_invariants_and_the_graph_bounds(
+    lens: list[int], start: int, kv_heads: int, sms: int, share: float, spare: int
+) -> None:
+    """Longer chunks only lower the item count: a bucket's fixed grid and partial slots,
+    sized without looking at the share, hold every schedule it makes (windowed rows too)."""
+    policy = DecodePolicy(slot_share=share)
+    for s0 in (0, start):
+        ranges = [(s0, s0 + n) for n in lens]
+        bucket = len(ranges) + spare
+        fixed = schedule_decode(
+            ranges,
+            num_kv_heads=kv_heads,
+            num_sms=sms,
+            block_n=64,
+            policy=policy,
+            max_items=max_decode_items(bucket, kv_heads, sms, DecodePolicy()),
+            max_rows=bucket,
+        )
+        _check_invariants(fixed, ranges, policy)
+        assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, DecodePolicy())
+
+
+@pytest.mark.parametrize("share", [-0.1, 4.5, float("nan")])
+def test_bad_slot_share_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="slot_share"):
+        DecodePolicy(slot_share=share)
+
+
 def test_lognormal_batch_splits_only_its_long_rows() -> None:
     """Rows of very different lengths: the long ones are cut so no program reads much more
     than the typical row, the short ones stay whole (no combine work for them)."""

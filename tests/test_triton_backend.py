@@ -242,6 +242,33 @@ def test_a_launchs_wave_fill_reaches_the_schedule(triton_device: str) -> None:
             DecodeConfig(wave_fill=bad)
 
 
+def test_one_token_launches_keep_rows_within_a_slots_share_whole(triton_device: str) -> None:
+    """The default one-token launches carry a slot share into the policy (1.0 for an fp8
+    cache, 0.75 for a 16-bit one; verify launches none; a given policy keeps its own): rows
+    no longer than a place's share of the step stay whole where balance alone would split the
+    long ones, and the output is unchanged."""
+    fp8 = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
+    f16 = make_spec(8, 2, 64, torch.float16)
+    assert TritonBackend(fp8)._decode_launch(1, 32)[1].slot_share == 1.0
+    assert TritonBackend(fp8)._decode_launch(1, 256)[1].slot_share == 1.0
+    assert TritonBackend(f16)._decode_launch(1, 32)[1].slot_share == 0.75
+    assert TritonBackend(f16)._decode_launch(4, 32)[1].slot_share == 0.0
+    assert TritonBackend(f16, decode_policy=DecodePolicy())._decode_launch(1, 32)[1].slot_share == 0.0
+    # 24 rows x 2 KV heads on 2 SMs (6 places): a place's share is ~8 x 300 tokens, the
+    # longest row 700 is over 1.25 x the mean (~300).
+    lens = [700, 650] + [250] * 22
+    case = make_case([(n, 1) for n in lens], f16, block_size=32, device=triton_device)
+    shared = TritonBackend(f16, num_sms=2)
+    plain = TritonBackend(f16, num_sms=2, decode_policy=DecodePolicy())
+    (whole,) = shared.plan(case.meta).decode  # type: ignore[attr-defined]
+    (split,) = plain.plan(case.meta).decode  # type: ignore[attr-defined]
+    assert whole.schedule.num_items == len(lens) < split.schedule.num_items
+    out, _ = _attend(shared, case)
+    _check(out, reference_output(case), torch.float16)
+    with pytest.raises(ValueError, match=r"DecodeConfig\.slot_share"):
+        DecodeConfig(slot_share=-1.0)
+
+
 def test_a_register_cap_reaches_the_launch(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``DecodeConfig.maxnreg`` is passed to the chunk kernel's launch (a compile option: the
     output is the same); outside [32, 255] or not an int it is refused."""

@@ -88,6 +88,7 @@ class DecodeConfig:
                 (``DecodePolicy.programs_per_sm``). None: the policy's.
     wave_fill:  likewise ``DecodePolicy.wave_fill`` for a backend without a given policy
                 (None: the policy's).
+    slot_share: likewise ``DecodePolicy.slot_share`` (None: the policy's).
     maxnreg:    registers per thread the chunk kernel may use (Triton's ``maxnreg``, in
                 [32, 255]); ptxas spills past it. None: the compiler's choice. A cap can keep
                 one more program an SM (``programs_per_sm``) at the price of spills.
@@ -110,6 +111,7 @@ class DecodeConfig:
     wave_fill: float | None = None
     maxnreg: int | None = None
     hopper_wgmma: bool = False
+    slot_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -118,6 +120,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
         if self.wave_fill is not None and not 0.0 <= self.wave_fill <= 1.0:
             raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
+        if self.slot_share is not None and not 0.0 <= self.slot_share <= 4.0:
+            raise ValueError(f"DecodeConfig.slot_share: {self.slot_share} must be in [0, 4] (or None)")
         if self.maxnreg is not None and (type(self.maxnreg) is not int or not 32 <= self.maxnreg <= 255):
             raise ValueError(f"DecodeConfig.maxnreg: {self.maxnreg!r} must be an int in [32, 255] (or None)")
         if self.hopper_wgmma and self.block_n not in (64, 128):
@@ -179,6 +183,16 @@ def default_decode_config(
     Four stages scheduled for 2 programs an SM did better on that one shape (1.60x the bf16
     cache against 1.53x) but lost 4-14% on every other block-32 shape.
 
+    One-token launches schedule chunks of at least a slot's share of the step
+    (``DecodePolicy.slot_share``): 1.0 for a one-byte cache, 0.75 for a 16-bit one. Rows that
+    short do not split: with many more programs than places, splitting them only adds
+    programs and partials. On an H100 (benchmarks/results/decode-slot-share-h100-2026-12-05.json),
+    128 rows of LogNormal(550) tokens (the end-to-end burst's decode step): the fp8 cache at
+    block 256 in 74.5 us against 83.9 with no share (the bf16 cache's speed 1.77x against
+    1.57x), at block 32 79.0 against 82.6; the bf16 cache 1-2% faster at 0.75 and 4% slower at
+    1.0 (block 256); every other shape timed (32x512, 64x4096, 128x2048, 16x16384, 128x640,
+    LogNormal(2048)) within 1%.
+
     An int8 cache (per-token scales, V token-major) has fp8's bytes per token and takes the
     same tiles and three stages. On the H200 (benchmarks/results/decode-int8-2026-12-04.json),
     over the bench's shapes, 2 stages ran 1.05x / 1.01x and 4 stages 0.94x / 0.97x the speed
@@ -193,11 +207,12 @@ def default_decode_config(
     warps = 8 if q_itemsize * d_pad > 512 else 4
     one_byte = kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES
     stages = 3 if one_byte and query_len <= 1 else 2
+    share = (1.0 if one_byte else 0.75) if query_len <= 1 else None
     if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and block_size is not None and block_size % block_n == 0:
-        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=4, programs_per_sm=2)
+        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=4, programs_per_sm=2, slot_share=share)
     if kv_dtype in FP8_KV_DTYPES and query_len <= 1:
-        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, wave_fill=0.9)
-    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+        return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, wave_fill=0.9, slot_share=share)
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, slot_share=share)
 
 
 def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:

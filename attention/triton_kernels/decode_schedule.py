@@ -116,6 +116,12 @@ class DecodePolicy:
                       64 rows x 4096 tokens, 0.190 -> 0.164 ms (3 pieces); with more waves it
                       lost (fp8 128 x 2048: 0.154 -> 0.172 ms, 256 x 1024: 0.151 -> 0.191), and
                       the bf16 and int8 caches lost at every shape it cut (5-25%).
+    slot_share:       0 (off), or > 0: chunks are at least this fraction of a slot's share
+                      of the step (the step's tokens x KV heads / (programs_per_sm x SMs)).
+                      With many more programs than places, the places take programs one
+                      after another, heaviest first, and a row no longer than a place's share
+                      of the work ends no later than the others: splitting it only adds
+                      programs and partials to merge.
     """
 
     programs_per_sm: int = 3
@@ -123,6 +129,7 @@ class DecodePolicy:
     min_chunk_tokens: int = 256
     small_batch_chunk_tokens: int = 64
     wave_fill: float = 0.0
+    slot_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.programs_per_sm < 1:
@@ -136,6 +143,8 @@ class DecodePolicy:
             )
         if not 0.0 <= self.wave_fill <= 1.0:
             raise ValueError(f"DecodePolicy.wave_fill: {self.wave_fill} must be in [0, 1] (0: off)")
+        if not 0.0 <= self.slot_share <= 4.0:
+            raise ValueError(f"DecodePolicy.slot_share: {self.slot_share} must be in [0, 4] (0: off)")
 
 
 @dataclass(frozen=True)
@@ -302,7 +311,11 @@ def _choose_chunk_len(
 ) -> int:
     rows = len(ends)
     total = sum(ends) - sum(starts)
-    chunk = -(-math.ceil(policy.balance * total / rows) // block_n) * block_n
+    longest_wanted = policy.balance * total / rows
+    if policy.slot_share:  # a row no longer than a slot's share of the step never splits
+        slot_tokens = total * num_kv_heads / (policy.programs_per_sm * num_sms)
+        longest_wanted = max(longest_wanted, policy.slot_share * slot_tokens)
+    chunk = -(-math.ceil(longest_wanted) // block_n) * block_n
     target = _target_items(num_kv_heads, num_sms, policy)
     if rows < target:
         chunk = min(chunk, _smallest_fitting(starts, ends, aligned, target, block_n, block_n))
