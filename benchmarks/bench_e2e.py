@@ -466,14 +466,17 @@ _LAUNCH_FIELDS = {
     "s": "num_stages",
     "p": "programs_per_sm",
     "c": "fused_combine",
+    "r": "persistent",
+    "h": "slot_share",
 }
 
 
 def parse_decode_launch(text: str) -> Any:
     """``--decode-launch``: a DecodeConfig from words ``n<tokens a tile> w<warps> s<stages>``
-    and optionally ``p<programs an SM>`` and ``c1`` (split rows merged by the last of their
-    programs, no combine launch; ``c0`` the default), e.g. ``n128 w4 s3 p3 c1``; ValueError
-    naming the word."""
+    and optionally ``p<programs an SM>``, ``c1`` (split rows merged by the last of their
+    programs, no combine launch; ``c0`` the default), ``r<programs an SM>`` (a persistent
+    grid) and ``h<percent>`` (the slot share: ``h100`` is 1.0; none: 0), e.g.
+    ``n128 w4 s4 p2 r2 h100``; ValueError naming the word."""
     from attention.triton_kernels import DecodeConfig
 
     values: dict[str, int] = {}
@@ -482,7 +485,8 @@ def parse_decode_launch(text: str) -> Any:
         bad_flag = field == "fused_combine" and word[1:] not in ("0", "1")
         if field is None or not word[1:].isdigit() or field in values or bad_flag:
             raise ValueError(
-                f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>] [c0|c1]"
+                f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>] [c0|c1] "
+                f"[r<per SM>] [h<slot share %>]"
             )
         values[field] = int(word[1:])
     words = {"n": "n<tile>", "w": "w<warps>", "s": "s<stages>"}
@@ -495,6 +499,8 @@ def parse_decode_launch(text: str) -> Any:
         num_stages=values["num_stages"],
         programs_per_sm=values.get("programs_per_sm"),
         fused_combine=bool(values.get("fused_combine", 0)),
+        persistent=values.get("persistent"),
+        slot_share=values["slot_share"] / 100 if "slot_share" in values else None,
     )
 
 
