@@ -30,8 +30,7 @@ fp8 cache compiled with its query tile kept in registers (``query_in_registers.p
 pipeline hook, in a fresh Triton cache); ``--hopper-wgmma`` the fp8 and bf16 caches on the
 Gluon kernel of warpgroup MMAs (``attention/triton_kernels/decode_hopper.py``);
 ``--policy-sweep`` the bf16 and fp8 caches with chunks of half and three times the mean row
-(what a program's start costs each); ``--persistent`` each cache's default launch on a
-persistent grid; ``--variants`` keeps only the
+(what a program's start costs each); ``--variants`` keeps only the
 added variants whose names contain one of its comma-separated substrings; ``--shapes``
 keeps only the named shapes; ``--window`` adds sliding-window decode (16 rows, window 4096,
 contexts growing past it) for ours and flash-attn.
@@ -42,7 +41,7 @@ Prints the tables last and writes benchmarks/results/decode-<YYYY-MM-DD>.json
 
 Run (from the project root, on the GPU machine):
     python3 benchmarks/bench_decode.py [--quick] [--sweep [--budget-s 270]] [--fp8-sweep] [--wave-fill]
-        [--query-in-registers] [--hopper-wgmma] [--policy-sweep] [--persistent] [--variants "3 stages"] [--window]
+        [--query-in-registers] [--hopper-wgmma] [--policy-sweep] [--variants "3 stages"] [--window]
         [--shapes 64x4096,32x512]
         [--out PATH]
         [--warmup-ms 25] [--rep-ms 100]
@@ -166,7 +165,6 @@ class Variant:
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
     balance: float | None = None  # the default launch and policy for the block size, with this balance
     slot_share: float = 0.0  # ... and this slot share (with ``balance``)
-    persistent: bool = False  # the default launch for the block size on a persistent grid
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -184,11 +182,9 @@ class Variant:
                 wave_fill=launch.wave_fill or 0.0,
                 slot_share=self.slot_share,
             )
-        if self.wave_fill is not None or self.fused_combine or self.persistent:
+        if self.wave_fill is not None or self.fused_combine:
             kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
             config = config or default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
-            if self.persistent:  # as many programs an SM as the launch holds at once
-                config = dataclasses.replace(config, persistent=config.programs_per_sm or 3)
             if self.wave_fill is not None:
                 config = dataclasses.replace(config, wave_fill=self.wave_fill)
             if self.fused_combine:
@@ -324,20 +320,8 @@ def policy_variants() -> list[Variant]:
         for fp8 in (False, True):
             name = f"{'fp8' if fp8 else 'bf16'} cache, slot share {share}"
             out.append(Variant(name, fp8=fp8, balance=1.25, slot_share=share))
-    for share in (0.0, 1.0):
-        out.append(Variant(f"int8 cache, slot share {share}", int8=True, balance=1.25, slot_share=share))
+    out += [Variant(f"int8 cache, slot share {share}", int8=True, balance=1.25, slot_share=share) for share in (0.0, 1.0)]
     return out
-
-
-def persistent_variants() -> list[Variant]:
-    """``--persistent``: the bf16, fp8 and int8 caches at their default launches on a
-    persistent grid (``DecodeConfig.persistent``: as many programs as the SMs hold, each
-    running items in turn, the next item's fields loaded during the current one)."""
-    return [
-        Variant("bf16 cache, persistent", persistent=True),
-        Variant("fp8 cache, persistent", fp8=True, persistent=True),
-        Variant("int8 cache, persistent", int8=True, persistent=True),
-    ]
 
 
 def fp8_variants() -> list[Variant]:
@@ -541,7 +525,6 @@ def run_decode(
     query_in_registers: bool = False,
     hopper_wgmma: bool = False,
     policy_sweep: bool = False,
-    persistent: bool = False,
     variant_filter: tuple[str, ...] = (),
 ) -> list[DecodeRow]:
     """Time the default (and with ``sweep`` every variant) at block 32 and 256, and
@@ -553,7 +536,6 @@ def run_decode(
     chosen += query_register_variants() if query_in_registers else []
     chosen += hopper_wgmma_variants() if hopper_wgmma else []
     chosen += policy_variants() if policy_sweep else []
-    chosen += persistent_variants() if persistent else []
     if variant_filter:  # the default and the fp8 / int8 caches always run (the ratios need them)
         keep = (FP8_VARIANT.name, INT8_VARIANT.name, "default")
         chosen = [v for v in chosen if v.name in keep or any(f in v.name for f in variant_filter)]
@@ -794,9 +776,6 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the bf16 and fp8 caches with chunks of half / three times the mean row",
     )
     parser.add_argument(
-        "--persistent", action="store_true", help="also time each cache's default launch on a persistent grid"
-    )
-    parser.add_argument(
         "--shapes", default=None, help="comma-separated shape labels to keep (e.g. 64x4096,32x512; any RxL is added)"
     )
     parser.add_argument(
@@ -831,7 +810,6 @@ def main(argv: list[str] | None = None) -> int:
                 query_in_registers=args.query_in_registers,
                 hopper_wgmma=args.hopper_wgmma,
                 policy_sweep=args.policy_sweep,
-                persistent=args.persistent,
                 variant_filter=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 timer=timer,
                 copy_tbps=run.copy_tbps,

@@ -466,7 +466,6 @@ _LAUNCH_FIELDS = {
     "s": "num_stages",
     "p": "programs_per_sm",
     "c": "fused_combine",
-    "r": "persistent",
     "h": "slot_share",
 }
 
@@ -474,9 +473,9 @@ _LAUNCH_FIELDS = {
 def parse_decode_launch(text: str) -> Any:
     """``--decode-launch``: a DecodeConfig from words ``n<tokens a tile> w<warps> s<stages>``
     and optionally ``p<programs an SM>``, ``c1`` (split rows merged by the last of their
-    programs, no combine launch; ``c0`` the default), ``r<programs an SM>`` (a persistent
-    grid) and ``h<percent>`` (the slot share: ``h100`` is 1.0; none: 0), e.g.
-    ``n128 w4 s4 p2 r2 h100``; ValueError naming the word."""
+    programs, no combine launch; ``c0`` the default) and ``h<percent>`` (the slot share:
+    ``h100`` is 1.0; none: the policy's 0), e.g. ``n128 w4 s4 p2 h100``; ValueError naming
+    the word."""
     from attention.triton_kernels import DecodeConfig
 
     values: dict[str, int] = {}
@@ -486,7 +485,7 @@ def parse_decode_launch(text: str) -> Any:
         if field is None or not word[1:].isdigit() or field in values or bad_flag:
             raise ValueError(
                 f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>] [c0|c1] "
-                f"[r<per SM>] [h<slot share %>]"
+                f"[h<slot share %>]"
             )
         values[field] = int(word[1:])
     words = {"n": "n<tile>", "w": "w<warps>", "s": "s<stages>"}
@@ -499,7 +498,6 @@ def parse_decode_launch(text: str) -> Any:
         num_stages=values["num_stages"],
         programs_per_sm=values.get("programs_per_sm"),
         fused_combine=bool(values.get("fused_combine", 0)),
-        persistent=values.get("persistent"),
         slot_share=values["slot_share"] / 100 if "slot_share" in values else None,
     )
 

@@ -148,9 +148,8 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
     assert bench.parse_decode_launch("s2 w8 n64").programs_per_sm is None
     assert bench.parse_decode_launch("n128 w4 s3 c1").fused_combine
     assert not bench.parse_decode_launch("n128 w4 s3 c0").fused_combine
-    words = bench.parse_decode_launch("n128 w4 s4 p2 r2 h75")
-    assert (words.persistent, words.slot_share) == (2, 0.75)
-    assert (launch.persistent, launch.slot_share) == (None, None)
+    assert bench.parse_decode_launch("n128 w4 s4 p2 h75").slot_share == 0.75
+    assert launch.slot_share is None
     shape = bench.LLAMA3_8B
     config = cache_config_for(shape, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
@@ -167,7 +166,6 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
         ("n128 n64 w4 s3", "'n64'"),
         ("n100 w4 s3", "block_n"),
         ("n128 w4 s3 c2", "'c2'"),
-        ("n128 w4 s3 r0", "persistent"),
         ("n128 w4 s3 h500", "slot_share"),
     ],
 )

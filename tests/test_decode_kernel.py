@@ -231,34 +231,6 @@ def test_sliding_window_reads_only_the_window(fused: bool) -> None:
     _check(out, ref, torch.float32)
 
 
-@COMBINE
-@pytest.mark.parametrize("per_sm", [1, 3, 32])
-def test_persistent_grid_matches_one_item_a_program(fused: bool, per_sm: int) -> None:
-    """``DecodeConfig.persistent``: P programs a KV head take the items in a snake order
-    (1 an SM on the interpreter's 4 SMs over 2 KV heads: 2 programs a head, each running
-    many items; 32: a program an item). Split rows, rows of several new tokens, and a fixed
-    grid's padding, with either combine: the output equals the one-item-a-program launch's
-    bit for bit (the same arithmetic per item), and tokens no row names keep their bits."""
-    case = _multi_case(MULTI_ROWS, torch.bfloat16)
-    launch = _multi_launch(case, chunk_len=16, num_sms=16, max_items=max_decode_items(8, 2, 16) + 5, max_rows=8)
-    assert launch.schedule.grid_items > launch.schedule.num_items > 2 * len(MULTI_ROWS)
-    plain = _run(case, launch, DecodeConfig(block_n=16, fused_combine=fused), torch.full_like(case.query, 7.0))
-    config = DecodeConfig(block_n=16, fused_combine=fused, persistent=per_sm)
-    for _ in range(2):  # a replay on the same workspace (fused: the counters were reset)
-        out = _run(case, launch, config, torch.full_like(case.query, 7.0))
-        assert torch.equal(out, plain)
-    ref = reference_output(case)
-    _check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.parametrize("bad", [0, 33, 2.0, True])
-def test_bad_persistent_grid_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"DecodeConfig\.persistent"):
-        DecodeConfig(persistent=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"DecodeConfig\.persistent.*hopper"):
-        DecodeConfig(block_n=64, persistent=2, hopper_wgmma=True)
-
-
 def test_fused_combine_counters_reset_across_launches() -> None:
     """Replays on one workspace (as a CUDA graph does) give the same output, and a later
     step with another chunking reuses the counters correctly."""

@@ -89,10 +89,6 @@ class DecodeConfig:
     wave_fill:  likewise ``DecodePolicy.wave_fill`` for a backend without a given policy
                 (None: the policy's).
     slot_share: likewise ``DecodePolicy.slot_share`` (None: the policy's).
-    persistent: None (one program per item), or the programs an SM of a persistent grid:
-                ``persistent x SMs / KV heads`` programs a KV head (at most the grid's
-                items), each running several items in turn and loading the next item's
-                fields while the current one runs. Not with ``hopper_wgmma``.
     maxnreg:    registers per thread the chunk kernel may use (Triton's ``maxnreg``, in
                 [32, 255]); ptxas spills past it. None: the compiler's choice. A cap can keep
                 one more program an SM (``programs_per_sm``) at the price of spills.
@@ -116,7 +112,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     hopper_wgmma: bool = False
     slot_share: float | None = None
-    persistent: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -125,10 +120,6 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
         if self.wave_fill is not None and not 0.0 <= self.wave_fill <= 1.0:
             raise ValueError(f"DecodeConfig.wave_fill: {self.wave_fill} must be in [0, 1] (or None)")
-        if self.persistent is not None and (type(self.persistent) is not int or not 1 <= self.persistent <= 32):
-            raise ValueError(f"DecodeConfig.persistent: {self.persistent!r} must be an int in [1, 32] (or None)")
-        if self.persistent is not None and self.hopper_wgmma:
-            raise ValueError("DecodeConfig.persistent: not with hopper_wgmma (its kernel runs one item a program)")
         if self.slot_share is not None and not 0.0 <= self.slot_share <= 4.0:
             raise ValueError(f"DecodeConfig.slot_share: {self.slot_share} must be in [0, 4] (or None)")
         if self.maxnreg is not None and (type(self.maxnreg) is not int or not 32 <= self.maxnreg <= 255):
@@ -489,15 +480,6 @@ def check_decode_launch(
         )
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA ``device``; 4 elsewhere (the interpreter: a persistent grid then still
-    gives each program several items on small test steps)."""
-    if device.type != "cuda":
-        return 4
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -580,10 +562,7 @@ def paged_decode(
             config.num_stages,
         )  # fmt: skip
     else:
-        programs = schedule.grid_items
-        if config.persistent is not None:
-            programs = min(programs, -(-config.persistent * _multiprocessors(query.device) // kv_heads))
-        decode_items_kernel[(kv_heads, programs)](
+        decode_items_kernel[(kv_heads, schedule.grid_items)](
             query,
             k_cache,
             v_cache,
@@ -634,7 +613,6 @@ def paged_decode(
             SINKS=sinks is not None,
             TREE=tree_masks is not None and schedule.query_len > 1,
             V_TOKEN_MAJOR=token_scaled or is_token_major(v_cache),
-            PERSISTENT=config.persistent is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),

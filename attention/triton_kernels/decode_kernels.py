@@ -1,7 +1,6 @@
 """Triton source of the paged decode kernels (the launcher is :mod:`.decode`).
 
 Program (kv_head, i) of :func:`decode_items_kernel` takes item i of the step's schedule
-(or, ``PERSISTENT``, every P-th item in a snake order)
 (:mod:`.decode_schedule`): one chunk ``[kv_start, kv_end)`` of one decode row, for all query
 heads of one KV group and all of the row's new tokens (up to 8, for verifying draft tokens;
 the tokens x heads padded to >= 16 rows so ``tl.dot`` runs on tensor cores; each K/V token is
@@ -178,27 +177,21 @@ def _merge_head(  # type: ignore[no-untyped-def]
     tl.store(dst_ptr + d, result.to(dst_ptr.dtype.element_ty), mask=tl.where(store_ok, d < HEAD_DIM, False))
 
 
-@triton.jit
-def _load_item(items_ptr, i, num_item_slots):  # type: ignore[no-untyped-def]
-    """The 10 int32 fields of item ``i`` (PAD_ITEM's values when ``i`` is past the table:
-    d = -1). All fields at once: they share one or two 32-byte sectors, one memory latency."""
-    ok = (i >= 0) & (i < num_item_slots)
-    item = items_ptr + tl.where(ok, i, 0).to(tl.int64) * 10
-    d = tl.load(item, mask=ok, other=-1)
-    kv_start = tl.load(item + 1, mask=ok, other=0)
-    kv_end = tl.load(item + 2, mask=ok, other=0)
-    slot = tl.load(item + 3, mask=ok, other=-1)
-    table_row = tl.load(item + 4, mask=ok, other=-1)
-    q_token = tl.load(item + 5, mask=ok, other=-1)
-    num_chunks = tl.load(item + 6, mask=ok, other=0)
-    first_partial = tl.load(item + 7, mask=ok, other=-1)
-    q_len = tl.load(item + 8, mask=ok, other=1)
-    row_end = tl.load(item + 9, mask=ok, other=0)
-    return d, kv_start, kv_end, slot, table_row, q_token, num_chunks, first_partial, q_len, row_end
-
-
-@triton.jit
-def _decode_item(  # type: ignore[no-untyped-def]
+# Per-step sizes are not specialised on: one compiled kernel serves every step and bucket.
+@triton.jit(
+    do_not_specialize=[
+        "num_item_slots",
+        "num_table_rows",
+        "table_width",
+        "num_blocks",
+        "num_q_tokens",
+        "num_partial_slots",
+        "num_counter_rows",
+        "stride_bt",
+        "window",
+    ]
+)
+def decode_items_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -207,24 +200,15 @@ def _decode_item(  # type: ignore[no-untyped-def]
     sinks_ptr,
     tree_ptr,
     block_tables_ptr,
+    items_ptr,
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
     counters_ptr,
-    kvh,
-    d,
-    kv_start,
-    kv_end,
-    slot,
-    table_row,
-    q_token,
-    num_chunks,
-    first_partial,
-    q_len,
-    row_end,
     qk_scale,
     softcap,
     window,
+    num_item_slots,
     num_table_rows,
     table_width,
     num_blocks,
@@ -259,8 +243,58 @@ def _decode_item(  # type: ignore[no-untyped-def]
     TREE: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
 ):
-    """One item of :func:`decode_items_kernel` for KV head ``kvh``: its fields (d >= 0) as
-    loaded from the item table; see the kernel's docstring."""
+    """Program (kv_head, i): item i of int32 items [num_item_slots, 10] = (d, kv_start,
+    kv_end, partial_slot, table_row, q_token, num_chunks, first_partial, q_len, row_end);
+    d < 0 is padding.
+
+    The tile's M_PAD rows are (new token t, query head g of the group): row m = t * G_PAD + g,
+    for t < Q_PAD (the launch's tokens per row) and g < G_PAD (the group, padded to a power of
+    two); M_PAD >= 16 so ``tl.dot`` runs on tensor cores. A row's q_len new tokens are query
+    tokens q_token .. q_token + q_len - 1 at positions row_end - q_len .. row_end - 1; token t
+    sees keys up to its own position (with TREE, the keys before the new tokens and the new
+    tokens j whose bit j is set in ``tree_ptr[q_token + t]``, an int32 ancestor mask), and
+    with a ``window`` > 0 only the last ``window`` positions up to its own. With Q_PAD = 1
+    none of these masks is compiled: the item's range is the row's.
+
+    K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous within a block,
+    blocks BLOCK_STRIDE elements apart (compile-time strides). KV_SCALED (an fp8 cache): K
+    and V are converted to the query's dtype and dequantised with per-KV-head fp32 scales,
+    k_scale folded into the score scale and v_scale applied to the output (both constant
+    over the head, so the same as scaling every element). TOKEN_SCALES (an int8 cache,
+    :mod:`attention.token_scales`; V token-major): K and V are converted to the query's
+    dtype (exact: |v| <= 127); ``k_scale_ptr`` / ``v_scale_ptr`` are the fp16 per-token
+    scales (``LayerCache.k_scale``), read per tile as a [BLOCK_N] vector masked to the valid
+    tokens (other=0, so a stale NaN scale past a row's end is never read); the scores are
+    multiplied by the K scales, P's columns by the V scales before the P @ V product.
+    F16_DOTS (an fp8 cache, 16-bit queries): both dots take fp16 operands
+    (``paging.f16_dots_for``), else the query's dtype. SOFTCAP: scores are capped,
+    ``softcap * tanh(s / softcap)`` with ``softcap`` in the same log2 units as ``qk_scale``.
+    SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
+    joins the softmax's denominator once: here for a row of one chunk, at the merge for a
+    split row. V_TOKEN_MAJOR: the V cache is token-major (:mod:`attention.value_layout`);
+    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, and are made finite
+    (``paging.finite_e4m3_operand`` for float8_e4m3fn, ``finite_operand`` otherwise; not for int8,
+    whose values are all finite).
+    """
+    kvh = tl.program_id(0)
+    i = tl.program_id(1)
+    if i >= num_item_slots:
+        return
+    # All fields first: they share one or two 32-byte sectors, so this is one memory latency.
+    item = items_ptr + i.to(tl.int64) * 10
+    d = tl.load(item)
+    kv_start = tl.load(item + 1)
+    kv_end = tl.load(item + 2)
+    slot = tl.load(item + 3)
+    table_row = tl.load(item + 4)
+    q_token = tl.load(item + 5)
+    num_chunks = tl.load(item + 6)
+    first_partial = tl.load(item + 7)
+    q_len = tl.load(item + 8)
+    row_end = tl.load(item + 9)
+    if d < 0:
+        return  # padding of a fixed (CUDA-graph) grid
+
     kv_start = tl.maximum(kv_start, 0)
     kv_end = tl.minimum(kv_end, table_width * BLOCK_SIZE)
     row_ok = (table_row >= 0) & (table_row < num_table_rows)
@@ -417,255 +451,6 @@ def _decode_item(  # type: ignore[no-untyped-def]
                                 SINKS,
                             )
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-# Per-step sizes are not specialised on: one compiled kernel serves every step and bucket.
-@triton.jit(
-    do_not_specialize=[
-        "num_item_slots",
-        "num_table_rows",
-        "table_width",
-        "num_blocks",
-        "num_q_tokens",
-        "num_partial_slots",
-        "num_counter_rows",
-        "stride_bt",
-        "window",
-    ]
-)
-def decode_items_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    sinks_ptr,
-    tree_ptr,
-    block_tables_ptr,
-    items_ptr,
-    out_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    counters_ptr,
-    qk_scale,
-    softcap,
-    window,
-    num_item_slots,
-    num_table_rows,
-    table_width,
-    num_blocks,
-    num_q_tokens,
-    num_partial_slots,
-    num_counter_rows,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    Q_PAD: tl.constexpr,
-    M_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_STRIDE: tl.constexpr,
-    KV_SCALED: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
-    F16_DOTS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    MERGE_CHUNKS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr,
-    TREE: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):
-    """Program (kv_head, i): item i of int32 items [num_item_slots, 10] = (d, kv_start,
-    kv_end, partial_slot, table_row, q_token, num_chunks, first_partial, q_len, row_end);
-    d < 0 is padding. PERSISTENT: a grid of (kv_heads, P) programs, P <= num_item_slots, program
-    p taking items p, 2P - 1 - p, 2P + p, 4P - 1 - p, ... in turn, each item's fields loaded
-    while the one before it runs (one program start and one dependent load per item fewer).
-
-    The tile's M_PAD rows are (new token t, query head g of the group): row m = t * G_PAD + g,
-    for t < Q_PAD (the launch's tokens per row) and g < G_PAD (the group, padded to a power of
-    two); M_PAD >= 16 so ``tl.dot`` runs on tensor cores. A row's q_len new tokens are query
-    tokens q_token .. q_token + q_len - 1 at positions row_end - q_len .. row_end - 1; token t
-    sees keys up to its own position (with TREE, the keys before the new tokens and the new
-    tokens j whose bit j is set in ``tree_ptr[q_token + t]``, an int32 ancestor mask), and
-    with a ``window`` > 0 only the last ``window`` positions up to its own. With Q_PAD = 1
-    none of these masks is compiled: the item's range is the row's.
-
-    K/V caches: [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], contiguous within a block,
-    blocks BLOCK_STRIDE elements apart (compile-time strides). KV_SCALED (an fp8 cache): K
-    and V are converted to the query's dtype and dequantised with per-KV-head fp32 scales,
-    k_scale folded into the score scale and v_scale applied to the output (both constant
-    over the head, so the same as scaling every element). TOKEN_SCALES (an int8 cache,
-    :mod:`attention.token_scales`; V token-major): K and V are converted to the query's
-    dtype (exact: |v| <= 127); ``k_scale_ptr`` / ``v_scale_ptr`` are the fp16 per-token
-    scales (``LayerCache.k_scale``), read per tile as a [BLOCK_N] vector masked to the valid
-    tokens (other=0, so a stale NaN scale past a row's end is never read); the scores are
-    multiplied by the K scales, P's columns by the V scales before the P @ V product.
-    F16_DOTS (an fp8 cache, 16-bit queries): both dots take fp16 operands
-    (``paging.f16_dots_for``), else the query's dtype. SOFTCAP: scores are capped,
-    ``softcap * tanh(s / softcap)`` with ``softcap`` in the same log2 units as ``qk_scale``.
-    SINKS: each head's learned sink logit (``sinks_ptr``, natural units of the scaled scores)
-    joins the softmax's denominator once: here for a row of one chunk, at the merge for a
-    split row. V_TOKEN_MAJOR: the V cache is token-major (:mod:`attention.value_layout`);
-    its tiles load as [D_PAD, BLOCK_N], unmasked along the tokens, and are made finite
-    (``paging.finite_e4m3_operand`` for float8_e4m3fn, ``finite_operand`` otherwise; not for int8,
-    whose values are all finite).
-    """
-    kvh = tl.program_id(0)
-    p = tl.program_id(1)
-    if PERSISTENT:
-        # Program p takes items p, 2P - 1 - p, 2P + p, ... (P programs a KV head; heaviest
-        # first, so the snake order evens out their sums) and loads each item's fields one
-        # item ahead: their latency hides behind the current item's tiles.
-        num_programs = tl.num_programs(1)
-        fields = _load_item(items_ptr, p, num_item_slots)
-        for r in range(0, tl.cdiv(num_item_slots, num_programs)):
-            turn = r + 1
-            nxt = turn * num_programs + tl.where(turn % 2 == 0, p, num_programs - 1 - p)
-            next_fields = _load_item(items_ptr, nxt, num_item_slots)
-            d, kv_start, kv_end, slot, table_row, q_token, num_chunks, first_partial, q_len, row_end = fields
-            if d >= 0:
-                _decode_item(
-                    q_ptr,
-                    k_cache_ptr,
-                    v_cache_ptr,
-                    k_scale_ptr,
-                    v_scale_ptr,
-                    sinks_ptr,
-                    tree_ptr,
-                    block_tables_ptr,
-                    out_ptr,
-                    part_o_ptr,
-                    part_lse_ptr,
-                    counters_ptr,
-                    kvh,
-                    d,
-                    kv_start,
-                    kv_end,
-                    slot,
-                    table_row,
-                    q_token,
-                    num_chunks,
-                    first_partial,
-                    q_len,
-                    row_end,
-                    qk_scale,
-                    softcap,
-                    window,
-                    num_table_rows,
-                    table_width,
-                    num_blocks,
-                    num_q_tokens,
-                    num_partial_slots,
-                    num_counter_rows,
-                    stride_qt,
-                    stride_qh,
-                    stride_bt,
-                    stride_ot,
-                    stride_oh,
-                    NUM_HEADS,
-                    NUM_KV_HEADS,
-                    GROUP,
-                    G_PAD,
-                    Q_PAD,
-                    M_PAD,
-                    HEAD_DIM,
-                    D_PAD,
-                    BLOCK_SIZE,
-                    BLOCK_N,
-                    BLOCK_STRIDE,
-                    KV_SCALED,
-                    TOKEN_SCALES,
-                    F16_DOTS,
-                    UPCAST,
-                    DOT_PRECISION,
-                    FUSED_COMBINE,
-                    MERGE_CHUNKS,
-                    SOFTCAP,
-                    SINKS,
-                    TREE,
-                    V_TOKEN_MAJOR,
-                )
-            fields = next_fields
-    else:
-        if p >= num_item_slots:
-            return
-        d, kv_start, kv_end, slot, table_row, q_token, num_chunks, first_partial, q_len, row_end = _load_item(
-            items_ptr, p, num_item_slots
-        )
-        if d < 0:
-            return  # padding of a fixed (CUDA-graph) grid
-        _decode_item(
-            q_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            k_scale_ptr,
-            v_scale_ptr,
-            sinks_ptr,
-            tree_ptr,
-            block_tables_ptr,
-            out_ptr,
-            part_o_ptr,
-            part_lse_ptr,
-            counters_ptr,
-            kvh,
-            d,
-            kv_start,
-            kv_end,
-            slot,
-            table_row,
-            q_token,
-            num_chunks,
-            first_partial,
-            q_len,
-            row_end,
-            qk_scale,
-            softcap,
-            window,
-            num_table_rows,
-            table_width,
-            num_blocks,
-            num_q_tokens,
-            num_partial_slots,
-            num_counter_rows,
-            stride_qt,
-            stride_qh,
-            stride_bt,
-            stride_ot,
-            stride_oh,
-            NUM_HEADS,
-            NUM_KV_HEADS,
-            GROUP,
-            G_PAD,
-            Q_PAD,
-            M_PAD,
-            HEAD_DIM,
-            D_PAD,
-            BLOCK_SIZE,
-            BLOCK_N,
-            BLOCK_STRIDE,
-            KV_SCALED,
-            TOKEN_SCALES,
-            F16_DOTS,
-            UPCAST,
-            DOT_PRECISION,
-            FUSED_COMBINE,
-            MERGE_CHUNKS,
-            SOFTCAP,
-            SINKS,
-            TREE,
-            V_TOKEN_MAJOR,
-        )
 
 
 @triton.jit(do_not_specialize=["num_row_slots", "num_q_tokens", "num_partial_slots"])
