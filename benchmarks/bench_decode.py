@@ -320,7 +320,8 @@ def policy_variants() -> list[Variant]:
         for fp8 in (False, True):
             name = f"{'fp8' if fp8 else 'bf16'} cache, slot share {share}"
             out.append(Variant(name, fp8=fp8, balance=1.25, slot_share=share))
-    out += [Variant(f"int8 cache, slot share {share}", int8=True, balance=1.25, slot_share=share) for share in (0.0, 1.0)]
+    for share in (0.0, 1.0):
+        out.append(Variant(f"int8 cache, slot share {share}", int8=True, balance=1.25, slot_share=share))
     return out
 
 
