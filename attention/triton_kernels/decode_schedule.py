@@ -17,7 +17,9 @@ positions, so every chunk but a row's first starts on a tile boundary, also when
   programs, so HBM has enough requests in flight;
 - balance: ``balance`` x the batch's mean row length, so with rows of very different
   lengths the long ones split and no program reads much more than a typical row. Rows of
-  one length never split for it.
+  one length never split for it. With a ``slot_share``, never shorter than that fraction of
+  a place's share of the step (tokens x KV heads / (``programs_per_sm`` x SMs)): with many
+  more programs than places, a row within that share ends no later than the others whole.
 
 In a batch too small to give every SM one program at ``min_chunk_tokens`` (1 row x 1024
 tokens on 8 KV heads), chunks may shrink to ``small_batch_chunk_tokens``. With a
