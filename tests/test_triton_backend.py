@@ -254,8 +254,8 @@ def test_one_token_launches_keep_rows_within_a_slots_share_whole(triton_device: 
     assert TritonBackend(f16)._decode_launch(1, 32)[1].slot_share == 0.75
     assert TritonBackend(f16)._decode_launch(4, 32)[1].slot_share == 0.0
     assert TritonBackend(f16, decode_policy=DecodePolicy())._decode_launch(1, 32)[1].slot_share == 0.0
-    # 24 rows x 2 KV heads on 2 SMs (6 places): a place's share is ~8 x 300 tokens, the
-    # longest row 700 is over 1.25 x the mean (~300).
+    # 24 rows x 2 KV heads on 2 SMs (6 places): a place's share is 6,850 tokens x 2 KV heads
+    # / 6 places, ~2,280 tokens; the rows of 700 and 650 are over 1.25 x the mean (~285).
     lens = [700, 650] + [250] * 22
     case = make_case([(n, 1) for n in lens], f16, block_size=32, device=triton_device)
     shared = TritonBackend(f16, num_sms=2)

@@ -118,8 +118,8 @@ class DecodePolicy:
                       64 rows x 4096 tokens, 0.190 -> 0.164 ms (3 pieces); with more waves it
                       lost (fp8 128 x 2048: 0.154 -> 0.172 ms, 256 x 1024: 0.151 -> 0.191), and
                       the bf16 and int8 caches lost at every shape it cut (5-25%).
-    slot_share:       0 (off), or > 0: chunks are at least this fraction of a slot's share
-                      of the step (the step's tokens x KV heads / (programs_per_sm x SMs)).
+    slot_share:       0 (off), or in (0, 4]: chunks are at least this fraction of a place's
+                      share of the step (the step's tokens x KV heads / (programs_per_sm x SMs)).
                       With many more programs than places, the places take programs one
                       after another, heaviest first, and a row no longer than a place's share
                       of the work ends no later than the others: splitting it only adds
@@ -314,9 +314,9 @@ def _choose_chunk_len(
     rows = len(ends)
     total = sum(ends) - sum(starts)
     longest_wanted = policy.balance * total / rows
-    if policy.slot_share:  # a row no longer than a slot's share of the step never splits
-        slot_tokens = total * num_kv_heads / (policy.programs_per_sm * num_sms)
-        longest_wanted = max(longest_wanted, policy.slot_share * slot_tokens)
+    if policy.slot_share:  # a row within this share of a place's work stays whole
+        place_tokens = total * num_kv_heads / (policy.programs_per_sm * num_sms)
+        longest_wanted = max(longest_wanted, policy.slot_share * place_tokens)
     chunk = -(-math.ceil(longest_wanted) // block_n) * block_n
     target = _target_items(num_kv_heads, num_sms, policy)
     if rows < target:
