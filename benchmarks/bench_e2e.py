@@ -467,15 +467,16 @@ _LAUNCH_FIELDS = {
     "p": "programs_per_sm",
     "c": "fused_combine",
     "h": "slot_share",
+    "k": "combine_num_warps",
 }
 
 
 def parse_decode_launch(text: str) -> Any:
     """``--decode-launch``: a DecodeConfig from words ``n<tokens a tile> w<warps> s<stages>``
     and optionally ``p<programs an SM>``, ``c1`` (split rows merged by the last of their
-    programs, no combine launch; ``c0`` the default) and ``h<percent>`` (the slot share:
-    ``h100`` is 1.0; none: the policy's 0), e.g. ``n128 w4 s4 p2 h100``; ValueError naming
-    the word."""
+    programs, no combine launch; ``c0`` the default), ``h<percent>`` (the slot share:
+    ``h100`` is 1.0; none: the policy's 0) and ``k<warps>`` (the combine kernel's warps,
+    default 4), e.g. ``n128 w4 s4 p2 h100 k2``; ValueError naming the word."""
     from attention.triton_kernels import DecodeConfig
 
     values: dict[str, int] = {}
@@ -485,7 +486,7 @@ def parse_decode_launch(text: str) -> Any:
         if field is None or not word[1:].isdigit() or field in values or bad_flag:
             raise ValueError(
                 f"--decode-launch: {word!r} in {text!r}; words are n<tile> w<warps> s<stages> [p<per SM>] [c0|c1] "
-                f"[h<slot share %>]"
+                f"[h<slot share %>] [k<combine warps>]"
             )
         values[field] = int(word[1:])
     words = {"n": "n<tile>", "w": "w<warps>", "s": "s<stages>"}
@@ -499,6 +500,7 @@ def parse_decode_launch(text: str) -> Any:
         programs_per_sm=values.get("programs_per_sm"),
         fused_combine=bool(values.get("fused_combine", 0)),
         slot_share=values["slot_share"] / 100 if "slot_share" in values else None,
+        combine_num_warps=values.get("combine_num_warps", 4),
     )
 
 

@@ -149,6 +149,7 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
     assert bench.parse_decode_launch("n128 w4 s3 c1").fused_combine
     assert not bench.parse_decode_launch("n128 w4 s3 c0").fused_combine
     assert bench.parse_decode_launch("n128 w4 s4 p2 h75").slot_share == 0.75
+    assert bench.parse_decode_launch("n128 w4 s4 k2").combine_num_warps == 2
     assert launch.slot_share is None
     shape = bench.LLAMA3_8B
     config = cache_config_for(shape, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
@@ -167,6 +168,7 @@ def test_decode_launch_words_make_the_backends_launch() -> None:
         ("n100 w4 s3", "block_n"),
         ("n128 w4 s3 c2", "'c2'"),
         ("n128 w4 s3 h500", "slot_share"),
+        ("n128 w4 s3 k3", "combine_num_warps"),
     ],
 )
 def test_bad_decode_launch_is_refused_naming_the_word(text: str, named: str) -> None:

@@ -623,6 +623,23 @@ def test_bad_constructor_arguments_are_refused_by_name(kwargs: dict[str, object]
         TritonBackend(AttentionSpec(4, 2, 32, "float32"), **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_warps": 3}, "num_warps"),
+        ({"num_warps": 4.0}, "num_warps"),
+        ({"combine_num_warps": 32}, "combine_num_warps"),
+        ({"combine_num_warps": 0}, "combine_num_warps"),
+        ({"slot_share": 4.5}, "slot_share"),
+    ],
+)
+def test_bad_decode_launch_values_are_refused_by_name(kwargs: dict[str, object], field: str) -> None:
+    """Warp counts Triton cannot launch and a slot share out of range are refused when the
+    launch is made (not at its first kernel call), naming the field."""
+    with pytest.raises(ValueError, match=rf"DecodeConfig\.{field}"):
+        DecodeConfig(**kwargs)  # type: ignore[arg-type]
+
+
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = make_spec(4, 2, 16, torch.float16)

@@ -116,6 +116,10 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeConfig.block_n: {self.block_n} must be a power of two >= 16")
+        for name in ("num_warps", "combine_num_warps"):
+            warps = getattr(self, name)
+            if type(warps) is not int or warps not in (1, 2, 4, 8, 16):
+                raise ValueError(f"DecodeConfig.{name}: {warps!r} must be 1, 2, 4, 8 or 16 (a power of two)")
         if self.programs_per_sm is not None and self.programs_per_sm < 1:
             raise ValueError(f"DecodeConfig.programs_per_sm: {self.programs_per_sm} must be >= 1 (or None)")
         if self.wave_fill is not None and not 0.0 <= self.wave_fill <= 1.0:
