@@ -64,6 +64,22 @@ class StepPlan:
     #: through :meth:`AttentionBackend.attend`). See :mod:`attention.latent_prefill`.
     latent_prefill: LatentPrefill | None = field(default=None, kw_only=True, repr=False, compare=False)
 
+    @property
+    def graph_variant(self) -> str | None:
+        """Which of its backend's captured variants of a CUDA-graph bucket this step replays
+        (:meth:`AttentionBackend.graph_variants`): None where a backend captures one."""
+        return None
+
+    def as_graph_variant(self, variant: str | None) -> StepPlan:
+        """This plan launching ``variant``'s kernels, to capture that variant of its bucket
+        (a backend with variants overrides it). InvalidArgumentError for a variant this plan
+        cannot take."""
+        if variant != self.graph_variant:
+            raise InvalidArgumentError(
+                f"variant: {variant!r}; a {self.backend} plan has the one graph variant {self.graph_variant!r}"
+            )
+        return self
+
     def group(self, index: int) -> StepPlan:
         """The plan a layer of KV group ``index`` runs with (this plan without groups)."""
         return self.groups[index] if self.groups else self
@@ -129,6 +145,11 @@ class AttentionBackend(ABC):
     def info(self) -> BackendInfo:
         """This backend's entry in the backend table."""
         return backend_info(self.name)
+
+    def graph_variants(self) -> tuple[str | None, ...]:
+        """The variants of each CUDA-graph bucket to capture: steps of one bucket whose plans
+        launch different kernels (``StepPlan.graph_variant`` names a step's). One by default."""
+        return (None,)
 
     # ---- per step ----------------------------------------------------------------------
 

@@ -24,13 +24,14 @@ import functools
 from array import array
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import cast
 
 import torch
 
 from attention.base import AttentionBackend, StepPlan
 from attention.capabilities import BackendInfo, backend_info
 from attention.checks import cdiv
-from attention.errors import MetadataError, UnsupportedSettingError
+from attention.errors import InvalidArgumentError, MetadataError, UnsupportedSettingError
 from attention.latent_prefill import LatentPrefill, plan_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
@@ -126,6 +127,9 @@ class DecodeLaunch:
     schedule: the host partition of the decode rows into items (grid sizes).
     rows, items: its int32 arrays on the device ([grid_rows, 5], [grid_items, 10]).
     config: the kernel's launch parameters (the schedule was made for its block_n).
+    combine: None: the combine kernel runs where the schedule may split a row
+             (``schedule.needs_combine``); True / False: a graph variant's choice
+             (``TritonBackend(direct_decode_graphs=True)``), False only where no row splits.
     """
 
     window: int | None
@@ -133,6 +137,7 @@ class DecodeLaunch:
     rows: torch.Tensor
     items: torch.Tensor
     config: DecodeConfig
+    combine: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,9 @@ class TritonStepPlan(StepPlan):
                   layers run one after another).
     latent:       latent attention (MLA): the one launch every token takes (then the decode
                   and prefill fields are empty: neither kernel runs).
+    combine_variants: a graph step of ``TritonBackend(direct_decode_graphs=True)``: its
+                  bucket is captured with the combine kernel ("combine") and without it
+                  ("direct"); the step replays "direct" when none of its rows splits.
     """
 
     decode_rows: tuple[int, ...]
@@ -195,6 +203,34 @@ class TritonStepPlan(StepPlan):
     workspace: DecodeWorkspace | None
     prefill: PrefillLaunch | None
     latent: LatentLaunch | None = None
+    combine_variants: bool = False
+
+    @property
+    def graph_variant(self) -> str | None:
+        """"combine" or "direct" (``combine_variants``; "direct": no decode launch of the step
+        or of its KV groups runs the combine kernel), else None."""
+        if not self.combine_variants:
+            return None
+        launches = [launch for plan in (self, *self.groups) for launch in plan.decode]  # type: ignore[attr-defined]
+        return "combine" if any(launch.combine for launch in launches) else "direct"
+
+    def as_graph_variant(self, variant: str | None) -> TritonStepPlan:
+        """This plan with every decode launch (its KV groups' too) running the combine kernel
+        ("combine") or not ("direct": InvalidArgumentError if a row of the step splits)."""
+        if not self.combine_variants:
+            return cast(TritonStepPlan, super().as_graph_variant(variant))
+        if variant not in ("combine", "direct"):
+            raise InvalidArgumentError(f"variant: {variant!r}; this plan's graph variants are 'combine' and 'direct'")
+        direct = variant == "direct"
+        split = [launch.window for launch in self.decode if launch.schedule.num_partials > 0]
+        if direct and split:
+            raise InvalidArgumentError(
+                f"variant: 'direct' skips the combine kernel, but rows of this step split (window {split[0]}); "
+                f"replay 'combine'"
+            )
+        decode = tuple(replace(launch, combine=not direct) for launch in self.decode)
+        groups = tuple(cast(TritonStepPlan, group).as_graph_variant(variant) for group in self.groups)
+        return replace(self, decode=decode, groups=groups)
 
     @property
     def use_decode(self) -> bool:
@@ -235,6 +271,12 @@ class TritonBackend(AttentionBackend):
       hopper_mla_ring:  that Gluon kernel in its deeper-ring form
                         (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same results;
                         off by default: 0.98-0.99x the two-tile kernel's speed on the H200).
+      direct_decode_graphs: capture each CUDA-graph bucket twice (:meth:`graph_variants`):
+                        with the decode combine kernel and without it; a step none of whose
+                        rows splits replays the one without. The combine launch of a bucket's
+                        fixed grid costs ~4 us a layer on an H100 even when it merges nothing
+                        (benchmarks/results/decode-slot-share-h100-2026-12-05.md). Off by
+                        default until timed end to end; twice the graphs to capture.
     """
 
     name = "triton"
@@ -253,10 +295,12 @@ class TritonBackend(AttentionBackend):
         hopper_decode: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
+        direct_decode_graphs: bool = False,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode", hopper_decode),
-                 ("hopper_mla_decode", hopper_mla_decode), ("hopper_mla_ring", hopper_mla_ring))  # fmt: skip
+                 ("hopper_mla_decode", hopper_mla_decode), ("hopper_mla_ring", hopper_mla_ring),
+                 ("direct_decode_graphs", direct_decode_graphs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
@@ -292,6 +336,14 @@ class TritonBackend(AttentionBackend):
         self.hopper_decode = hopper_decode
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
+        self.direct_decode_graphs = direct_decode_graphs
+
+    def graph_variants(self) -> tuple[str | None, ...]:
+        """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
+        whose kernel has no separate combine), else one."""
+        if self.direct_decode_graphs and not self.spec.latent_attention:
+            return ("combine", "direct")
+        return (None,)
 
     @property
     def info(self) -> BackendInfo:
@@ -407,7 +459,11 @@ class TritonBackend(AttentionBackend):
         prefill = None
         if prefill_rows or fixed_prefill:
             prefill = self._plan_prefill(metadata, prefill_rows, staging, fixed_prefill)
-        return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill)
+        variants = graph and self.direct_decode_graphs
+        return TritonStepPlan(
+            metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill,
+            combine_variants=variants,
+        )  # fmt: skip
 
     def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """Every query token to the MLA kernel: its row and causal length, padding tokens with
@@ -604,7 +660,8 @@ class TritonBackend(AttentionBackend):
             )
             items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
             row_arr = staging.stage(f"decode_rows_{window}", schedule.rows).view(-1, ROW_FIELDS)
-            launches.append(DecodeLaunch(window, schedule, row_arr, items, config))
+            combine = schedule.num_partials > 0 if graph and self.direct_decode_graphs else None
+            launches.append(DecodeLaunch(window, schedule, row_arr, items, config, combine))
             partials = max(partials, schedule.num_partials)
         if graph:
             q = max_query_len or 1
@@ -732,6 +789,7 @@ class TritonBackend(AttentionBackend):
                 sinks=sinks,
                 window=window,
                 tree_masks=meta.tree_masks,
+                combine=launch.combine is not False,
             )
         if plan.prefill is not None:
             self._prefill(query, layer, target, plan.prefill, meta, window, sinks)

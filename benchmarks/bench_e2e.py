@@ -159,6 +159,7 @@ class Settings:
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
     hopper_decode: bool = False  # one-token decode rows on the Gluon kernel of warpgroup MMAs (decode_hopper)
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
+    direct_decode_graphs: bool = False  # graph buckets also captured without the decode combine kernel
 
     @property
     def cache_dtype(self) -> str:
@@ -203,6 +204,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         kv_rotation=args.kv_rotation,
         hopper_decode=args.hopper_decode,
         decode_launch=args.decode_launch,
+        direct_decode_graphs=args.direct_decode_graphs,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -507,7 +509,8 @@ def parse_decode_launch(text: str) -> Any:
 def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode=True``
     (``--hopper-decode``: on an sm_90 GPU one-token decode rows on the Gluon kernel of
-    ``attention/triton_kernels/decode_hopper.py``) or ``decode_config`` (``--decode-launch``:
+    ``attention/triton_kernels/decode_hopper.py``), ``direct_decode_graphs=True``
+    (``--direct-decode-graphs``) and ``decode_config`` (``--decode-launch``:
     every decode row on that launch; the burst has no rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 
@@ -526,11 +529,14 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         shape, block_size=bs, dtype=s.cache_dtype, num_blocks=num_blocks, device=s.device, backend=s.backend,
         compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
-    backend = None
+    knobs: dict[str, Any] = {}
     if s.hopper_decode:
-        backend = _triton_backend(shape, config, hopper_decode=True)
-    elif s.decode_launch is not None:
-        backend = _triton_backend(shape, config, decode_config=parse_decode_launch(s.decode_launch))
+        knobs["hopper_decode"] = True
+    if s.decode_launch is not None:
+        knobs["decode_config"] = parse_decode_launch(s.decode_launch)
+    if s.direct_decode_graphs:
+        knobs["direct_decode_graphs"] = True
+    backend = _triton_backend(shape, config, **knobs) if knobs else None
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
         max_rows=s.max_running,
@@ -546,6 +552,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "kv_rotation": s.kv_rotation,
         "hopper_decode": s.hopper_decode,
         "decode_launch": s.decode_launch,
+        "direct_decode_graphs": s.direct_decode_graphs,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1116,6 +1123,11 @@ def _parser() -> argparse.ArgumentParser:
         "--decode-launch",
         help='a fixed decode launch for the triton backend, e.g. "n128 w4 s3 p3" (tile, warps, stages, programs an SM)',
     )
+    p.add_argument(
+        "--direct-decode-graphs",
+        action="store_true",
+        help="graph buckets captured also without the decode combine (TritonBackend(direct_decode_graphs=True))",
+    )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
@@ -1139,6 +1151,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
+    if args.direct_decode_graphs and args.backend not in (None, "triton"):
+        parser.error(f"--direct-decode-graphs: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:
         if args.hopper_decode or args.backend not in (None, "triton"):
             parser.error("--decode-launch: the Triton kernel's launch; drop --hopper-decode and --backend")

@@ -3,7 +3,7 @@
 # TritonBackend(hopper_decode=True)), in stages that fit one device call each (a stage stops
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
-#   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [suite]
+#   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -18,6 +18,9 @@
 #   burst-e2e: the burst end to end, bf16 and fp8 defaults and the fixed launches of
 #           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
 #           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none)
+#   direct-e2e: the burst end to end, bf16 and fp8 caches, the default against
+#           --direct-decode-graphs (no combine launch on steps whose rows all stay whole), and
+#           fp8 with the fused combine (the two ways to drop the combine's empty launch)
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +47,8 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests)
         timed tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
-            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py tests/test_triton_backend.py
+            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py tests/test_triton_backend.py \
+            tests/test_decode_loop_gpu.py
         ;;
     decode)
         timed decode "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --hopper-wgmma \
@@ -84,11 +88,22 @@ for stage in "${stages[@]}"; do
                 --out "$out/$name.json"
         done
         ;;
+    direct-e2e)
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
+        fp8=(--kv-cache-dtype float8_e4m3)
+        timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
+        timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --out "$out/e2e-fp8.json"
+        timed e2e-bf16-direct "${E2E_TIMEOUT:-150}" "${e2e[@]}" --direct-decode-graphs --out "$out/e2e-bf16-direct.json"
+        timed e2e-fp8-direct "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --direct-decode-graphs \
+            --out "$out/e2e-fp8-direct.json"
+        timed e2e-fp8-fused "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --decode-launch "n128 w4 s4 p2 c1 h100" \
+            --out "$out/e2e-fp8-fused.json"
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
-        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, suite)" >&2
+        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, suite)" >&2
         exit 2
         ;;
     esac

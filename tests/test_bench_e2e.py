@@ -114,6 +114,20 @@ def test_hopper_decode_is_a_triton_backend_choice() -> None:
         _bench().run(["--device", "cuda", "--backend", "reference", "--hopper-decode"])
 
 
+def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
+    """``--direct-decode-graphs`` builds the triton backend with both graph variants; with
+    another backend it is refused."""
+    bench = _bench()
+    from examples.engine import cache_config_for
+
+    with pytest.raises(SystemExit):
+        bench.run(["--device", "cuda", "--backend", "reference", "--direct-decode-graphs"])
+    config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="bfloat16", num_blocks=8, device="cpu",
+                              backend="reference")  # fmt: skip
+    backend = bench._triton_backend(bench.LLAMA3_8B, config, direct_decode_graphs=True)
+    assert backend.graph_variants() == ("combine", "direct")
+
+
 @pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch

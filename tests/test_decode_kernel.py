@@ -231,6 +231,28 @@ def test_sliding_window_reads_only_the_window(fused: bool) -> None:
     _check(out, ref, torch.float32)
 
 
+def test_skipping_the_combine_is_refused_where_rows_split() -> None:
+    """``paged_decode(combine=False)`` (a graph variant for steps whose rows stay whole) on a
+    schedule that splits a row is refused before any kernel runs; on one that does not, the
+    output is the combined launch's."""
+    case = _case([90, 17, 50], heads=2, kv_heads=1, head_dim=32, block_size=32, dtype=torch.float32)
+    split = _prepare(case, 16, chunk_len=16)
+    assert split.schedule.num_partials > 0
+    scale = 1.0 / math.sqrt(32)
+    args = (case.query, case.layer.key, case.layer.value, case.meta.block_tables)
+    out = torch.full_like(case.query, 7.0)
+    with pytest.raises(ValueError, match="combine: False, but the schedule splits rows"):
+        paged_decode(*args, split.rows, split.items, split.schedule, split.workspace, softmax_scale=scale,
+                     out=out, config=DecodeConfig(block_n=16), combine=False)  # fmt: skip
+    assert torch.equal(out, torch.full_like(case.query, 7.0))
+    whole = _prepare(case, 16, chunk_len=96)
+    assert whole.schedule.num_partials == 0
+    direct = paged_decode(*args, whole.rows, whole.items, whole.schedule, whole.workspace, softmax_scale=scale,
+                          out=torch.zeros_like(case.query), config=DecodeConfig(block_n=16), combine=False)  # fmt: skip
+    assert torch.equal(direct, _run(case, whole, DecodeConfig(block_n=16)))
+    _check(direct, reference_output(case), torch.float32)
+
+
 def test_fused_combine_counters_reset_across_launches() -> None:
     """Replays on one workspace (as a CUDA graph does) give the same output, and a later
     step with another chunking reuses the counters correctly."""

@@ -9,17 +9,20 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from attention import get_backend
+from attention.triton_backend import TritonBackend
 from examples.decode_loop import VOCAB_SIZE
 from examples.engine.loop import RunReport, run_requests
 from examples.engine.scheduler import Request, make_preemption
 from examples.engine.workload import make_workload
 from examples.model import random_llama, shape_for_cache
 from kvcache import BlockManager, allocate_kv_cache, load_config
+from kvcache.step.graphs import StepGraphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,9 +42,11 @@ def _serve(
     use_graphs: bool = False,
     overlap: bool = True,
     window: tuple[int, tuple[bool, ...] | None] | None = None,
+    triton_kw: dict[str, object] | None = None,
 ) -> RunReport:
     """The workload through the loop; ``window``: (sliding window, per-layer pattern) for
-    the attention spec (blocks behind the window are released when every layer has it)."""
+    the attention spec (blocks behind the window are released when every layer has it);
+    ``triton_kw``: a TritonBackend made with these arguments instead of the registry's."""
     config = load_config(CONFIG)
     cache = allocate_kv_cache(config, device="cuda", fill=float("nan"))
     spec = config.attention_spec()
@@ -58,7 +63,7 @@ def _serve(
         requests,
         manager=manager,
         cache=cache,
-        backend=get_backend(backend_name, spec),
+        backend=get_backend(backend_name, spec) if triton_kw is None else TritonBackend(spec, **triton_kw),  # type: ignore[arg-type]
         preemption=make_preemption(preempt, manager, cache, config.cache.swap_space),
         token_budget=512,
         use_graphs=use_graphs,
@@ -118,6 +123,32 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(backend: str) -> None:
         assert graphed.graph_replays["mixed"] > 0, graphed.graph_replays
     else:
         assert graphed.graph_replays["mixed"] == 0, graphed.graph_replays
+
+
+def test_direct_decode_graphs_give_the_eager_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TritonBackend(direct_decode_graphs=True)`` captures each bucket with and without the
+    decode combine kernel, and a step replays the one its plan names ("direct" only where no
+    row splits): the same tokens as the same backend's eager steps. Planned for 1 SM no row
+    splits; for 132 a small batch's rows split to fill the SMs: both variants replay."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    seen: list[str | None] = []
+    run = StepGraphs.run
+
+    def recording(self: StepGraphs, *args: Any, **kwargs: Any) -> Any:
+        plan, output = run(self, *args, **kwargs)
+        seen.append(plan.graph_variant)
+        return plan, output
+
+    monkeypatch.setattr(StepGraphs, "run", recording)
+    for sms in (1, 132):
+        kw: dict[str, object] = {"direct_decode_graphs": True, "num_sms": sms}
+        eager = _serve("triton", "recompute", use_graphs=False, triton_kw=kw)
+        graphed = _serve("triton", "recompute", use_graphs=True, triton_kw=kw)
+        for a, b in zip(eager.requests, graphed.requests, strict=True):
+            assert a.output == b.output, f"{sms} SMs, request {a.req_id}: eager {a.output} vs graphs {b.output}"
+        assert graphed.graph_replays["decode"] > 0, graphed.graph_replays
+    assert {"direct", "combine"} <= set(seen), sorted(map(str, set(seen)))
 
 
 @pytest.mark.parametrize("pattern", [None, (True, False)], ids=["every-layer", "alternating"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attention import ReferenceBackend
-from attention.errors import KVCacheError, UnsupportedSettingError
+from attention.errors import InvalidArgumentError, KVCacheError, UnsupportedSettingError
 from attention.spec import AttentionSpec
 from attention.triton_backend import TritonBackend, TritonStepPlan
 from attention.triton_kernels import (
@@ -441,6 +441,56 @@ def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:
         assert getattr(first.workspace, name).shape == getattr(second.workspace, name).shape, name
 
 
+def test_direct_decode_graphs_name_the_variant_a_step_needs(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``direct_decode_graphs``: a graph step none of whose rows splits names the "direct"
+    variant and launches no combine kernel; one with a split row names "combine" and refuses
+    to become "direct"; either plan can become "combine" (capture). Outputs equal the default
+    backend's bit for bit. Without the flag a plan has the one variant None."""
+    from attention.triton_kernels import decode as decode_module
+
+    spec = make_spec(8, 2, 64, torch.float16)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2, direct_decode_graphs=True)
+    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2)
+    assert backend.graph_variants() == ("combine", "direct") and plain.graph_variants() == (None,)
+    combines: list[object] = []
+    kernel = decode_module.decode_combine_kernel
+
+    class Recording:
+        def __getitem__(self, grid: object) -> Any:
+            combines.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(decode_module, "decode_combine_kernel", Recording())
+    whole = make_case([(40, 1), (37, 1), (45, 1)], spec, block_size=32, device=triton_device, pad_to=4, seed=1)
+    split = make_case([(40, 1), (900, 1), (45, 1)], spec, block_size=32, device=triton_device, pad_to=4, seed=2)
+    for case, variant in ((whole, "direct"), (split, "combine")):
+        plan = backend.plan(case.meta, graph=True)
+        assert isinstance(plan, TritonStepPlan) and plan.graph_variant == variant
+        assert plain.plan(case.meta, graph=True).graph_variant is None
+        backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+        del combines[:]
+        out = backend.attend(case.query, case.layer, plan)
+        assert len(combines) == (variant == "combine")
+        expected = plain.attend(case.query, case.layer, plain.plan(case.meta, graph=True))[:3]
+        assert torch.equal(out[:3], expected)  # the real tokens (padding rows' are unwritten)
+        _check(out[:3], reference_output(case), torch.float16)
+        both = plan.as_graph_variant("combine")
+        assert both.graph_variant == "combine" and all(launch.combine for launch in both.decode)
+        del combines[:]
+        assert torch.equal(backend.attend(case.query, case.layer, both)[:3], expected)
+        assert len(combines) == 1  # the fixed grid's combine runs, whatever it merges
+    with pytest.raises(InvalidArgumentError, match="rows of this step split"):
+        backend.plan(split.meta, graph=True).as_graph_variant("direct")
+    for bad in (None, "fused"):
+        with pytest.raises(InvalidArgumentError, match="variant"):
+            backend.plan(whole.meta, graph=True).as_graph_variant(bad)
+    with pytest.raises(InvalidArgumentError, match="one graph variant None"):
+        plain.plan(whole.meta, graph=True).as_graph_variant("direct")
+    assert backend.plan(whole.meta).graph_variant is None  # an eager plan: no variants
+
+
 @pytest.mark.parametrize("layer_index", [0, 1], ids=["full", "window"])
 def test_mixed_graph_plans_depend_only_on_the_bucket(layer_index: int, triton_device: str) -> None:
     """Steps with prefill rows beside decode rows (and one with none), padded to one bucket
@@ -611,6 +661,7 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
         ({"hopper_decode": 1}, "hopper_decode"),
         ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
         ({"hopper_mla_ring": None}, "hopper_mla_ring"),
+        ({"direct_decode_graphs": "yes"}, "direct_decode_graphs"),
         ({"num_sms": 0}, "num_sms"),
         ({"num_sms": 13.5}, "num_sms"),
         ({"num_sms": True}, "num_sms"),

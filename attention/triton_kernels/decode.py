@@ -506,6 +506,7 @@ def paged_decode(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     tree_masks: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """Decode attention of the schedule's rows; writes their tokens of ``out``, returns it.
 
@@ -534,6 +535,9 @@ def paged_decode(
     tree_masks:   int32 [num_tokens]: per new token of a multi-token row, the bitmask of the
                   row's new tokens it sees (bit j: the row's j-th new token; its own bit set);
                   None: causal. Not with a window.
+    combine:      False: the caller knows no row of ``schedule`` splits (``num_partials``
+                  0; ValueError otherwise), and the combine kernel is not launched even on
+                  a fixed grid (a CUDA graph captured for such steps).
     check:        run :func:`check_decode_launch` first (~20-40 us of Python). Pass False
                   only for arguments of shapes already checked (e.g. every layer after the
                   first of a step): the kernels then still stay inside their tensors
@@ -546,6 +550,11 @@ def paged_decode(
             query, k_cache, v_cache, block_tables, rows, items, schedule, workspace, out, config, scales,
             tree_masks, window,
         )  # fmt: skip
+    if not combine and schedule.num_partials:
+        raise ValueError(
+            f"combine: False, but the schedule splits rows ({schedule.num_partials} partial slots); "
+            f"launch with combine=True"
+        )
     if schedule.grid_items == 0:
         return out
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -623,7 +632,7 @@ def paged_decode(
             num_stages=config.num_stages,
             **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
         )
-    if schedule.needs_combine and not config.fused_combine:
+    if combine and schedule.needs_combine and not config.fused_combine:
         decode_combine_kernel[(num_heads, schedule.grid_rows)](
             rows,
             ws.part_o,

@@ -9,9 +9,11 @@ pad_to=rows, pad_tokens=tokens)``), which writes this step's metadata, plan arra
 ids into the same device addresses the graph recorded, in the step's one copy; then the graph
 replays. Padding rows have ``seq_len`` 0 and padding tokens slot -1: they read and write no
 K/V. The backend plans graph steps from the bucket alone (never from this step's lengths), so
-every replay launches exactly what was captured. The graph starts with
-``MetadataBuilder.input_ids``, so tokens fed from the previous step's samples are gathered
-inside it.
+every replay launches exactly what was captured. A backend may capture a bucket in several
+variants (``AttentionBackend.graph_variants``: for example with and without a kernel that only
+some steps need); a step replays the one its plan names (``StepPlan.graph_variant``). The graph
+starts with ``MetadataBuilder.input_ids``, so tokens fed from the previous step's samples are
+gathered inside it.
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ class StepGraphs:
         self.buckets = list(self.shapes.decode)
         self.builder = builder
         self.forward = forward
-        self._graphs: dict[StepShape, _Captured] = {}
+        #: Captured graphs by (bucket, the backend's variant of it).
+        self._graphs: dict[tuple[StepShape, str | None], _Captured] = {}
+        self._variants = builder.backend.graph_variants()
         self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
-        self._last: StepShape | None = None  # the bucket of the last step run
+        self._last: tuple[StepShape, str | None] | None = None  # the graph of the last step run
         #: Steps replayed so far, by kind ("decode", "mixed"; "verify" for :class:`VerifyGraphs`).
         self.replays = dict.fromkeys(self.kinds, 0)
 
@@ -110,14 +114,15 @@ class StepGraphs:
         return shape if shape is not None and self.has(shape) else None
 
     def has(self, shape: StepShape) -> bool:
-        """Whether ``shape`` has been captured."""
-        return shape in self._graphs
+        """Whether ``shape`` has been captured (in every variant)."""
+        return all((shape, variant) in self._graphs for variant in self._variants)
 
     def capture(self, manager: AnyBlockManager, *, pool: Any = None) -> int:
         """Capture every bucket, largest first (they share one memory pool: ``pool``, another
         set's :attr:`pool`, to share that set's too; its outputs are then valid only until any
         graph of either set replays). Each is run twice eagerly first, so every kernel is
-        compiled before capture. Returns how many graphs were captured.
+        compiled before capture; a backend with several graph variants has each bucket
+        captured once per variant. Returns how many graphs were captured.
 
         Python's cyclic garbage collector is off during each capture (after one collection
         first): a dead cycle collected mid-capture (an engine's earlier runner, with its pinned
@@ -128,22 +133,24 @@ class StepGraphs:
             self._pool = pool
         for shape in self.shapes.shapes():
             pad_tokens = shape.tokens if shape.mixed else None
-            plan = self.builder.plan(manager, [], pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=[])
-            for _ in range(2):
-                self.forward(self.builder.input_ids(shape.tokens), plan)
-            torch.cuda.synchronize(self.builder.device)
-            graph = torch.cuda.CUDAGraph()
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                with torch.cuda.graph(graph, pool=self._pool):
-                    output = self.forward(self.builder.input_ids(shape.tokens), plan)
-            finally:
-                if collecting:
-                    gc.enable()
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[shape] = _Captured(graph, output)
+            padded = self.builder.plan(manager, [], pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=[])
+            for variant in self._variants:
+                plan = padded.as_graph_variant(variant)
+                for _ in range(2):
+                    self.forward(self.builder.input_ids(shape.tokens), plan)
+                torch.cuda.synchronize(self.builder.device)
+                graph = torch.cuda.CUDAGraph()
+                collecting = gc.isenabled()
+                gc.disable()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        output = self.forward(self.builder.input_ids(shape.tokens), plan)
+                finally:
+                    if collecting:
+                        gc.enable()
+                if self._pool is None:
+                    self._pool = graph.pool()
+                self._graphs[(shape, variant)] = _Captured(graph, output)
         torch.cuda.synchronize(self.builder.device)
         return len(self._graphs)
 
@@ -166,7 +173,7 @@ class StepGraphs:
         if shape is None:
             shape = self.shape_for(rows)
         if shape is None or not self.has(shape):
-            have = sorted((s.rows, s.tokens) for s in self._graphs)
+            have = sorted({(s.rows, s.tokens) for s, _ in self._graphs})
             raise InvalidArgumentError(
                 f"rows: no captured bucket holds a step of {len(rows)} rows and "
                 f"{sum(r.num_new for r in rows)} tokens; captured (rows, tokens): {have} (capture first, "
@@ -176,9 +183,14 @@ class StepGraphs:
         plan = self.builder.plan(
             manager, rows, pad_to=shape.rows, pad_tokens=pad_tokens, token_ids=token_ids, feed=feed
         )
-        captured = self._graphs[shape]
+        key = (shape, plan.graph_variant)
+        captured = self._graphs.get(key)
+        if captured is None:  # a backend's plan names a variant its graph_variants() lacks
+            raise InvalidArgumentError(
+                f"plan: graph variant {key[1]!r}, captured {list(self._variants)!r} (backend {plan.backend})"
+            )
         captured.graph.replay()
-        self._last = shape
+        self._last = key
         self.replays[self._kind(shape)] += 1
         if self.every_token:
             return plan, captured.output
