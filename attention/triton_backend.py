@@ -207,8 +207,8 @@ class TritonStepPlan(StepPlan):
 
     @property
     def graph_variant(self) -> str | None:
-        """"combine" or "direct" (``combine_variants``; "direct": no decode launch of the step
-        or of its KV groups runs the combine kernel), else None."""
+        """With ``combine_variants``: "direct" when no decode launch of the step or of its KV
+        groups runs the combine kernel, else "combine"; without: None."""
         if not self.combine_variants:
             return None
         launches = [launch for plan in (self, *self.groups) for launch in plan.decode]  # type: ignore[attr-defined]
