@@ -192,9 +192,10 @@ class TritonStepPlan(StepPlan):
                   layers run one after another).
     latent:       latent attention (MLA): the one launch every token takes (then the decode
                   and prefill fields are empty: neither kernel runs).
-    combine_variants: a graph step of ``TritonBackend(direct_decode_graphs=True)``: its
-                  bucket is captured with the combine kernel ("combine") and without it
-                  ("direct"); the step replays "direct" when none of its rows splits.
+    A graph step of ``TritonBackend(direct_decode_graphs=True)`` has each decode launch's
+    ``combine`` set (:attr:`combine_variants`): its bucket is captured with the combine
+    kernel ("combine") and without it ("direct"); the step replays "direct" when none of its
+    rows splits.
     """
 
     decode_rows: tuple[int, ...]
@@ -203,7 +204,12 @@ class TritonStepPlan(StepPlan):
     workspace: DecodeWorkspace | None
     prefill: PrefillLaunch | None
     latent: LatentLaunch | None = None
-    combine_variants: bool = False
+
+    @property
+    def combine_variants(self) -> bool:
+        """Whether the plan's decode launches chose to run the combine kernel or not (a graph
+        step of ``direct_decode_graphs``), rather than leaving it to the schedule."""
+        return any(launch.combine is not None for launch in self.decode)
 
     @property
     def graph_variant(self) -> str | None:
@@ -459,11 +465,7 @@ class TritonBackend(AttentionBackend):
         prefill = None
         if prefill_rows or fixed_prefill:
             prefill = self._plan_prefill(metadata, prefill_rows, staging, fixed_prefill)
-        variants = graph and self.direct_decode_graphs
-        return TritonStepPlan(
-            metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill,
-            combine_variants=variants,
-        )  # fmt: skip
+        return TritonStepPlan(metadata, self.spec, self.name, decode_rows, prefill_rows, decode, workspace, prefill)
 
     def _plan_latent(self, meta: AttentionMetadata, staging: PlanStaging, graph: bool) -> TritonStepPlan:
         """Every query token to the MLA kernel: its row and causal length, padding tokens with
