@@ -168,13 +168,11 @@ class Variant:
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
-        from attention.triton_kernels import default_decode_config
+        from attention.triton_kernels import DecodePolicy, default_decode_config
 
         config, policy = self.config, self.policy
+        kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
         if self.balance is not None:  # the policy the backend's default launch would take
-            from attention.triton_kernels import DecodePolicy
-
-            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
             launch = default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
             policy = DecodePolicy(
                 balance=self.balance,
@@ -183,7 +181,6 @@ class Variant:
                 slot_share=self.slot_share,
             )
         if self.wave_fill is not None or self.fused_combine:
-            kv_dtype = FP8 if self.fp8 else torch.int8 if self.int8 else None
             config = config or default_decode_config(HEAD_DIM, DTYPE, kv_dtype, block_size=block_size)
             if self.wave_fill is not None:
                 config = dataclasses.replace(config, wave_fill=self.wave_fill)
