@@ -129,7 +129,8 @@ class DecodeLaunch:
     config: the kernel's launch parameters (the schedule was made for its block_n).
     combine: None: the combine kernel runs where the schedule may split a row
              (``schedule.needs_combine``); True / False: a graph variant's choice
-             (``TritonBackend(direct_decode_graphs=True)``), False only where no row splits.
+             (``TritonBackend(direct_decode_graphs=True)``, the default), False only where
+             no row splits.
     """
 
     window: int | None
@@ -192,7 +193,7 @@ class TritonStepPlan(StepPlan):
                   layers run one after another).
     latent:       latent attention (MLA): the one launch every token takes (then the decode
                   and prefill fields are empty: neither kernel runs).
-    A graph step of ``TritonBackend(direct_decode_graphs=True)`` has each decode launch's
+    A graph step of ``TritonBackend(direct_decode_graphs=True)`` (the default) has each decode launch's
     ``combine`` set (:attr:`combine_variants`): its bucket is captured with the combine
     kernel ("combine") and without it ("direct"); the step replays "direct" when none of its
     rows splits.
@@ -279,10 +280,14 @@ class TritonBackend(AttentionBackend):
                         off by default: 0.98-0.99x the two-tile kernel's speed on the H200).
       direct_decode_graphs: capture each CUDA-graph bucket twice (:meth:`graph_variants`):
                         with the decode combine kernel and without it; a step none of whose
-                        rows splits replays the one without. The combine launch of a bucket's
-                        fixed grid costs ~4 us a layer on an H100 even when it merges nothing
-                        (benchmarks/results/decode-slot-share-h100-2026-12-05.md). Off by
-                        default until timed end to end; twice the graphs to capture.
+                        rows splits replays the one without (default). The combine launch of
+                        a bucket's fixed grid costs ~4 us a layer on an H100 even when it
+                        merges nothing: end to end (the burst, 128 rows, an fp8 cache) decode
+                        attention took 2.42 ms an iteration against 2.55, a bf16 cache 4.17
+                        against 4.17 (benchmarks/results/direct-decode-graphs-h100-2026-12-05.md).
+                        False: one graph a bucket, half the capture work. A given
+                        ``decode_config`` with ``fused_combine`` has no combine launch to
+                        drop, so then one graph a bucket either way.
     """
 
     name = "triton"
@@ -301,7 +306,7 @@ class TritonBackend(AttentionBackend):
         hopper_decode: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
-        direct_decode_graphs: bool = False,
+        direct_decode_graphs: bool = True,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode", hopper_decode),
@@ -346,8 +351,10 @@ class TritonBackend(AttentionBackend):
 
     def graph_variants(self) -> tuple[str | None, ...]:
         """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
-        whose kernel has no separate combine), else one."""
-        if self.direct_decode_graphs and not self.spec.latent_attention:
+        whose kernel has no separate combine, nor for a given decode launch that fuses the
+        combine into its chunks), else one."""
+        fused = self._given_decode_config and self.decode_config.fused_combine
+        if self.direct_decode_graphs and not self.spec.latent_attention and not fused:
             return ("combine", "direct")
         return (None,)
 
@@ -641,6 +648,7 @@ class TritonBackend(AttentionBackend):
         launch_query_len = max_query_len or max(row_q_lens, default=1)
         config, policy = self._decode_launch(launch_query_len, meta.block_size, meta.device)
         max_items = max_decode_items(meta.padded_batch, kvh, sms, policy) if graph else None
+        variants = graph and len(self.graph_variants()) > 1  # each launch then names its combine choice
         launches = []
         partials = 1
         for window in self.windows:
@@ -662,7 +670,7 @@ class TritonBackend(AttentionBackend):
             )
             items = staging.stage(f"decode_items_{window}", schedule.items).view(-1, ITEM_FIELDS)
             row_arr = staging.stage(f"decode_rows_{window}", schedule.rows).view(-1, ROW_FIELDS)
-            combine = schedule.num_partials > 0 if graph and self.direct_decode_graphs else None
+            combine = schedule.num_partials > 0 if variants else None
             launches.append(DecodeLaunch(window, schedule, row_arr, items, config, combine))
             partials = max(partials, schedule.num_partials)
         if graph:

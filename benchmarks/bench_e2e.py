@@ -159,7 +159,7 @@ class Settings:
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
     hopper_decode: bool = False  # one-token decode rows on the Gluon kernel of warpgroup MMAs (decode_hopper)
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
-    direct_decode_graphs: bool = False  # graph buckets also captured without the decode combine kernel
+    direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
 
     @property
     def cache_dtype(self) -> str:
@@ -509,8 +509,8 @@ def parse_decode_launch(text: str) -> Any:
 def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode=True``
     (``--hopper-decode``: on an sm_90 GPU one-token decode rows on the Gluon kernel of
-    ``attention/triton_kernels/decode_hopper.py``), ``direct_decode_graphs=True``
-    (``--direct-decode-graphs``) and ``decode_config`` (``--decode-launch``:
+    ``attention/triton_kernels/decode_hopper.py``), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``;
+    on by default) and ``decode_config`` (``--decode-launch``:
     every decode row on that launch; the burst has no rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 
@@ -534,8 +534,8 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         knobs["hopper_decode"] = True
     if s.decode_launch is not None:
         knobs["decode_config"] = parse_decode_launch(s.decode_launch)
-    if s.direct_decode_graphs:
-        knobs["direct_decode_graphs"] = True
+    if s.direct_decode_graphs is not None:
+        knobs["direct_decode_graphs"] = s.direct_decode_graphs
     backend = _triton_backend(shape, config, **knobs) if knobs else None
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
@@ -571,6 +571,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
     out["warmup"] = {
         "eager_steps": report.eager_steps,
         "graphs": report.graphs,
+        "capture_s": report.capture_seconds,
         "kernel_variants": report.kernel_variants,
     }
     out["warm_first_prefill_step_s"] = _probe(runner, first, s.token_budget, s.device)
@@ -973,7 +974,9 @@ def table(results: dict[str, Any], errors: dict[str, str]) -> str:
     if engine:
         lines.append(
             f"ours: {engine.get('backend')} backend, CUDA graphs {'on' if engine.get('cuda_graphs') else 'off'}, "
-            f"overlap {'on' if engine.get('overlap') else 'off'}, warm-up {_fmt(engine.get('warmup_s'))} s, "
+            f"overlap {'on' if engine.get('overlap') else 'off'}, warm-up {_fmt(engine.get('warmup_s'))} s "
+            f"({(engine.get('warmup') or {}).get('graphs', '-')} graphs in "
+            f"{_fmt((engine.get('warmup') or {}).get('capture_s'))} s), "
             f"first prefill step cold / warm {_fmt(engine.get('cold_first_prefill_step_s'), '', 3)} / "
             f"{_fmt(engine.get('warm_first_prefill_step_s'), '', 3)} s"
         )
@@ -1125,8 +1128,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--direct-decode-graphs",
-        action="store_true",
-        help="graph buckets captured also without the decode combine (TritonBackend(direct_decode_graphs=True))",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="graph buckets captured also without the decode combine (TritonBackend(direct_decode_graphs=...); "
+        "default: the backend's, on)",
     )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
@@ -1151,7 +1156,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
-    if args.direct_decode_graphs and args.backend not in (None, "triton"):
+    if args.direct_decode_graphs is not None and args.backend not in (None, "triton"):
         parser.error(f"--direct-decode-graphs: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:
         if args.hopper_decode or args.backend not in (None, "triton"):

@@ -18,9 +18,9 @@
 #   burst-e2e: the burst end to end, bf16 and fp8 defaults and the fixed launches of
 #           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
 #           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none)
-#   direct-e2e: the burst end to end, bf16 and fp8 caches, the default against
-#           --direct-decode-graphs (no combine launch on steps whose rows all stay whole), and
-#           fp8 with the fused combine (the two ways to drop the combine's empty launch)
+#   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
+#           (each graph bucket also captured without the decode combine, replayed where no row
+#           splits) against --no-direct-decode-graphs (one graph a bucket)
 #   suite:  the whole test suite with -n 12
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,15 +89,19 @@ for stage in "${stages[@]}"; do
         done
         ;;
     direct-e2e)
-        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
-        fp8=(--kv-cache-dtype float8_e4m3)
-        timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
-        timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --out "$out/e2e-fp8.json"
-        timed e2e-bf16-direct "${E2E_TIMEOUT:-150}" "${e2e[@]}" --direct-decode-graphs --out "$out/e2e-bf16-direct.json"
-        timed e2e-fp8-direct "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --direct-decode-graphs \
-            --out "$out/e2e-fp8-direct.json"
-        timed e2e-fp8-fused "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${fp8[@]}" --decode-launch "n128 w4 s4 p2 c1 h100" \
-            --out "$out/e2e-fp8-fused.json"
+        # The burst and the Poisson run, each cache with one graph a bucket, then two (the
+        # default); the first run of a cache compiles its kernels, so the fp8 single-graph run
+        # is repeated last (burst only) for a capture time with the same warm compile cache.
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst,poisson)
+        for cache in fp8 bf16; do
+            dtype=()
+            [ "$cache" = fp8 ] && dtype=(--kv-cache-dtype float8_e4m3)
+            timed "e2e-$cache-combine" "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${dtype[@]}" --no-direct-decode-graphs \
+                --out "$out/e2e-$cache-combine.json"
+            timed "e2e-$cache-direct" "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${dtype[@]}" --out "$out/e2e-$cache-direct.json"
+        done
+        timed e2e-fp8-combine-warm "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \
+            --workloads burst --kv-cache-dtype float8_e4m3 --no-direct-decode-graphs --out "$out/e2e-fp8-combine-warm.json"
         ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/

@@ -115,17 +115,22 @@ def test_hopper_decode_is_a_triton_backend_choice() -> None:
 
 
 def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
-    """``--direct-decode-graphs`` builds the triton backend with both graph variants; with
-    another backend it is refused."""
+    """``--[no-]direct-decode-graphs`` builds the triton backend with both graph variants or
+    one; with another backend it is refused; left out, the backend's default (both) holds."""
     bench = _bench()
     from examples.engine import cache_config_for
 
-    with pytest.raises(SystemExit):
-        bench.run(["--device", "cuda", "--backend", "reference", "--direct-decode-graphs"])
+    for flag in ("--direct-decode-graphs", "--no-direct-decode-graphs"):
+        with pytest.raises(SystemExit):
+            bench.run(["--device", "cuda", "--backend", "reference", flag])
     config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="bfloat16", num_blocks=8, device="cpu",
                               backend="reference")  # fmt: skip
-    backend = bench._triton_backend(bench.LLAMA3_8B, config, direct_decode_graphs=True)
-    assert backend.graph_variants() == ("combine", "direct")
+    assert bench._triton_backend(bench.LLAMA3_8B, config).graph_variants() == ("combine", "direct")
+    backend = bench._triton_backend(bench.LLAMA3_8B, config, direct_decode_graphs=False)
+    assert backend.graph_variants() == (None,)
+    parser = bench._parser()
+    assert bench.settings_from(parser.parse_args([])).direct_decode_graphs is None
+    assert bench.settings_from(parser.parse_args(["--no-direct-decode-graphs"])).direct_decode_graphs is False
 
 
 @pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])

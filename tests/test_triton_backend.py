@@ -451,9 +451,11 @@ def test_direct_decode_graphs_name_the_variant_a_step_needs(
     from attention.triton_kernels import decode as decode_module
 
     spec = make_spec(8, 2, 64, torch.float16)
-    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2, direct_decode_graphs=True)
-    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2)
+    backend = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2)
+    plain = TritonBackend(spec, decode_config=DecodeConfig(block_n=16), num_sms=2, direct_decode_graphs=False)
+    fused = TritonBackend(spec, decode_config=DecodeConfig(block_n=16, fused_combine=True), num_sms=2)
     assert backend.graph_variants() == ("combine", "direct") and plain.graph_variants() == (None,)
+    assert fused.graph_variants() == (None,) and TritonBackend(spec).graph_variants() == ("combine", "direct")
     combines: list[object] = []
     kernel = decode_module.decode_combine_kernel
 
@@ -469,6 +471,7 @@ def test_direct_decode_graphs_name_the_variant_a_step_needs(
         plan = backend.plan(case.meta, graph=True)
         assert isinstance(plan, TritonStepPlan) and plan.graph_variant == variant
         assert plain.plan(case.meta, graph=True).graph_variant is None
+        assert fused.plan(case.meta, graph=True).graph_variant is None
         backend.write_kv(case.new_key, case.new_value, case.layer, plan)
         del combines[:]
         out = backend.attend(case.query, case.layer, plan)
