@@ -269,8 +269,19 @@ class TritonBackend(AttentionBackend):
                         warpgroup MMAs (:mod:`~attention.triton_kernels.decode_hopper`, launch
                         :func:`~attention.triton_kernels.decode.hopper_decode_config`) where it
                         takes the spec and block size (head_dim 64 or 128, groups of up to 16
-                        heads, no cap or sinks). Off by default: on an H100 it matched the
-                        Triton kernel in bench_decode and ran 1-3% slower end to end.
+                        heads, no cap or sinks). False (default): never. None: only over a
+                        float8_e4m3fn cache in blocks shorter than the kernel's 128-token
+                        tile, where the Triton kernel's tiles span blocks, under bf16 queries
+                        (its fp8 dots take the query and P as e4m3 hi + lo, ~8 significant
+                        bits: a bf16 query's, not an fp16 one's). On an H100 that ran 1.00-1.07x
+                        the Triton kernel's speed at block 32 on every shape timed (64 x 4096:
+                        1.78x the bf16 cache's speed against 1.66x) and 1.04x end to end (the
+                        burst at block 32: decode attention 2.42 ms an iteration against 2.51)
+                        (benchmarks/results/decode-hopper-slot-share-h100-2026-12-05.md); it
+                        becomes the default once the GPU suite has passed with it. At block
+                        256 and over bf16 the kernel matched the Triton kernel in bench_decode
+                        and ran 2% slower (fp8) or faster (bf16) end to end. True: wherever it
+                        applies.
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
@@ -303,18 +314,21 @@ class TritonBackend(AttentionBackend):
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
-        hopper_decode: bool = False,
+        hopper_decode: bool | None = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         direct_decode_graphs: bool = True,
     ):
         super().__init__(spec)
-        flags = (("hopper_prefill", hopper_prefill), ("hopper_decode", hopper_decode),
-                 ("hopper_mla_decode", hopper_mla_decode), ("hopper_mla_ring", hopper_mla_ring),
-                 ("direct_decode_graphs", direct_decode_graphs))  # fmt: skip
+        flags = (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
+                 ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
+        if hopper_decode is not None and not isinstance(hopper_decode, bool):
+            raise UnsupportedSettingError(
+                f"hopper_decode: {hopper_decode!r} must be True, False or None (fp8 caches in short blocks)"
+            )
         if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
             raise UnsupportedSettingError(f"num_sms: {num_sms!r} must be an int >= 1 (or None: the device's count)")
         if decode_chunk_len is not None and decode_chunk_len < 1:
@@ -618,11 +632,18 @@ class TritonBackend(AttentionBackend):
 
     def _hopper_decode_applies(self, block_size: int, device: torch.device) -> bool:
         """Whether one-token rows over blocks of ``block_size`` on ``device`` take the Hopper
-        decode kernel: ``hopper_decode`` on, an sm_90 GPU with Gluon, a bf16 / fp16 compute
+        decode kernel: ``hopper_decode`` not False, an sm_90 GPU with Gluon, a bf16 / fp16 compute
         dtype over a float8_e4m3fn cache or one of that dtype, no cap or sinks, full attention
-        or a window (not latent), and :func:`~attention.triton_kernels.decode_hopper.decode_hopper_shape_ok`."""
+        or a window (not latent), and :func:`~attention.triton_kernels.decode_hopper.decode_hopper_shape_ok`;
+        with ``hopper_decode`` None, also a float8_e4m3fn cache in blocks shorter than the tile
+        under bf16 queries."""
         spec, cache = self.spec, self.cache_dtype
-        if not self.hopper_decode or spec.latent_attention or spec.logit_softcap is not None or spec.attention_sinks:
+        if self.hopper_decode is False or spec.latent_attention:
+            return False
+        if spec.logit_softcap is not None or spec.attention_sinks:
+            return False
+        short_fp8_blocks = cache == torch.float8_e4m3fn and block_size < hopper_block_n(cache)
+        if self.hopper_decode is None and not (short_fp8_blocks and self.compute_dtype == torch.bfloat16):
             return False
         if self.compute_dtype not in (torch.bfloat16, torch.float16):
             return False

@@ -165,6 +165,7 @@ class Variant:
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
     balance: float | None = None  # the default launch and policy for the block size, with this balance
     slot_share: float = 0.0  # ... and this slot share (with ``balance``)
+    hopper_decode: bool | None = False  # TritonBackend's hopper_decode (None: fp8 caches in short blocks)
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend
@@ -190,6 +191,7 @@ class Variant:
             common.spec(fp8=self.fp8, window=self.window, int8=self.int8),
             decode_config=config,
             decode_policy=policy,
+            hopper_decode=self.hopper_decode,
         )
 
 
@@ -284,16 +286,22 @@ def hopper_wgmma_variants() -> list[Variant]:
     ``attention/triton_kernels/decode_hopper.py`` (the tokens as the warpgroup MMA's M; an fp8
     cache's K and V reach fp8 MMAs as stored), for the fp8 and the bf16 cache: a ring of 2 tiles
     (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB, two an SM), and for fp8
-    the 2-tile ring with wave fill too (the block-32 fp8 default's)."""
+    the 2-tile ring with wave fill too (the block-32 fp8 default's); chunks with the default
+    launches' slot share (1.0 over fp8, 0.75 over bf16). First, the fp8 cache with
+    ``TritonBackend(hopper_decode=None)``: the Gluon kernel where blocks are shorter than its
+    128-token tile, the Triton kernel's default launch elsewhere."""
     from attention.triton_kernels import DecodeConfig
 
     def config(block_n: int, stages: int, fill: float | None = None) -> Any:
         per_sm = {2: 3, 3: 2}[stages]
+        share = 1.0 if block_n == 128 else 0.75  # the one-token launches' slot share: fp8's tile is 128
         return DecodeConfig(
-            block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill
-        )
+            block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill,
+            slot_share=share,
+        )  # fmt: skip
 
     return [
+        Variant("fp8 cache, hopper wgmma under 128-token blocks", fp8=True, hopper_decode=None),
         Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM", config=config(128, 2), fp8=True),
         Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM, wave fill 0.9", config=config(128, 2, 0.9), fp8=True),
         Variant("fp8 cache, hopper wgmma, 3 stages, 2 an SM", config=config(128, 3), fp8=True),

@@ -157,7 +157,7 @@ class Settings:
     workloads: tuple[str, ...]
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
-    hopper_decode: bool = False  # one-token decode rows on the Gluon kernel of warpgroup MMAs (decode_hopper)
+    hopper_decode: str | None = None  # one-token rows on the Gluon kernel: HOPPER_DECODE's words; None: the default
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
 
@@ -506,12 +506,17 @@ def parse_decode_launch(text: str) -> Any:
     )
 
 
+#: ``--hopper-decode``'s words: TritonBackend's ``hopper_decode``.
+HOPPER_DECODE: dict[str, bool | None] = {"always": True, "never": False, "short-fp8-blocks": None}
+
+
 def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
-    """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode=True``
-    (``--hopper-decode``: on an sm_90 GPU one-token decode rows on the Gluon kernel of
-    ``attention/triton_kernels/decode_hopper.py``), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``;
-    on by default) and ``decode_config`` (``--decode-launch``:
-    every decode row on that launch; the burst has no rows of several new tokens)."""
+    """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode``
+    (``--hopper-decode [always|never|short-fp8-blocks]``: on an sm_90 GPU one-token decode rows
+    on the Gluon kernel of ``attention/triton_kernels/decode_hopper.py``),
+    ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default) and
+    ``decode_config`` (``--decode-launch``: every decode row on that launch; the burst has no
+    rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 
     return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), **knobs)
@@ -530,8 +535,8 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         compute_dtype=s.dtype if s.kv_cache_dtype else None, kv_rotation=s.kv_rotation,
     )  # fmt: skip
     knobs: dict[str, Any] = {}
-    if s.hopper_decode:
-        knobs["hopper_decode"] = True
+    if s.hopper_decode is not None:
+        knobs["hopper_decode"] = HOPPER_DECODE[s.hopper_decode]
     if s.decode_launch is not None:
         knobs["decode_config"] = parse_decode_launch(s.decode_launch)
     if s.direct_decode_graphs is not None:
@@ -1119,8 +1124,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hopper-decode",
-        action="store_true",
-        help="one-token decode rows on the Gluon kernel of warpgroup MMAs (TritonBackend(hopper_decode=True))",
+        nargs="?",
+        const="always",
+        choices=sorted(HOPPER_DECODE),
+        help="one-token decode rows on the Gluon kernel of warpgroup MMAs: always where it applies (the word "
+        "left out), never, or short-fp8-blocks (an fp8 cache in blocks under 128 tokens); TritonBackend(hopper_decode="
+        "True / False / None); default: the backend's (never)",
     )
     p.add_argument(
         "--decode-launch",
@@ -1154,12 +1163,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document (also printed as a table and written)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.hopper_decode and args.backend not in (None, "triton"):
+    if args.hopper_decode is not None and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
     if args.direct_decode_graphs is not None and args.backend not in (None, "triton"):
         parser.error(f"--direct-decode-graphs: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:
-        if args.hopper_decode or args.backend not in (None, "triton"):
+        if args.hopper_decode is not None or args.backend not in (None, "triton"):
             parser.error("--decode-launch: the Triton kernel's launch; drop --hopper-decode and --backend")
         try:
             parse_decode_launch(args.decode_launch)

@@ -39,7 +39,10 @@ def test_query_register_variants_are_capped_so_the_hook_takes_them() -> None:
 
 def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> None:
     bench = load_bench("bench_decode")
-    chosen = bench.hopper_wgmma_variants()
+    short_blocks, *chosen = bench.hopper_wgmma_variants()
+    assert short_blocks.fp8 and short_blocks.config is None and short_blocks.hopper_decode is None
+    assert short_blocks.backend(32).hopper_decode is None
+    assert all(v.backend(32).hopper_decode is False for v in bench.variants(sweep=True))  # the backend's default
     assert [(v.fp8, v.config.block_n, v.config.num_stages, v.config.wave_fill) for v in chosen] == [
         (True, 128, 2, None), (True, 128, 2, 0.9), (True, 128, 3, None), (False, 64, 2, None), (False, 64, 3, None)
     ]  # fmt: skip
@@ -50,3 +53,4 @@ def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> No
             # a ring of 2 tiles is 70 KiB of shared memory (three programs an SM), of 3 tiles 103 KiB (two)
             assert policy.programs_per_sm == {2: 3, 3: 2}[config.num_stages], variant.name
             assert policy.wave_fill == (variant.config.wave_fill or 0.0), variant.name
+            assert policy.slot_share == (1.0 if variant.fp8 else 0.75), variant.name

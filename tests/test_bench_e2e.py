@@ -110,8 +110,20 @@ def test_kv_rotation_needs_an_8bit_cache() -> None:
 
 
 def test_hopper_decode_is_a_triton_backend_choice() -> None:
+    """``--hopper-decode`` (always), ``never`` and ``short-fp8-blocks`` name the backend's
+    True / False / None; left out, the backend's default; refused with another backend or
+    another word."""
+    bench = _bench()
+    for args in (["--hopper-decode"], ["--hopper-decode", "never"]):
+        with pytest.raises(SystemExit):
+            bench.run(["--device", "cuda", "--backend", "reference", *args])
+    parser = bench._parser()
+    for args, word in (([], None), (["--hopper-decode"], "always"), (["--hopper-decode", "short-fp8-blocks"],
+                       "short-fp8-blocks"), (["--hopper-decode", "never"], "never")):  # fmt: skip
+        assert bench.settings_from(parser.parse_args(args)).hopper_decode == word
+    assert bench.HOPPER_DECODE == {"always": True, "never": False, "short-fp8-blocks": None}
     with pytest.raises(SystemExit):
-        _bench().run(["--device", "cuda", "--backend", "reference", "--hopper-decode"])
+        parser.parse_args(["--hopper-decode", "auto"])
 
 
 def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:

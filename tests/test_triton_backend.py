@@ -302,11 +302,13 @@ def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None
     """An fp8 cache at block 32 cuts near-equal rows to fill the waves (its default launch's
     ``wave_fill``), which takes more items and partial slots than the default policy's
     bounds: the builder's fixed buffers are sized for it, so a CUDA-graph bucket of such rows
-    plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three)."""
+    plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three). The
+    Triton kernel's launch (``hopper_decode=False``: on an sm_90 GPU an fp8 cache at block 32
+    takes the Gluon kernel's by default, which fills no waves)."""
     from kvcache import BlockManager, MetadataBuilder, ScheduledRow, StepCapacity
 
     spec = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
-    backend = TritonBackend(spec, num_sms=4)
+    backend = TritonBackend(spec, num_sms=4, hopper_decode=False)
     manager = BlockManager(8 * 32 + 4, 32)
     for i in range(8):
         manager.allocate(i, 1000)
@@ -326,7 +328,8 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     blocks, and 4 stages scheduled for 2 programs an SM where a tile lies inside one block
     (``default_decode_config``): fewer chunks then, never more items or partial slots than
     the buffers hold; a bf16 cache, rows verifying drafts, a given config and a given policy
-    keep theirs."""
+    keep theirs. The Triton kernel's launches (``hopper_decode=False``: on an sm_90 GPU an
+    fp8 cache at block 32 takes the Gluon kernel's by default)."""
     spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
     kv = torch.float8_e4m3fn if cache else None
     tile = default_decode_config(128, torch.bfloat16, kv).block_n
@@ -334,14 +337,15 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     for block_size in (32, 2 * tile):
         inside = cache is not None and block_size % tile == 0
         case = make_case(rows, spec, block_size=block_size, device=triton_device, pad_to=4)
-        backend = TritonBackend(spec, num_sms=16)
+        backend = TritonBackend(spec, num_sms=16, hopper_decode=False)
         (launch,) = backend.plan(case.meta).decode  # type: ignore[attr-defined]
         assert launch.config.block_n == tile
         assert launch.config.num_stages == (4 if inside else 3 if cache else 2), (block_size, launch.config)
         assert launch.config.programs_per_sm == (2 if inside else None)
         assert launch.config.wave_fill == (0.9 if cache and not inside else None)
         policy = DecodePolicy(programs_per_sm=3)
-        (kept,) = TritonBackend(spec, num_sms=16, decode_policy=policy).plan(case.meta).decode  # type: ignore[attr-defined]
+        kept_backend = TritonBackend(spec, num_sms=16, decode_policy=policy, hopper_decode=False)
+        (kept,) = kept_backend.plan(case.meta).decode  # type: ignore[attr-defined]
         # 2 rows on 2 KV heads, 16 SMs: 3 programs an SM want <= 24 items, 2 want <= 16.
         assert kept.schedule.num_items > 16 and kept.schedule.num_items <= 24, kept.schedule
         assert launch.schedule.num_items <= (16 if inside else 24) and launch.schedule.num_items > 12
@@ -358,6 +362,7 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
 
 
 ON = {"hopper_decode": True}
+AUTO = {"hopper_decode": None}
 HOPPER_CHOICES = [
     # spec keywords, block size, backend keywords, whether the Hopper launch is chosen
     pytest.param({}, 32, ON, True, id="bf16-b32"),
@@ -369,6 +374,13 @@ HOPPER_CHOICES = [
     pytest.param({"logit_softcap": 30.0}, 32, ON, False, id="softcap"),
     pytest.param({"attention_sinks": True}, 32, ON, False, id="sinks"),
     pytest.param({}, 32, {}, False, id="default-off"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, False, id="default-off-fp8-b32"),
+    pytest.param({}, 32, AUTO, False, id="auto-bf16"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, AUTO, True, id="auto-fp8-b32"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 64, AUTO, True, id="auto-fp8-b64"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, AUTO, False, id="auto-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3", "dtype": torch.float16}, 32, AUTO, False, id="auto-fp8-fp16"),
+    pytest.param({"kv_cache_dtype": "int8"}, 32, AUTO, False, id="auto-int8"),
     pytest.param({}, 32, {**ON, "decode_config": DecodeConfig(block_n=64)}, False, id="given-config"),
 ]
 
@@ -386,12 +398,16 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     made to say so), one-token rows over a bf16 or fp8 cache of blocks it takes get
     ``hopper_decode_config``'s launch (its tile, 3 stages, 2 programs an SM, within the
     default policy's bound); an int8 cache, a cap, sinks, a block of 96, the default (off) and
-    a given config keep the Triton launch, and rows verifying drafts the verify launch. The
-    output is right (elsewhere than on an sm_90 GPU the Triton kernel runs the Hopper tiles)."""
+    a given config keep the Triton launch, and rows verifying drafts the verify launch. With
+    ``hopper_decode=None`` only an fp8 cache in blocks shorter than the 128-token tile under
+    bf16 queries takes it. The output is right (elsewhere than on an sm_90 GPU the Triton
+    kernel runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 
     monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
-    spec = make_spec(8, 2, 64, torch.bfloat16, **spec_kw)
+    spec_kw = dict(spec_kw)
+    dtype = spec_kw.pop("dtype", torch.bfloat16)
+    spec = make_spec(8, 2, 64, dtype, **spec_kw)
     backend = TritonBackend(spec, num_sms=8, **backend_kw)
     case = _case([(300, 1), (77, 1), (1, 1)], spec, block_size, triton_device)
     (launch,) = [d for d in backend.plan(case.meta).decode if d.window == spec.sliding_window]  # type: ignore[attr-defined]
@@ -403,7 +419,7 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     elif "decode_config" in backend_kw:
         assert launch.config == backend_kw["decode_config"]
     else:
-        assert launch.config == default_decode_config(64, torch.bfloat16, kv, block_size=block_size)
+        assert launch.config == default_decode_config(64, dtype, kv, block_size=block_size)
     assert launch.schedule.num_items <= max_decode_items(3, 2, 8, backend._bounding_decode_policy())
     if spec_kw or block_size != 32 or not hopper:
         return  # one output check is enough under the interpreter; the GPU suite checks the kernel
@@ -662,6 +678,7 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
     [
         ({"hopper_prefill": "no"}, "hopper_prefill"),
         ({"hopper_decode": 1}, "hopper_decode"),
+        ({"hopper_decode": "auto"}, "hopper_decode"),
         ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
         ({"hopper_mla_ring": None}, "hopper_mla_ring"),
         ({"direct_decode_graphs": "yes"}, "direct_decode_graphs"),

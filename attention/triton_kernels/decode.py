@@ -240,10 +240,15 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
       against 2.69 (fp8): no gain where users run it, so the backend keeps the Triton kernel
       by default. A ring of two tiles (three programs an SM) did no better there (4.33 against
       4.20, 2.72 against 2.68) and up to 3% worse in bench_decode (64x4096).
+
+    Its rows are chunked with :func:`default_decode_config`'s slot share (1.0 over fp8, 0.75
+    over a 16-bit cache): the figures above predate it.
     """
+    share = 1.0 if kv_dtype in FP8_KV_DTYPES else 0.75  # as default_decode_config's one-token launches
     return DecodeConfig(
-        block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True
-    )
+        block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True,
+        slot_share=share,
+    )  # fmt: skip
 
 
 #: Launch candidates a GPU sweep times around the default (bf16, head_dim 128): the two
