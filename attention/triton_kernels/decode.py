@@ -242,7 +242,10 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
       4.20, 2.72 against 2.68) and up to 3% worse in bench_decode (64x4096).
 
     Its rows are chunked with :func:`default_decode_config`'s slot share (1.0 over fp8, 0.75
-    over a 16-bit cache): the figures above predate it.
+    over a 16-bit cache), which the figures above predate. With it
+    (benchmarks/results/decode-hopper-slot-share-h100-2026-12-05.md, H100): fp8 at block 32
+    1.00-1.07x the Triton launches' speed on every shape and 1.04x end to end; at block 256
+    0.98-1.06x and 0.98x end to end; bf16 0.99-1.05x and 1.02x end to end.
     """
     share = 1.0 if kv_dtype in FP8_KV_DTYPES else 0.75  # as default_decode_config's one-token launches
     return DecodeConfig(
