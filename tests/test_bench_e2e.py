@@ -32,7 +32,9 @@ def test_tiny_cpu_run_serves_both_engines_and_writes_json(tmp_path: Path, capsys
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc, default=str))
     results, errors = doc["results"], doc["errors"]
     assert not any(name.startswith(("ours", "model")) for name in errors), errors
-    assert results["ours_engine"]["warmup"]["eager_steps"] >= 8, "the eager warm-up steps run on CPU too"
+    warmup = results["ours_engine"]["warmup"]
+    assert warmup["eager_steps"] >= 8, "the eager warm-up steps run on CPU too"
+    assert warmup["graphs"] == 0 and 0.0 <= warmup["capture_s"] <= results["ours_engine"]["warmup_s"], warmup
     assert results["model"]["shared_with_transformers"]
     sections = results["workloads"]
     assert set(sections) == {"burst", "poisson"}
