@@ -1005,7 +1005,12 @@ def table(results: dict[str, Any], errors: dict[str, str]) -> str:
         for label in ("profile",):
             if section.get(label):
                 p = section[label]
-                classes = ", ".join(f"{k} {v:.2f}" for k, v in p["ms_per_iteration"].items())
+                parts = p.get("attention_ms_per_iteration") or {}
+                split = " (" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])) + ")"
+                classes = ", ".join(
+                    f"{k} {v:.2f}{split if k == 'attention' and len(parts) > 1 else ''}"
+                    for k, v in p["ms_per_iteration"].items()
+                )
                 lines.append(
                     f"profile ({p['iterations']} iterations, ms each): GPU {p['gpu_ms_per_iteration']:.2f} = "
                     f"{classes}; wall {_fmt(p['wall_ms_per_iteration'])}, no kernel running "

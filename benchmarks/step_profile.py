@@ -13,6 +13,10 @@ Classes, by kernel name (the first pattern that matches wins):
 - ``copy``: memcpy / memset;
 - ``elementwise``: everything else (norms, SiLU x up, embedding gather, argmax, the
   metadata check, torch's elementwise and reduction kernels).
+
+Attention is also split into parts (:data:`ATTENTION_PARTS`): latent attention (MLA), the
+decode combine, the decode chunks, prefill (with the fp8 prefill's block dequantization), and
+flash-attn's kernels, which do both.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CLASSES", "KernelBreakdown", "breakdown", "classify"]
+__all__ = ["ATTENTION_PARTS", "CLASSES", "KernelBreakdown", "attention_part", "breakdown", "classify"]
 
 CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
@@ -39,9 +43,25 @@ CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+#: Parts of the attention class, by kernel name (the first pattern that matches wins).
+ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("mla", re.compile(r"_mla_", re.I)),
+    ("combine", re.compile(r"decode_combine", re.I)),
+    ("decode", re.compile(r"decode_items_kernel|_decode_hopper_kernel", re.I)),
+    ("prefill", re.compile(r"_prefill_kernel|_prefill_hopper_kernel|_dequantize_blocks_kernel", re.I)),
+    ("flash-attn", re.compile(r"flash_fwd|flash::|fmha", re.I)),
+)
+
+
 def classify(name: str) -> str:
     """The class of a kernel named ``name`` (see the module docstring)."""
     return next((label for label, pattern in CLASSES if pattern.search(name)), "elementwise")
+
+
+def attention_part(name: str) -> str:
+    """The part of the attention class a kernel named ``name`` is (:data:`ATTENTION_PARTS`;
+    "other" for none)."""
+    return next((label for label, pattern in ATTENTION_PARTS if pattern.search(name)), "other")
 
 
 @dataclass
@@ -49,6 +69,7 @@ class KernelBreakdown:
     """GPU kernel time of ``iterations`` iterations, per iteration.
 
     ms:        class -> milliseconds per iteration.
+    attention_ms: the attention class's milliseconds per iteration by part (:func:`attention_part`).
     launches:  class -> kernels per iteration.
     top:       the kernels with the most time: (name, ms per iteration, launches per iteration).
     wall_ms:   wall time per iteration (host clock), when the caller measured it.
@@ -56,6 +77,7 @@ class KernelBreakdown:
 
     iterations: int
     ms: dict[str, float] = field(default_factory=dict)
+    attention_ms: dict[str, float] = field(default_factory=dict)
     launches: dict[str, float] = field(default_factory=dict)
     top: list[tuple[str, float, float]] = field(default_factory=list)
     wall_ms: float | None = None
@@ -85,6 +107,7 @@ class KernelBreakdown:
         return {
             "iterations": self.iterations,
             "ms_per_iteration": {k: round(v, 4) for k, v in sorted(self.ms.items())},
+            "attention_ms_per_iteration": {k: round(v, 4) for k, v in sorted(self.attention_ms.items())},
             "kernels_per_iteration": {k: round(v, 2) for k, v in sorted(self.launches.items())},
             "gpu_ms_per_iteration": round(self.gpu_ms, 4),
             "wall_ms_per_iteration": None if self.wall_ms is None else round(self.wall_ms, 4),
@@ -97,8 +120,16 @@ class KernelBreakdown:
             ],
         }
 
+    def _attention_parts(self) -> str:
+        """" (decode 2.42, combine 0.13)": the attention parts, largest first (empty for one part)."""
+        if len(self.attention_ms) < 2:
+            return ""
+        ranked = sorted(self.attention_ms.items(), key=lambda kv: -kv[1])
+        return " (" + ", ".join(f"{k} {v:.2f}" for k, v in ranked) + ")"
+
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.ms.items(), key=lambda kv: -kv[1]))
+        parts = ", ".join(f"{k} {v:.2f}{self._attention_parts() if k == 'attention' else ''}"
+                          for k, v in sorted(self.ms.items(), key=lambda kv: -kv[1]))  # fmt: skip
         idle = "" if self.idle_ms is None else f"; wall {self.wall_ms:.2f}, no kernel running {self.idle_ms:.2f}"
         if self.replay_ms is not None:
             idle += f"; graph replay {self.replay_ms:.2f}, host wait {self.host_wait_ms:.2f}"
@@ -109,6 +140,7 @@ def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: in
     """Sum the CUDA kernel events of a finished ``torch.profiler.profile`` (its
     ``events()``) by class, per iteration. ``wall_s``: the host time of those iterations."""
     total: dict[str, float] = defaultdict(float)
+    attention: dict[str, float] = defaultdict(float)
     count: Counter[str] = Counter()
     per_kernel: dict[str, float] = defaultdict(float)
     per_kernel_count: Counter[str] = Counter()
@@ -123,11 +155,14 @@ def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: in
         label = classify(event.name)
         total[label] += us
         count[label] += 1
+        if label == "attention":
+            attention[attention_part(event.name)] += us
         per_kernel[event.name] += us
         per_kernel_count[event.name] += 1
     n = max(iterations, 1)
     result = KernelBreakdown(iterations)
     result.ms = {k: v / 1e3 / n for k, v in total.items()}
+    result.attention_ms = {k: v / 1e3 / n for k, v in attention.items()}
     result.launches = {k: v / n for k, v in count.items()}
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
     result.top = [(name, us / 1e3 / n, per_kernel_count[name] / n) for name, us in ranked]

@@ -69,6 +69,43 @@ def test_kernel_classes() -> None:
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
 
 
+def test_profile_splits_attention_into_its_parts() -> None:
+    """The attention class is summed by part too (decode chunks, combine, prefill with its
+    block dequantization, MLA, flash-attn), in the JSON and, with two or more parts, in the
+    printed line."""
+    _bench()  # puts benchmarks/ on the import path
+    from step_profile import attention_part, breakdown
+
+    parts = {"decode_items_kernel": "decode", "_decode_hopper_kernel": "decode", "decode_combine_kernel": "combine",
+             "_prefill_kernel": "prefill", "_hopper_prefill_kernel": "prefill", "_dequantize_blocks_kernel": "prefill",
+             "_mla_prefill_hopper_kernel": "mla", "_mla_balanced_merge_kernel": "mla",
+             "flash_fwd_splitkv_kernel": "flash-attn"}  # fmt: skip
+    for name, part in parts.items():
+        assert attention_part(name) == part, name
+
+    class Span:
+        def __init__(self, us: float) -> None:
+            self.us = us
+
+        def elapsed_us(self) -> float:
+            return self.us
+
+    class Event:
+        device_type = "DeviceType.CUDA"
+
+        def __init__(self, name: str, us: float) -> None:
+            self.name, self.time_range = name, Span(us)
+
+    events = [Event("decode_items_kernel", 300.0), Event("decode_combine_kernel", 20.0), Event("_prefill_kernel", 80.0),
+              Event("nvjet_tst_128x256", 500.0)]  # fmt: skip
+    result = breakdown(events, iterations=2)
+    assert result.ms["attention"] == pytest.approx(0.2) and result.ms["gemm"] == pytest.approx(0.25)
+    assert result.attention_ms == pytest.approx({"decode": 0.15, "combine": 0.01, "prefill": 0.04})
+    assert "attention 0.20 (decode 0.15, prefill 0.04, combine 0.01)" in result.line()
+    assert result.as_json()["attention_ms_per_iteration"] == {"combine": 0.01, "decode": 0.15, "prefill": 0.04}
+    assert breakdown(events[:1], iterations=1).line().endswith("attention 0.30")  # one part: no split
+
+
 def test_transformers_gets_the_paged_attention_name_its_version_takes() -> None:
     """transformers 5.23 deprecated the ``paged|`` prefix (a FutureWarning, and a planned
     refusal) except for ``paged|eager``; older versions need it for continuous batching."""
