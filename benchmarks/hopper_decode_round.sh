@@ -3,7 +3,8 @@
 # TritonBackend(hopper_decode=True)), in stages that fit one device call each (a stage stops
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
-#   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e] [suite]
+#   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e]
+#       [short-blocks-e2e] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -17,7 +18,10 @@
 #           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
 #   burst-e2e: the burst end to end, bf16 and fp8 defaults and the fixed launches of
 #           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
-#           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none)
+#           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none);
+#           $E2E_WORKLOADS (default burst; e.g. burst,poisson)
+#   short-blocks-e2e: fp8 at block 32, burst and Poisson: the Triton launch against the Gluon
+#           kernel where blocks are shorter than its tile (--hopper-decode short-fp8-blocks)
 #   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
 #           (each graph bucket also captured without the decode combine, replayed where no row
 #           splits) against --no-direct-decode-graphs (one graph a bucket)
@@ -74,7 +78,7 @@ for stage in "${stages[@]}"; do
             --shapes "lognormal128(med=550" --rep-ms 30 --budget-s 200 --out "$out/decode-burst.json"
         ;;
     burst-e2e)
-        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst)
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads "${E2E_WORKLOADS:-burst}")
         timed e2e-bf16 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-bf16.json"
         timed e2e-fp8 "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype float8_e4m3 --out "$out/e2e-fp8.json"
         IFS=';' read -r -a launches <<<"${E2E_LAUNCHES-fp8 n128 w4 s3 p3;fp8 n128 w4 s2 p3}"
@@ -103,11 +107,20 @@ for stage in "${stages[@]}"; do
         timed e2e-fp8-combine-warm "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \
             --workloads burst --kv-cache-dtype float8_e4m3 --no-direct-decode-graphs --out "$out/e2e-fp8-combine-warm.json"
         ;;
+    short-blocks-e2e)
+        # fp8 at block 32, burst and Poisson: the Triton launch (the default) against the Gluon
+        # kernel where blocks are shorter than its tile (TritonBackend(hopper_decode=None)).
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst,poisson --block-size 32
+            --kv-cache-dtype float8_e4m3)
+        timed e2e-fp8-b32-triton "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-fp8-b32-triton.json"
+        timed e2e-fp8-b32-hopper "${E2E_TIMEOUT:-150}" "${e2e[@]}" --hopper-decode short-fp8-blocks \
+            --out "$out/e2e-fp8-b32-hopper.json"
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
-        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, suite)" >&2
+        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, suite)" >&2
         exit 2
         ;;
     esac
