@@ -303,8 +303,8 @@ def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None
     ``wave_fill``), which takes more items and partial slots than the default policy's
     bounds: the builder's fixed buffers are sized for it, so a CUDA-graph bucket of such rows
     plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three). The
-    Triton kernel's launch (``hopper_decode=False``: on an sm_90 GPU an fp8 cache at block 32
-    takes the Gluon kernel's by default, which fills no waves)."""
+    Triton kernel's launch, named (``hopper_decode=False``; with None an fp8 cache at block 32
+    on an sm_90 GPU takes the Gluon kernel's, which fills no waves)."""
     from kvcache import BlockManager, MetadataBuilder, ScheduledRow, StepCapacity
 
     spec = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
@@ -328,8 +328,8 @@ def test_fp8_decode_launches_pipeline_deeper(cache: str | None, triton_device: s
     blocks, and 4 stages scheduled for 2 programs an SM where a tile lies inside one block
     (``default_decode_config``): fewer chunks then, never more items or partial slots than
     the buffers hold; a bf16 cache, rows verifying drafts, a given config and a given policy
-    keep theirs. The Triton kernel's launches (``hopper_decode=False``: on an sm_90 GPU an
-    fp8 cache at block 32 takes the Gluon kernel's by default)."""
+    keep theirs. The Triton kernel's launches, named (``hopper_decode=False``; with None an
+    fp8 cache at block 32 on an sm_90 GPU takes the Gluon kernel's)."""
     spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
     kv = torch.float8_e4m3fn if cache else None
     tile = default_decode_config(128, torch.bfloat16, kv).block_n
