@@ -159,13 +159,19 @@ class PrefillLaunch:
 
 @dataclass(frozen=True)
 class BlockDequant:
-    """An eager step over an fp8 cache on the Hopper kernel: the cache blocks its prefill rows
-    read, as (row, column) of the step's block table (int32 [n, 2], device), are copied
+    """A step over an 8-bit cache on the Hopper prefill kernel: the cache blocks its prefill
+    rows read, as (row, column) of the step's block table (int32 [n, 2], device), are copied
     dequantized into a 16-bit scratch cache that ``tables`` (int32 [batch, width], device)
-    indexes (:mod:`~attention.triton_kernels.dequantize_blocks`)."""
+    indexes (:mod:`~attention.triton_kernels.dequantize_blocks`).
+
+    count: on a CUDA-graph step (``TritonBackend(graph_dequant_prefill=True)``), int32 [1]
+           on the device: the real sources; ``sources`` is padded to the bucket's scratch
+           capacity with (-1, -1) and ``tables`` has the bucket's width. None: eager.
+    """
 
     sources: torch.Tensor
     tables: torch.Tensor
+    count: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -286,6 +292,17 @@ class TritonBackend(AttentionBackend):
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
                         False: the Triton MLA kernel.
+      graph_dequant_prefill: on an sm_90 GPU, mixed CUDA-graph steps over an 8-bit cache run
+                        their prefill rows as eager steps do: on the Hopper prefill kernel over
+                        a 16-bit copy of the blocks they read
+                        (:mod:`~attention.triton_kernels.dequantize_blocks`), where the
+                        bucket's most blocks fit ``_DEQUANT_SCRATCH_BYTES`` (its prefill rows,
+                        at most tokens / (max_decode_query_len + 1), times the table's width);
+                        else, and by default, on the Triton prefill kernel, which reads the
+                        8-bit cache as stored. Opt-in: not yet run on a GPU. Measured without
+                        it on an H100 (benchmarks/results/direct-decode-graphs-h100-2026-12-05.md,
+                        the Poisson run), an fp8 step's prefill rows took 0.85 ms an iteration on
+                        the Triton kernel where a bf16 step's took 0.58 on the Hopper kernel.
       hopper_mla_ring:  that Gluon kernel in its deeper-ring form
                         (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same results;
                         off by default: 0.98-0.99x the two-tile kernel's speed on the H200).
@@ -318,10 +335,12 @@ class TritonBackend(AttentionBackend):
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         direct_decode_graphs: bool = True,
+        graph_dequant_prefill: bool = False,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
-                 ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs))  # fmt: skip
+                 ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs),
+                 ("graph_dequant_prefill", graph_dequant_prefill))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
@@ -362,6 +381,7 @@ class TritonBackend(AttentionBackend):
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
         self.direct_decode_graphs = direct_decode_graphs
+        self.graph_dequant_prefill = graph_dequant_prefill
 
     def graph_variants(self) -> tuple[str | None, ...]:
         """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
@@ -417,6 +437,13 @@ class TritonBackend(AttentionBackend):
             BufferRequest("prefill_tiles", torch.int32, 2 * tiles, staged=True),
             BufferRequest("prefill_tile_count", torch.int32, 1, staged=True),
         ]
+        if self.graph_dequant_prefill and self.spec.quantized_cache:
+            most = self._graph_dequant_rows(rows, capacity.max_tokens) * capacity.max_blocks_per_seq
+            found += [
+                BufferRequest("prefill_dequant_sources", torch.int32, 2 * most, staged=True),
+                BufferRequest("prefill_dequant_tables", torch.int32, rows * capacity.max_blocks_per_seq, staged=True),
+                BufferRequest("prefill_dequant_count", torch.int32, 1, staged=True),
+            ]
         for w in self.windows:
             found.append(BufferRequest(f"decode_items_{w}", torch.int32, ITEM_FIELDS * items, staged=True))
             found.append(BufferRequest(f"decode_rows_{w}", torch.int32, ROW_FIELDS * rows, staged=True))
@@ -563,7 +590,8 @@ class TritonBackend(AttentionBackend):
         tiles = staging.stage("prefill_tiles", values).view(-1, 2)
         count = staging.stage("prefill_tile_count", array("i", [len(pairs)]))
         programs = _PREFILL_PROGRAMS_PER_SM * self._sms(meta.device)
-        return PrefillLaunch(config, tiles, count, programs)
+        dequant = self._plan_graph_dequant(meta, rows, config, staging) if self.graph_dequant_prefill else None
+        return PrefillLaunch(config, tiles, count, programs, dequant=dequant)
 
     def _plan_dequant(
         self, meta: AttentionMetadata, rows: tuple[int, ...], config: PrefillConfig
@@ -571,23 +599,69 @@ class TritonBackend(AttentionBackend):
         """For an eager step over an 8-bit cache that the Hopper kernel could take (its shapes,
         no cap or sinks in the spec): the blocks to dequantize, unless their 16-bit copy would
         pass ``_DEQUANT_SCRATCH_BYTES``. Its arrays go up in pinned memory, without a host wait."""
-        spec = self.spec
-        if not spec.quantized_cache or not self.hopper_prefill:
-            return None
-        if self.prefill_config is not None or config.block_m != HOPPER_PREFILL_BLOCK_M:
-            return None
-        if spec.logit_softcap is not None or not hopper_prefill_shape_ok(spec.head_dim, meta.block_size):
-            return None
-        if not hopper_prefill_possible(meta.device):
+        if not self._dequant_possible(meta, config):
             return None
         plan = plan_block_dequant(meta.seq_lens_host, rows, meta.block_size)
-        block_bytes = 2 * meta.block_size * spec.num_kv_heads * spec.head_dim * self.compute_dtype.itemsize
-        if plan.num_blocks * block_bytes > _DEQUANT_SCRATCH_BYTES:
+        if plan.num_blocks * self._dequant_block_bytes(meta.block_size) > _DEQUANT_SCRATCH_BYTES:
             return None
         direct = DirectStaging(meta.device)
         sources = direct.stage("prefill_dequant_sources", plan.sources).view(-1, 2)
         tables = direct.stage("prefill_dequant_tables", plan.tables).view(plan.batch, plan.width)
         return BlockDequant(sources, tables)
+
+    def _plan_graph_dequant(
+        self, meta: AttentionMetadata, rows: tuple[int, ...], config: PrefillConfig, staging: PlanStaging
+    ) -> BlockDequant | None:
+        """:meth:`_plan_dequant` for a CUDA-graph step (``graph_dequant_prefill``): shapes from
+        the bucket alone -- the scratch holds the most blocks the bucket's prefill rows can
+        read (:meth:`_graph_dequant_rows` rows x the table's width), the table has the
+        bucket's rows and width -- so every replay of the bucket launches what was captured;
+        None where that scratch would pass ``_DEQUANT_SCRATCH_BYTES`` (the bucket then runs
+        the Triton prefill kernel, every step alike)."""
+        if not self._dequant_possible(meta, config):
+            return None
+        batch, width = meta.block_tables.shape
+        capacity = self._graph_dequant_rows(batch, meta.num_tokens) * width
+        if capacity == 0 or capacity * self._dequant_block_bytes(meta.block_size) > _DEQUANT_SCRATCH_BYTES:
+            return None
+        lens = meta.seq_lens_host
+        padded = [*lens, *[0] * (batch - len(lens))]  # the bucket's padding rows read nothing
+        plan = plan_block_dequant(padded, rows, meta.block_size, width=width)
+        if plan.batch != batch or plan.num_blocks > capacity:
+            raise MetadataError(
+                f"seq_lens_host: {len(lens)} rows reading {plan.num_blocks} blocks do not fit the bucket's "
+                f"{batch} table rows and {capacity} scratch blocks"
+            )
+        sources = array("i", plan.sources)
+        sources.extend(array("i", [-1]) * (2 * (capacity - plan.num_blocks)))
+        return BlockDequant(
+            staging.stage("prefill_dequant_sources", sources).view(-1, 2),
+            staging.stage("prefill_dequant_tables", plan.tables).view(batch, width),
+            staging.stage("prefill_dequant_count", array("i", [plan.num_blocks])),
+        )
+
+    def _graph_dequant_rows(self, rows: int, tokens: int) -> int:
+        """The most prefill rows a graph step of ``rows`` rows and ``tokens`` tokens can have:
+        each brings more than ``max_decode_query_len`` tokens (fewer go to the decode kernel)."""
+        return min(rows, tokens // (self.max_decode_query_len + 1))
+
+    def _dequant_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block's 16-bit copy, K and V."""
+        spec = self.spec
+        return 2 * block_size * spec.num_kv_heads * spec.head_dim * self.compute_dtype.itemsize
+
+    def _dequant_possible(self, meta: AttentionMetadata, config: PrefillConfig) -> bool:
+        """An 8-bit cache whose prefill rows the Hopper kernel could take over a 16-bit copy:
+        enabled, no tuning override, its tile height, head size and block size, no cap, a GPU
+        that runs it."""
+        spec = self.spec
+        if not spec.quantized_cache or not self.hopper_prefill:
+            return False
+        if self.prefill_config is not None or config.block_m != HOPPER_PREFILL_BLOCK_M:
+            return False
+        if spec.logit_softcap is not None or not hopper_prefill_shape_ok(spec.head_dim, meta.block_size):
+            return False
+        return hopper_prefill_possible(meta.device)
 
     def _bounding_decode_policy(self) -> DecodePolicy:
         """A policy whose item and partial-slot bounds (``max_decode_items``,
@@ -851,11 +925,12 @@ class TritonBackend(AttentionBackend):
             and self._dequant_prefill_applies(query, layer, out, launch, window, sinks)
         ):
             key, value = dequantize_blocks(
-                layer.key, layer.value, layer.k_scale, layer.v_scale, meta.block_tables, dequant.sources, query.dtype
-            )
+                layer.key, layer.value, layer.k_scale, layer.v_scale, meta.block_tables, dequant.sources, query.dtype,
+                count=dequant.count, programs=None if dequant.count is None else self._sms(query.device),
+            )  # fmt: skip
             hopper_prefill(
                 query, key, value, dequant.tables, *common, softmax_scale=scale, out=out,
-                programs=self._sms(query.device),
+                programs=self._sms(query.device), tile_count=launch.tile_count,
             )  # fmt: skip
         elif self._hopper_prefill_applies(query, layer, out, launch, window, sinks):
             hopper_prefill(

@@ -160,6 +160,7 @@ class Settings:
     hopper_decode: str | None = None  # one-token rows on the Gluon kernel: HOPPER_DECODE's words; None: the default
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
+    graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
 
     @property
     def cache_dtype(self) -> str:
@@ -205,6 +206,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         hopper_decode=args.hopper_decode,
         decode_launch=args.decode_launch,
         direct_decode_graphs=args.direct_decode_graphs,
+        graph_dequant_prefill=args.graph_dequant_prefill,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -514,7 +516,8 @@ def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode``
     (``--hopper-decode [always|never|short-fp8-blocks]``: on an sm_90 GPU one-token decode rows
     on the Gluon kernel of ``attention/triton_kernels/decode_hopper.py``),
-    ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default) and
+    ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
+    ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default) and
     ``decode_config`` (``--decode-launch``: every decode row on that launch; the burst has no
     rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
@@ -541,6 +544,8 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         knobs["decode_config"] = parse_decode_launch(s.decode_launch)
     if s.direct_decode_graphs is not None:
         knobs["direct_decode_graphs"] = s.direct_decode_graphs
+    if s.graph_dequant_prefill is not None:
+        knobs["graph_dequant_prefill"] = s.graph_dequant_prefill
     backend = _triton_backend(shape, config, **knobs) if knobs else None
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
@@ -558,6 +563,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "hopper_decode": s.hopper_decode,
         "decode_launch": s.decode_launch,
         "direct_decode_graphs": s.direct_decode_graphs,
+        "graph_dequant_prefill": s.graph_dequant_prefill,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1147,6 +1153,13 @@ def _parser() -> argparse.ArgumentParser:
         help="graph buckets captured also without the decode combine (TritonBackend(direct_decode_graphs=...); "
         "default: the backend's, on)",
     )
+    p.add_argument(
+        "--graph-dequant-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with an 8-bit cache: graph steps' prefill rows on the Hopper kernel over a 16-bit copy of their blocks "
+        "(TritonBackend(graph_dequant_prefill=...); default: the backend's, off)",
+    )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
@@ -1170,8 +1183,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode is not None and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
-    if args.direct_decode_graphs is not None and args.backend not in (None, "triton"):
-        parser.error(f"--direct-decode-graphs: a choice of the triton backend, not of --backend {args.backend}")
+    for flag, value in (("--direct-decode-graphs", args.direct_decode_graphs),
+                        ("--graph-dequant-prefill", args.graph_dequant_prefill)):  # fmt: skip
+        if value is not None and args.backend not in (None, "triton"):
+            parser.error(f"{flag}: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:
         if args.hopper_decode is not None or args.backend not in (None, "triton"):
             parser.error("--decode-launch: the Triton kernel's launch; drop --hopper-decode and --backend")

@@ -184,6 +184,22 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
     assert bench.settings_from(parser.parse_args(["--no-direct-decode-graphs"])).direct_decode_graphs is False
 
 
+def test_graph_dequant_prefill_is_a_triton_backend_choice() -> None:
+    """``--graph-dequant-prefill`` reaches the triton backend; refused with another backend."""
+    bench = _bench()
+    from examples.engine import cache_config_for
+
+    with pytest.raises(SystemExit):
+        bench.run(["--device", "cuda", "--backend", "reference", "--graph-dequant-prefill"])
+    parser = bench._parser()
+    assert bench.settings_from(parser.parse_args([])).graph_dequant_prefill is None
+    assert bench.settings_from(parser.parse_args(["--graph-dequant-prefill"])).graph_dequant_prefill is True
+    config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
+                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
+    assert bench._triton_backend(bench.LLAMA3_8B, config, graph_dequant_prefill=True).graph_dequant_prefill
+    assert not bench._triton_backend(bench.LLAMA3_8B, config).graph_dequant_prefill
+
+
 @pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch

@@ -29,6 +29,43 @@ def test_plan_of_no_blocks() -> None:
     assert plan.num_blocks == 0 and len(plan.sources) == 0 and list(plan.tables) == [-1, -1]
 
 
+def test_plan_of_a_fixed_width() -> None:
+    """A CUDA-graph step's table has the bucket's width whatever its rows read; a width too
+    narrow for a row is refused."""
+    plan = plan_block_dequant([70, 5, 0, 33], rows=[0, 3], block_size=32, width=5)
+    assert (plan.num_blocks, plan.batch, plan.width) == (5, 4, 5)
+    assert list(plan.tables[:5]) == [0, 1, 2, -1, -1] and list(plan.tables[15:]) == [3, 4, -1, -1, -1]
+    with pytest.raises(ValueError, match="width: 2 columns cannot hold a row of 3 blocks"):
+        plan_block_dequant([70, 5], rows=[0], block_size=32, width=2)
+
+
+@pytest.mark.parametrize(("count", "programs"), [(5, 2), (0, 3), (9, None), (3, 1)])
+def test_counted_copy_takes_the_first_count_sources(count: int, programs: int | None) -> None:
+    """A CUDA-graph step's copy: a fixed grid of ``programs`` along the scratch blocks (fewer
+    than the blocks, or as many) copies the first ``count`` sources, read on the device; a
+    count past the scratch is clamped to it."""
+    gen = torch.Generator().manual_seed(5)
+    blocks, bs, kvh, d = 6, 32, 2, 32
+    k8 = (torch.randn(blocks, bs, kvh, d, generator=gen) * 3).to(torch.float8_e4m3fn).to(DEVICE)
+    v8 = token_major_view(torch.empty_like(k8)).copy_((torch.randn(blocks, bs, kvh, d, generator=gen) * 3).to(k8.dtype))
+    scale = torch.ones(kvh, device=DEVICE)
+    tables = torch.tensor([[3, 1, 5, 0], [2, 4, 0, 0]], dtype=torch.int32, device=DEVICE)
+    sources = torch.tensor([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [-1, -1], [-1, -1], [-1, -1]],
+                           dtype=torch.int32, device=DEVICE)  # fmt: skip
+    counter = torch.tensor([count], dtype=torch.int32, device=DEVICE)
+    key, value = dequantize_blocks(k8, v8, scale, scale, tables, sources, torch.float16, count=counter,
+                                   programs=programs)  # fmt: skip
+    assert key.shape == (8, bs, kvh, d)
+    ids = [3, 1, 5, 2, 4, 0, 0, 0]
+    for i in range(min(count, 8)):
+        torch.testing.assert_close(key[i], k8[ids[i]].to(torch.float16), rtol=0.0, atol=0.0, msg=f"block {i}")
+        torch.testing.assert_close(value[i], v8[ids[i]].to(torch.float16), rtol=0.0, atol=0.0, msg=f"block {i}")
+    with pytest.raises(ValueError, match="count: expected one int32"):
+        dequantize_blocks(k8, v8, scale, scale, tables, sources, torch.float16, count=counter.long())
+    with pytest.raises(ValueError, match="programs: 0 must be >= 1"):
+        dequantize_blocks(k8, v8, scale, scale, tables, sources, torch.float16, count=counter, programs=0)
+
+
 @pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_copy_matches_torch_dequantization(token_major: bool, dtype: torch.dtype) -> None:

@@ -110,6 +110,34 @@ def test_8_bit_cache_through_a_dequantized_copy(
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("cache", ["float8_e4m3", "int8"])
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_graph_step_over_a_dequantized_copy(hopper_calls: list[int], block_size: int, cache: str) -> None:
+    """``graph_dequant_prefill``: a mixed CUDA-graph step over an 8-bit cache (padded to a
+    bucket of 6 rows and 640 tokens) copies its prefill rows' blocks on a fixed grid up to the
+    count on the device and runs them on the Hopper kernel's fixed grid: the oracle's output,
+    and the same launches captured in a CUDA graph and replayed write the same."""
+    spec = make_spec(8, 2, 128, torch.bfloat16, kv_cache_dtype=cache)
+    rows = [(0, 300), (200, 77), (511, 1), (0, 129)]
+    case = make_case(rows, spec, block_size=block_size, device="cuda", seed=12, pad_to=6, pad_tokens=640)
+    backend = TritonBackend(spec, graph_dequant_prefill=True)
+    plan = backend.plan(case.meta, graph=True)
+    assert plan.prefill is not None and plan.prefill.dequant is not None  # type: ignore[attr-defined]
+    assert plan.prefill.dequant.count is not None  # type: ignore[attr-defined]
+    backend.write_kv(case.new_key, case.new_value, case.layer, plan)
+    out = backend.attend(case.query, case.layer, plan)
+    assert hopper_calls, "the prefill rows should have run on the Hopper kernel"
+    real = case.meta.num_real_tokens
+    err = rel_err(out[:real].float(), reference_output(case))
+    assert err < 1e-2, err
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.attend(case.query, case.layer, plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[:real], out[:real])
+
+
 @pytest.mark.parametrize("block_size", [32, 256])
 def test_fixed_grid_matches_the_eager_launch(block_size: int) -> None:
     """The CUDA-graph form (a fixed grid, the real entry count on the device, the index
