@@ -1,6 +1,7 @@
-"""The fused boundary kernel, the fp8 block dequantization, the prefill kernel (its launch per tile and its persistent
-fixed-grid form), the MLA decode kernels (split and balanced schedules, bf16 and fp8 latents)
-and the model's elementwise kernels compile for the H200 (sm_90) without a
+"""The fused boundary kernel, the 8-bit block dequantization (per launch and counted on a
+fixed grid), the prefill kernel (its launch per tile and its persistent fixed-grid form), the
+MLA decode kernels (split and balanced schedules, bf16 and fp8 latents) and the model's
+elementwise kernels compile for the H200 (sm_90) without a
 GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU compiler
 rejects programs its CPU interpreter runs (a name bound to two types in the branches of an
 ``if``, say), so the interpreter tests alone would let such a kernel reach the GPU."""
@@ -98,21 +99,24 @@ def mla_merge(balanced, direct=False):
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
     return source(_mla_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_N=32, BLOCK_SIZE=64, BLOCK_TAIL=0))
 
-def dequant(out, int8=False):
+def dequant(out, int8=False, counted=False):
     cache, scale = ("*i8", "*fp16") if int8 else ("*fp8e4nv", "*fp32")
     sig = {"k_ptr": cache, "v_ptr": cache, "k_scale_ptr": scale, "v_scale_ptr": scale,
-           "tables_ptr": "*i32", "sources_ptr": "*i32", "k_out_ptr": out, "v_out_ptr": out}
-    for name in ("num_blocks", "num_rows", "table_width", "stride_bt", "stride_kb", "stride_kt", "stride_kh",
-                 "stride_vb", "stride_vt", "stride_vh", "stride_vd", "stride_sb", "stride_st", "stride_sh"):
+           "tables_ptr": "*i32", "sources_ptr": "*i32", "k_out_ptr": out, "v_out_ptr": out, "count_ptr": "*i32"}
+    for name in ("num_scratch", "num_blocks", "num_rows", "table_width", "stride_bt", "stride_kb", "stride_kt",
+                 "stride_kh", "stride_vb", "stride_vt", "stride_vh", "stride_vd", "stride_sb", "stride_st",
+                 "stride_sh"):
         sig[name] = "i32"
     return source(_dequantize_blocks_kernel, sig, dict(BLOCK_SIZE=256, KV_HEADS=8, HEAD_DIM=128, D_PAD=128, TOKENS=32,
-                                                       TOKEN_SCALES=int8))
+                                                       TOKEN_SCALES=int8, COUNTED=counted))
 
 target = GPUTarget("cuda", 90, 32)
 kernels = {
     "dequantize-blocks-bf16": dequant("*bf16"),
     "dequantize-blocks-fp16": dequant("*fp16"),
     "dequantize-blocks-int8-bf16": dequant("*bf16", int8=True),
+    "dequantize-blocks-bf16-counted": dequant("*bf16", counted=True),
+    "dequantize-blocks-int8-bf16-counted": dequant("*bf16", int8=True, counted=True),
     "mla-split-bf16": mla("*bf16", "*bf16", False),
     "mla-split-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", False, block_size=32, block_n=64),
     "mla-balanced-bf16-unrolled": mla("*bf16", "*bf16", True, unrolled=2),
@@ -158,4 +162,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 34, report
+    assert len(report) == 36, report
