@@ -82,7 +82,7 @@ if str(HERE) not in sys.path:  # loaded by file path (the tests): common.py is b
 
 # common puts this checkout first on sys.path: the project is imported from source.
 from common import RESULTS, package_version  # noqa: E402
-from step_profile import KernelBreakdown, breakdown  # noqa: E402
+from step_profile import KernelBreakdown, attention_parts_text, breakdown  # noqa: E402
 
 from attention import StepCapacity  # noqa: E402
 from attention.checks import cdiv  # noqa: E402
@@ -1011,11 +1011,9 @@ def table(results: dict[str, Any], errors: dict[str, str]) -> str:
         for label in ("profile",):
             if section.get(label):
                 p = section[label]
-                parts = p.get("attention_ms_per_iteration") or {}
-                split = " (" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])) + ")"
+                split = attention_parts_text(p.get("attention_ms_per_iteration") or {})
                 classes = ", ".join(
-                    f"{k} {v:.2f}{split if k == 'attention' and len(parts) > 1 else ''}"
-                    for k, v in p["ms_per_iteration"].items()
+                    f"{k} {v:.2f}{split if k == 'attention' else ''}" for k, v in p["ms_per_iteration"].items()
                 )
                 lines.append(
                     f"profile ({p['iterations']} iterations, ms each): GPU {p['gpu_ms_per_iteration']:.2f} = "

@@ -26,30 +26,30 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ATTENTION_PARTS", "CLASSES", "KernelBreakdown", "attention_part", "breakdown", "classify"]
-
-CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    (
-        "attention",
-        re.compile(
-            r"decode_items_kernel|decode_combine|_decode_hopper_kernel|_prefill_kernel|_prefill_hopper_kernel"
-            r"|_mla_\w*kernel|_dequantize_blocks_kernel|flash_fwd|flash::|fmha",
-            re.I,
-        ),
-    ),
-    ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
-    ("boundary", re.compile(r"_rotary_write_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
-    ("copy", re.compile(r"memcpy|memset", re.I)),
-)
-
+__all__ = [
+    "ATTENTION_PARTS",
+    "CLASSES",
+    "KernelBreakdown",
+    "attention_part",
+    "attention_parts_text",
+    "breakdown",
+    "classify",
+]
 
 #: Parts of the attention class, by kernel name (the first pattern that matches wins).
 ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("mla", re.compile(r"_mla_", re.I)),
+    ("mla", re.compile(r"_mla_\w*kernel", re.I)),
     ("combine", re.compile(r"decode_combine", re.I)),
     ("decode", re.compile(r"decode_items_kernel|_decode_hopper_kernel", re.I)),
     ("prefill", re.compile(r"_prefill_kernel|_prefill_hopper_kernel|_dequantize_blocks_kernel", re.I)),
     ("flash-attn", re.compile(r"flash_fwd|flash::|fmha", re.I)),
+)
+
+CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("attention", re.compile("|".join(pattern.pattern for _, pattern in ATTENTION_PARTS), re.I)),
+    ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
+    ("boundary", re.compile(r"_rotary_write_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
+    ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 
 
@@ -62,6 +62,15 @@ def attention_part(name: str) -> str:
     """The part of the attention class a kernel named ``name`` is (:data:`ATTENTION_PARTS`;
     "other" for none)."""
     return next((label for label, pattern in ATTENTION_PARTS if pattern.search(name)), "other")
+
+
+def attention_parts_text(parts: dict[str, float]) -> str:
+    """" (decode 2.42, combine 0.13)": ms per iteration by attention part, largest first;
+    empty for fewer than two parts."""
+    if len(parts) < 2:
+        return ""
+    ranked = sorted(parts.items(), key=lambda kv: -kv[1])
+    return " (" + ", ".join(f"{k} {v:.2f}" for k, v in ranked) + ")"
 
 
 @dataclass
@@ -120,15 +129,9 @@ class KernelBreakdown:
             ],
         }
 
-    def _attention_parts(self) -> str:
-        """" (decode 2.42, combine 0.13)": the attention parts, largest first (empty for one part)."""
-        if len(self.attention_ms) < 2:
-            return ""
-        ranked = sorted(self.attention_ms.items(), key=lambda kv: -kv[1])
-        return " (" + ", ".join(f"{k} {v:.2f}" for k, v in ranked) + ")"
-
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v:.2f}{self._attention_parts() if k == 'attention' else ''}"
+        split = attention_parts_text(self.attention_ms)
+        parts = ", ".join(f"{k} {v:.2f}{split if k == 'attention' else ''}"
                           for k, v in sorted(self.ms.items(), key=lambda kv: -kv[1]))  # fmt: skip
         idle = "" if self.idle_ms is None else f"; wall {self.wall_ms:.2f}, no kernel running {self.idle_ms:.2f}"
         if self.replay_ms is not None:
