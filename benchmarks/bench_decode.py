@@ -291,13 +291,14 @@ def hopper_wgmma_variants() -> list[Variant]:
     ``TritonBackend(hopper_decode=None)``: the Gluon kernel where blocks are shorter than its
     128-token tile, the Triton kernel's default launch elsewhere."""
     from attention.triton_kernels import DecodeConfig
+    from attention.triton_kernels.decode import one_token_slot_share
 
     def config(block_n: int, stages: int, fill: float | None = None) -> Any:
         per_sm = {2: 3, 3: 2}[stages]
-        share = 1.0 if block_n == 128 else 0.75  # the one-token launches' slot share: fp8's tile is 128
+        kv_dtype = FP8 if block_n == 128 else None  # fp8's tile is 128 tokens, bf16's 64
         return DecodeConfig(
             block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill,
-            slot_share=share,
+            slot_share=one_token_slot_share(kv_dtype),
         )  # fmt: skip
 
     return [

@@ -56,6 +56,7 @@ __all__ = [
     "decode_metadata",
     "default_decode_config",
     "hopper_decode_config",
+    "one_token_slot_share",
     "paged_decode",
 ]
 
@@ -213,12 +214,19 @@ def default_decode_config(
     warps = 8 if q_itemsize * d_pad > 512 else 4
     one_byte = kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES
     stages = 3 if one_byte and query_len <= 1 else 2
-    share = (1.0 if one_byte else 0.75) if query_len <= 1 else None
+    share = one_token_slot_share(kv_dtype) if query_len <= 1 else None
     if kv_dtype in FP8_KV_DTYPES and query_len <= 1 and block_size is not None and block_size % block_n == 0:
         return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=4, programs_per_sm=2, slot_share=share)
     if kv_dtype in FP8_KV_DTYPES and query_len <= 1:
         return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, wave_fill=0.9, slot_share=share)
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, slot_share=share)
+
+
+def one_token_slot_share(kv_dtype: torch.dtype | None) -> float:
+    """The slot share (``DecodePolicy.slot_share``) of one-token launches over a cache of
+    ``kv_dtype`` (None: the query's): 1.0 for a one-byte cache, 0.75 for a 16-bit one (see
+    :func:`default_decode_config`)."""
+    return 1.0 if kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES else 0.75
 
 
 def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
@@ -247,10 +255,9 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     1.00-1.07x the Triton launches' speed on every shape and 1.04x end to end; at block 256
     0.98-1.06x and 0.98x end to end; bf16 0.99-1.05x and 1.02x end to end.
     """
-    share = 1.0 if kv_dtype in FP8_KV_DTYPES else 0.75  # as default_decode_config's one-token launches
     return DecodeConfig(
         block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True,
-        slot_share=share,
+        slot_share=one_token_slot_share(kv_dtype),
     )  # fmt: skip
 
 
