@@ -106,16 +106,13 @@ def _dequantize_blocks_kernel(  # type: ignore[no-untyped-def]
     first = tl.program_id(0)
     if COUNTED:
         end = tl.minimum(tl.load(count_ptr), num_scratch)
-        for i in range(first, end, tl.num_programs(0)):
-            _dequantize_one_block(
-                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr, i,
-                num_blocks, num_rows, table_width, stride_bt, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_st, stride_sh,
-                BLOCK_SIZE, KV_HEADS, HEAD_DIM, D_PAD, TOKENS, TOKEN_SCALES,
-            )  # fmt: skip
-    else:
+        step = tl.num_programs(0)
+    else:  # the program's one block
+        end = first + 1
+        step = 1
+    for i in range(first, end, step):
         _dequantize_one_block(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr, first,
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr, i,
             num_blocks, num_rows, table_width, stride_bt, stride_kb, stride_kt, stride_kh,
             stride_vb, stride_vt, stride_vh, stride_vd, stride_sb, stride_st, stride_sh,
             BLOCK_SIZE, KV_HEADS, HEAD_DIM, D_PAD, TOKENS, TOKEN_SCALES,
