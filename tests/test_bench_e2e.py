@@ -143,6 +143,21 @@ def test_tiny_cpu_run_over_an_8bit_cache(cache_dtype: str, scale_bytes: int, rot
     assert burst["ours"]["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * per_head
 
 
+def test_poisson_alone_probes_its_first_step_at_its_own_token_budget() -> None:
+    """``--workloads poisson``: the runner's capacity then holds the Poisson budget only (smaller
+    than the burst's), so the cold / warm first-step probes must schedule within it."""
+    threads = torch.get_num_threads()
+    try:
+        doc = _bench().run(["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "poisson"])
+    finally:
+        torch.set_num_threads(threads)
+    results, errors = doc["results"], doc["errors"]
+    assert not any(name.startswith(("ours", "model")) for name in errors), errors
+    assert results["ours_engine"]["cold_first_prefill_step_s"] > 0
+    poisson = results["workloads"]["poisson"]
+    assert poisson["ours"]["generated_tokens"] == poisson["workload"]["requests"] * poisson["workload"]["new_tokens"]
+
+
 def test_kv_rotation_needs_an_8bit_cache() -> None:
     with pytest.raises(SystemExit):
         _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])
