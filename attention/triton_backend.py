@@ -65,7 +65,7 @@ from attention.triton_kernels import (
 from attention.triton_kernels.decode import TOKEN_SCALED_KV_DTYPES
 from attention.triton_kernels.decode_hopper import decode_hopper_shape_ok, hopper_block_n
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
-from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
+from attention.triton_kernels.dequantize_blocks import counted_programs, dequantize_blocks, plan_block_dequant
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     min_program_latents,
@@ -91,6 +91,8 @@ from attention.triton_kernels.prefill_hopper import (
     hopper_prefill_possible,
     hopper_prefill_shape_ok,
 )
+from attention.triton_kernels.value_runs import value_run_length
+from attention.value_layout import is_token_major
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -275,7 +277,7 @@ class TritonBackend(AttentionBackend):
                         warpgroup MMAs (:mod:`~attention.triton_kernels.decode_hopper`, launch
                         :func:`~attention.triton_kernels.decode.hopper_decode_config`) where it
                         takes the spec and block size (head_dim 64 or 128, groups of up to 16
-                        heads, no cap or sinks). False (default): never. None: only over a
+                        heads, no cap or sinks). False: never. None (default): only over a
                         float8_e4m3fn cache in blocks shorter than the kernel's 128-token
                         tile, where the Triton kernel's tiles span blocks, under bf16 queries
                         (its fp8 dots take the query and P as e4m3 hi + lo, ~8 significant
@@ -283,8 +285,7 @@ class TritonBackend(AttentionBackend):
                         the Triton kernel's speed at block 32 on every shape timed (64 x 4096:
                         1.78x the bf16 cache's speed against 1.66x) and 1.04x end to end (the
                         burst at block 32: decode attention 2.42 ms an iteration against 2.51)
-                        (benchmarks/results/decode-hopper-slot-share-h100-2026-12-05.md); it
-                        becomes the default once the GPU suite has passed with it. At block
+                        (benchmarks/results/decode-hopper-slot-share-h100-2026-12-05.md). At block
                         256 and over bf16 the kernel matched the Triton kernel in bench_decode
                         and ran 2% slower (fp8) or faster (bf16) end to end. True: wherever it
                         applies.
@@ -316,6 +317,10 @@ class TritonBackend(AttentionBackend):
                         False: one graph a bucket, half the capture work. A given
                         ``decode_config`` with ``fused_combine`` has no combine launch to
                         drop, so then one graph a bucket either way.
+      value_runs:       steps that can have prefill rows write a token-major V (the 8-bit
+                        caches) in runs of consecutive slots with a second kernel whose stores
+                        are coalesced along the tokens (:mod:`~attention.triton_kernels.value_runs`;
+                        the same bytes; default). False: token by token, a byte a store.
     """
 
     name = "triton"
@@ -331,16 +336,17 @@ class TritonBackend(AttentionBackend):
         num_sms: int | None = None,
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
-        hopper_decode: bool | None = False,
+        hopper_decode: bool | None = None,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         direct_decode_graphs: bool = True,
         graph_dequant_prefill: bool = False,
+        value_runs: bool = True,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs),
-                 ("graph_dequant_prefill", graph_dequant_prefill))  # fmt: skip
+                 ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
@@ -382,6 +388,7 @@ class TritonBackend(AttentionBackend):
         self.hopper_mla_ring = hopper_mla_ring
         self.direct_decode_graphs = direct_decode_graphs
         self.graph_dequant_prefill = graph_dequant_prefill
+        self.value_runs = value_runs
 
     def graph_variants(self) -> tuple[str | None, ...]:
         """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
@@ -640,6 +647,11 @@ class TritonBackend(AttentionBackend):
             staging.stage("prefill_dequant_count", array("i", [plan.num_blocks])),
         )
 
+    def _counted_dequant_programs(self, layer: LayerCache, device: torch.device) -> int:
+        """Programs along the scratch blocks of a graph step's counted block copy."""
+        block_size = layer.key.shape[1]
+        return counted_programs(self._sms(device), block_size, self.spec.num_kv_heads)
+
     def _graph_dequant_rows(self, rows: int, tokens: int) -> int:
         """The most prefill rows a graph step of ``rows`` rows and ``tokens`` tokens can have:
         each brings more than ``max_decode_query_len`` tokens (fewer go to the decode kernel)."""
@@ -805,6 +817,10 @@ class TritonBackend(AttentionBackend):
         rotary: RotaryTable,
     ) -> torch.Tensor:
         meta = plan.metadata
+        # Runs of token-major V (prefill rows' consecutive slots) only where the step can have
+        # prefill rows: a decode step's launches stay one kernel (a graph bucket's too: a mixed
+        # bucket always plans its prefill launch).
+        prefill = self.value_runs and isinstance(plan, TritonStepPlan) and plan.prefill is not None
         return rotary_write_kv(
             query,
             key,
@@ -818,6 +834,7 @@ class TritonBackend(AttentionBackend):
             layer.v_scale,
             layer.k_centre,
             None if layer.rotation is None else self._rotation_of(layer.rotation),
+            value_runs=prefill,
         )
 
     def _attend(
@@ -926,7 +943,7 @@ class TritonBackend(AttentionBackend):
         ):
             key, value = dequantize_blocks(
                 layer.key, layer.value, layer.k_scale, layer.v_scale, meta.block_tables, dequant.sources, query.dtype,
-                count=dequant.count, programs=None if dequant.count is None else self._sms(query.device),
+                count=dequant.count, programs=self._counted_dequant_programs(layer, query.device),
             )  # fmt: skip
             hopper_prefill(
                 query, key, value, dequant.tables, *common, softmax_scale=scale, out=out,
@@ -1076,6 +1093,9 @@ class TritonBackend(AttentionBackend):
                 self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
                 self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
+                runs = self.value_runs and is_token_major(layer.value) and value_run_length(block_size) > 0
+                if plan.prefill is not None and runs:
+                    variants.add(("rotary_write", "value_runs"))  # with its second kernel
                 for launch in plan.decode:
                     variants.add(("decode", window, launch.schedule.query_len))
                     if launch.schedule.needs_combine and not launch.config.fused_combine:

@@ -165,7 +165,7 @@ class Variant:
     fused_combine: bool = False  # the default launch for the block size, its split rows merged in-kernel
     balance: float | None = None  # the default launch and policy for the block size, with this balance
     slot_share: float = 0.0  # ... and this slot share (with ``balance``)
-    hopper_decode: bool | None = False  # TritonBackend's hopper_decode (None: fp8 caches in short blocks)
+    hopper_decode: bool | None = False  # TritonBackend's hopper_decode; False: the Triton kernel at every block size
 
     def backend(self, block_size: int) -> Any:
         from attention.triton_backend import TritonBackend

@@ -161,6 +161,7 @@ class Settings:
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
     graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
+    value_runs: bool | None = None  # token-major V of prefill rows written in coalesced runs (None: default)
 
     @property
     def cache_dtype(self) -> str:
@@ -207,6 +208,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         decode_launch=args.decode_launch,
         direct_decode_graphs=args.direct_decode_graphs,
         graph_dequant_prefill=args.graph_dequant_prefill,
+        value_runs=args.value_runs,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -517,7 +519,8 @@ def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     (``--hopper-decode [always|never|short-fp8-blocks]``: on an sm_90 GPU one-token decode rows
     on the Gluon kernel of ``attention/triton_kernels/decode_hopper.py``),
     ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
-    ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default) and
+    ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default),
+    ``value_runs`` (``--[no-]value-runs``; on by default) and
     ``decode_config`` (``--decode-launch``: every decode row on that launch; the burst has no
     rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
@@ -546,6 +549,8 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         knobs["direct_decode_graphs"] = s.direct_decode_graphs
     if s.graph_dequant_prefill is not None:
         knobs["graph_dequant_prefill"] = s.graph_dequant_prefill
+    if s.value_runs is not None:
+        knobs["value_runs"] = s.value_runs
     backend = _triton_backend(shape, config, **knobs) if knobs else None
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
@@ -564,6 +569,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "decode_launch": s.decode_launch,
         "direct_decode_graphs": s.direct_decode_graphs,
         "graph_dequant_prefill": s.graph_dequant_prefill,
+        "value_runs": s.value_runs,
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1138,7 +1144,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(HOPPER_DECODE),
         help="one-token decode rows on the Gluon kernel of warpgroup MMAs: always where it applies (the word "
         "left out), never, or short-fp8-blocks (an fp8 cache in blocks under 128 tokens); TritonBackend(hopper_decode="
-        "True / False / None); default: the backend's (never)",
+        "True / False / None); default: the backend's (short-fp8-blocks)",
     )
     p.add_argument(
         "--decode-launch",
@@ -1157,6 +1163,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="with an 8-bit cache: graph steps' prefill rows on the Hopper kernel over a 16-bit copy of their blocks "
         "(TritonBackend(graph_dequant_prefill=...); default: the backend's, off)",
+    )
+    p.add_argument(
+        "--value-runs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with an 8-bit cache: prefill rows' token-major V written in coalesced runs "
+        "(TritonBackend(value_runs=...); default: the backend's, on)",
     )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
@@ -1182,7 +1195,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.hopper_decode is not None and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
     for flag, value in (("--direct-decode-graphs", args.direct_decode_graphs),
-                        ("--graph-dequant-prefill", args.graph_dequant_prefill)):  # fmt: skip
+                        ("--graph-dequant-prefill", args.graph_dequant_prefill),
+                        ("--value-runs", args.value_runs)):  # fmt: skip
         if value is not None and args.backend not in (None, "triton"):
             parser.error(f"{flag}: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:

@@ -4,7 +4,7 @@
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e]
-#       [short-blocks-e2e] [dequant-e2e] [suite]
+#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -24,6 +24,8 @@
 #           kernel where blocks are shorter than its tile (--hopper-decode short-fp8-blocks)
 #   dequant-e2e: the Poisson run over fp8 and int8 caches, graph steps' prefill rows on the
 #           Triton kernel against the Hopper kernel over a 16-bit copy (--graph-dequant-prefill)
+#   value-runs-e2e: the Poisson run over fp8 and int8 caches, prefill rows' token-major V
+#           written in coalesced runs (the default) against token by token (--no-value-runs)
 #   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
 #           (each graph bucket also captured without the decode combine, replayed where no row
 #           splits) against --no-direct-decode-graphs (one graph a bucket)
@@ -54,7 +56,9 @@ for stage in "${stages[@]}"; do
     tests)
         timed tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
             tests/test_decode_hopper.py tests/test_decode_hopper_compile.py tests/test_triton_backend.py \
-            tests/test_decode_loop_gpu.py tests/test_prefill_hopper.py tests/test_graph_dequant_prefill.py
+            tests/test_decode_loop_gpu.py tests/test_prefill_hopper.py tests/test_graph_dequant_prefill.py \
+            tests/test_value_runs.py tests/test_rotary_boundary.py tests/test_value_layout.py tests/test_int8_kernels.py \
+            tests/test_kv_rotation.py tests/test_key_centring.py tests/test_dequantize_blocks.py
         ;;
     decode)
         timed decode "${DECODE_TIMEOUT:-280}" python3 benchmarks/bench_decode.py --hopper-wgmma \
@@ -129,11 +133,21 @@ for stage in "${stages[@]}"; do
                 --graph-dequant-prefill --out "$out/e2e-$cache-dequant-prefill.json"
         done
         ;;
+    value-runs-e2e)
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads poisson)
+        for cache in float8_e4m3 int8; do
+            timed "e2e-$cache-value-runs" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
+                --out "$out/e2e-$cache-value-runs.json"
+            timed "e2e-$cache-token-by-token" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
+                --no-value-runs --out "$out/e2e-$cache-token-by-token.json"
+        done
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
-        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, dequant-e2e, suite)" >&2
+        echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, dequant-e2e," \
+            "value-runs-e2e, suite)" >&2
         exit 2
         ;;
     esac

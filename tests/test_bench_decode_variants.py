@@ -42,7 +42,7 @@ def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> No
     short_blocks, *chosen = bench.hopper_wgmma_variants()
     assert short_blocks.fp8 and short_blocks.config is None and short_blocks.hopper_decode is None
     assert short_blocks.backend(32).hopper_decode is None
-    assert all(v.backend(32).hopper_decode is False for v in bench.variants(sweep=True))  # the backend's default
+    assert all(v.backend(32).hopper_decode is False for v in bench.variants(sweep=True))  # the Triton kernel
     assert [(v.fp8, v.config.block_n, v.config.num_stages, v.config.wave_fill) for v in chosen] == [
         (True, 128, 2, None), (True, 128, 2, 0.9), (True, 128, 3, None), (False, 64, 2, None), (False, 64, 3, None)
     ]  # fmt: skip

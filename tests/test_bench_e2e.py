@@ -215,6 +215,22 @@ def test_graph_dequant_prefill_is_a_triton_backend_choice() -> None:
     assert not bench._triton_backend(bench.LLAMA3_8B, config).graph_dequant_prefill
 
 
+def test_value_runs_is_a_triton_backend_choice() -> None:
+    """``--[no-]value-runs`` reaches the triton backend (on by default); refused with another."""
+    bench = _bench()
+    from examples.engine import cache_config_for
+
+    with pytest.raises(SystemExit):
+        bench.run(["--device", "cuda", "--backend", "reference", "--no-value-runs"])
+    parser = bench._parser()
+    assert bench.settings_from(parser.parse_args([])).value_runs is None
+    assert bench.settings_from(parser.parse_args(["--no-value-runs"])).value_runs is False
+    config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
+                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
+    assert not bench._triton_backend(bench.LLAMA3_8B, config, value_runs=False).value_runs
+    assert bench._triton_backend(bench.LLAMA3_8B, config).value_runs
+
+
 @pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch

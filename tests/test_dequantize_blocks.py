@@ -10,7 +10,7 @@ import torch
 
 from attention.token_scales import dequantize_rows, quantized_layer
 from attention.triton_kernels import kernels_interpreted
-from attention.triton_kernels.dequantize_blocks import dequantize_blocks, plan_block_dequant
+from attention.triton_kernels.dequantize_blocks import counted_programs, dequantize_blocks, plan_block_dequant
 from attention.value_layout import token_major_view
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +64,15 @@ def test_counted_copy_takes_the_first_count_sources(count: int, programs: int | 
         dequantize_blocks(k8, v8, scale, scale, tables, sources, torch.float16, count=counter.long())
     with pytest.raises(ValueError, match="programs: 0 must be >= 1"):
         dequantize_blocks(k8, v8, scale, scale, tables, sources, torch.float16, count=counter, programs=0)
+
+
+@pytest.mark.parametrize(
+    ("sms", "block_size", "kv_heads", "programs"),
+    [(132, 256, 8, 9), (132, 32, 8, 66), (132, 256, 1, 66), (1, 256, 64, 1)],
+)
+def test_counted_copies_keep_about_four_programs_an_sm(sms: int, block_size: int, kv_heads: int, programs: int) -> None:
+    """Each block takes kv_heads x ceil(block_size / 32) programs; never fewer than one along."""
+    assert counted_programs(sms, block_size, kv_heads) == programs
 
 
 @pytest.mark.parametrize("token_major", [False, True])

@@ -1,5 +1,5 @@
-"""The fused boundary kernel, the 8-bit block dequantization (per launch and counted on a
-fixed grid), the prefill kernel (its launch per tile and its persistent fixed-grid form), the
+"""The fused boundary kernel and its token-major V runs, the 8-bit block dequantization (per
+launch and counted on a fixed grid), the prefill kernel (its launch per tile and its persistent fixed-grid form), the
 MLA decode kernels (split and balanced schedules, bf16 and fp8 latents) and the model's
 elementwise kernels compile for the H200 (sm_90) without a
 GPU (as tests/test_decode_compile.py does for the decode kernels): Triton's GPU compiler
@@ -17,7 +17,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attention.triton_kernels.rotary_write import _rotary_write_kernel
+from attention.triton_kernels.rotary_write import _rotary_write_kernel, _value_runs_kernel
 from examples.model.triton_ops import _rms_norm_kernel, _silu_mul_kernel
 from attention.triton_kernels.prefill import _prefill_kernel
 from attention.triton_kernels.mla_decode import _mla_decode_kernel, _mla_merge_kernel
@@ -32,8 +32,8 @@ def rotary(dtype, cache, quantize, int8=False, rotate=False):
     scale = "*fp16" if int8 else "*fp32"
     sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "q_out_ptr": dtype, "k_cache_ptr": cache,
            "v_cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*fp32",
-           "k_scale_ptr": scale, "v_scale_ptr": scale, "k_centre_ptr": "*fp32", "rot_ptr": dtype, "num_slots": "i64",
-           "max_positions": "i32"}
+           "k_scale_ptr": scale, "v_scale_ptr": scale, "k_centre_ptr": "*fp32", "rot_ptr": dtype, "num_tokens": "i32",
+           "num_slots": "i64", "max_positions": "i32"}
     for name in ("stride_sb", "stride_st", "stride_sh",
                  "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
                  "stride_oh", "stride_cb", "stride_ct", "stride_ch", "stride_vb", "stride_vs", "stride_vc",
@@ -41,8 +41,19 @@ def rotary(dtype, cache, quantize, int8=False, rotate=False):
         sig[name] = "i32"
     consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, HALF_PAD=64, BLOCK_H=32, KV_BLOCK_H=16 if rotate else 8,
                   Q_CHUNKS=1, BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, CENTRE_K=int8 and not rotate,
-                  ROTATE=rotate, INTERPRETED=False)
+                  ROTATE=rotate, VALUE_RUN=32 if cache in ("*fp8e4nv", "*i8") else 0, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
+
+def value_runs(dtype, cache, int8=False, rotate=False):
+    scale = "*fp16" if int8 else "*fp32"
+    sig = {"v_ptr": dtype, "v_cache_ptr": cache, "slot_ptr": "*i64", "v_scale_ptr": scale, "rot_ptr": dtype,
+           "num_tokens": "i32", "num_slots": "i64"}
+    for name in ("stride_sb", "stride_st", "stride_sh", "stride_vt", "stride_vh", "stride_vb", "stride_vs",
+                 "stride_vc", "stride_vd"):
+        sig[name] = "i32"
+    consts = dict(HALF=64, HALF_PAD=64, BLOCK_SIZE=256, RUN=32, QUANTIZE=not int8 and cache == "*fp8e4nv",
+                  TOKEN_SCALES=int8, ROTATE=rotate, INTERPRETED=False)
+    return source(_value_runs_kernel, sig, consts)
 
 def norm(dtype, add):
     sig = {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype, "sum_ptr": dtype,
@@ -134,6 +145,10 @@ kernels = {
     "rotary-fp32-rotated": rotary("*fp32", "*fp32", False, rotate=True),
     "rotary-bf16-int8-cache-rotated": rotary("*bf16", "*i8", False, int8=True, rotate=True),
     "rotary-bf16-fp8-cache-rotated": rotary("*bf16", "*fp8e4nv", True, rotate=True),
+    "value-runs-bf16-fp8-cache": value_runs("*bf16", "*fp8e4nv"),
+    "value-runs-bf16-int8-cache": value_runs("*bf16", "*i8", int8=True),
+    "value-runs-bf16-fp8-cache-rotated": value_runs("*bf16", "*fp8e4nv", rotate=True),
+    "value-runs-bf16-int8-cache-rotated": value_runs("*bf16", "*i8", int8=True, rotate=True),
     "norm-bf16": norm("*bf16", False),
     "add-norm-bf16": norm("*bf16", True),
     "add-norm-fp32": norm("*fp32", True),
@@ -162,4 +177,4 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 36, report
+    assert len(report) == 40, report

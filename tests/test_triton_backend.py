@@ -373,8 +373,10 @@ HOPPER_CHOICES = [
     pytest.param({"kv_cache_dtype": "int8"}, 32, ON, False, id="int8"),
     pytest.param({"logit_softcap": 30.0}, 32, ON, False, id="softcap"),
     pytest.param({"attention_sinks": True}, 32, ON, False, id="sinks"),
-    pytest.param({}, 32, {}, False, id="default-off"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, False, id="default-off-fp8-b32"),
+    pytest.param({}, 32, {}, False, id="default-bf16"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, True, id="default-fp8-b32"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, False, id="default-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {"hopper_decode": False}, False, id="off-fp8-b32"),
     pytest.param({}, 32, AUTO, False, id="auto-bf16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, AUTO, True, id="auto-fp8-b32"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 64, AUTO, True, id="auto-fp8-b64"),
@@ -397,10 +399,10 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     """With ``hopper_decode`` on, where the device could run the Hopper decode kernel (here
     made to say so), one-token rows over a bf16 or fp8 cache of blocks it takes get
     ``hopper_decode_config``'s launch (its tile, 3 stages, 2 programs an SM, within the
-    default policy's bound); an int8 cache, a cap, sinks, a block of 96, the default (off) and
-    a given config keep the Triton launch, and rows verifying drafts the verify launch. With
-    ``hopper_decode=None`` only an fp8 cache in blocks shorter than the 128-token tile under
-    bf16 queries takes it. The output is right (elsewhere than on an sm_90 GPU the Triton
+    default policy's bound); an int8 cache, a cap, sinks, a block of 96, ``hopper_decode=False``
+    and a given config keep the Triton launch, and rows verifying drafts the verify launch.
+    With ``hopper_decode=None`` (the default) only an fp8 cache in blocks shorter than the
+    128-token tile under bf16 queries takes it. The output is right (elsewhere than on an sm_90 GPU the Triton
     kernel runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 

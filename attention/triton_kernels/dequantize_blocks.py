@@ -38,11 +38,22 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import next_power_of_2
 
-__all__ = ["BlockDequantPlan", "dequantize_blocks", "plan_block_dequant"]
+__all__ = ["BlockDequantPlan", "counted_programs", "dequantize_blocks", "plan_block_dequant"]
 
 _TOKENS = 32  # tokens per program
 #: Programs along the scratch blocks of a counted (CUDA-graph) copy, when not given.
 _MAX_COUNTED_PROGRAMS = 1024
+#: Programs a counted copy keeps on each SM (:func:`counted_programs`).
+_COUNTED_PROGRAMS_PER_SM = 4
+
+
+def counted_programs(sms: int, block_size: int, kv_heads: int) -> int:
+    """Programs along the scratch blocks for a counted copy on ``sms`` SMs: about four
+    programs an SM in all (each block takes ``kv_heads x ceil(block_size / 32)`` of them). A
+    fixed grid sized for the bucket's most blocks would launch mostly programs that find no
+    block (a step copies far fewer), each still scheduled."""
+    per_block = kv_heads * triton.cdiv(block_size, _TOKENS)
+    return max(1, triton.cdiv(_COUNTED_PROGRAMS_PER_SM * sms, per_block))
 
 
 @dataclass(frozen=True)

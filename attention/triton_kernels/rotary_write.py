@@ -26,6 +26,8 @@ from attention.triton_kernels.cache_write import (
     int8_row_values,
 )
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
+from attention.triton_kernels.value_runs import _in_value_run, _value_run_in_window, value_run_length
+from attention.value_layout import is_token_major
 
 __all__ = ["rotary_write_kv"]
 
@@ -127,6 +129,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     v_scale_ptr,
     k_centre_ptr,
     rot_ptr,
+    num_tokens,
     num_slots,
     max_positions,
     stride_sb,
@@ -159,6 +162,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     TOKEN_SCALES: tl.constexpr,
     CENTRE_K: tl.constexpr,
     ROTATE: tl.constexpr,
+    VALUE_RUN: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token, chunk): chunks ``< Q_CHUNKS`` rotate BLOCK_H query heads into q_out; the
@@ -175,7 +179,8 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     rotated K, rounded to the input's dtype, less ``k_centre`` (fp32 [NUM_KV_HEADS, 2 * HALF])
     is what the int8 cache quantizes, as the cache write does. ROTATE: K (after rotary) and V
     are multiplied by the [2 HALF, 2 HALF] matrix at ``rot_ptr`` (the input's dtype) before
-    they are stored or quantized (:func:`_to_basis`).
+    they are stored or quantized (:func:`_to_basis`). VALUE_RUN (> 0: a token-major V): V of
+    tokens in runs of VALUE_RUN (:mod:`.value_runs`) is left to :func:`_value_runs_kernel`.
     """
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -201,6 +206,12 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         heads = tl.where((slot >= 0) & (slot < num_slots), NUM_KV_HEADS, 0)
         kh_mask = kh < heads
         kv_mask = kh_mask[:, None] & (j[None, :] < HALF)
+        if VALUE_RUN > 0:  # a run's V is stored by _value_runs_kernel
+            v_heads = tl.where(_in_value_run(slot_ptr, t, slot, num_tokens, num_slots, VALUE_RUN), 0, heads)
+        else:
+            v_heads = heads
+        v_head_mask = kh < v_heads
+        v_mask = v_head_mask[:, None] & (j[None, :] < HALF)
         k_lo, k_hi = _rotate_tile(k_ptr, t * stride_kt + kh[:, None] * stride_kh, j, kv_mask, cos, sin, HALF)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kh[:, None] * stride_ch + j[None, :]
         v_dst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kh[:, None] * stride_vc
@@ -233,8 +244,8 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
                 k_hi = k_hi - tl.load(centre + HALF, mask=kv_mask, other=0.0)
             _store_int8_halves(k_lo, k_hi, kv_mask, k_cache_ptr, dst, 1, k_scale_ptr, s_dst, kh_mask, HALF)
             _store_int8_halves(
-                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
-                kh_mask, HALF,
+                v_lo.to(tl.float32), v_hi.to(tl.float32), v_mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+                v_head_mask, HALF,
             )  # fmt: skip
         else:
             if QUANTIZE:
@@ -250,8 +261,83 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
                 v_hi_out = v_hi
             tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
             tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
-            tl.store(v_cache_ptr + v_dst, v_lo_out, mask=kv_mask)
-            tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=kv_mask)
+            tl.store(v_cache_ptr + v_dst, v_lo_out, mask=v_mask)
+            tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=v_mask)
+
+
+@triton.jit
+def _value_runs_kernel(  # type: ignore[no-untyped-def]
+    v_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    v_scale_ptr,
+    rot_ptr,
+    num_tokens,
+    num_slots,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    stride_vt,
+    stride_vh,
+    stride_vb,
+    stride_vs,
+    stride_vc,
+    stride_vd,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    RUN: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Program (window, KV head): the run starting among tokens ``window * RUN ..``, if any
+    (:func:`~.value_runs._value_run_in_window`), stores its V of that head into a token-major
+    cache as :func:`_rotary_write_kernel` would token by token (the same products, scales and
+    rounding), as a [tokens, head_dim] tile whose tokens are adjacent in memory. Arguments as
+    there; ``stride_v*`` of the input V are ``stride_vt`` / ``stride_vh``."""
+    window = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)
+    found, lead, first = _value_run_in_window(slot_ptr, window, num_tokens, num_slots, RUN)
+    g = tl.arange(0, RUN)
+    j = tl.arange(0, HALF_PAD)
+    g_mask = g < tl.where(found, RUN, 0)  # a scalar select, as in _rotary_write_kernel
+    mask = g_mask[:, None] & (j[None, :] < HALF)
+    v_src = v_ptr + (lead + g)[:, None] * stride_vt + kh * stride_vh + j[None, :]
+    v_lo = tl.load(v_src, mask=mask)
+    v_hi = tl.load(v_src + HALF, mask=mask)
+    block = first // BLOCK_SIZE
+    offset = first % BLOCK_SIZE
+    v_dst = block * stride_vb + (offset + g[:, None]) * stride_vs + kh * stride_vc + j[None, :] * stride_vd
+    if ROTATE:  # into the cache's basis, rounded to the input's dtype
+        in_dtype = v_ptr.dtype.element_ty
+        r00 = _basis_quarter(rot_ptr, 0, 0, HALF, HALF_PAD)
+        r01 = _basis_quarter(rot_ptr, 0, HALF, HALF, HALF_PAD)
+        r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
+        r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
+        v_lo_rot, v_hi_rot = _to_basis(
+            v_lo.to(tl.float32), v_hi.to(tl.float32), mask, r00, r01, r10, r11, in_dtype, INTERPRETED
+        )
+        v_lo = v_lo_rot.to(in_dtype)
+        v_hi = v_hi_rot.to(in_dtype)
+    if TOKEN_SCALES:
+        s_dst = block * stride_sb + (offset + g) * stride_st + kh * stride_sh
+        _store_int8_halves(
+            v_lo.to(tl.float32), v_hi.to(tl.float32), mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+            g_mask, HALF,
+        )  # fmt: skip
+    else:
+        if QUANTIZE:
+            heads = kh + tl.zeros([RUN], dtype=tl.int32)
+            dtype = v_cache_ptr.dtype.element_ty
+            v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, heads, g_mask, dtype, INTERPRETED)
+            v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, heads, g_mask, dtype, INTERPRETED)
+        else:
+            v_lo_out = v_lo
+            v_hi_out = v_hi
+        tl.store(v_cache_ptr + v_dst, v_lo_out, mask=mask)
+        tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=mask)
 
 
 def rotary_write_kv(
@@ -267,6 +353,7 @@ def rotary_write_kv(
     v_scale: torch.Tensor | None = None,
     k_centre: torch.Tensor | None = None,
     rotation: torch.Tensor | None = None,
+    value_runs: bool | None = None,
 ) -> torch.Tensor:
     """Rotate ``query``/``key`` at ``positions``, write rotated K and V to ``slot_mapping``'s
     slots, return the rotated query.
@@ -288,6 +375,12 @@ def rotary_write_kv(
                       [head_dim, head_dim] contiguous: K (after rotary) and V are stored times
                       it; the query is returned in the model's basis all the same. Not with
                       ``k_centre``.
+    value_runs:       into a token-major V, write the V of runs of tokens in consecutive slots
+                      (:mod:`.value_runs`: prefill rows) with a second kernel whose stores are
+                      coalesced along the tokens; the bytes stored are the same either way.
+                      None: where the step has at least a run's tokens. A caller that knows
+                      the step has no prefill rows passes False (the second launch would find
+                      nothing).
     Returns a new contiguous [num_tokens, num_heads, head_dim] tensor of query's dtype.
     Arguments are assumed checked by the caller (``AttentionBackend.rotary_write_kv``).
     """
@@ -308,6 +401,11 @@ def rotary_write_kv(
     grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, kv_block_h))
     token_scales = k_cache.dtype == torch.int8
     scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
+    run = value_run_length(block_size) if is_token_major(v_cache) else 0
+    if value_runs is False or (value_runs is None and num_tokens < run):
+        run = 0
+    quantize = k_scale is not None and not token_scales
+    interpreted = kernels_interpreted()
     _rotary_write_kernel[grid](
         query,
         key,
@@ -322,6 +420,7 @@ def rotary_write_kv(
         v_scale if v_scale is not None else cos_sin,
         k_centre if k_centre is not None else cos_sin,  # unused unless CENTRE_K
         rotation if rotation is not None else query,  # unused unless ROTATE
+        num_tokens,
         num_blocks * block_size,
         cos_sin.shape[0],
         *scale_strides,
@@ -345,11 +444,21 @@ def rotary_write_kv(
         KV_BLOCK_H=kv_block_h,
         Q_CHUNKS=q_chunks,
         BLOCK_SIZE=block_size,
-        QUANTIZE=k_scale is not None and not token_scales,
+        QUANTIZE=quantize,
         TOKEN_SCALES=token_scales,
         CENTRE_K=token_scales and k_centre is not None,
         ROTATE=rotation is not None,
-        INTERPRETED=kernels_interpreted(),
+        VALUE_RUN=run,
+        INTERPRETED=interpreted,
         num_warps=4,
     )
+    if run:
+        _value_runs_kernel[(triton.cdiv(num_tokens, run), kv_heads)](
+            value, v_cache, slot_mapping,
+            v_scale if v_scale is not None else cos_sin,  # unused unless QUANTIZE or TOKEN_SCALES
+            rotation if rotation is not None else query,  # unused unless ROTATE
+            num_tokens, num_blocks * block_size, *scale_strides, value.stride(0), value.stride(1), *v_cache.stride(),
+            HALF=half, HALF_PAD=half_pad, BLOCK_SIZE=block_size, RUN=run, QUANTIZE=quantize,
+            TOKEN_SCALES=token_scales, ROTATE=rotation is not None, INTERPRETED=interpreted, num_warps=4,
+        )  # fmt: skip
     return q_out
