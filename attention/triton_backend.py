@@ -91,8 +91,7 @@ from attention.triton_kernels.prefill_hopper import (
     hopper_prefill_possible,
     hopper_prefill_shape_ok,
 )
-from attention.triton_kernels.value_runs import value_run_length
-from attention.value_layout import is_token_major
+from attention.triton_kernels.value_runs import value_runs_for
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -300,10 +299,11 @@ class TritonBackend(AttentionBackend):
                         bucket's most blocks fit ``_DEQUANT_SCRATCH_BYTES`` (its prefill rows,
                         at most tokens / (max_decode_query_len + 1), times the table's width);
                         else, and by default, on the Triton prefill kernel, which reads the
-                        8-bit cache as stored. Opt-in: not yet run on a GPU. Measured without
-                        it on an H100 (benchmarks/results/direct-decode-graphs-h100-2026-12-05.md,
-                        the Poisson run), an fp8 step's prefill rows took 0.85 ms an iteration on
-                        the Triton kernel where a bf16 step's took 0.58 on the Hopper kernel.
+                        8-bit cache as stored. Opt-in: on an H100, in the Poisson run
+                        (benchmarks/results/graph-dequant-prefill-h100-2026-12-05.md), the copy
+                        (0.24 ms an iteration) ate most of the Hopper kernel's gain: prefill
+                        0.80 ms against 0.82 over fp8, 0.81 against 0.97 over int8, the
+                        inter-token latency no better.
       hopper_mla_ring:  that Gluon kernel in its deeper-ring form
                         (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same results;
                         off by default: 0.98-0.99x the two-tile kernel's speed on the H200).
@@ -1093,8 +1093,7 @@ class TritonBackend(AttentionBackend):
                 self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
                 self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
-                runs = self.value_runs and is_token_major(layer.value) and value_run_length(block_size) > 0
-                if plan.prefill is not None and runs:
+                if plan.prefill is not None and self.value_runs and value_runs_for(layer.value):
                     variants.add(("rotary_write", "value_runs"))  # with its second kernel
                 for launch in plan.decode:
                     variants.add(("decode", window, launch.schedule.query_len))

@@ -8,8 +8,9 @@ Classes, by kernel name (the first pattern that matches wins):
   their combine and merge kernels and the fp8 prefill's block dequantization, flash-attn's;
 - ``gemm``: cuBLAS / cuBLASLt / CUTLASS matrix products (``nvjet``, ``sm90_xmma``, ``gemm``,
   ``gemv``, ``cutlass``) and their split-K reductions (``splitKreduce``);
-- ``boundary``: the fused rotary + cache write (``_rotary_write_kernel``) and the plain cache
-  write;
+- ``boundary``: the fused rotary + cache write (``_rotary_write_kernel``, and
+  ``_value_runs_kernel``, which writes prefill rows' token-major V beside it) and the plain
+  cache write;
 - ``copy``: memcpy / memset;
 - ``elementwise``: everything else (norms, SiLU x up, embedding gather, argmax, the
   metadata check, torch's elementwise and reduction kernels).
@@ -48,7 +49,7 @@ ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
 CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile("|".join(pattern.pattern for _, pattern in ATTENTION_PARTS), re.I)),
     ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
-    ("boundary", re.compile(r"_rotary_write_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
+    ("boundary", re.compile(r"_rotary_write_kernel|_value_runs_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 

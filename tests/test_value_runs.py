@@ -16,7 +16,7 @@ import torch
 from attention.kv_rotation import hadamard_rotation
 from attention.rotary import RotaryTable
 from attention.triton_kernels.rotary_write import rotary_write_kv
-from attention.triton_kernels.value_runs import value_run_length
+from attention.triton_kernels.value_runs import value_run_length, value_runs_for
 from attention.value_layout import token_major_view
 from tests.paged_case import int8_layer
 
@@ -94,6 +94,7 @@ def test_runs_store_the_bytes_the_token_by_token_write_stores(
     results = []
     for runs in (False, True):
         storage, cache = _cache(kind, num_blocks, block_size, kvh, d, dev)
+        assert value_runs_for(cache["v_cache"]) == run, "the V cache takes runs"
         q = rotary_write_kv(query, key, value, slot_mapping=slots, **cache, **_rest(positions, table, rotation, runs))
         results.append((q, storage))
     (q_token, token_bytes), (q_runs, run_bytes) = results
@@ -113,6 +114,7 @@ def test_runs_need_a_token_major_value_and_enough_tokens(triton_device: str) -> 
     default a step of fewer tokens than a run launches none: the bytes match either way."""
     dev = triton_device
     storage = torch.randn(2, 4, 32, 2, 16, device=dev).to(torch.bfloat16)
+    assert value_runs_for(storage[1]) == 0 and value_runs_for(token_major_view(storage[1])) == 32
     slots = torch.arange(40, device=dev)
     gen = torch.Generator().manual_seed(3)
     query = torch.randn(40, 4, 16, generator=gen).to(torch.bfloat16).to(dev)

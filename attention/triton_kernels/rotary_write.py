@@ -26,8 +26,7 @@ from attention.triton_kernels.cache_write import (
     int8_row_values,
 )
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
-from attention.triton_kernels.value_runs import _in_value_run, _value_run_in_window, value_run_length
-from attention.value_layout import is_token_major
+from attention.triton_kernels.value_runs import _in_value_run, _value_run_in_window, value_runs_for
 
 __all__ = ["rotary_write_kv"]
 
@@ -401,7 +400,7 @@ def rotary_write_kv(
     grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, kv_block_h))
     token_scales = k_cache.dtype == torch.int8
     scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
-    run = value_run_length(block_size) if is_token_major(v_cache) else 0
+    run = value_runs_for(v_cache)
     if value_runs is False or (value_runs is None and num_tokens < run):
         run = 0
     quantize = k_scale is not None and not token_scales

@@ -25,10 +25,11 @@ rotary + cache write kernel, 32 layers).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["value_run_length"]
+__all__ = ["value_run_length", "value_runs_for"]
 
 #: Tokens a run holds where the block size allows it: 32 one-byte values fill a 32-byte sector.
 _LONGEST_RUN = 32
@@ -45,6 +46,16 @@ def value_run_length(block_size: int) -> int:
             return run
         run //= 2
     return 0
+
+
+def value_runs_for(value_cache: torch.Tensor) -> int:
+    """Tokens per run for a write into ``value_cache`` (``[num_blocks, block_size, kv_heads,
+    head_dim]``): :func:`value_run_length` of its block size where a block's tokens are adjacent
+    in memory (unit stride along them: the token-major V of the fp8 cache, and of the int8
+    cache, whose blocks also hold the scales), else 0."""
+    if value_cache.dim() != 4 or value_cache.shape[1] < 2 or value_cache.stride(1) != 1:
+        return 0
+    return value_run_length(value_cache.shape[1])
 
 
 @triton.jit
