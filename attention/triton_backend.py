@@ -317,10 +317,14 @@ class TritonBackend(AttentionBackend):
                         False: one graph a bucket, half the capture work. A given
                         ``decode_config`` with ``fused_combine`` has no combine launch to
                         drop, so then one graph a bucket either way.
-      value_runs:       steps that can have prefill rows write a token-major V (the 8-bit
-                        caches) in runs of consecutive slots with a second kernel whose stores
-                        are coalesced along the tokens (:mod:`~attention.triton_kernels.value_runs`;
-                        the same bytes; default). False: token by token, a byte a store.
+      value_runs:       steps that can have prefill rows write an fp8 cache's token-major V in
+                        runs of consecutive slots with a second kernel whose stores are
+                        coalesced along the tokens (:mod:`~attention.triton_kernels.value_runs`;
+                        the same bytes; default). On an H100 the Poisson run's fused rotary +
+                        cache write went from 0.357 to 0.193 ms an iteration, plus 0.077 for
+                        the runs (benchmarks/results/value-runs-h100-2026-12-05.md). Not for
+                        int8, whose runs kernel (per-token scales) cost more than it saved.
+                        False: token by token, a byte a store.
     """
 
     name = "triton"
@@ -821,6 +825,7 @@ class TritonBackend(AttentionBackend):
         # prefill rows: a decode step's launches stay one kernel (a graph bucket's too: a mixed
         # bucket always plans its prefill launch).
         prefill = self.value_runs and isinstance(plan, TritonStepPlan) and plan.prefill is not None
+        runs = None if prefill else False  # None: the kernel's own choice (not for int8)
         return rotary_write_kv(
             query,
             key,
@@ -834,7 +839,7 @@ class TritonBackend(AttentionBackend):
             layer.v_scale,
             layer.k_centre,
             None if layer.rotation is None else self._rotation_of(layer.rotation),
-            value_runs=prefill,
+            value_runs=runs,
         )
 
     def _attend(
@@ -1093,7 +1098,8 @@ class TritonBackend(AttentionBackend):
                 self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
                 self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
-                if plan.prefill is not None and self.value_runs and value_runs_for(layer.value):
+                int8 = self.cache_dtype == torch.int8
+                if plan.prefill is not None and self.value_runs and value_runs_for(layer.value) and not int8:
                     variants.add(("rotary_write", "value_runs"))  # with its second kernel
                 for launch in plan.decode:
                     variants.add(("decode", window, launch.schedule.query_len))

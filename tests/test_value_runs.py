@@ -72,8 +72,14 @@ def _cache(kind: str, num_blocks: int, block_size: int, kvh: int, d: int, dev: s
     return storage, args
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int8", "bf16", "fp8-rotated", "int8-rotated"])
-@pytest.mark.parametrize(("block_size", "kvh", "d"), [(32, 2, 16), (64, 3, 32), (16, 2, 16)])
+#: (kind, block_size, kv_heads, head_dim): every kind at runs of 32 and 16; three KV heads and
+#: head_dim 32 (runs within a block of 64) unrotated (the rotated ones take ~15 s interpreted).
+KINDS = ("fp8", "int8", "bf16", "fp8-rotated", "int8-rotated")
+WRITES = [(kind, *shape) for kind in KINDS for shape in ((32, 2, 16), (16, 2, 16))]
+WRITES += [(kind, 64, 3, 32) for kind in KINDS[:3]]
+
+
+@pytest.mark.parametrize(("kind", "block_size", "kvh", "d"), WRITES)
 def test_runs_store_the_bytes_the_token_by_token_write_stores(
     kind: str, block_size: int, kvh: int, d: int, triton_device: str
 ) -> None:
@@ -105,7 +111,7 @@ def test_runs_store_the_bytes_the_token_by_token_write_stores(
     assert not torch.equal(fresh.view(torch.uint8)[1], run_bytes.view(torch.uint8)[1]), "V was written"
 
 
-def _rest(positions: torch.Tensor, table: RotaryTable, rotation: torch.Tensor | None, runs: bool) -> dict:
+def _rest(positions: torch.Tensor, table: RotaryTable, rotation: torch.Tensor | None, runs: bool | None) -> dict:
     return {"positions": positions, "cos_sin": table.cos_sin, "rotation": rotation, "value_runs": runs}
 
 
@@ -128,3 +134,35 @@ def test_runs_need_a_token_major_value_and_enough_tokens(triton_device: str) -> 
         written.append(cache)
     assert torch.equal(written[0], written[1])
     assert torch.equal(written[0][1].reshape(-1, 2, 16)[:40], value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "tokens", "runs", "launched"),
+    [("fp8", 40, None, True), ("fp8", 20, None, False), ("fp8", 40, False, False), ("int8", 40, None, False),
+     ("int8", 40, True, True), ("bf16", 40, None, True)],
+)  # fmt: skip
+def test_which_writes_launch_the_runs_kernel(
+    kind: str, tokens: int, runs: bool | None, launched: bool, triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default (None) a step of at least a run's tokens into a token-major V launches the
+    runs kernel, except into an int8 cache (there it measured slower than token by token);
+    True launches it there too, False never."""
+    import attention.triton_kernels.rotary_write as module
+
+    grids: list[tuple[int, ...]] = []
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(module, "_value_runs_kernel", Spy())
+    dev = triton_device
+    _, cache = _cache(kind, 4, 32, 2, 16, dev)
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(tokens, 4, 16, generator=gen).to(torch.bfloat16).to(dev)
+    key, value = (torch.randn(tokens, 2, 16, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2))
+    table = RotaryTable.build(1.0 / 500.0 ** (torch.arange(0, 16, 2, device=dev).float() / 16), 64)
+    slots, positions = torch.arange(tokens, device=dev), torch.arange(tokens, device=dev)
+    rotary_write_kv(query, key, value, slot_mapping=slots, **cache, **_rest(positions, table, None, runs))
+    assert grids == ([(2, 2)] if launched else [])
