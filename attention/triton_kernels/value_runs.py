@@ -15,12 +15,14 @@ sit inside the first run, at a slot that is not a multiple of ``RUN``), so a fix
 program per ``RUN`` tokens, finds each run exactly once (:func:`_value_run_in_window`), and a
 per-token writer tells the same tokens apart with :func:`_in_value_run`; the two read the same
 slots with the same test, so every token's V is written exactly once. Slots outside the
-cache, padding tokens (slot -1) and decode rows are never in a run: the per-token path keeps
-them.
+cache and padding tokens (slot -1) are never in a run, nor are decode rows (a token each, in
+blocks of different sequences): the per-token path keeps them.
 
-On an H100 (``benchmarks/results/``), the Poisson run's mixed steps wrote fp8 V one token at a
-time at 0.343 ms an iteration against 0.105 for the bf16 cache's contiguous V (the fused
-rotary + cache write kernel, 32 layers).
+On an H100 (``benchmarks/results/value-runs-h100-2026-12-05.md``, the Poisson run's mixed
+steps, 32 layers) the fused rotary + fp8 cache write took 0.357 ms an iteration token by token
+(0.105 over bf16, whose V is contiguous); with runs 0.193, plus 0.077 for the runs kernel. Over
+int8 the runs kernel (per-token scales) took 0.236 for a saving of 0.139, so by default int8
+writes token by token (:func:`~.rotary_write.rotary_write_kv`'s ``value_runs``).
 """
 
 from __future__ import annotations
