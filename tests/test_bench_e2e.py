@@ -50,6 +50,7 @@ def test_tiny_cpu_run_serves_both_engines_and_writes_json(tmp_path: Path, capsys
     assert burst["roofline_median_ms"] > 0 and burst["decode_iter_at_rows_median_ms"] > 0
     assert sections["poisson"]["workload"]["arrivals_s"][1] > 0, "the Poisson requests arrive over time"
     assert "generated tokens/s" in printed and "target burst_throughput_vs_transformers" in printed
+    assert "eager warm-up steps, no CUDA graphs," in printed, "a CPU run says it has no graphs"
     assert printed.rstrip().endswith(f"wrote {out}")
 
 

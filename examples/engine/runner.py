@@ -53,9 +53,13 @@ class WarmupReport:
     capture_seconds: float = 0.0
 
     def line(self) -> str:
+        """One line for a log: what was compiled, run and captured, and how long it took."""
+        graphs = (
+            f"{self.graphs} CUDA graphs captured ({self.capture_seconds:.1f} s)" if self.graphs else "no CUDA graphs"
+        )
         return (
             f"warm-up: {self.kernel_variants} kernel variants compiled, {self.eager_steps} eager warm-up steps, "
-            f"{self.graphs} CUDA graphs captured ({self.capture_seconds:.1f} s), {self.seconds:.1f} s in all"
+            f"{graphs}, {self.seconds:.1f} s in all"
         )
 
 
