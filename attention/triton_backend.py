@@ -91,7 +91,7 @@ from attention.triton_kernels.prefill_hopper import (
     hopper_prefill_possible,
     hopper_prefill_shape_ok,
 )
-from attention.triton_kernels.value_runs import value_runs_for
+from attention.triton_kernels.rotary_write import value_runs_launched
 
 __all__ = ["DecodeLaunch", "LatentLaunch", "PrefillLaunch", "TritonBackend", "TritonStepPlan"]
 
@@ -821,11 +821,6 @@ class TritonBackend(AttentionBackend):
         rotary: RotaryTable,
     ) -> torch.Tensor:
         meta = plan.metadata
-        # Runs of token-major V (prefill rows' consecutive slots) only where the step can have
-        # prefill rows: a decode step's launches stay one kernel (a graph bucket's too: a mixed
-        # bucket always plans its prefill launch).
-        prefill = self.value_runs and isinstance(plan, TritonStepPlan) and plan.prefill is not None
-        runs = None if prefill else False  # None: the kernel's own choice (not for int8)
         return rotary_write_kv(
             query,
             key,
@@ -839,8 +834,15 @@ class TritonBackend(AttentionBackend):
             layer.v_scale,
             layer.k_centre,
             None if layer.rotation is None else self._rotation_of(layer.rotation),
-            value_runs=runs,
+            value_runs=self._value_runs(plan),
         )
+
+    def _value_runs(self, plan: StepPlan) -> bool | None:
+        """``rotary_write_kv``'s ``value_runs`` for a step: the kernel's own choice (None: not
+        for int8) where the step can have prefill rows, else False, so a decode step's launches
+        stay one kernel (a graph bucket's too: a mixed bucket always plans its prefill launch)."""
+        prefill = isinstance(plan, TritonStepPlan) and plan.prefill is not None
+        return None if self.value_runs and prefill else False
 
     def _attend(
         self,
@@ -1098,8 +1100,7 @@ class TritonBackend(AttentionBackend):
                 self.rotary_write_kv(query, kv, kv, layer, plan, rotary)
                 self.attend(query, layer, plan, sinks=sinks)
                 variants.update({("write", self.spec.quantized_cache), ("rotary_write", self.spec.quantized_cache)})
-                int8 = self.cache_dtype == torch.int8
-                if plan.prefill is not None and self.value_runs and value_runs_for(layer.value) and not int8:
+                if value_runs_launched(layer.value, meta.num_tokens, self._value_runs(plan)):
                     variants.add(("rotary_write", "value_runs"))  # with its second kernel
                 for launch in plan.decode:
                     variants.add(("decode", window, launch.schedule.query_len))

@@ -28,7 +28,7 @@ from attention.triton_kernels.cache_write import (
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
 from attention.triton_kernels.value_runs import _in_value_run, _value_run_in_window, value_runs_for
 
-__all__ = ["rotary_write_kv"]
+__all__ = ["rotary_write_kv", "value_runs_launched"]
 
 # Channel pairs one program holds per tensor: a [heads, head_dim / 2] tile of this size keeps
 # the rotation in registers and leaves several programs per token.
@@ -111,6 +111,45 @@ def _store_int8_halves(  # type: ignore[no-untyped-def]
     tl.store(cache_ptr + dst, int8_row_values(lo, scale), mask=mask)
     tl.store(cache_ptr + dst + HALF * stride_d, int8_row_values(hi, scale), mask=mask)
     tl.store(scale_ptr + s_dst, scale, mask=s_mask)
+
+
+@triton.jit
+def _store_values(  # type: ignore[no-untyped-def]
+    v_lo, v_hi, mask, row_mask, heads, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+    HALF: tl.constexpr, QUANTIZE: tl.constexpr, TOKEN_SCALES: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """Store V rows whose halves are ``v_lo`` / ``v_hi`` ([rows, HALF_PAD], the input's dtype;
+    lanes outside ``mask`` not stored) at ``v_cache_ptr + v_dst`` (+ ``HALF * stride_d`` for
+    the upper half): TOKEN_SCALES, int8 with one scale a row (stored at ``v_scale_ptr + s_dst``
+    where ``row_mask``); QUANTIZE, fp8 divided by the scales of KV heads ``heads`` ([rows]);
+    else as given. The one V write of both :func:`_rotary_write_kernel` (rows: KV heads of a
+    token) and :func:`_value_runs_kernel` (rows: tokens of a head), so both store the same
+    bytes."""
+    if TOKEN_SCALES:
+        _store_int8_halves(
+            v_lo.to(tl.float32), v_hi.to(tl.float32), mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+            row_mask, HALF,
+        )  # fmt: skip
+    else:
+        if QUANTIZE:
+            dtype = v_cache_ptr.dtype.element_ty
+            lo = _quantize(v_lo.to(tl.float32), v_scale_ptr, heads, row_mask, dtype, INTERPRETED)
+            hi = _quantize(v_hi.to(tl.float32), v_scale_ptr, heads, row_mask, dtype, INTERPRETED)
+        else:  # a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter
+            lo = v_lo
+            hi = v_hi
+        tl.store(v_cache_ptr + v_dst, lo, mask=mask)
+        tl.store(v_cache_ptr + v_dst + HALF * stride_vd, hi, mask=mask)
+
+
+@triton.jit
+def _value_to_basis(  # type: ignore[no-untyped-def]
+    v_lo, v_hi, mask, r00, r01, r10, r11, dtype: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """V rows' halves (``dtype``, the input's) times the cache's basis (:func:`_to_basis`),
+    back in ``dtype``."""
+    lo, hi = _to_basis(v_lo.to(tl.float32), v_hi.to(tl.float32), mask, r00, r01, r10, r11, dtype, INTERPRETED)
+    return lo.to(dtype), hi.to(dtype)
 
 
 @triton.jit
@@ -226,15 +265,11 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
             r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
             r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
             k_lo, k_hi = _to_basis(k_lo, k_hi, kv_mask, r00, r01, r10, r11, k_in_dtype, INTERPRETED)
-            v_lo_rot, v_hi_rot = _to_basis(
-                v_lo.to(tl.float32), v_hi.to(tl.float32), kv_mask, r00, r01, r10, r11, k_in_dtype, INTERPRETED
-            )
-            v_lo = v_lo_rot.to(k_in_dtype)
-            v_hi = v_hi_rot.to(k_in_dtype)
+            v_lo, v_hi = _value_to_basis(v_lo, v_hi, kv_mask, r00, r01, r10, r11, k_in_dtype, INTERPRETED)
+        s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kh * stride_sh  # int8 scales
         if TOKEN_SCALES:
             # K as the composed boundary stores it: rotated, rounded to the input's dtype, quantized.
             k_in = k_ptr.dtype.element_ty
-            s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + kh * stride_sh
             k_lo = _as_input_dtype(k_lo, k_in, INTERPRETED)
             k_hi = _as_input_dtype(k_hi, k_in, INTERPRETED)
             if CENTRE_K:
@@ -242,26 +277,19 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
                 k_lo = k_lo - tl.load(centre, mask=kv_mask, other=0.0)
                 k_hi = k_hi - tl.load(centre + HALF, mask=kv_mask, other=0.0)
             _store_int8_halves(k_lo, k_hi, kv_mask, k_cache_ptr, dst, 1, k_scale_ptr, s_dst, kh_mask, HALF)
-            _store_int8_halves(
-                v_lo.to(tl.float32), v_hi.to(tl.float32), v_mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
-                v_head_mask, HALF,
-            )  # fmt: skip
         else:
             if QUANTIZE:
                 k_lo_out = _quantize(k_lo, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
                 k_hi_out = _quantize(k_hi, k_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
-                v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
-                v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, kh, kh_mask, dtype, INTERPRETED)
             else:
-                # V is a raw copy (no arithmetic), so bf16 needs no upcast under the interpreter.
                 k_lo_out = k_lo.to(dtype)
                 k_hi_out = k_hi.to(dtype)
-                v_lo_out = v_lo
-                v_hi_out = v_hi
             tl.store(k_cache_ptr + dst, k_lo_out, mask=kv_mask)
             tl.store(k_cache_ptr + dst + HALF, k_hi_out, mask=kv_mask)
-            tl.store(v_cache_ptr + v_dst, v_lo_out, mask=v_mask)
-            tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=v_mask)
+        _store_values(
+            v_lo, v_hi, v_mask, v_head_mask, kh, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+            HALF, QUANTIZE, TOKEN_SCALES, INTERPRETED,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -310,33 +338,26 @@ def _value_runs_kernel(  # type: ignore[no-untyped-def]
     offset = first % BLOCK_SIZE
     v_dst = block * stride_vb + (offset + g[:, None]) * stride_vs + kh * stride_vc + j[None, :] * stride_vd
     if ROTATE:  # into the cache's basis, rounded to the input's dtype
-        in_dtype = v_ptr.dtype.element_ty
         r00 = _basis_quarter(rot_ptr, 0, 0, HALF, HALF_PAD)
         r01 = _basis_quarter(rot_ptr, 0, HALF, HALF, HALF_PAD)
         r10 = _basis_quarter(rot_ptr, HALF, 0, HALF, HALF_PAD)
         r11 = _basis_quarter(rot_ptr, HALF, HALF, HALF, HALF_PAD)
-        v_lo_rot, v_hi_rot = _to_basis(
-            v_lo.to(tl.float32), v_hi.to(tl.float32), mask, r00, r01, r10, r11, in_dtype, INTERPRETED
-        )
-        v_lo = v_lo_rot.to(in_dtype)
-        v_hi = v_hi_rot.to(in_dtype)
-    if TOKEN_SCALES:
-        s_dst = block * stride_sb + (offset + g) * stride_st + kh * stride_sh
-        _store_int8_halves(
-            v_lo.to(tl.float32), v_hi.to(tl.float32), mask, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
-            g_mask, HALF,
-        )  # fmt: skip
-    else:
-        if QUANTIZE:
-            heads = kh + tl.zeros([RUN], dtype=tl.int32)
-            dtype = v_cache_ptr.dtype.element_ty
-            v_lo_out = _quantize(v_lo.to(tl.float32), v_scale_ptr, heads, g_mask, dtype, INTERPRETED)
-            v_hi_out = _quantize(v_hi.to(tl.float32), v_scale_ptr, heads, g_mask, dtype, INTERPRETED)
-        else:
-            v_lo_out = v_lo
-            v_hi_out = v_hi
-        tl.store(v_cache_ptr + v_dst, v_lo_out, mask=mask)
-        tl.store(v_cache_ptr + v_dst + HALF * stride_vd, v_hi_out, mask=mask)
+        v_lo, v_hi = _value_to_basis(v_lo, v_hi, mask, r00, r01, r10, r11, v_ptr.dtype.element_ty, INTERPRETED)
+    s_dst = block * stride_sb + (offset + g) * stride_st + kh * stride_sh  # int8 scales
+    heads = kh + tl.zeros([RUN], dtype=tl.int32)
+    _store_values(
+        v_lo, v_hi, mask, g_mask, heads, v_cache_ptr, v_dst, stride_vd, v_scale_ptr, s_dst,
+        HALF, QUANTIZE, TOKEN_SCALES, INTERPRETED,
+    )  # fmt: skip
+
+
+def value_runs_launched(v_cache: torch.Tensor, num_tokens: int, value_runs: bool | None) -> int:
+    """Tokens per run of the runs kernel :func:`rotary_write_kv` launches for a step of
+    ``num_tokens`` into ``v_cache`` with ``value_runs`` (see there); 0: none."""
+    run = value_runs_for(v_cache)
+    if value_runs is False or (value_runs is None and (num_tokens < run or v_cache.dtype == torch.int8)):
+        return 0
+    return run
 
 
 def rotary_write_kv(
@@ -403,9 +424,7 @@ def rotary_write_kv(
     grid = (num_tokens, q_chunks + triton.cdiv(kv_heads, kv_block_h))
     token_scales = k_cache.dtype == torch.int8
     scale_strides = k_scale.stride() if token_scales and k_scale is not None else (0, 0, 0)
-    run = value_runs_for(v_cache)
-    if value_runs is False or (value_runs is None and (num_tokens < run or token_scales)):
-        run = 0
+    run = value_runs_launched(v_cache, num_tokens, value_runs)
     quantize = k_scale is not None and not token_scales
     interpreted = kernels_interpreted()
     _rotary_write_kernel[grid](
