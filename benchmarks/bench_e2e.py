@@ -206,9 +206,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         kv_rotation=args.kv_rotation,
         hopper_decode=args.hopper_decode,
         decode_launch=args.decode_launch,
-        direct_decode_graphs=args.direct_decode_graphs,
-        graph_dequant_prefill=args.graph_dequant_prefill,
-        value_runs=args.value_runs,
+        **{name: getattr(args, name) for name in BACKEND_SWITCHES},
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -513,6 +511,16 @@ def parse_decode_launch(text: str) -> Any:
 #: ``--hopper-decode``'s words: TritonBackend's ``hopper_decode``.
 HOPPER_DECODE: dict[str, bool | None] = {"always": True, "never": False, "short-fp8-blocks": None}
 
+#: TritonBackend's on/off switches, each a ``--[no-]<name>`` flag (None, left out: the
+#: backend's default), with the flag's help.
+BACKEND_SWITCHES: dict[str, str] = {
+    "direct_decode_graphs": "graph buckets captured also without the decode combine (default: the backend's, on)",
+    "graph_dequant_prefill": "with an 8-bit cache: graph steps' prefill rows on the Hopper kernel over a 16-bit copy "
+    "of their blocks (default: the backend's, off)",
+    "value_runs": "with an fp8 cache: prefill rows' token-major V written in coalesced runs (default: the "
+    "backend's, on)",
+}
+
 
 def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode``
@@ -545,12 +553,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         knobs["hopper_decode"] = HOPPER_DECODE[s.hopper_decode]
     if s.decode_launch is not None:
         knobs["decode_config"] = parse_decode_launch(s.decode_launch)
-    if s.direct_decode_graphs is not None:
-        knobs["direct_decode_graphs"] = s.direct_decode_graphs
-    if s.graph_dequant_prefill is not None:
-        knobs["graph_dequant_prefill"] = s.graph_dequant_prefill
-    if s.value_runs is not None:
-        knobs["value_runs"] = s.value_runs
+    knobs.update({name: getattr(s, name) for name in BACKEND_SWITCHES if getattr(s, name) is not None})
     backend = _triton_backend(shape, config, **knobs) if knobs else None
     engine = engine_for(config, shape, backend=backend)
     capacity = StepCapacity(
@@ -567,9 +570,7 @@ def build_ours(model: Llama, workloads: dict[str, Workload], s: Settings) -> Our
         "kv_rotation": s.kv_rotation,
         "hopper_decode": s.hopper_decode,
         "decode_launch": s.decode_launch,
-        "direct_decode_graphs": s.direct_decode_graphs,
-        "graph_dequant_prefill": s.graph_dequant_prefill,
-        "value_runs": s.value_runs,
+        **{name: getattr(s, name) for name in BACKEND_SWITCHES},
         "fused_rotary": engine.backend.info.fused_rotary,
         "cuda_graphs": runner.graphs is not None,
         "overlap": s.overlap,
@@ -1150,27 +1151,13 @@ def _parser() -> argparse.ArgumentParser:
         "--decode-launch",
         help='a fixed decode launch for the triton backend, e.g. "n128 w4 s3 p3" (tile, warps, stages, programs an SM)',
     )
-    p.add_argument(
-        "--direct-decode-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="graph buckets captured also without the decode combine (TritonBackend(direct_decode_graphs=...); "
-        "default: the backend's, on)",
-    )
-    p.add_argument(
-        "--graph-dequant-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with an 8-bit cache: graph steps' prefill rows on the Hopper kernel over a 16-bit copy of their blocks "
-        "(TritonBackend(graph_dequant_prefill=...); default: the backend's, off)",
-    )
-    p.add_argument(
-        "--value-runs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with an 8-bit cache: prefill rows' token-major V written in coalesced runs "
-        "(TritonBackend(value_runs=...); default: the backend's, on)",
-    )
+    for name, text in BACKEND_SWITCHES.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{text}; TritonBackend({name}=...)",
+        )
     p.add_argument("--token-budget", type=int, help="most tokens per step (both engines)")
     p.add_argument("--max-running", type=int, help="most rows per step (ours)")
     p.add_argument("--eager", action="store_true", help="ours without CUDA graphs")
@@ -1194,10 +1181,9 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode is not None and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
-    for flag, value in (("--direct-decode-graphs", args.direct_decode_graphs),
-                        ("--graph-dequant-prefill", args.graph_dequant_prefill),
-                        ("--value-runs", args.value_runs)):  # fmt: skip
-        if value is not None and args.backend not in (None, "triton"):
+    for name in BACKEND_SWITCHES:
+        if getattr(args, name) is not None and args.backend not in (None, "triton"):
+            flag = "--" + name.replace("_", "-")
             parser.error(f"{flag}: a choice of the triton backend, not of --backend {args.backend}")
     if args.decode_launch is not None:
         if args.hopper_decode is not None or args.backend not in (None, "triton"):

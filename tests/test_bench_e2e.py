@@ -200,36 +200,25 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
     assert bench.settings_from(parser.parse_args(["--no-direct-decode-graphs"])).direct_decode_graphs is False
 
 
-def test_graph_dequant_prefill_is_a_triton_backend_choice() -> None:
-    """``--graph-dequant-prefill`` reaches the triton backend; refused with another backend."""
+@pytest.mark.parametrize(("name", "default"), [("graph_dequant_prefill", False), ("value_runs", True)])
+def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> None:
+    """``--[no-]graph-dequant-prefill`` and ``--[no-]value-runs`` reach the triton backend
+    (left out: the backend's default, off and on); refused with another backend."""
     bench = _bench()
     from examples.engine import cache_config_for
 
-    with pytest.raises(SystemExit):
-        bench.run(["--device", "cuda", "--backend", "reference", "--graph-dequant-prefill"])
+    flag = "--" + name.replace("_", "-")
+    for given in (flag, "--no-" + flag[2:]):
+        with pytest.raises(SystemExit):
+            bench.run(["--device", "cuda", "--backend", "reference", given])
     parser = bench._parser()
-    assert bench.settings_from(parser.parse_args([])).graph_dequant_prefill is None
-    assert bench.settings_from(parser.parse_args(["--graph-dequant-prefill"])).graph_dequant_prefill is True
+    assert getattr(bench.settings_from(parser.parse_args([])), name) is None
+    assert getattr(bench.settings_from(parser.parse_args([flag])), name) is True
+    assert getattr(bench.settings_from(parser.parse_args(["--no-" + flag[2:]])), name) is False
     config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    assert bench._triton_backend(bench.LLAMA3_8B, config, graph_dequant_prefill=True).graph_dequant_prefill
-    assert not bench._triton_backend(bench.LLAMA3_8B, config).graph_dequant_prefill
-
-
-def test_value_runs_is_a_triton_backend_choice() -> None:
-    """``--[no-]value-runs`` reaches the triton backend (on by default); refused with another."""
-    bench = _bench()
-    from examples.engine import cache_config_for
-
-    with pytest.raises(SystemExit):
-        bench.run(["--device", "cuda", "--backend", "reference", "--no-value-runs"])
-    parser = bench._parser()
-    assert bench.settings_from(parser.parse_args([])).value_runs is None
-    assert bench.settings_from(parser.parse_args(["--no-value-runs"])).value_runs is False
-    config = cache_config_for(bench.LLAMA3_8B, block_size=256, dtype="float8_e4m3", num_blocks=8, device="cpu",
-                              backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    assert not bench._triton_backend(bench.LLAMA3_8B, config, value_runs=False).value_runs
-    assert bench._triton_backend(bench.LLAMA3_8B, config).value_runs
+    assert getattr(bench._triton_backend(bench.LLAMA3_8B, config), name) is default
+    assert getattr(bench._triton_backend(bench.LLAMA3_8B, config, **{name: not default}), name) is (not default)
 
 
 @pytest.mark.parametrize(("cache_dtype", "tile"), [("float8_e4m3", 128), ("bfloat16", 64)])
