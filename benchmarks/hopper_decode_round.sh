@@ -51,6 +51,17 @@ timed() {  # name, timeout seconds, command...: runs it into $out/<name>.log, no
     tail -40 "$out/$name.log"
 }
 
+poisson_8bit_pair() {  # default-name, flagged-name, flag: the Poisson run over fp8 and int8, without and with flag
+    local plain=$1 flagged=$2 flag=$3 cache
+    local e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads poisson)
+    for cache in float8_e4m3 int8; do
+        timed "e2e-$cache-$plain" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
+            --out "$out/e2e-$cache-$plain.json"
+        timed "e2e-$cache-$flagged" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" "$flag" \
+            --out "$out/e2e-$cache-$flagged.json"
+    done
+}
+
 for stage in "${stages[@]}"; do
     case $stage in
     tests)
@@ -125,22 +136,12 @@ for stage in "${stages[@]}"; do
     dequant-e2e)
         # The Poisson run (mixed graph steps) over fp8 and int8 caches: prefill rows of graph
         # steps on the Triton kernel (the default) against the Hopper kernel over a 16-bit copy.
-        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads poisson)
-        for cache in float8_e4m3 int8; do
-            timed "e2e-$cache-triton-prefill" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
-                --out "$out/e2e-$cache-triton-prefill.json"
-            timed "e2e-$cache-dequant-prefill" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
-                --graph-dequant-prefill --out "$out/e2e-$cache-dequant-prefill.json"
-        done
+        poisson_8bit_pair triton-prefill dequant-prefill --graph-dequant-prefill
         ;;
     value-runs-e2e)
-        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads poisson)
-        for cache in float8_e4m3 int8; do
-            timed "e2e-$cache-value-runs" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
-                --out "$out/e2e-$cache-value-runs.json"
-            timed "e2e-$cache-token-by-token" "${E2E_TIMEOUT:-150}" "${e2e[@]}" --kv-cache-dtype "$cache" \
-                --no-value-runs --out "$out/e2e-$cache-token-by-token.json"
-        done
+        # Prefill rows' token-major V in coalesced runs (the default; int8 takes none unless
+        # forced) against token by token.
+        poisson_8bit_pair value-runs token-by-token --no-value-runs
         ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
