@@ -287,9 +287,9 @@ def hopper_wgmma_variants() -> list[Variant]:
     cache's K and V reach fp8 MMAs as stored), for the fp8 and the bf16 cache: a ring of 2 tiles
     (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB, two an SM), and for fp8
     the 2-tile ring with wave fill too (the block-32 fp8 default's); chunks with the default
-    launches' slot share (1.0 over fp8, 0.75 over bf16). First, the fp8 cache with
-    ``TritonBackend(hopper_decode=None)``: the Gluon kernel where blocks are shorter than its
-    128-token tile, the Triton kernel's default launch elsewhere."""
+    launches' slot share (1.0 over fp8, 0.75 over bf16). First, the bf16 and the fp8 cache with
+    ``TritonBackend(hopper_decode=None)``, the backend's default: the Gluon kernel's launch
+    (``hopper_decode_config``) on an sm_90 GPU, the Triton kernel's default elsewhere."""
     from attention.triton_kernels import DecodeConfig
     from attention.triton_kernels.decode import one_token_slot_share
 
@@ -302,7 +302,8 @@ def hopper_wgmma_variants() -> list[Variant]:
         )  # fmt: skip
 
     return [
-        Variant("fp8 cache, hopper wgmma under 128-token blocks", fp8=True, hopper_decode=None),
+        Variant("bf16 cache, backend default", hopper_decode=None),
+        Variant("fp8 cache, backend default", fp8=True, hopper_decode=None),
         Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM", config=config(128, 2), fp8=True),
         Variant("fp8 cache, hopper wgmma, 2 stages, 3 an SM, wave fill 0.9", config=config(128, 2, 0.9), fp8=True),
         Variant("fp8 cache, hopper wgmma, 3 stages, 2 an SM", config=config(128, 3), fp8=True),

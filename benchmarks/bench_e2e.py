@@ -88,6 +88,7 @@ from attention import StepCapacity  # noqa: E402
 from attention.checks import cdiv  # noqa: E402
 from attention.dtypes import torch_dtype  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
+from examples.engine.compile_watch import CompileWatch  # noqa: E402
 from examples.engine.loop import StepPipeline  # noqa: E402
 from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
 from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
@@ -509,7 +510,7 @@ def parse_decode_launch(text: str) -> Any:
 
 
 #: ``--hopper-decode``'s words: TritonBackend's ``hopper_decode``.
-HOPPER_DECODE: dict[str, bool | None] = {"always": True, "never": False, "short-fp8-blocks": None}
+HOPPER_DECODE: dict[str, bool | None] = {"always": True, "never": False, "auto": None}
 
 #: TritonBackend's on/off switches, each a ``--[no-]<name>`` flag (None, left out: the
 #: backend's default), with the flag's help.
@@ -524,7 +525,7 @@ BACKEND_SWITCHES: dict[str, str] = {
 
 def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     """The triton backend for ``config``'s cache with tuning knobs: ``hopper_decode``
-    (``--hopper-decode [always|never|short-fp8-blocks]``: on an sm_90 GPU one-token decode rows
+    (``--hopper-decode [always|never|auto]``: on an sm_90 GPU one-token decode rows
     on the Gluon kernel of ``attention/triton_kernels/decode_hopper.py``),
     ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
     ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default),
@@ -1049,9 +1050,28 @@ def _target(value: float | None, limit: float, at_most: bool, text: str, valid: 
     return {"value": value, "pass": passed, "text": text}
 
 
+def compiles_line(watch: CompileWatch) -> str:
+    """One line: the kernels compiled while serving a workload (after the warm-up), by name."""
+    if not watch.available:
+        return "kernels compiled while serving: unknown (no Triton JIT hook)"
+    if not watch.compiles:
+        return "kernels compiled while serving: none"
+    counts: dict[str, int] = {}
+    for name in watch.names():
+        counts[name] = counts.get(name, 0) + 1
+    listed = ", ".join(f"{n} x{c}" for n, c in counts.items())
+    return f"kernels compiled while serving: {len(watch.compiles)} ({listed}); the warm-up missed them"
+
+
 def targets(results: dict[str, Any], s: Settings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sections = results.get("workloads") or {}
+    for name, section in sections.items():
+        watched = (section.get("ours") or {}).get("compiles_while_serving") or {}
+        if watched.get("available"):
+            out[f"{name}_compiles_while_serving"] = _target(
+                watched["count"], 0, True, f"{name}: {watched['count']} kernel compiles after the warm-up; target 0"
+            )
     burst = (sections.get("burst") or {}).get("ours") or {}
     rows = burst.get("roofline_rows")
     ratio = burst.get("roofline_ratio_median")
@@ -1143,9 +1163,9 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         const="always",
         choices=sorted(HOPPER_DECODE),
-        help="one-token decode rows on the Gluon kernel of warpgroup MMAs: always where it applies (the word "
-        "left out), never, or short-fp8-blocks (an fp8 cache in blocks under 128 tokens); TritonBackend(hopper_decode="
-        "True / False / None); default: the backend's (short-fp8-blocks)",
+        help="one-token decode rows on the Gluon kernel of warpgroup MMAs (sm_90): always where it applies (the word "
+        "left out), never (the Triton kernel), or auto (a 16-bit cache, and fp8 under bf16 queries); "
+        "TritonBackend(hopper_decode=True / False / None); default: the backend's (auto)",
     )
     p.add_argument(
         "--decode-launch",
@@ -1265,10 +1285,13 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if engine is not None and model is not None:
         for name, w in workloads.items():
             serve_it = functools.partial(serve, engine, w, s)
-            served = part(f"ours.{name}", serve_it)
+            with CompileWatch() as watch:  # after the warm-up, nothing should compile
+                served = part(f"ours.{name}", serve_it)
             if served is not None:
                 sections[name]["ours"] = ours_summary(served, model, s, copy_gbps)
+                sections[name]["ours"]["compiles_while_serving"] = watch.summary()
                 outputs[name] = [r.output for r in served.requests]
+                print(f"  ours: {compiles_line(watch)}", flush=True)
             if s.profile and name in PROFILE_WINDOWS:
                 profiled = part(
                     f"ours.{name}.profile", functools.partial(serve_it, profile_window=PROFILE_WINDOWS[name])

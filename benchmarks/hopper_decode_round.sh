@@ -12,7 +12,8 @@
 #   tests:  the Hopper decode tests and the backend's (a wrong TMA byte count hangs on an
 #           mbarrier, hence the timeout)
 #   decode: bench_decode's Hopper variants against the default launches and flash-attn
-#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default against --hopper-decode
+#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default (the Gluon kernel) against
+#           --hopper-decode never (the Triton kernel)
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
 #   burst:  bench_decode's fp8 sweep and Hopper variants on the end-to-end burst's decode step
 #           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
@@ -20,8 +21,8 @@
 #           $E2E_LAUNCHES (bench_e2e.py --decode-launch words, ";"-separated; each a cache dtype
 #           then the words, e.g. "fp8 n128 w4 s3 p3;bf16 n64 w4 s2 c1"; empty: none);
 #           $E2E_WORKLOADS (default burst; e.g. burst,poisson)
-#   short-blocks-e2e: fp8 at block 32, burst and Poisson: the Triton launch against the Gluon
-#           kernel where blocks are shorter than its tile (--hopper-decode short-fp8-blocks)
+#   short-blocks-e2e: fp8 at block 32, burst and Poisson: the default (the Gluon kernel) against
+#           the Triton launch (--hopper-decode never)
 #   dequant-e2e: the Poisson run over fp8 and int8 caches, graph steps' prefill rows on the
 #           Triton kernel against the Hopper kernel over a 16-bit copy (--graph-dequant-prefill)
 #   value-runs-e2e: the Poisson run over fp8 and int8 caches, prefill rows' token-major V
@@ -78,8 +79,8 @@ for stage in "${stages[@]}"; do
             --out "$out/decode-hopper.json"
         ;;
     e2e)
-        for form in "bf16-triton" "bf16-hopper --hopper-decode" "fp8-hopper --hopper-decode --kv-cache-dtype float8_e4m3" \
-            "fp8-triton --kv-cache-dtype float8_e4m3"; do
+        for form in "bf16-triton --hopper-decode never" "bf16-hopper" "fp8-hopper --kv-cache-dtype float8_e4m3" \
+            "fp8-triton --hopper-decode never --kv-cache-dtype float8_e4m3"; do
             read -r name args <<<"$form"
             # shellcheck disable=SC2086  # args are words
             timed "e2e-$name" "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \
@@ -125,13 +126,13 @@ for stage in "${stages[@]}"; do
             --workloads burst --kv-cache-dtype float8_e4m3 --no-direct-decode-graphs --out "$out/e2e-fp8-combine-warm.json"
         ;;
     short-blocks-e2e)
-        # fp8 at block 32, burst and Poisson: the Triton launch (the default) against the Gluon
-        # kernel where blocks are shorter than its tile (TritonBackend(hopper_decode=None)).
+        # fp8 at block 32, burst and Poisson: the Triton launch against the Gluon kernel (the
+        # default, TritonBackend(hopper_decode=None)).
         e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst,poisson --block-size 32
             --kv-cache-dtype float8_e4m3)
-        timed e2e-fp8-b32-triton "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-fp8-b32-triton.json"
-        timed e2e-fp8-b32-hopper "${E2E_TIMEOUT:-150}" "${e2e[@]}" --hopper-decode short-fp8-blocks \
-            --out "$out/e2e-fp8-b32-hopper.json"
+        timed e2e-fp8-b32-triton "${E2E_TIMEOUT:-150}" "${e2e[@]}" --hopper-decode never \
+            --out "$out/e2e-fp8-b32-triton.json"
+        timed e2e-fp8-b32-hopper "${E2E_TIMEOUT:-150}" "${e2e[@]}" --out "$out/e2e-fp8-b32-hopper.json"
         ;;
     dequant-e2e)
         # The Poisson run (mixed graph steps) over fp8 and int8 caches: prefill rows of graph

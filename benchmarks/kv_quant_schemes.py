@@ -349,6 +349,19 @@ def rotated(fn: QuantFn, rotation: torch.Tensor) -> QuantFn:
     return quantize
 
 
+def first_tokens_exact(fn: QuantFn, tokens: int) -> QuantFn:
+    """``fn`` on every position but the first ``tokens`` of the sequence (x [B, H, S, D]), which
+    stay as they are: a cache that keeps its sink tokens (BOS and the first few, where most
+    heads park their attention) unquantized."""
+
+    def quantize(x: torch.Tensor, layer: int) -> torch.Tensor:
+        out = fn(x, layer)
+        n = min(tokens, x.shape[2])
+        return torch.cat([x[:, :, :n], out[:, :, n:]], dim=2)
+
+    return quantize
+
+
 # ---- calibration -----------------------------------------------------------------------------
 
 
@@ -540,9 +553,32 @@ def build_schemes(
         **_extra_8bit_schemes(calib, calib_full, clips),
         **_int4_schemes(calib, clips),
         **(_rotated_schemes(calib, calib_kv, calib.margin) if calib_kv is not None else {}),
+        **_sink_schemes(calib, clips),
         BF16_ROUNDING: Scheme(bf16_round, bf16_round, bf16, bf16),
     }
     return schemes
+
+
+def _sink_schemes(calib: Calibration, clips: dict[str, ClipCount]) -> dict[str, Scheme]:
+    """s: fp8 e4m3 (static per (layer, KV head), or per token) with the first 1, 4 or 16
+    tokens of each sequence kept exact (16-bit); K or V alone exact on the first 4."""
+    d = calib.head_dim
+    n, n2 = _nbytes("e4m3", d), _nbytes("e4m3", d, 2)
+    static_k = make_q("e4m3", "static", static=calib.scales("k_head", "e4m3"))
+    static_v = make_q("e4m3", "static", static=calib.scales("v_head", "e4m3"))
+    tok = _token("e4m3", torch.float16)
+    out: dict[str, Scheme] = {}
+    for sink in (1, 4, 16):
+        out[f"s fp8e4m3 static/(layer,head), first {sink} exact"] = Scheme(
+            first_tokens_exact(static_k, sink), first_tokens_exact(static_v, sink), n, n
+        )
+        out[f"s fp8e4m3 per-token (fp16 scale), first {sink} exact"] = Scheme(
+            first_tokens_exact(tok, sink), first_tokens_exact(tok, sink), n2, n2
+        )
+    k4, v4 = first_tokens_exact(static_k, 4), first_tokens_exact(static_v, 4)
+    out["s fp8e4m3 static/(layer,head), first 4 exact, K only"] = Scheme(k4, static_v, n, n)
+    out["s fp8e4m3 static/(layer,head), first 4 exact, V only"] = Scheme(static_k, v4, n, n)
+    return out
 
 
 # ---- runs ------------------------------------------------------------------------------------

@@ -39,9 +39,10 @@ def test_query_register_variants_are_capped_so_the_hook_takes_them() -> None:
 
 def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> None:
     bench = load_bench("bench_decode")
-    short_blocks, *chosen = bench.hopper_wgmma_variants()
-    assert short_blocks.fp8 and short_blocks.config is None and short_blocks.hopper_decode is None
-    assert short_blocks.backend(32).hopper_decode is None
+    bf16_default, fp8_default, *chosen = bench.hopper_wgmma_variants()
+    assert not bf16_default.fp8 and fp8_default.fp8
+    for default in (bf16_default, fp8_default):
+        assert default.config is None and default.hopper_decode is None and default.backend(32).hopper_decode is None
     assert all(v.backend(32).hopper_decode is False for v in bench.variants(sweep=True))  # the Triton kernel
     assert [(v.fp8, v.config.block_n, v.config.num_stages, v.config.wave_fill) for v in chosen] == [
         (True, 128, 2, None), (True, 128, 2, 0.9), (True, 128, 3, None), (False, 64, 2, None), (False, 64, 3, None)

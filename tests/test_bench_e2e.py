@@ -165,7 +165,7 @@ def test_kv_rotation_needs_an_8bit_cache() -> None:
 
 
 def test_hopper_decode_is_a_triton_backend_choice() -> None:
-    """``--hopper-decode`` (always), ``never`` and ``short-fp8-blocks`` name the backend's
+    """``--hopper-decode`` (always), ``never`` and ``auto`` name the backend's
     True / False / None; left out, the backend's default; refused with another backend or
     another word."""
     bench = _bench()
@@ -173,12 +173,12 @@ def test_hopper_decode_is_a_triton_backend_choice() -> None:
         with pytest.raises(SystemExit):
             bench.run(["--device", "cuda", "--backend", "reference", *args])
     parser = bench._parser()
-    for args, word in (([], None), (["--hopper-decode"], "always"), (["--hopper-decode", "short-fp8-blocks"],
-                       "short-fp8-blocks"), (["--hopper-decode", "never"], "never")):  # fmt: skip
+    for args, word in (([], None), (["--hopper-decode"], "always"), (["--hopper-decode", "auto"], "auto"),
+                       (["--hopper-decode", "never"], "never")):  # fmt: skip
         assert bench.settings_from(parser.parse_args(args)).hopper_decode == word
-    assert bench.HOPPER_DECODE == {"always": True, "never": False, "short-fp8-blocks": None}
+    assert bench.HOPPER_DECODE == {"always": True, "never": False, "auto": None}
     with pytest.raises(SystemExit):
-        parser.parse_args(["--hopper-decode", "auto"])
+        parser.parse_args(["--hopper-decode", "short-fp8-blocks"])
 
 
 def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
@@ -225,8 +225,9 @@ def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> 
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the Gluon decode kernel could run (here made to say so), ``--hopper-decode``'s
-    backend takes it and the registry's does not."""
+    """Where the Gluon decode kernel could run (here made to say so), the backends of
+    ``--hopper-decode`` and of the registry (the default) take it, and ``--hopper-decode
+    never``'s does not."""
     bench = _bench()
     import attention.triton_backend as backend_module
     from attention.triton_backend import TritonBackend
@@ -236,13 +237,15 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     shape = bench.LLAMA3_8B  # head_dim 128: the Gluon kernel's
     config = cache_config_for(shape, block_size=256, dtype=cache_dtype, num_blocks=8, device="cpu",
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
-    backend = bench._triton_backend(shape, config, hopper_decode=True)
     spec = shape.attention_spec("bfloat16", cache_dtype)
-    assert backend.spec == spec
     cuda = torch.device("cuda")
-    launch, _ = backend._decode_launch(1, 256, cuda)
-    assert launch.hopper_wgmma and launch.block_n == tile
-    assert not TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    for word, gluon in (("always", True), ("auto", True), ("never", False)):
+        backend = bench._triton_backend(shape, config, hopper_decode=bench.HOPPER_DECODE[word])
+        assert backend.spec == spec
+        launch, _ = backend._decode_launch(1, 256, cuda)
+        assert launch.hopper_wgmma == gluon, word
+        assert not gluon or launch.block_n == tile
+    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
 
 
 def test_decode_launch_words_make_the_backends_launch() -> None:

@@ -1,0 +1,88 @@
+"""Which Triton / Gluon kernels compile while a block of code runs.
+
+A serving engine compiles its kernel variants during warm-up; one that compiles later stalls
+the step that first needs it for hundreds of milliseconds (a Triton compile), which shows up
+as a p99 inter-token latency many times the median. :class:`CompileWatch` records every JIT
+compile (a miss of the in-process kernel cache, whether the binary then comes from Triton's
+disk cache or the compiler) through ``triton.knobs.runtime.jit_post_compile_hook``, so a
+benchmark can say, after the warm-up, which kernels were still compiled while serving and with
+which arguments' specialization (an integer argument equal to 1 or a multiple of 16, a pointer
+aligned to 16 bytes: each a compile of its own unless the kernel says ``do_not_specialize``).
+
+Without Triton, or a Triton without that hook, the watch records nothing and says so
+(:attr:`CompileWatch.available`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+__all__ = ["CompileWatch", "KernelCompile"]
+
+
+@dataclass(frozen=True)
+class KernelCompile:
+    """One JIT compile: the kernel's name, its launch signature as Triton prints it (argument
+    types and specialization, num_warps, num_stages) and when it finished (``time.perf_counter``)."""
+
+    name: str
+    signature: str
+    at: float
+
+
+def _runtime_knobs() -> Any | None:
+    """``triton.knobs.runtime`` where it has the post-compile hook, else None."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    return runtime if runtime is not None and hasattr(runtime, "jit_post_compile_hook") else None
+
+
+@dataclass
+class CompileWatch:
+    """A context manager recording every Triton JIT compile inside it into :attr:`compiles`;
+    the hook that was installed before (if any) still runs, and is put back on exit. Not
+    reentrant: one watch at a time per process."""
+
+    compiles: list[KernelCompile] = field(default_factory=list)
+    available: bool = False
+    _previous: Any = None
+    _runtime: Any = None
+
+    def __enter__(self) -> CompileWatch:
+        self._runtime = _runtime_knobs()
+        self.available = self._runtime is not None
+        if self._runtime is not None:
+            self._previous = self._runtime.jit_post_compile_hook
+            self._runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_post_compile_hook = self._previous
+            self._runtime = None
+
+    def _hook(self, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")
+        name = str(getattr(fn, "name", None) or kwargs.get("repr", "?")).split("[")[0]
+        self.compiles.append(KernelCompile(name, str(kwargs.get("repr", "")), time.perf_counter()))
+        return self._previous(**kwargs) if self._previous is not None else None
+
+    def names(self) -> list[str]:
+        """The compiled kernels' names, in order (one per compile)."""
+        return [c.name for c in self.compiles]
+
+    def summary(self) -> dict[str, Any]:
+        """For a JSON report: whether the hook was there, how many compiles, and each one."""
+        return {
+            "available": self.available,
+            "count": len(self.compiles),
+            "compiles": [{"name": c.name, "signature": c.signature} for c in self.compiles],
+        }
