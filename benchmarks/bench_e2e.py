@@ -750,7 +750,25 @@ def ours_summary(served: Served, model: Llama, s: Settings, copy_gbps: float | N
     }
     out.update(_latency(served.token_times, served.arrivals))
     out.update(_iteration_stats(served.iterations, model, s, copy_gbps))
+    out["slowest_iterations"] = slowest_iterations(served.iterations)
     return out
+
+
+def slowest_iterations(iterations: Sequence[IterRecord], count: int = 3) -> list[dict[str, Any]]:
+    """The ``count`` iterations with the longest periods (the first has none), slowest first:
+    where a p99 comes from (a compile, a capture, a long prefill)."""
+    timed = sorted(range(1, len(iterations)), key=lambda i: iterations[i].period_s, reverse=True)[:count]
+    return [
+        {
+            "iteration": i,
+            "rows": iterations[i].rows,
+            "tokens": iterations[i].tokens,
+            "prefill_rows": iterations[i].prefill_rows,
+            "period_ms": 1e3 * iterations[i].period_s,
+            "host_ms": 1e3 * iterations[i].host_s,
+        }
+        for i in timed
+    ]
 
 
 def _latency(token_times: dict[int, list[float]], arrivals: dict[int, float] | None = None) -> dict[str, Any]:
@@ -1292,6 +1310,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 sections[name]["ours"]["compiles_while_serving"] = watch.summary()
                 outputs[name] = [r.output for r in served.requests]
                 print(f"  ours: {compiles_line(watch)}", flush=True)
+                slow = ", ".join(
+                    f"#{it['iteration']} {it['period_ms']:.1f} ms ({it['rows']} rows, {it['prefill_rows']} prefill, "
+                    f"host {it['host_ms']:.1f} ms)"
+                    for it in sections[name]["ours"]["slowest_iterations"]
+                )
+                print(f"  ours: slowest iterations: {slow}", flush=True)
             if s.profile and name in PROFILE_WINDOWS:
                 profiled = part(
                     f"ours.{name}.profile", functools.partial(serve_it, profile_window=PROFILE_WINDOWS[name])

@@ -286,3 +286,26 @@ def test_bad_decode_launch_is_refused_naming_the_word(text: str, named: str) -> 
         _bench().parse_decode_launch(text)
     with pytest.raises(SystemExit):
         _bench().run(["--device", "cpu", "--tiny", "--decode-launch", text])
+
+
+def test_slowest_iterations_name_the_longest_periods_but_the_first() -> None:
+    bench = _bench()
+    periods = [9.0, 0.010, 0.500, 0.020, 0.007]  # the first iteration has no period of its own
+    its = [bench.IterRecord(rows=i + 1, tokens=10 * i, prefill_rows=i % 2, period_s=p, host_s=p / 2, kv_tokens=0)
+           for i, p in enumerate(periods)]  # fmt: skip
+    slow = bench.slowest_iterations(its, count=2)
+    assert [s["iteration"] for s in slow] == [2, 3]
+    assert slow[0] == {"iteration": 2, "rows": 3, "tokens": 20, "prefill_rows": 0, "period_ms": 500.0,
+                       "host_ms": 250.0}  # fmt: skip
+    assert bench.slowest_iterations(its[:1]) == []
+
+
+def test_compiles_line_names_the_kernels_compiled_while_serving() -> None:
+    bench = _bench()
+    from examples.engine.compile_watch import CompileWatch, KernelCompile
+
+    watch = CompileWatch(available=True)
+    assert bench.compiles_line(watch).endswith("none")
+    watch.compiles += [KernelCompile("_a", "", 0.0), KernelCompile("_b", "", 1.0), KernelCompile("_a", "", 2.0)]
+    assert "3 (_a x2, _b x1)" in bench.compiles_line(watch)
+    assert "unknown" in bench.compiles_line(CompileWatch())

@@ -234,10 +234,16 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
     memory at head_dim 128) and two programs an SM. :class:`~attention.triton_backend.TritonBackend`
-    takes it with ``hopper_decode=True`` where the kernel runs (an sm_90 GPU); elsewhere
-    :func:`paged_decode` runs the Triton kernel with the same tiles.
+    takes it by default where the kernel runs (an sm_90 GPU; an fp8 cache under bf16 queries);
+    elsewhere :func:`paged_decode` runs the Triton kernel with the same tiles.
 
-    Measured on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
+    On the H200 (benchmarks/results/decode-hopper-h200-2026-12-05.md) this launch ran
+    bench_decode.py's shapes at 0.99-1.20x the speed of the Triton launches (bf16 32x512 at
+    1.12-1.14x flash-attn's, the Triton kernel at 0.93-0.96x), and the end-to-end burst's
+    decode attention at 2.81 ms an iteration against 2.97 (bf16) and 1.80 against 1.95 (fp8,
+    block 256): the default since.
+
+    Measured before on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
     :func:`default_decode_config`'s Triton launches in the same run:
 
     - bench_decode.py (CUDA-graph replay, K/V from HBM, 32 query / 8 KV heads, head_dim 128,
@@ -245,8 +251,7 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
       cache at 1.00-1.07x their speed, the bf16 cache at 0.99-1.05x;
     - the end-to-end burst (bench_e2e.py, Llama-3-8B shapes, 128 rows, CUDA graphs): decode
       attention (chunks and combine) 4.31 ms an iteration against 4.20 (bf16 cache) and 2.71
-      against 2.69 (fp8): no gain where users run it, so the backend keeps the Triton kernel
-      by default. A ring of two tiles (three programs an SM) did no better there (4.33 against
+      against 2.69 (fp8), before the slot share (below). A ring of two tiles (three programs an SM) did no better there (4.33 against
       4.20, 2.72 against 2.68) and up to 3% worse in bench_decode (64x4096).
 
     Its rows are chunked with :func:`default_decode_config`'s slot share (1.0 over fp8, 0.75

@@ -29,10 +29,11 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
 Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
 a tile's path through the loop takes 449 instructions (fp8, 128 tokens) and 229 (bf16, 64
 tokens) at block 256, 626 and 269 at block 32, where the Triton kernel takes 891 / 436 and
-833 / 479. Timed on an H100 (``benchmarks/results/decode-hopper-h100-2026-12-05.md``), it is
-0.99-1.07x the Triton kernel's speed in ``benchmarks/bench_decode.py --hopper-wgmma`` and
-0.97-0.99x in the end-to-end burst, so :class:`~attention.triton_backend.TritonBackend` runs it
-only with ``hopper_decode=True`` (launch :func:`.decode.hopper_decode_config`).
+833 / 479. Timed on the H200 (``benchmarks/results/decode-hopper-h200-2026-12-05.md``), it is
+0.99-1.20x the Triton kernel's speed in ``benchmarks/bench_decode.py --hopper-wgmma`` and
+1.06-1.08x in the end-to-end burst's decode attention (on an H100 0.98-1.07x and 0.98-1.04x),
+so :class:`~attention.triton_backend.TritonBackend` runs it by default on sm_90 (a 16-bit cache,
+and fp8 under bf16 queries; launch :func:`.decode.hopper_decode_config`).
 
 Scope (:func:`decode_hopper_applies`): a bf16 or fp16 query with one new token per row,
 head_dim 64 or 128, GQA groups of up to 16 heads, no cap, sinks or draft tree; a float8_e4m3fn
