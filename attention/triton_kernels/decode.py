@@ -251,8 +251,9 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
       cache at 1.00-1.07x their speed, the bf16 cache at 0.99-1.05x;
     - the end-to-end burst (bench_e2e.py, Llama-3-8B shapes, 128 rows, CUDA graphs): decode
       attention (chunks and combine) 4.31 ms an iteration against 4.20 (bf16 cache) and 2.71
-      against 2.69 (fp8), before the slot share (below). A ring of two tiles (three programs an SM) did no better there (4.33 against
-      4.20, 2.72 against 2.68) and up to 3% worse in bench_decode (64x4096).
+      against 2.69 (fp8), before the slot share (below). A ring of two tiles (three programs
+      an SM) did no better there (4.33 against 4.20, 2.72 against 2.68) and up to 3% worse in
+      bench_decode (64x4096).
 
     Its rows are chunked with :func:`default_decode_config`'s slot share (1.0 over fp8, 0.75
     over a 16-bit cache), which the figures above predate. With it
