@@ -276,20 +276,25 @@ class TritonBackend(AttentionBackend):
                         warpgroup MMAs (:mod:`~attention.triton_kernels.decode_hopper`, launch
                         :func:`~attention.triton_kernels.decode.hopper_decode_config`) where it
                         takes the spec and block size (head_dim 64 or 128, groups of up to 16
-                        heads, no cap or sinks). None (default): a 16-bit cache, and an fp8
-                        cache under bf16 queries (its fp8 dots take the query and P as e4m3
-                        hi + lo, ~8 significant bits: a bf16 query's, not an fp16 one's).
-                        True: also an fp8 cache under fp16 queries. False: never (the Triton
-                        kernel everywhere). On the H200
-                        (benchmarks/results/decode-hopper-h200-2026-12-05.md) it ran at least
-                        as fast as the Triton kernel on every shape timed but one (fp8,
-                        32 x 512 at block 32: 1.01x its time), 1.14x flash-attn's speed on
-                        32 x 512 where the Triton kernel ran at 0.93-0.96x, and the burst's
-                        decode attention took 2.81 ms an iteration against 2.97 (bf16) and
-                        1.80 against 1.95 (fp8, block 256). On an H100
-                        (decode-hopper-slot-share-h100-2026-12-05.md): fp8 at block 32
-                        1.00-1.07x the Triton kernel's speed and 1.04x end to end; at block 256
-                        0.98-1.06x and 0.98x end to end; bf16 0.99-1.05x and 1.02x end to end.
+                        heads, no cap or sinks). None (default): a cache in the compute dtype
+                        at every block size it takes, and a float8_e4m3fn cache in blocks
+                        shorter than the kernel's 128-token tile (where the Triton kernel's
+                        tiles span blocks) under bf16 queries (its fp8 dots take the query and
+                        P as e4m3 hi + lo, ~8 significant bits: a bf16 query's, not an fp16
+                        one's). True: wherever it applies. False: never (the Triton kernel
+                        everywhere). On the H200
+                        (benchmarks/results/decode-hopper-h200-2026-12-05.md) the kernel ran a
+                        bf16 cache at 1.00-1.20x the Triton kernel's speed on every shape but
+                        64 x 4096 (0.998x), 32 x 512 at 1.12-1.14x flash-attn's where the Triton
+                        kernel runs 0.93-0.96x, and the burst's decode attention at 2.81 ms an
+                        iteration against 2.97. Over fp8 it ran 0.99-1.13x the Triton kernel's
+                        speed, and the burst's attention at 1.80 ms against 1.95 at block 256,
+                        but every end-to-end fp8 run on it so far (four, H100 and H200) had one
+                        decode iteration stalled by 0.1-0.5 s and lower tokens/s than the
+                        Triton kernel's run (4,923 against 5,872 on the H200): until that is
+                        explained, fp8 takes it only in short blocks, as measured on an H100
+                        (decode-hopper-slot-share-h100-2026-12-05.md: block 32 1.00-1.07x the
+                        Triton kernel's speed, decode attention 2.42 ms against 2.51).
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
@@ -727,14 +732,17 @@ class TritonBackend(AttentionBackend):
         decode kernel: ``hopper_decode`` not False, an sm_90 GPU with Gluon, a bf16 / fp16 compute
         dtype over a float8_e4m3fn cache or one of that dtype, no cap or sinks, full attention
         or a window (not latent), and :func:`~attention.triton_kernels.decode_hopper.decode_hopper_shape_ok`;
-        with ``hopper_decode`` None, a float8_e4m3fn cache only under bf16 queries."""
+        with ``hopper_decode`` None, a float8_e4m3fn cache only in blocks shorter than the tile
+        under bf16 queries."""
         spec, cache = self.spec, self.cache_dtype
         if self.hopper_decode is False or spec.latent_attention:
             return False
         if spec.logit_softcap is not None or spec.attention_sinks:
             return False
-        if self.hopper_decode is None and cache == torch.float8_e4m3fn and self.compute_dtype != torch.bfloat16:
-            return False
+        if self.hopper_decode is None and cache == torch.float8_e4m3fn:
+            short_blocks = block_size < hopper_block_n(cache)  # where the Triton kernel's tiles span blocks
+            if not (short_blocks and self.compute_dtype == torch.bfloat16):
+                return False
         if self.compute_dtype not in (torch.bfloat16, torch.float16):
             return False
         if cache not in (torch.float8_e4m3fn, self.compute_dtype):

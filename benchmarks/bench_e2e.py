@@ -1182,7 +1182,8 @@ def _parser() -> argparse.ArgumentParser:
         const="always",
         choices=sorted(HOPPER_DECODE),
         help="one-token decode rows on the Gluon kernel of warpgroup MMAs (sm_90): always where it applies (the word "
-        "left out), never (the Triton kernel), or auto (a 16-bit cache, and fp8 under bf16 queries); "
+        "left out), never (the Triton kernel), or auto (a 16-bit cache, and fp8 in blocks under 128 tokens under "
+        "bf16 queries); "
         "TritonBackend(hopper_decode=True / False / None); default: the backend's (auto)",
     )
     p.add_argument(

@@ -12,8 +12,9 @@
 #   tests:  the Hopper decode tests and the backend's (a wrong TMA byte count hangs on an
 #           mbarrier, hence the timeout)
 #   decode: bench_decode's Hopper variants against the default launches and flash-attn
-#   e2e:    the end-to-end burst, bf16 and fp8 caches, the default (the Gluon kernel) against
-#           --hopper-decode never (the Triton kernel)
+#   e2e:    the end-to-end burst, bf16 and fp8 caches, the Gluon kernel against the Triton
+#           kernel (bf16: the default against --hopper-decode never; fp8 at block 256: the
+#           default against --hopper-decode)
 #   mla:    bench_mla_decode at the plan's launch (issue 24's 85%-of-copy target)
 #   burst:  bench_decode's fp8 sweep and Hopper variants on the end-to-end burst's decode step
 #           (128 rows of ~640 tokens: where fp8 reads at ~78% of the copy rate end to end)
@@ -79,8 +80,8 @@ for stage in "${stages[@]}"; do
             --out "$out/decode-hopper.json"
         ;;
     e2e)
-        for form in "bf16-triton --hopper-decode never" "bf16-hopper" "fp8-hopper --kv-cache-dtype float8_e4m3" \
-            "fp8-triton --hopper-decode never --kv-cache-dtype float8_e4m3"; do
+        for form in "bf16-triton --hopper-decode never" "bf16-hopper" "fp8-hopper --hopper-decode --kv-cache-dtype float8_e4m3" \
+            "fp8-triton --kv-cache-dtype float8_e4m3"; do
             read -r name args <<<"$form"
             # shellcheck disable=SC2086  # args are words
             timed "e2e-$name" "${E2E_TIMEOUT:-150}" python3 benchmarks/bench_e2e.py --skip-transformers \

@@ -225,9 +225,10 @@ def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> 
 def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     cache_dtype: str, tile: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the Gluon decode kernel could run (here made to say so), the backends of
-    ``--hopper-decode`` and of the registry (the default) take it, and ``--hopper-decode
-    never``'s does not."""
+    """Where the Gluon decode kernel could run (here made to say so), ``--hopper-decode``'s
+    backend takes it at block 256 and ``--hopper-decode never``'s does not; the default
+    (``auto``, the registry's backend) takes it for the bf16 cache, not for fp8 in blocks as
+    long as its tile."""
     bench = _bench()
     import attention.triton_backend as backend_module
     from attention.triton_backend import TritonBackend
@@ -239,13 +240,14 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
     spec = shape.attention_spec("bfloat16", cache_dtype)
     cuda = torch.device("cuda")
-    for word, gluon in (("always", True), ("auto", True), ("never", False)):
+    bf16 = cache_dtype == "bfloat16"
+    for word, gluon in (("always", True), ("auto", bf16), ("never", False)):
         backend = bench._triton_backend(shape, config, hopper_decode=bench.HOPPER_DECODE[word])
         assert backend.spec == spec
         launch, _ = backend._decode_launch(1, 256, cuda)
         assert launch.hopper_wgmma == gluon, word
         assert not gluon or launch.block_n == tile
-    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
+    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma == bf16
 
 
 def test_decode_launch_words_make_the_backends_launch() -> None:

@@ -303,8 +303,8 @@ def test_fixed_buffers_hold_a_wave_filled_graph_step(triton_device: str) -> None
     ``wave_fill``), which takes more items and partial slots than the default policy's
     bounds: the builder's fixed buffers are sized for it, so a CUDA-graph bucket of such rows
     plans (8 rows x 2 KV heads on 4 SMs: 16 programs for 12 places, cut in three). The
-    Triton kernel's launch, named (``hopper_decode=False``; by default an fp8 cache on an sm_90
-    GPU takes the Gluon kernel's, which fills no waves)."""
+    Triton kernel's launch, named (``hopper_decode=False``; by default an fp8 cache at block 32
+    on an sm_90 GPU takes the Gluon kernel's, which fills no waves)."""
     from kvcache import BlockManager, MetadataBuilder, ScheduledRow, StepCapacity
 
     spec = make_spec(8, 2, 64, torch.float16, kv_cache_dtype="float8_e4m3")
@@ -375,13 +375,14 @@ HOPPER_CHOICES = [
     pytest.param({"attention_sinks": True}, 32, ON, False, id="sinks"),
     pytest.param({}, 32, {}, True, id="default-bf16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, True, id="default-fp8-b32"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, True, id="default-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, False, id="default-fp8-b256"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {"hopper_decode": False}, False, id="off-fp8-b32"),
     pytest.param({}, 256, {"hopper_decode": False}, False, id="off-bf16-b256"),
     pytest.param({}, 32, AUTO, True, id="auto-bf16"),
     pytest.param({"dtype": torch.float16}, 64, AUTO, True, id="auto-fp16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 64, AUTO, True, id="auto-fp8-b64"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, AUTO, True, id="auto-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, AUTO, False, id="auto-fp8-b256"),
+    pytest.param({}, 256, AUTO, True, id="auto-bf16-b256"),
     pytest.param({"kv_cache_dtype": "float8_e4m3", "dtype": torch.float16}, 32, AUTO, False, id="auto-fp8-fp16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3", "dtype": torch.float16}, 32, ON, True, id="on-fp8-fp16"),
     pytest.param({"kv_cache_dtype": "int8"}, 32, AUTO, False, id="auto-int8"),
@@ -404,8 +405,8 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     ``hopper_decode_config``'s launch (its tile, 3 stages, 2 programs an SM, within the
     default policy's bound); an int8 cache, a cap, sinks, a block of 96, ``hopper_decode=False``
     and a given config keep the Triton launch, and rows verifying drafts the verify launch.
-    With ``hopper_decode=None`` (the default) the same, but an fp8 cache only under bf16
-    queries. The output is right (elsewhere than on an sm_90 GPU the Triton
+    With ``hopper_decode=None`` (the default) the same, but an fp8 cache only in blocks
+    shorter than the 128-token tile under bf16 queries. The output is right (elsewhere than on an sm_90 GPU the Triton
     kernel runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 

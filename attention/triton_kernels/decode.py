@@ -234,14 +234,16 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
     memory at head_dim 128) and two programs an SM. :class:`~attention.triton_backend.TritonBackend`
-    takes it by default where the kernel runs (an sm_90 GPU; an fp8 cache under bf16 queries);
-    elsewhere :func:`paged_decode` runs the Triton kernel with the same tiles.
+    takes it by default where the kernel runs (an sm_90 GPU) for a 16-bit cache, and for an
+    fp8 one in blocks shorter than the tile under bf16 queries; elsewhere :func:`paged_decode`
+    runs the Triton kernel with the same tiles.
 
     On the H200 (benchmarks/results/decode-hopper-h200-2026-12-05.md) this launch ran
     bench_decode.py's shapes at 0.99-1.20x the speed of the Triton launches (bf16 32x512 at
     1.12-1.14x flash-attn's, the Triton kernel at 0.93-0.96x), and the end-to-end burst's
-    decode attention at 2.81 ms an iteration against 2.97 (bf16) and 1.80 against 1.95 (fp8,
-    block 256): the default since.
+    decode attention at 2.81 ms an iteration against 2.97 (bf16: the default since) and 1.80
+    against 1.95 (fp8, block 256; that run had one iteration stalled by ~0.5 s, as each fp8 run
+    on this kernel had, so fp8 in long blocks stays on the Triton kernel).
 
     Measured before on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
     :func:`default_decode_config`'s Triton launches in the same run:
