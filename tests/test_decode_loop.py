@@ -252,7 +252,26 @@ def test_cli_too_few_blocks_is_one_line_naming_the_option(capsys: pytest.Capture
 
 def test_cli_summary_says_whether_steps_replayed_graphs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--quiet", "--requests", "4"]) == 0
-    assert "\n  CUDA graphs: off\n" in capsys.readouterr().out  # a CPU run has none
+    out = capsys.readouterr().out
+    assert "\n  CUDA graphs: off\n" in out  # a CPU run has none
+    assert "kernels compiled after warm-up" not in out  # nor compiles to count
+
+
+def test_summary_names_kernels_compiled_after_the_warm_up() -> None:
+    """On CUDA the summary says how many kernels compiled after the warm-up (each one a stalled
+    step), and names them; nothing is said where that is unknown (a CPU run)."""
+    from dataclasses import replace
+
+    from examples.engine.loop import RunReport, format_summary
+
+    base = RunReport(requests=[], steps=1, wall_s=1.0, num_blocks=4, peak_blocks=1, preemptions=0,
+                     preemptions_by_mode={}, swapped_blocks=(0, 0), computed_tokens=1)  # fmt: skip
+    assert not any(line.startswith("kernels compiled") for line in format_summary(base))
+    assert "kernels compiled after warm-up: 0" in format_summary(replace(base, compiles_after_warmup=[]))
+    missed = replace(base, compiles_after_warmup=["_decode_hopper_kernel", "_combine", "_decode_hopper_kernel"])
+    assert "kernels compiled after warm-up: 3 (_combine, _decode_hopper_kernel; the warm-up missed them)" in (
+        format_summary(missed)
+    )
 
 
 def test_cli_multi_turn_host_tier_saves_prefill_with_the_same_tokens(

@@ -213,3 +213,17 @@ def test_prompt_lookup_gives_the_plain_greedy_tokens_on_cuda() -> None:
             print(f"prompt lookup on CUDA: {report.accepted} of {report.drafted} drafts accepted")
     identical = sum(a == b for a, b in zip(outputs[0], outputs[4], strict=True))
     assert identical >= len(outputs[0]) - 1, f"{identical} of {len(outputs[0])} requests match plain decoding"
+
+
+def test_nothing_compiles_after_the_warm_up() -> None:
+    """The runner's warm-up compiles every kernel variant the loop then runs (the contract of
+    ``ModelRunner.warmup``): serving the workload with CUDA graphs and recompute preemption
+    compiles nothing more (``RunReport.compiles_after_warmup``, recorded by Triton's
+    post-compile hook). Kernels an earlier test compiled in this process are not compiled
+    again, so this can pass when run after others; alone, it checks the warm-up's coverage."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    report = _serve("triton", "recompute", use_graphs=True)
+    if report.compiles_after_warmup is None:
+        pytest.skip("this Triton has no post-compile hook (triton.knobs.runtime.jit_post_compile_hook)")
+    assert report.compiles_after_warmup == [], report.compiles_after_warmup

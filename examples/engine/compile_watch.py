@@ -10,7 +10,8 @@ which arguments' specialization (an integer argument equal to 1 or a multiple of
 aligned to 16 bytes: each a compile of its own unless the kernel says ``do_not_specialize``).
 
 Without Triton, or a Triton without that hook, the watch records nothing and says so
-(:attr:`CompileWatch.available`).
+(:attr:`CompileWatch.available`). :func:`examples.engine.loop.run_requests` watches its
+serving loop (``RunReport.compiles_after_warmup``), as ``benchmarks/bench_e2e.py`` does.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
 
 from ..model.llama import Llama
+from .compile_watch import CompileWatch
 from .runner import LaunchedStep, ModelRunner, WarmupReport
 from .scheduler import Preemption, Request, Scheduler, StepBatch
 
@@ -79,6 +80,10 @@ class RunReport:
     #: (``num_blocks`` and ``peak_blocks`` count block ids).
     kv_groups: int = 1
     layers_per_block: int = 0
+    #: On CUDA: the Triton / Gluon kernels compiled after the warm-up, by name (empty: none,
+    #: as the warm-up promises; each one stalled the step that first needed it). None on a
+    #: CPU, or where Triton has no compile hook to tell.
+    compiles_after_warmup: list[str] | None = None
 
     @property
     def drafted(self) -> int:
@@ -272,34 +277,35 @@ def run_requests(
     computed = forward_steps = fed_rows = 0
     step = 0  # the clock request arrivals are given in
     start = time.perf_counter()
-    while not scheduler.done:
-        if draft_tokens:
-            scheduler.drafting = draft_max_rows is None or len(scheduler.running) <= draft_max_rows
-            if scheduler.drafting and pipeline.busy:
-                pipeline.drain()  # drafts follow the tokens of the step in flight
-                continue  # which may have finished requests: look again
-        batch = scheduler.schedule(step)
-        if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
-            agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
-        if batch is None:
-            if pipeline.busy:  # everything running waits on the step in flight
-                pipeline.drain()
+    with CompileWatch() as watch:  # after the warm-up: nothing should compile
+        while not scheduler.done:
+            if draft_tokens:
+                scheduler.drafting = draft_max_rows is None or len(scheduler.running) <= draft_max_rows
+                if scheduler.drafting and pipeline.busy:
+                    pipeline.drain()  # drafts follow the tokens of the step in flight
+                    continue  # which may have finished requests: look again
+            batch = scheduler.schedule(step)
+            if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
+                agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
+            if batch is None:
+                if pipeline.busy:  # everything running waits on the step in flight
+                    pipeline.drain()
+                    continue
+                if scheduler.done:  # scheduling applied the step in flight, which finished the rest
+                    continue
+                arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
+                if arrival is None or arrival <= step:
+                    raise RuntimeError("the scheduler is idle but no request is due to arrive")
+                step = arrival
                 continue
-            if scheduler.done:  # scheduling applied the step in flight, which finished the rest
-                continue
-            arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
-            if arrival is None or arrival <= step:
-                raise RuntimeError("the scheduler is idle but no request is due to arrive")
-            step = arrival
-            continue
-        pipeline.submit(batch)
-        fed_rows += sum(1 for j in batch.feed if j >= 0)
-        computed += len(batch.token_ids)
-        forward_steps += 1
-        if on_step is not None:
-            on_step(step, scheduler, time.perf_counter() - start, pipeline.generated)
-        step += 1
-    pipeline.drain()
+            pipeline.submit(batch)
+            fed_rows += sum(1 for j in batch.feed if j >= 0)
+            computed += len(batch.token_ids)
+            forward_steps += 1
+            if on_step is not None:
+                on_step(step, scheduler, time.perf_counter() - start, pipeline.generated)
+            step += 1
+        pipeline.drain()
     wall = time.perf_counter() - start
     if agreement is not None:  # a rank that stopped early meets the others' step check here
         agreement.check("outputs", forward_steps, [r.output for r in requests])
@@ -330,6 +336,7 @@ def run_requests(
         graph_replays=_graph_replays(runner),
         kv_groups=1 if cache.layout is None else len(cache.layout.groups),
         layers_per_block=cache.num_tensors,
+        compiles_after_warmup=watch.names() if watch.available and cache.device.type == "cuda" else None,
     )
 
 
@@ -389,6 +396,12 @@ def format_summary(report: RunReport) -> list[str]:
         + ", ".join(f"{mode} {n}" for mode, n in report.preemptions_by_mode.items())
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
     ]
+    if report.compiles_after_warmup is not None:
+        names = sorted(set(report.compiles_after_warmup))
+        lines.append(
+            f"kernels compiled after warm-up: {len(report.compiles_after_warmup)}"
+            + (f" ({', '.join(names)}; the warm-up missed them)" if names else "")
+        )
     if report.tp_size > 1:
         lines.append(
             f"tensor parallel: {report.tp_size} ranks; {report.agreement_checks} agreement checks passed "
