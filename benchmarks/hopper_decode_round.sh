@@ -4,7 +4,7 @@
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e]
-#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [suite]
+#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [stall-e2e] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -28,6 +28,8 @@
 #           Triton kernel against the Hopper kernel over a 16-bit copy (--graph-dequant-prefill)
 #   value-runs-e2e: the Poisson run over fp8 and int8 caches, prefill rows' token-major V
 #           written in coalesced runs (the default) against token by token (--no-value-runs)
+#   stall-e2e: the fp8 burst ($STALL_BLOCK, default 256) on the Triton and the Gluon decode
+#           kernel, twice each, alternating: kernels compiled while serving, slowest iterations
 #   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
 #           (each graph bucket also captured without the decode combine, replayed where no row
 #           splits) against --no-direct-decode-graphs (one graph a bucket)
@@ -145,12 +147,25 @@ for stage in "${stages[@]}"; do
         # forced) against token by token.
         poisson_8bit_pair value-runs token-by-token --no-value-runs
         ;;
+    stall-e2e)
+        # The fp8 burst on the Triton and the Gluon decode kernel, each twice, alternating (the
+        # first run of a process tree compiles what the Triton disk cache lacks; later ones load
+        # it): each run prints the kernels compiled while serving and its slowest iterations.
+        e2e=(python3 benchmarks/bench_e2e.py --skip-transformers --workloads burst --kv-cache-dtype float8_e4m3
+            --block-size "${STALL_BLOCK:-256}")
+        for run in triton-1 hopper-1 triton-2 hopper-2; do
+            flag=(--hopper-decode never)
+            [ "${run%-*}" = hopper ] && flag=(--hopper-decode always)
+            timed "e2e-fp8-stall-$run" "${E2E_TIMEOUT:-150}" "${e2e[@]}" "${flag[@]}" \
+                --out "$out/e2e-fp8-stall-$run.json"
+        done
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
         echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, dequant-e2e," \
-            "value-runs-e2e, suite)" >&2
+            "value-runs-e2e, stall-e2e, suite)" >&2
         exit 2
         ;;
     esac
