@@ -227,3 +227,32 @@ def test_nothing_compiles_after_the_warm_up() -> None:
     if report.compiles_after_warmup is None:
         pytest.skip("this Triton has no post-compile hook (triton.knobs.runtime.jit_post_compile_hook)")
     assert report.compiles_after_warmup == [], report.compiles_after_warmup
+
+
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_nothing_compiles_after_the_warm_up_over_an_fp8_cache(block_size: int) -> None:
+    """The same over a float8_e4m3 cache (bf16 compute): 40 requests at once, so steps carry
+    prefill chunks of many rows beside decode rows (eager prefill rows on Hopper read a 16-bit
+    copy of their blocks, made by the block dequantization kernel, whose table sizes change
+    with every step)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    from examples.engine import cache_config_for, engine_for
+    from examples.model import LlamaShape
+
+    shape = LlamaShape(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                       num_kv_heads=2, head_dim=64)  # fmt: skip
+    config = cache_config_for(shape, block_size=block_size, dtype="float8_e4m3", num_blocks=64 * 1024 // block_size,
+                              device="cuda", backend="triton", compute_dtype="bfloat16")  # fmt: skip
+    engine = engine_for(config, shape)
+    model = random_llama(shape, seed=0, dtype=torch.bfloat16, device="cuda")
+    requests = make_workload("default", 40, seed=5, block_size=block_size, vocab_size=VOCAB_SIZE)
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache, 0), token_budget=512, max_running=40,
+        use_graphs=True,
+    )  # fmt: skip
+    assert report.finished == len(requests)
+    if report.compiles_after_warmup is None:
+        pytest.skip("this Triton has no post-compile hook (triton.knobs.runtime.jit_post_compile_hook)")
+    assert report.compiles_after_warmup == [], report.compiles_after_warmup

@@ -98,7 +98,9 @@ def plan_block_dequant(
     return BlockDequantPlan(sources, tables, next_block, batch, width)
 
 
-@triton.jit
+# Per-step sizes are not specialised on (a value of 1 or a multiple of 16 would each compile
+# a kernel of its own, in the middle of serving where the warm-up did not meet it).
+@triton.jit(do_not_specialize=["num_scratch", "num_rows", "table_width", "stride_bt"])
 def _dequantize_blocks_kernel(  # type: ignore[no-untyped-def]
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sources_ptr, k_out_ptr, v_out_ptr,
     count_ptr, num_scratch, num_blocks, num_rows, table_width, stride_bt, stride_kb, stride_kt, stride_kh,

@@ -330,7 +330,7 @@ def _store_slot(  # type: ignore[no-untyped-def]
     store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "table_width"])  # per-step sizes
 def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [T, H, D]
     cache_ptr,  # [num_blocks, block_size, 1, D]
@@ -395,7 +395,7 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip (t + 0 * t0: a tensor under the interpreter too)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     acc_ptr,  # fp32 [num_slots, H, R]
     ml_ptr,  # fp32 [num_slots, H, 2]

@@ -146,7 +146,7 @@ def mla_split_len(longest: int, num_splits: int, heads: int, block_n: int) -> in
     return -(-chunk // block_n) * block_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "table_width"])  # per-step sizes
 def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [rows, H, D]
     cache_ptr,  # [num_blocks, block_size, 1, D]
@@ -210,7 +210,7 @@ def _mla_decode_kernel(  # type: ignore[no-untyped-def]
     store_partial(acc_ptr, ml_ptr, base, head_ok, acc, m_i, l_i, R, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "table_width", "splits"])
 def _mla_merge_kernel(  # type: ignore[no-untyped-def]
     acc_ptr,  # fp32 [T, splits, H, R]
     ml_ptr,  # fp32 [T, splits, H, 2]

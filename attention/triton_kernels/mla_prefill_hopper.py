@@ -258,7 +258,7 @@ if _GLUON:
             _partition_barrier()
             mbarrier.arrive(q_empty)  # Q buffers free: the next item's Q may load
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_items", "num_tokens"])  # per-step sizes
     def _mla_prefill_hopper_kernel(  # type: ignore[no-untyped-def]
         qn_desc, qp_desc, kn_desc, kp_desc, v_desc, o_desc, out_ptr, q_start_ptr, k_start_ptr, tile_index_ptr,
         qk_scale, num_items, num_tokens, stride_ot, stride_oh,

@@ -152,7 +152,7 @@ def _value_to_basis(  # type: ignore[no-untyped-def]
     return lo.to(dtype), hi.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # per step: one compile serves every step
 def _rotary_write_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
@@ -292,7 +292,7 @@ def _rotary_write_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _value_runs_kernel(  # type: ignore[no-untyped-def]
     v_ptr,
     v_cache_ptr,
