@@ -88,7 +88,7 @@ from attention import StepCapacity  # noqa: E402
 from attention.checks import cdiv  # noqa: E402
 from attention.dtypes import torch_dtype  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
-from examples.engine.compile_watch import CompileWatch  # noqa: E402
+from examples.engine.compile_watch import CompileWatch, describe_compiles  # noqa: E402
 from examples.engine.loop import StepPipeline  # noqa: E402
 from examples.engine.runner import LaunchedStep, ModelRunner  # noqa: E402
 from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemption  # noqa: E402
@@ -1072,13 +1072,8 @@ def compiles_line(watch: CompileWatch) -> str:
     """One line: the kernels compiled while serving a workload (after the warm-up), by name."""
     if not watch.available:
         return "kernels compiled while serving: unknown (no Triton JIT hook)"
-    if not watch.compiles:
-        return "kernels compiled while serving: none"
-    counts: dict[str, int] = {}
-    for name in watch.names():
-        counts[name] = counts.get(name, 0) + 1
-    listed = ", ".join(f"{n} x{c}" for n, c in counts.items())
-    return f"kernels compiled while serving: {len(watch.compiles)} ({listed}); the warm-up missed them"
+    missed = "; the warm-up missed them" if watch.compiles else ""
+    return f"kernels compiled while serving: {describe_compiles(watch.names())}{missed}"
 
 
 def targets(results: dict[str, Any], s: Settings) -> dict[str, Any]:

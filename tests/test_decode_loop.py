@@ -267,9 +267,9 @@ def test_summary_names_kernels_compiled_after_the_warm_up() -> None:
     base = RunReport(requests=[], steps=1, wall_s=1.0, num_blocks=4, peak_blocks=1, preemptions=0,
                      preemptions_by_mode={}, swapped_blocks=(0, 0), computed_tokens=1)  # fmt: skip
     assert not any(line.startswith("kernels compiled") for line in format_summary(base))
-    assert "kernels compiled after warm-up: 0" in format_summary(replace(base, compiles_after_warmup=[]))
+    assert "kernels compiled after warm-up: none" in format_summary(replace(base, compiles_after_warmup=[]))
     missed = replace(base, compiles_after_warmup=["_decode_hopper_kernel", "_combine", "_decode_hopper_kernel"])
-    assert "kernels compiled after warm-up: 3 (_combine, _decode_hopper_kernel; the warm-up missed them)" in (
+    assert "kernels compiled after warm-up: 3 (_decode_hopper_kernel x2, _combine x1); the warm-up missed them" in (
         format_summary(missed)
     )
 

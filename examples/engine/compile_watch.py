@@ -17,11 +17,12 @@ serving loop (``RunReport.compiles_after_warmup``), as ``benchmarks/bench_e2e.py
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-__all__ = ["CompileWatch", "KernelCompile"]
+__all__ = ["CompileWatch", "KernelCompile", "describe_compiles"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class KernelCompile:
     name: str
     signature: str
     at: float
+
+
+def describe_compiles(names: list[str]) -> str:
+    """``names`` (one per compile) for a log line: "none", or the count and each kernel with
+    its compiles, e.g. "3 (_decode_hopper_kernel x2, _combine x1)"."""
+    if not names:
+        return "none"
+    listed = ", ".join(f"{name} x{n}" for name, n in Counter(names).items())
+    return f"{len(names)} ({listed})"
 
 
 def _runtime_knobs() -> Any | None:

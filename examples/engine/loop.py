@@ -29,7 +29,7 @@ from kvcache.parallel.agreement import RankAgreement
 from kvcache.parallel.collective import Collective
 
 from ..model.llama import Llama
-from .compile_watch import CompileWatch
+from .compile_watch import CompileWatch, describe_compiles
 from .runner import LaunchedStep, ModelRunner, WarmupReport
 from .scheduler import Preemption, Request, Scheduler, StepBatch
 
@@ -397,11 +397,8 @@ def format_summary(report: RunReport) -> list[str]:
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
     ]
     if report.compiles_after_warmup is not None:
-        names = sorted(set(report.compiles_after_warmup))
-        lines.append(
-            f"kernels compiled after warm-up: {len(report.compiles_after_warmup)}"
-            + (f" ({', '.join(names)}; the warm-up missed them)" if names else "")
-        )
+        missed = "; the warm-up missed them" if report.compiles_after_warmup else ""
+        lines.append(f"kernels compiled after warm-up: {describe_compiles(report.compiles_after_warmup)}{missed}")
     if report.tp_size > 1:
         lines.append(
             f"tensor parallel: {report.tp_size} ranks; {report.agreement_checks} agreement checks passed "
