@@ -10,9 +10,11 @@ per-step sizes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.child_env import ROOT, child_pythonpath
+from tests.child_env import compile_report
 
 #: Per kernel (module, name): its arguments whose value depends on the step.
 PER_STEP: dict[tuple[str, str], set[str]] = {
@@ -48,8 +50,8 @@ PER_STEP: dict[tuple[str, str], set[str]] = {
 }  # fmt: skip
 
 _SCRIPT = r"""
-import importlib, json, sys
-wanted = json.loads(sys.argv[1])
+import importlib, json
+wanted = json.loads(WANTED)
 report = {}
 for module, name in wanted:
     kernel = getattr(importlib.import_module(module), name, None)
@@ -62,20 +64,9 @@ print(json.dumps(report))
 
 
 def test_per_step_sizes_are_not_specialised_on() -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = child_pythonpath(ROOT)
     wanted = json.dumps([list(key) for key in PER_STEP])
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, wanted], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = compile_report(f"WANTED = {wanted!r}\n{_SCRIPT}")
     problems = []
     for (module, name), per_step in PER_STEP.items():
         kernel = report[f"{module}:{name}"]
