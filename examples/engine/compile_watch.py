@@ -82,7 +82,9 @@ class CompileWatch:
 
     def _hook(self, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")
-        name = str(getattr(fn, "name", None) or kwargs.get("repr", "?")).split("[")[0]
+        # Triton names a kernel by its qualified name ("module.fn", "test.<locals>.fn"): keep the
+        # function's own name, the one its source and a profile show.
+        name = str(getattr(fn, "name", None) or kwargs.get("repr", "?")).split("[")[0].rsplit(".", 1)[-1]
         self.compiles.append(KernelCompile(name, str(kwargs.get("repr", "")), time.perf_counter()))
         return self._previous(**kwargs) if self._previous is not None else None
 
