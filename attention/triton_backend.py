@@ -288,13 +288,12 @@ class TritonBackend(AttentionBackend):
                         64 x 4096 (0.998x), 32 x 512 at 1.12-1.14x flash-attn's where the Triton
                         kernel runs 0.93-0.96x, and the burst's decode attention at 2.81 ms an
                         iteration against 2.97. Over fp8 it ran 0.99-1.13x the Triton kernel's
-                        speed, and the burst's attention at 1.80 ms against 1.95 at block 256,
-                        but every end-to-end fp8 run on it so far (four, H100 and H200) had one
-                        decode iteration stalled by 0.1-0.5 s and lower tokens/s than the
-                        Triton kernel's run (4,923 against 5,872 on the H200): until that is
-                        explained, fp8 takes it only in short blocks, as measured on an H100
-                        (decode-hopper-slot-share-h100-2026-12-05.md: block 32 1.00-1.07x the
-                        Triton kernel's speed, decode attention 2.42 ms against 2.51).
+                        speed, and the burst's attention at 1.80 ms against 1.95 at block 256;
+                        on an H100 (stall-e2e-h100-2026-12-05.md) 2.36 ms against 2.32 at
+                        block 256 and 2.35 against 2.42 at block 32. So fp8 takes it in short
+                        blocks only. (Earlier end-to-end fp8 runs on it had one decode
+                        iteration stalled by 0.1-0.5 s: kernels compiled mid-serving on
+                        per-step sizes, gone since; none in 8 runs on the H100.)
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);

@@ -242,8 +242,9 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     bench_decode.py's shapes at 0.99-1.20x the speed of the Triton launches (bf16 32x512 at
     1.12-1.14x flash-attn's, the Triton kernel at 0.93-0.96x), and the end-to-end burst's
     decode attention at 2.81 ms an iteration against 2.97 (bf16: the default since) and 1.80
-    against 1.95 (fp8, block 256; that run had one iteration stalled by ~0.5 s, as each fp8 run
-    on this kernel had, so fp8 in long blocks stays on the Triton kernel).
+    against 1.95 (fp8, block 256). On an H100 after per-step sizes stopped being specialised on
+    (benchmarks/results/stall-e2e-h100-2026-12-05.md) the fp8 burst ran 2.36 ms against 2.32 at
+    block 256 and 2.35 against 2.42 at block 32, so fp8 in long blocks stays on the Triton kernel.
 
     Measured before on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
     :func:`default_decode_config`'s Triton launches in the same run:
