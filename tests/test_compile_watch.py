@@ -44,6 +44,17 @@ def test_the_watch_records_compiles_chains_the_previous_hook_and_puts_it_back(
     assert watch.names() == ["_decode_kernel", "_combine_kernel"]
 
 
+def test_a_qualified_kernel_name_is_kept_as_the_function_s_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton names a kernel defined in a function or a module by its qualified name; the
+    watch records the name the source and a profile show."""
+    runtime = SimpleNamespace(jit_post_compile_hook=None)
+    monkeypatch.setattr(compile_watch, "_runtime_knobs", lambda: runtime)
+    with CompileWatch() as watch:
+        _fire(runtime, "test_x.<locals>._watched_fill", "_watched_fill[num_warps=4](out: *fp32)")
+        _fire(runtime, "attention.triton_kernels.decode._decode_kernel", "")
+    assert watch.names() == ["_watched_fill", "_decode_kernel"]
+
+
 def test_without_the_hook_the_watch_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_watch, "_runtime_knobs", lambda: None)
     with CompileWatch() as watch:
