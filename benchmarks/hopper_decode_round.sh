@@ -4,7 +4,7 @@
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e]
-#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [stall-e2e] [suite]
+#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [stall-e2e] [ratio-e2e] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -30,6 +30,8 @@
 #           written in coalesced runs (the default) against token by token (--no-value-runs)
 #   stall-e2e: the fp8 burst ($STALL_BLOCK, default 256) on the Triton and the Gluon decode
 #           kernel, twice each, alternating: kernels compiled while serving, slowest iterations
+#   ratio-e2e: benchmarks/e2e_cache_ratio.py: the burst over bf16 and fp8 caches, $RATIO_PAIRS (2)
+#           pairs alternating: the fp8 / bf16 attention ratio against 0.6x
 #   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
 #           (each graph bucket also captured without the decode combine, replayed where no row
 #           splits) against --no-direct-decode-graphs (one graph a bucket)
@@ -160,12 +162,17 @@ for stage in "${stages[@]}"; do
                 --out "$out/e2e-fp8-stall-$run.json"
         done
         ;;
+    ratio-e2e)
+        # The burst's decode attention over fp8 against bf16, runs alternating (issue 20's 0.6x)
+        timed e2e-cache-ratio "${RATIO_TIMEOUT:-300}" python3 benchmarks/e2e_cache_ratio.py --pairs "${RATIO_PAIRS:-2}" \
+            --out "$out/e2e-cache-ratio.json"
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
         echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, dequant-e2e," \
-            "value-runs-e2e, stall-e2e, suite)" >&2
+            "value-runs-e2e, stall-e2e, ratio-e2e, suite)" >&2
         exit 2
         ;;
     esac
