@@ -39,6 +39,8 @@ TARGET_RATIO = 0.6
 #: The 16-bit cache every run pairs against (the model's dtype: no --kv-cache-dtype).
 BASELINE = "bf16"
 CACHES = ("float8_e4m3", "int8")
+#: bench_e2e arguments this script sets per run, refused after ``--``.
+OWN_ARGUMENTS = ("--kv-cache-dtype", "--out", "--workloads", "--skip-transformers")
 #: bench_e2e's output lines worth keeping on the console (the rest stays in each run's JSON).
 ECHOED = ("kernels compiled while serving", "slowest iterations", "profile: per iteration")
 
@@ -185,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", help="JSON path (default benchmarks/results/e2e-cache-ratio-<cache>-<date>.json)")
     p.add_argument("--runs-dir", help="where each run's bench_e2e JSON goes (default: a temporary folder)")
     args = p.parse_args(argv)
+    for own in OWN_ARGUMENTS:
+        if any(a == own or a.startswith(own + "=") for a in extra):
+            p.error(f"{own} after '--': this script sets it for each run (the cache: --cache; the JSON: --out)")
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: give at least 1 (one bf16 and one {args.cache} run)")
     date = datetime.date.today().isoformat()

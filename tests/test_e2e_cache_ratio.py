@@ -112,3 +112,19 @@ def test_a_tiny_cpu_pair_runs_end_to_end_and_writes_json(tmp_path: Path, capsys:
     assert doc["ratio"] is None and doc["target"] == {"max_ratio": 0.6, "met": None}
     assert sorted(p.name for p in runs_dir.iterdir()) == ["e2e-bf16-1.json", "e2e-float8_e4m3-1.json"]
     assert "target e2e_attention_float8_e4m3_vs_bf16: n/a" in printed and printed.rstrip().endswith(f"wrote {out}")
+
+
+@pytest.mark.parametrize("extra", [["--kv-cache-dtype", "int8"], ["--out=x.json"], ["--workloads", "poisson"]])
+def test_arguments_the_script_sets_are_refused_after_the_separator(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _ratio().main(["--pairs", "1", "--", *extra])
+    assert exit_info.value.code == 2
+    assert extra[0].split("=")[0] in capsys.readouterr().err
+
+
+def test_pairs_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _ratio().main(["--pairs", "0"])
+    assert "--pairs 0" in capsys.readouterr().err
