@@ -1072,8 +1072,7 @@ def compiles_line(watch: CompileWatch) -> str:
     """One line: the kernels compiled while serving a workload (after the warm-up), by name."""
     if not watch.available:
         return "kernels compiled while serving: unknown (no Triton JIT hook)"
-    missed = "; the warm-up missed them" if watch.compiles else ""
-    return f"kernels compiled while serving: {describe_compiles(watch.names())}{missed}"
+    return f"kernels compiled while serving: {describe_compiles(watch.names(), after_warmup=True)}"
 
 
 def targets(results: dict[str, Any], s: Settings) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from examples.engine import compile_watch
-from examples.engine.compile_watch import CompileWatch
+from examples.engine.compile_watch import CompileWatch, describe_compiles
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -53,6 +53,15 @@ def test_a_qualified_kernel_name_is_kept_as_the_function_s_own(monkeypatch: pyte
         _fire(runtime, "test_x.<locals>._watched_fill", "_watched_fill[num_warps=4](out: *fp32)")
         _fire(runtime, "attention.triton_kernels.decode._decode_kernel", "")
     assert watch.names() == ["_watched_fill", "_decode_kernel"]
+
+
+def test_compiles_described_for_a_log_line() -> None:
+    names = ["_decode_kernel", "_combine_kernel", "_decode_kernel"]
+    assert describe_compiles([]) == "none" and describe_compiles([], after_warmup=True) == "none"
+    assert describe_compiles(names) == "3 (_decode_kernel x2, _combine_kernel x1)"
+    assert describe_compiles(names, after_warmup=True) == (
+        "3 (_decode_kernel x2, _combine_kernel x1); the warm-up missed them"
+    )
 
 
 def test_without_the_hook_the_watch_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,13 +35,15 @@ class KernelCompile:
     at: float
 
 
-def describe_compiles(names: list[str]) -> str:
+def describe_compiles(names: list[str], *, after_warmup: bool = False) -> str:
     """``names`` (one per compile) for a log line: "none", or the count and each kernel with
-    its compiles, e.g. "3 (_decode_hopper_kernel x2, _combine x1)"."""
+    its compiles, e.g. "3 (_decode_hopper_kernel x2, _combine x1)"; ``after_warmup``: compiles
+    a warm-up should have made, so a non-empty list ends "; the warm-up missed them"."""
     if not names:
         return "none"
     listed = ", ".join(f"{name} x{n}" for name, n in Counter(names).items())
-    return f"{len(names)} ({listed})"
+    missed = "; the warm-up missed them" if after_warmup else ""
+    return f"{len(names)} ({listed}){missed}"
 
 
 def _runtime_knobs() -> Any | None:

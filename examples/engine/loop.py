@@ -397,8 +397,8 @@ def format_summary(report: RunReport) -> list[str]:
         + f"; blocks swapped out/in {report.swapped_blocks[0]}/{report.swapped_blocks[1]})",
     ]
     if report.compiles_after_warmup is not None:
-        missed = "; the warm-up missed them" if report.compiles_after_warmup else ""
-        lines.append(f"kernels compiled after warm-up: {describe_compiles(report.compiles_after_warmup)}{missed}")
+        late = describe_compiles(report.compiles_after_warmup, after_warmup=True)
+        lines.append(f"kernels compiled after warm-up: {late}")
     if report.tp_size > 1:
         lines.append(
             f"tensor parallel: {report.tp_size} ranks; {report.agreement_checks} agreement checks passed "
