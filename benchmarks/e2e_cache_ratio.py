@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from common import RESULTS, ROOT, fmt
+
 BENCH_E2E = ROOT / "benchmarks" / "bench_e2e.py"
 #: Issue 20: attention time over an fp8 cache at most this share of the bf16 cache's.
 TARGET_RATIO = 0.6
@@ -118,10 +118,6 @@ def target_line(ratio: float | None, cache: str) -> str:
     )
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(runs: Sequence[CacheRun]) -> str:
     """One line a run: its attention ms (decode + combine), tokens/s, ITL p99, compiles while serving."""
     head = (
@@ -131,8 +127,8 @@ def table(runs: Sequence[CacheRun]) -> str:
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(
-            f"{r.cache:<12} {r.index:>3} {_fmt(r.attention_ms, '.3f'):>12} {_fmt(r.decode_ms, '.3f'):>8} "
-            f"{_fmt(r.combine_ms, '.3f'):>8} {_fmt(r.tokens_per_s, ',.0f'):>9} {_fmt(r.itl_p99_ms, '.1f'):>8} "
+            f"{r.cache:<12} {r.index:>3} {fmt(r.attention_ms, '.3f'):>12} {fmt(r.decode_ms, '.3f'):>8} "
+            f"{fmt(r.combine_ms, '.3f'):>8} {fmt(r.tokens_per_s, ',.0f'):>9} {fmt(r.itl_p99_ms, '.1f'):>8} "
             f"{'-' if r.compiles_while_serving is None else r.compiles_while_serving}"
         )
     return "\n".join(lines)
