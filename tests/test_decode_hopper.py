@@ -79,8 +79,18 @@ def _wide_case(
     return wide, plain
 
 
-def _config(dtype: torch.dtype, stages: int = 2) -> DecodeConfig:
-    return DecodeConfig(block_n=hopper_block_n(dtype), num_stages=stages, hopper_wgmma=True)
+def _config(dtype: torch.dtype, stages: int = 2, overlap: bool = False) -> DecodeConfig:
+    return DecodeConfig(block_n=hopper_block_n(dtype), num_stages=stages, hopper_wgmma=True, hopper_overlap=overlap)
+
+
+#: The kernel's two loops: each tile's steps in turn, and S MMAs + softmax of a tile while the
+#: previous tile's P V MMAs run.
+LOOPS = [pytest.param(False, id="in-turn"), pytest.param(True, id="overlap")]
+
+
+def _skip_repeat_on_cpu(overlap: bool) -> None:
+    if DEVICE == "cpu" and overlap:
+        pytest.skip("the interpreter runs the Triton fallback, which has one loop: the in-turn case covers it")
 
 
 CASES = [
@@ -97,8 +107,9 @@ CASES = [
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES)
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("overlap", LOOPS)
 def test_matches_float64_reference(  # type: ignore[no-untyped-def]
-    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, query_dtype, stages
+    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, query_dtype, stages, overlap
 ) -> None:
     """Rows ending inside a tile and a block, one-token rows, split rows merged by the combine
     kernel, GQA groups of 3 to 16 heads, head_dim 64 and 128, blocks of 32 to 256 tokens (a tile
@@ -106,8 +117,9 @@ def test_matches_float64_reference(  # type: ignore[no-untyped-def]
     matches the float64 attention of the dequantised cache, with no NaN from the stale slots."""
     if DEVICE == "cpu" and (stages == 3 or query_dtype == torch.float16):
         pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
+    _skip_repeat_on_cpu(overlap)
     fp8, plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, query_dtype)
-    config = _config(torch.float8_e4m3fn, stages)
+    config = _config(torch.float8_e4m3fn, stages, overlap)
     launch = _prepare(fp8, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
     out = _run(fp8, launch, config, scales=scales)
     ranges = [(0, n) for n in fp8.meta.seq_lens_host]
@@ -134,15 +146,17 @@ WIDE_CASES = [
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), WIDE_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("overlap", LOOPS)
 def test_a_16bit_cache_matches_float64_reference(  # type: ignore[no-untyped-def]
-    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, dtype
+    hopper_calls, heads, kv_heads, head_dim, block_size, lens, chunk, dtype, overlap
 ) -> None:
     """The same for a cache in the query's dtype (64-token tiles: V read transposed as the MMA's
     A operand, P as computed its B operand)."""
     if DEVICE == "cpu" and dtype == torch.float16:
         pytest.skip("the interpreter runs the Triton fallback: one launch form is enough there")
+    _skip_repeat_on_cpu(overlap)
     wide, plain = _wide_case(lens, heads, kv_heads, head_dim, block_size, dtype)
-    config = _config(dtype)
+    config = _config(dtype, overlap=overlap)
     launch = _prepare(wide, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
     out = _run(wide, launch, config)
     rows = list(range(len(lens)))
@@ -152,14 +166,16 @@ def test_a_16bit_cache_matches_float64_reference(  # type: ignore[no-untyped-def
 
 
 @pytest.mark.parametrize("block_size", [256, 32])
-def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int) -> None:
+@pytest.mark.parametrize("overlap", LOOPS)
+def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int, overlap: bool) -> None:
     """One-token rows under a window of 200: each row's range starts inside a tile (and, at
     block 32, inside a part), so a tile's tokens before the range are masked and zeroed too."""
+    _skip_repeat_on_cpu(overlap)
     lens = [150, 333, 700, 1000]
     fp8, plain, scales = _fp8_case(lens, 8, 2, 128, block_size, torch.bfloat16)
     ranges = [(max(0, n - 200), n) for n in lens]
     launch = _prepare(fp8, 128, kv_ranges=ranges, chunk_len=128)
-    out = _run(fp8, launch, _config(torch.float8_e4m3fn), scales=scales)
+    out = _run(fp8, launch, _config(torch.float8_e4m3fn, overlap=overlap), scales=scales)
     rows = list(range(len(lens)))
     _check(out, _reference(plain, ranges, rows, rows, 1 / math.sqrt(128), scales), torch.bfloat16)
     assert hopper_calls == ([2] if ON_HOPPER else [])
@@ -167,11 +183,13 @@ def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_si
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 @pytest.mark.parametrize("block_size", [128, 32])
-def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], block_size: int) -> None:
+@pytest.mark.parametrize("overlap", LOOPS)
+def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], block_size: int, overlap: bool) -> None:
     """Block ids out of range (the NaN blocks around the cache, -1, 2^31 - 1; at block 32 three of
     a tile's four parts), a table row, a query token and a partial slot out of range, a kv end
     past the table: no crash, no NaN from outside the cache, and the slabs around the output and
     the partial buffers keep their bits."""
+    _skip_repeat_on_cpu(overlap)
     fp8, _plain, scales = _fp8_case([300, 290, 280, 270, 260], 8, 2, 128, block_size, torch.bfloat16)
     num_blocks = fp8.layer.num_blocks
     fp8.meta.block_tables[1, :3] = torch.tensor([num_blocks, -1, 2**31 - 1], dtype=torch.int32)
@@ -189,7 +207,7 @@ def test_garbage_metadata_stays_inside_every_tensor(hopper_calls: list[int], blo
     items[first_item[4], 3] = 10**6  # partial slot out of range
     bad = dataclasses.replace(launch, items=items, workspace=ws)
     before = [t.clone() for t in (out_store, po_store, pl_store)]
-    _run(fp8, bad, _config(torch.float8_e4m3fn), out, scales=scales)
+    _run(fp8, bad, _config(torch.float8_e4m3fn, overlap=overlap), out, scales=scales)
     assert not out[[0, 1, 2]].isnan().any()
     for store, old in zip((out_store, po_store, pl_store), before, strict=True):
         assert torch.equal(store[0], old[0]) and torch.equal(store[-1], old[-1]), "a canary slab changed"

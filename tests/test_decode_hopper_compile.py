@@ -25,7 +25,7 @@ from tests.child_env import compile_report
 pytestmark = pytest.mark.skipif(not _GLUON, reason="this Triton has no Gluon (needs >= 3.6)")
 
 _SCRIPT = r"""
-import json, subprocess
+import json, re, subprocess
 from pathlib import Path
 import torch
 from triton.backends.nvidia.compiler import get_ptxas
@@ -33,12 +33,14 @@ from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import decode_hopper as H
 
 cuobjdump = str(Path(get_ptxas(90).path).parent / "cuobjdump")
-cases = [("fp8", 128, 4, 256, 2), ("fp8", 128, 4, 256, 3), ("fp8", 128, 16, 128, 2), ("fp8", 64, 8, 256, 4),
-         ("fp8", 128, 4, 32, 2), ("fp8", 128, 8, 64, 3), ("fp8", 64, 4, 32, 2),
-         ("bf16", 128, 4, 256, 2), ("bf16", 128, 4, 32, 3), ("fp16", 64, 16, 64, 2)]
+cases = [("fp8", 128, 4, 256, 2, False), ("fp8", 128, 4, 256, 3, False), ("fp8", 128, 16, 128, 2, False),
+         ("fp8", 64, 8, 256, 4, False), ("fp8", 128, 4, 32, 2, False), ("fp8", 128, 8, 64, 3, False),
+         ("fp8", 64, 4, 32, 2, False), ("bf16", 128, 4, 256, 2, False), ("bf16", 128, 4, 32, 3, False),
+         ("fp16", 64, 16, 64, 2, False), ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True),
+         ("fp8", 64, 16, 64, 2, True), ("bf16", 128, 4, 256, 3, True), ("fp16", 64, 8, 32, 2, True)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages in cases:
+for kind, head_dim, group, block_size, stages, overlap in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
     part = H.tile_part(block_size, block_n)
@@ -49,7 +51,7 @@ for kind, head_dim, group, block_size, stages in cases:
         v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
-                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part)
+                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -62,25 +64,36 @@ for kind, head_dim, group, block_size, stages in cases:
     operand = {"fp8": "e4m3.e4m3", "bf16": "bf16.bf16", "fp16": "f16.f16"}[kind]
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
-             head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8")
-    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}"] = r
+             head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
+             commits=ptx.count("wgmma.commit_group"),
+             waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
+    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 10, report
+    assert len(report) == 15, report
     for name, r in report.items():
         d = r["head_dim"]
+        # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
+        # P V in the loop and the epilogue.
+        copies = 2 if r["overlap"] else 1
         if r["fp8"]:
+            s_calls, pv_calls = 2, 2 * r["parts"]  # warpgroup_mma calls a tile: one commit group each
             mmas = 2 * 2 * (d // 32) + 2 * (d // 64) * 4
             query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128  # values a thread converts back
-            assert r["f16_from_e4m3"] == (query_hi + p_hi) // 2, (name, r)
+            assert r["f16_from_e4m3"] == (query_hi + copies * p_hi) // 2, (name, r)
         else:
+            s_calls, pv_calls = 1, 1
             mmas = d // 16 + (d // 64) * 4
             assert r["f16_from_e4m3"] == 0, (name, r)
-        assert r["wgmma"] == r["typed_wgmma"] == mmas, (name, r)
+        assert r["wgmma"] == r["typed_wgmma"] == copies * mmas, (name, r)
+        assert r["commits"] == copies * (s_calls + pv_calls), (name, r)
+        # In turn: a wait for all after S and after P V. Overlapped: the prologue's S, the
+        # loop's wait for S that leaves P V's groups running, then for P V, the epilogue's P V.
+        assert r["waits"] == ([0, 0, 0, pv_calls] if r["overlap"] else [0, 0]), (name, r)
         assert r["mma_sync"] == 0, (name, r)
         assert r["tma_load"] == 2 * r["parts"] * (r["stages"] + 1), (name, r)
         assert 0 < r["shared"] <= 232448, (name, r)

@@ -100,6 +100,9 @@ class DecodeConfig:
                 for a 16-bit cache. num_stages is its ring of K/V tiles (32 KiB each at
                 head_dim 128: 2 stages fit 3 programs an SM, 3 fit 2, 4 fit 1). Not yet timed
                 on the H200, so off by default.
+    hopper_overlap: with hopper_wgmma, the kernel's loop runs a tile's score MMAs and softmax
+                while the previous tile's P V MMAs run (P in two buffers: 2 KiB more shared
+                memory for fp8 at 16 heads), instead of each tile's steps in turn.
     """
 
     block_n: int = 64
@@ -113,6 +116,7 @@ class DecodeConfig:
     maxnreg: int | None = None
     hopper_wgmma: bool = False
     slot_share: float | None = None
+    hopper_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -598,7 +602,7 @@ def paged_decode(
         launch_decode_hopper(
             query, k_cache, v_cache, (k_scale, v_scale) if k_scale is not None and v_scale is not None else None,
             block_tables, items, schedule.grid_items, out, ws.part_o, ws.part_lse, softmax_scale * _LOG2E,
-            config.num_stages,
+            config.num_stages, overlap=config.hopper_overlap,
         )  # fmt: skip
     else:
         decode_items_kernel[(kv_heads, schedule.grid_items)](

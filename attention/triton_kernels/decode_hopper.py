@@ -238,6 +238,82 @@ if _GLUON:
         v = view.load(layout)
         view.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
 
+    @gluon.jit
+    def _tile_softmax(  # type: ignore[no-untyped-def]
+        s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+        BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr, PART: gl.constexpr, P_SHIFT: gl.constexpr,
+    ):  # fmt: skip
+        """The online softmax of a tile's scores ``s`` [BLOCK_N tokens, BLOCK_H heads] (tokens
+        ``n0 ..``; those outside ``[kv_start, kv_end)`` or in a bad block masked): returns (p,
+        alpha, the new running max, the per-thread row sums rescaled and grown by p, whether
+        every block of the tile is the row's); p is ``2^P_SHIFT`` times the probabilities (fp8:
+        so e4m3 keeps small ones as normals)."""
+        n = n0 + offs_n
+        if PARTS == 1:
+            _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            seen = (n >= kv_start) & (n < kv_end) & tile_ok
+        else:  # each token's block (the table entries are in L1 after the tile's loads)
+            _pages, in_block = _tile_page(table_row, n, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            seen = (n >= kv_start) & (n < kv_end) & in_block
+            _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            for part in gl.static_range(1, PARTS):
+                _page, part_ok = _tile_page(table_row, n0 + part * PART, row_ok, table_width, num_blocks,
+                                            BLOCK_SIZE)  # fmt: skip
+                tile_ok = tile_ok & part_ok
+        s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - (m_safe - P_SHIFT)[None, :])
+        return p, alpha, m_new, l_part * alpha[None, :] + p, tile_ok
+
+    @gluon.jit
+    def _stage_tile(  # type: ignore[no-untyped-def]
+        p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr,
+        PART: gl.constexpr, FP8: gl.constexpr,
+    ):  # fmt: skip
+        """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
+        ``p_index`` and ``p_index + 1``), and zero the V tokens of ring slot ``s_slot`` the tile
+        (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does not attend (past the
+        chunk, before it, or of a bad block: stale slots may hold NaN, which would survive
+        p = 0), in the parts that hold any. The caller fences and synchronises the warps before
+        the MMAs read them."""
+        if FP8:
+            p_hi = p.to(p_bufs.dtype)
+            p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))
+            p_bufs.index(p_index + 1).store(gl.permute((p - p_hi.to(gl.float32)).to(p_bufs.dtype), (1, 0)))
+        else:
+            p_bufs.index(p_index).store(p.to(p_bufs.dtype))
+        if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):
+            if FP8:
+                for part in gl.static_range(PARTS):  # only the parts that hold such tokens
+                    t = n0 + part * PART
+                    _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                    if (t < kv_start) | (t + PART > kv_end) | (part_ok == 0):
+                        hi = gl.where(part_ok, kv_end - t, 0)
+                        _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
+            else:
+                _zero_rows(v_bufs.index(s_slot), n0, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+                           BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
+
+    @gluon.jit
+    def _issue_pv(  # type: ignore[no-untyped-def]
+        o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr
+    ):
+        """O^T += V^T P^T for the tile in ring slot ``s_slot`` with P at ``p_bufs[p_index]``
+        (fp8: hi and lo, and one MMA a part each), issued asynchronously: 2 * PARTS commit
+        groups (fp8) or 1; the caller waits."""
+        if FP8:
+            for hl in gl.static_range(2):  # P's hi and lo parts
+                for part in gl.static_range(PARTS):
+                    p_all = p_bufs.index(p_index + hl)
+                    p_part = p_all if PARTS == 1 else p_all.slice(part * PART, PART, 1)
+                    o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o, is_async=True)
+        else:
+            o = warpgroup_mma(v_bufs.index(s_slot).permute((1, 0)), p_bufs.index(p_index), o, is_async=True)
+        return o
+
     @gluon.jit(
         do_not_specialize=[
             "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
@@ -250,7 +326,7 @@ if _GLUON:
         num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr,
+        PART: gl.constexpr, OVERLAP: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -293,11 +369,11 @@ if _GLUON:
         k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         if FP8:  # P^T (K-major, as 8-bit operands must be), hi and lo; V^T per part
             p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_H, BLOCK_N], p_smem)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [4 if OVERLAP else 2, BLOCK_H, BLOCK_N], p_smem)
             v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
         else:  # P as computed; V tiles as K's
             p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, BLOCK_N, BLOCK_H], p_smem16)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [2 if OVERLAP else 1, BLOCK_N, BLOCK_H], p_smem16)
             v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -339,67 +415,84 @@ if _GLUON:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
         l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
         o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
-        for j in range(n_tiles):
-            s_slot = j % STAGES
-            n0 = first + j * BLOCK_N
-            mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
-            k_tile = k_bufs.index(s_slot)
-            s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if FP8:
-                s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            n = n0 + offs_n
-            _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
-            if PARTS == 1:
-                seen = (n >= kv_start) & (n < kv_end) & tile_ok
-            else:  # each token's block (the table entries are in L1 after the tile's loads)
-                _pages, in_block = _tile_page(table_row, n, row_ok, table_width, num_blocks, BLOCK_SIZE)
-                seen = (n >= kv_start) & (n < kv_end) & in_block
-                for part in gl.static_range(1, PARTS):
-                    _page, part_ok = _tile_page(table_row, n0 + part * PART, row_ok, table_width, num_blocks,
-                                                BLOCK_SIZE)  # fmt: skip
-                    tile_ok = tile_ok & part_ok
-            s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - (m_safe - P_SHIFT)[None, :])  # fp8: 2^8 p, so e4m3 keeps small p as normals
-            l_part = l_part * alpha[None, :] + p
-            m_i = m_new
-            if FP8:
-                p_hi = p.to(kv_dtype)
-                p_bufs.index(0).store(gl.permute(p_hi, (1, 0)))
-                p_bufs.index(1).store(gl.permute((p - p_hi.to(gl.float32)).to(kv_dtype), (1, 0)))
-            else:
-                p_bufs.index(0).store(p.to(kv_dtype))
-            if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):  # stale V (maybe NaN) must not meet p = 0
+        if OVERLAP:
+            # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
+            # buffers by tile parity. Prologue: tile 0's softmax; each step j = 1 .. n_tiles-1
+            # issues S(j) then P V(j-1), waits for S(j) only, softmaxes tile j, then waits
+            # for P V(j-1), rescales o and refills tile j-1's slot; epilogue: P V(n_tiles-1).
+            if n_tiles > 0:
+                mbarrier.wait(ready.index(0), 0)
+                k_tile = k_bufs.index(0)
+                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if FP8:
-                    for part in gl.static_range(PARTS):  # only the parts that hold such tokens
-                        t = n0 + part * PART
-                        _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
-                        if (t < kv_start) | (t + PART > kv_end) | (part_ok == 0):
-                            hi = gl.where(part_ok, kv_end - t, 0)
-                            _zero_tokens(v_bufs.index(s_slot * PARTS + part), kv_start - t, hi, HEAD_DIM, PART)
-                else:
-                    _zero_rows(v_bufs.index(s_slot), n0, kv_start, kv_end, table_row, row_ok, table_width,
-                               num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
-            fence_async_shared()
-            _partition_barrier()
-            o = o * alpha[None, :]
-            if FP8:
-                for hl in gl.static_range(2):  # P's hi and lo parts
-                    for part in gl.static_range(PARTS):
-                        p_part = p_bufs.index(hl) if PARTS == 1 else p_bufs.index(hl).slice(part * PART, PART, 1)
-                        o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o,
-                                          is_async=True)  # fmt: skip
-            else:
-                o = warpgroup_mma(v_bufs.index(s_slot).permute((1, 0)), p_bufs.index(0), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _partition_barrier()  # every warp is done with the slot and with P
-            if j + STAGES < n_tiles:
-                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok, table_width,
-                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, alpha, m_i, l_part, tile_ok = _tile_softmax(
+                    s, first, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
+                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                )  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+            for j in range(1, n_tiles):
+                fence_async_shared()
+                _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs
+                s_slot = j % STAGES
+                prev_slot = (j - 1) % STAGES
+                prev_p = ((j - 1) % 2) * (2 if FP8 else 1)
+                mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+                k_tile = k_bufs.index(s_slot)
+                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if FP8:
+                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                o = _issue_pv(o, p_bufs, prev_p, v_bufs, prev_slot, PARTS, PART, FP8)
+                s = warpgroup_mma_wait(num_outstanding=2 * PARTS if FP8 else 1, deps=(s,))
+                n0 = first + j * BLOCK_N
+                p, alpha, m_i, l_part, tile_ok = _tile_softmax(
+                    s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
+                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                )  # fmt: skip
+                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
+                            table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
+                            FP8)  # fmt: skip
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                o = o * alpha[None, :]
+                _partition_barrier()  # every warp is done with tile j-1's slot
+                if j - 1 + STAGES < n_tiles:
+                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, first, table_row, row_ok,
+                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
+                               PART, FP8)  # fmt: skip
+            if n_tiles > 0:
+                fence_async_shared()
+                _partition_barrier()
+                last = n_tiles - 1
+                o = _issue_pv(o, p_bufs, (last % 2) * (2 if FP8 else 1), v_bufs, last % STAGES, PARTS, PART, FP8)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        else:
+            for j in range(n_tiles):
+                s_slot = j % STAGES
+                n0 = first + j * BLOCK_N
+                mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+                k_tile = k_bufs.index(s_slot)
+                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if FP8:
+                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, alpha, m_i, l_part, tile_ok = _tile_softmax(
+                    s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
+                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                )  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+                fence_async_shared()
+                _partition_barrier()
+                o = o * alpha[None, :]
+                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                _partition_barrier()  # every warp is done with the slot and with P
+                if j + STAGES < n_tiles:
+                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok,
+                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
+                               PART, FP8)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -459,12 +552,15 @@ def launch_decode_hopper(
     part_lse: torch.Tensor,
     qk_scale: float,
     stages: int,
+    overlap: bool = False,
 ) -> None:
     """The chunk kernel on arguments :func:`.decode.paged_decode` has checked and
     :func:`decode_hopper_applies` accepted, items made for :func:`hopper_block_n` of the cache;
     ``scales``: an fp8 cache's (k_scale, v_scale), None for a 16-bit one; ``qk_scale`` is
     softmax_scale * log2(e); ``stages``: K/V tiles in flight per program (32 KiB each at
-    head_dim 128). Split rows are left in ``part_o`` / ``part_lse`` for the combine kernel."""
+    head_dim 128); ``overlap``: a tile's score MMAs and softmax run while the previous tile's
+    P V MMAs do (P in two buffers), else each tile's steps in turn. Split rows are left in
+    ``part_o`` / ``part_lse`` for the combine kernel."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
     group = num_heads // kv_heads
@@ -477,5 +573,6 @@ def launch_decode_hopper(
         items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
+        num_warps=4,
     )  # fmt: skip
