@@ -294,6 +294,10 @@ class TritonBackend(AttentionBackend):
                         blocks only. (Earlier end-to-end fp8 runs on it had one decode
                         iteration stalled by 0.1-0.5 s: kernels compiled mid-serving on
                         per-step sizes, gone since; none in 8 runs on the H100.)
+      hopper_decode_overlap: where one-token rows take that Gluon kernel, its overlapped loop
+                        (``DecodeConfig.hopper_overlap``: a tile's score MMAs and softmax while
+                        the previous tile's P V MMAs run). Off by default: not yet run on a
+                        GPU.
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
                         512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
                         kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
@@ -347,6 +351,7 @@ class TritonBackend(AttentionBackend):
         max_decode_query_len: int = MAX_DECODE_QUERY_LEN,
         hopper_prefill: bool = True,
         hopper_decode: bool | None = None,
+        hopper_decode_overlap: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         direct_decode_graphs: bool = True,
@@ -354,7 +359,8 @@ class TritonBackend(AttentionBackend):
         value_runs: bool = True,
     ):
         super().__init__(spec)
-        flags = (("hopper_prefill", hopper_prefill), ("hopper_mla_decode", hopper_mla_decode),
+        flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
+                 ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs),
                  ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs))  # fmt: skip
         for name, flag in flags:
@@ -394,6 +400,7 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
         self.hopper_prefill = hopper_prefill
         self.hopper_decode = hopper_decode
+        self.hopper_decode_overlap = hopper_decode_overlap
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
         self.direct_decode_graphs = direct_decode_graphs
@@ -713,7 +720,7 @@ class TritonBackend(AttentionBackend):
         elif self._given_decode_config:
             config = self.decode_config
         elif device is not None and self._hopper_decode_applies(block_size, device):
-            config = hopper_decode_config(self.cache_dtype)
+            config = hopper_decode_config(self.cache_dtype, overlap=self.hopper_decode_overlap)
         else:
             kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
             config = default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)

@@ -4,7 +4,7 @@
 # at its timeout; the next still runs).
 # From the project root, after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/hopper_decode_round.sh [tests] [decode] [e2e] [mla] [burst] [burst-e2e] [direct-e2e]
-#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [stall-e2e] [ratio-e2e] [suite]
+#       [short-blocks-e2e] [dequant-e2e] [value-runs-e2e] [stall-e2e] [ratio-e2e] [overlap] [suite]
 # (no stage named: tests and decode). Writes <stage>.log (and the benchmarks' JSON) under $OUT
 # (default /tmp/hopper-round) and prints a summary last. The device returns about 8 files of
 # $OUT a call, so the files are packed into $OUT/round.tgz at the end (unpack it where it
@@ -32,6 +32,10 @@
 #           kernel, twice each, alternating: kernels compiled while serving, slowest iterations
 #   ratio-e2e: benchmarks/e2e_cache_ratio.py: the burst over bf16 and fp8 caches, $RATIO_PAIRS (2)
 #           pairs alternating: the fp8 / bf16 attention ratio against 0.6x
+#   overlap: the Gluon decode kernel's overlapped loop (DecodeConfig.hopper_overlap) against its
+#           loop in turn: its GPU tests, bench_decode's 3-tile rings of both loops (fp8 and bf16;
+#           the burst's decode step, 64x4096, 32x512), then e2e_cache_ratio with the Gluon kernel
+#           for fp8 too (--hopper-decode always), in turn and overlapped, $RATIO_PAIRS (1) pairs each
 #   direct-e2e: the burst and the Poisson run end to end, bf16 and fp8 caches, the default
 #           (each graph bucket also captured without the decode combine, replayed where no row
 #           splits) against --no-direct-decode-graphs (one graph a bucket)
@@ -167,12 +171,25 @@ for stage in "${stages[@]}"; do
         timed e2e-cache-ratio "${RATIO_TIMEOUT:-300}" python3 benchmarks/e2e_cache_ratio.py --pairs "${RATIO_PAIRS:-2}" \
             --out "$out/e2e-cache-ratio.json"
         ;;
+    overlap)
+        timed overlap-tests "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
+            tests/test_decode_hopper.py tests/test_decode_hopper_compile.py
+        timed overlap-decode "${DECODE_TIMEOUT:-200}" python3 benchmarks/bench_decode.py --hopper-wgmma \
+            --variants "3 stages" --shapes "lognormal128(med=550,64x4096,32x512" --rep-ms 30 --budget-s 150 \
+            --out "$out/decode-overlap.json"
+        for loop in in-turn overlapped; do
+            flags=(--hopper-decode always)
+            [ $loop = overlapped ] && flags+=(--hopper-decode-overlap)
+            timed "ratio-$loop" "${RATIO_TIMEOUT:-200}" python3 benchmarks/e2e_cache_ratio.py --pairs "${RATIO_PAIRS:-1}" \
+                --out "$out/ratio-$loop.json" -- "${flags[@]}"
+        done
+        ;;
     suite)
         timed suite "${SUITE_TIMEOUT:-420}" python3 -m pytest -q -n 12 -p no:cacheprovider -rfE tests/
         ;;
     *)
         echo "unknown stage $stage (tests, decode, e2e, mla, burst, burst-e2e, direct-e2e, short-blocks-e2e, dequant-e2e," \
-            "value-runs-e2e, stall-e2e, ratio-e2e, suite)" >&2
+            "value-runs-e2e, stall-e2e, ratio-e2e, overlap, suite)" >&2
         exit 2
         ;;
     esac

@@ -200,10 +200,13 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
     assert bench.settings_from(parser.parse_args(["--no-direct-decode-graphs"])).direct_decode_graphs is False
 
 
-@pytest.mark.parametrize(("name", "default"), [("graph_dequant_prefill", False), ("value_runs", True)])
+@pytest.mark.parametrize(
+    ("name", "default"), [("graph_dequant_prefill", False), ("value_runs", True), ("hopper_decode_overlap", False)]
+)
 def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> None:
-    """``--[no-]graph-dequant-prefill`` and ``--[no-]value-runs`` reach the triton backend
-    (left out: the backend's default, off and on); refused with another backend."""
+    """``--[no-]graph-dequant-prefill``, ``--[no-]value-runs`` and ``--[no-]hopper-decode-overlap``
+    reach the triton backend (left out: the backend's default, off, on and off); refused with
+    another backend."""
     bench = _bench()
     from examples.engine import cache_config_for
 
@@ -247,7 +250,11 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
         launch, _ = backend._decode_launch(1, 256, cuda)
         assert launch.hopper_wgmma == gluon, word
         assert not gluon or launch.block_n == tile
+        assert not launch.hopper_overlap
     assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma == bf16
+    overlapped = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_overlap=True)
+    launch, _ = overlapped._decode_launch(1, 256, cuda)
+    assert launch.hopper_wgmma and launch.hopper_overlap
 
 
 def test_decode_launch_words_make_the_backends_launch() -> None:

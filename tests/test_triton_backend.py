@@ -685,6 +685,7 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
         ({"hopper_prefill": "no"}, "hopper_prefill"),
         ({"hopper_decode": 1}, "hopper_decode"),
         ({"hopper_decode": "auto"}, "hopper_decode"),
+        ({"hopper_decode_overlap": "yes"}, "hopper_decode_overlap"),
         ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
         ({"hopper_mla_ring": None}, "hopper_mla_ring"),
         ({"direct_decode_graphs": "yes"}, "direct_decode_graphs"),

@@ -102,7 +102,11 @@ class DecodeConfig:
                 on the H200, so off by default.
     hopper_overlap: with hopper_wgmma, the kernel's loop runs a tile's score MMAs and softmax
                 while the previous tile's P V MMAs run (P in two buffers: 2 KiB more shared
-                memory for fp8 at 16 heads), instead of each tile's steps in turn.
+                memory for fp8 at 16 heads), instead of each tile's steps in turn. A ring
+                slot is then held until its tile's P V MMAs are done, one tile later than in
+                turn, so a ring of 3 tiles prefetches as 2 do in turn. Compiled and
+                compile-tested for sm_90; not yet run on a GPU (GPU tests in
+                tests/test_decode_hopper.py, variants in ``bench_decode.py --hopper-wgmma``).
     """
 
     block_n: int = 64
@@ -233,14 +237,15 @@ def one_token_slot_share(kv_dtype: torch.dtype | None) -> float:
     return 1.0 if kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES else 0.75
 
 
-def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
+def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> DecodeConfig:
     """The launch of one-token rows on the Hopper kernel (:mod:`.decode_hopper`) over a cache
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
-    memory at head_dim 128) and two programs an SM. :class:`~attention.triton_backend.TritonBackend`
-    takes it by default where the kernel runs (an sm_90 GPU) for a 16-bit cache, and for an
-    fp8 one in blocks shorter than the tile under bf16 queries; elsewhere :func:`paged_decode`
-    runs the Triton kernel with the same tiles.
+    memory at head_dim 128) and two programs an SM; ``overlap``: its overlapped loop
+    (``DecodeConfig.hopper_overlap``; 2 KiB more shared memory for the second P buffer).
+    :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
+    (an sm_90 GPU) for a 16-bit cache, and for an fp8 one in blocks shorter than the tile under
+    bf16 queries; elsewhere :func:`paged_decode` runs the Triton kernel with the same tiles.
 
     On the H200 (benchmarks/results/decode-hopper-h200-2026-12-05.md) this launch ran
     bench_decode.py's shapes at 0.99-1.20x the speed of the Triton launches (bf16 32x512 at
@@ -270,7 +275,7 @@ def hopper_decode_config(kv_dtype: torch.dtype) -> DecodeConfig:
     """
     return DecodeConfig(
         block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True,
-        slot_share=one_token_slot_share(kv_dtype),
+        slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap,
     )  # fmt: skip
 
 
