@@ -98,14 +98,14 @@ class DecodeConfig:
                 where it applies (sm_90, its shapes; else the Triton kernel runs). block_n must
                 be its tile, ``hopper_block_n`` of the cache's dtype: 128 for float8_e4m3fn, 64
                 for a 16-bit cache. num_stages is its ring of K/V tiles (32 KiB each at
-                head_dim 128: 2 stages fit 3 programs an SM, 3 fit 2, 4 fit 1). Not yet timed
-                on the H200, so off by default.
+                head_dim 128: 2 stages fit 3 programs an SM, 3 fit 2, 4 fit 1). Off in a
+                config made here; :func:`hopper_decode_config` is the backend's launch of it.
     hopper_overlap: with hopper_wgmma, the kernel's loop runs a tile's score MMAs and softmax
                 while the previous tile's P V MMAs run (P in two buffers: 2 KiB more shared
                 memory for fp8 at 16 heads), instead of each tile's steps in turn. A ring
-                slot is then held until its tile's P V MMAs are done, one tile later than in
-                turn, so a ring of 3 tiles prefetches as 2 do in turn. Compiled and
-                compile-tested for sm_90; not yet run on a GPU (GPU tests in
+                slot's K is then refilled once its S MMAs are done and its V once its P V
+                MMAs are (a barrier each), so the ring prefetches as far ahead as in turn.
+                Compiled and compile-tested for sm_90; not yet run on a GPU (GPU tests in
                 tests/test_decode_hopper.py, variants in ``bench_decode.py --hopper-wgmma``).
     """
 

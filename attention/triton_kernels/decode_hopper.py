@@ -178,10 +178,13 @@ if _GLUON:
     def _load_tile(  # type: ignore[no-untyped-def]
         k_desc, v_desc, k_bufs, v_bufs, ready, j, first, table_row, row_ok, table_width, num_blocks, kvh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
-        NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
+        NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr,
+        LOAD_V: gl.constexpr, V_BAR: gl.constexpr,
     ):  # fmt: skip
         """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
-        STAGES``, one K box and one V box per part of PART tokens (a part lies in one block):
+        STAGES``: its K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
+        ``ready[V_BAR + slot]`` (V; V_BAR 0: one barrier for both, which must then both load),
+        one K box and one V box per part of PART tokens (a part lies in one block):
         K rows ``[page * BLOCK_SIZE + t % BLOCK_SIZE, +PART)`` (``t`` the part's first token) at
         columns ``kvh * HEAD_DIM`` of K viewed ``[num_blocks * BLOCK_SIZE, kv_heads * HEAD_DIM]``,
         into the part's rows of the slot's K tile; V likewise into the V tile (16-bit), or (fp8,
@@ -191,20 +194,29 @@ if _GLUON:
         PARTS: gl.constexpr = BLOCK_N // PART
         slot = j % STAGES
         n0 = first + j * BLOCK_N
-        bar = ready.index(slot)
-        mbarrier.expect(bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        k_bar = ready.index(slot)
+        v_bar = ready.index(V_BAR + slot)
+        if V_BAR == 0:
+            mbarrier.expect(k_bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        else:
+            if LOAD_K:
+                mbarrier.expect(k_bar, PARTS * k_desc.block_type.nbytes)
+            if LOAD_V:
+                mbarrier.expect(v_bar, PARTS * v_desc.block_type.nbytes)
         for part in gl.static_range(PARTS):
             t = n0 + part * PART
             page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
             row = page * BLOCK_SIZE + t % BLOCK_SIZE
-            k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
-            _tma_load(k_desc, [row, kvh * HEAD_DIM], bar, k_dst)
-            if FP8:
-                v_dst = v_bufs.index(slot * PARTS + part)
-                _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], bar, v_dst)
-            else:
-                v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
-                _tma_load(v_desc, [row, kvh * HEAD_DIM], bar, v_dst)
+            if LOAD_K:
+                k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
+                _tma_load(k_desc, [row, kvh * HEAD_DIM], k_bar, k_dst)
+            if LOAD_V:
+                if FP8:
+                    v_dst = v_bufs.index(slot * PARTS + part)
+                    _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], v_bar, v_dst)
+                else:
+                    v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
+                    _tma_load(v_desc, [row, kvh * HEAD_DIM], v_bar, v_dst)
 
     @gluon.jit
     def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, PART: gl.constexpr):  # type: ignore[no-untyped-def]
@@ -375,8 +387,11 @@ if _GLUON:
             p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
             p_bufs = gl.allocate_shared_memory(kv_dtype, [2 if OVERLAP else 1, BLOCK_N, BLOCK_H], p_smem16)
             v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
+        # In turn: one barrier a slot for its K and V. Overlapped: K's (0 .. STAGES-1) and V's
+        # (STAGES ..), since a slot's K is free once S is done, its V only after P V.
+        V_BAR: gl.constexpr = STAGES if OVERLAP else 0
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
 
         first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
@@ -384,7 +399,8 @@ if _GLUON:
         for st in gl.static_range(STAGES):
             if st < n_tiles:
                 _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, st, first, table_row, row_ok, table_width,
-                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True,
+                           V_BAR)  # fmt: skip
 
         # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -417,9 +433,11 @@ if _GLUON:
         o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
-            # buffers by tile parity. Prologue: tile 0's softmax; each step j = 1 .. n_tiles-1
-            # issues S(j) then P V(j-1), waits for S(j) only, softmaxes tile j, then waits
-            # for P V(j-1), rescales o and refills tile j-1's slot; epilogue: P V(n_tiles-1).
+            # buffers by tile parity. Prologue: tile 0's S and softmax; each step j = 1 ..
+            # n_tiles-1 refills the K of tile j-1's slot (S(j-1) is done), issues S(j) then
+            # P V(j-1), waits for S(j) only, softmaxes tile j, then waits for P V(j-1),
+            # rescales o and refills the slot's V; epilogue: P V(n_tiles-1). A tile's V is
+            # waited for before its softmax's V guard (which may zero some of it).
             if n_tiles > 0:
                 mbarrier.wait(ready.index(0), 0)
                 k_tile = k_bufs.index(0)
@@ -431,36 +449,43 @@ if _GLUON:
                     s, first, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
+                mbarrier.wait(ready.index(V_BAR), 0)
                 _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
                             num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
             for j in range(1, n_tiles):
                 fence_async_shared()
-                _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs
+                _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs; S(j-1) done
                 s_slot = j % STAGES
                 prev_slot = (j - 1) % STAGES
-                prev_p = ((j - 1) % 2) * (2 if FP8 else 1)
-                mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+                refill = j - 1 + STAGES < n_tiles
+                if refill:
+                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, first, table_row, row_ok,
+                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
+                               PART, FP8, True, False, V_BAR)  # fmt: skip
+                phase = (j // STAGES) & 1
+                mbarrier.wait(ready.index(s_slot), phase)
                 k_tile = k_bufs.index(s_slot)
                 s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if FP8:
                     s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
-                o = _issue_pv(o, p_bufs, prev_p, v_bufs, prev_slot, PARTS, PART, FP8)
+                o = _issue_pv(o, p_bufs, ((j - 1) % 2) * (2 if FP8 else 1), v_bufs, prev_slot, PARTS, PART, FP8)
                 s = warpgroup_mma_wait(num_outstanding=2 * PARTS if FP8 else 1, deps=(s,))
                 n0 = first + j * BLOCK_N
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
+                mbarrier.wait(ready.index(V_BAR + s_slot), phase)
                 _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
                             table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
                             FP8)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 o = o * alpha[None, :]
-                _partition_barrier()  # every warp is done with tile j-1's slot
-                if j - 1 + STAGES < n_tiles:
+                _partition_barrier()  # every warp is done with tile j-1's V
+                if refill:
                     _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, first, table_row, row_ok,
                                table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
-                               PART, FP8)  # fmt: skip
+                               PART, FP8, False, True, V_BAR)  # fmt: skip
             if n_tiles > 0:
                 fence_async_shared()
                 _partition_barrier()
@@ -492,7 +517,7 @@ if _GLUON:
                 if j + STAGES < n_tiles:
                     _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok,
                                table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
-                               PART, FP8)  # fmt: skip
+                               PART, FP8, True, True, 0)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
