@@ -24,7 +24,12 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
   1); both factors come out again exactly (the scores' scale, and the lse minus 8). An 8-bit
   B operand must be K-major too, so P is stored transposed;
 - the softmax runs per head over the tile's tokens; the row sums are kept per thread and
-  reduced once after the loop.
+  reduced once after the loop;
+- two loops (constexpr ``OVERLAP``, ``DecodeConfig.hopper_overlap``): each tile's S MMAs,
+  softmax and P V MMAs in turn (the default), or overlapped: tile j's S MMAs and softmax while
+  tile j-1's P V MMAs run, P in two buffers by tile parity, and a slot's K and V on barriers
+  of their own (K refilled after S, V after P V). The overlapped loop is compiled and
+  compile-tested for sm_90 but not yet run on a GPU.
 
 Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
 a tile's path through the loop takes 449 instructions (fp8, 128 tokens) and 229 (bf16, 64
