@@ -102,7 +102,7 @@ class DecodeConfig:
                 config made here; :func:`hopper_decode_config` is the backend's launch of it.
     hopper_overlap: with hopper_wgmma, the kernel's loop runs a tile's score MMAs and softmax
                 while the previous tile's P V MMAs run (P in two buffers: 2 KiB more shared
-                memory for fp8 at 16 heads), instead of each tile's steps in turn. A ring
+                memory for fp8 at up to 8 heads a group, 4 KiB at 16), instead of each tile's steps in turn. A ring
                 slot's K is then refilled once its S MMAs are done and its V once its P V
                 MMAs are (a barrier each), so the ring prefetches as far ahead as in turn.
                 Compiled and compile-tested for sm_90; not yet run on a GPU (GPU tests in
@@ -242,7 +242,7 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> Decode
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
     memory at head_dim 128) and two programs an SM; ``overlap``: its overlapped loop
-    (``DecodeConfig.hopper_overlap``; 2 KiB more shared memory for the second P buffer).
+    (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer).
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
     (an sm_90 GPU) for a 16-bit cache, and for an fp8 one in blocks shorter than the tile under
     bf16 queries; elsewhere :func:`paged_decode` runs the Triton kernel with the same tiles.
