@@ -315,6 +315,15 @@ if _GLUON:
                            BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
 
     @gluon.jit
+    def _issue_scores(k_tile, q_bufs, s_zero, FP8: gl.constexpr):  # type: ignore[no-untyped-def]
+        """S^T = K Q^T for a K tile (fp8: the query's hi and lo parts into one accumulator),
+        issued asynchronously: 2 commit groups (fp8) or 1; the caller waits."""
+        s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if FP8:
+            s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
         o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr
     ):
@@ -445,10 +454,7 @@ if _GLUON:
             # waited for before its softmax's V guard (which may zero some of it).
             if n_tiles > 0:
                 mbarrier.wait(ready.index(0), 0)
-                k_tile = k_bufs.index(0)
-                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if FP8:
-                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                s = _issue_scores(k_bufs.index(0), q_bufs, s_zero, FP8)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, first, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
@@ -469,10 +475,7 @@ if _GLUON:
                                PART, FP8, True, False, V_BAR)  # fmt: skip
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
-                k_tile = k_bufs.index(s_slot)
-                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if FP8:
-                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
                 o = _issue_pv(o, p_bufs, ((j - 1) % 2) * (2 if FP8 else 1), v_bufs, prev_slot, PARTS, PART, FP8)
                 s = warpgroup_mma_wait(num_outstanding=2 * PARTS if FP8 else 1, deps=(s,))
                 n0 = first + j * BLOCK_N
@@ -502,10 +505,7 @@ if _GLUON:
                 s_slot = j % STAGES
                 n0 = first + j * BLOCK_N
                 mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
-                k_tile = k_bufs.index(s_slot)
-                s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if FP8:
-                    s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+                s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
