@@ -444,6 +444,7 @@ class AttentionBackend(ABC):
                 f"plan: made by {made} for another spec; call plan() of this {self.name} backend for the step"
             )
         meta = plan.metadata
+        meta.check_current()
         if not isinstance(layer, LayerCache):
             raise ArgumentTypeError(
                 f"layer: expected a LayerCache (KVCacheTensors.layer(i)), got {type(layer).__name__}"

@@ -18,19 +18,31 @@ have slot -1.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from attention.checks import cdiv
 from attention.errors import MetadataError
 
-__all__ = ["PAD_BLOCK", "PAD_SLOT", "AttentionMetadata"]
+__all__ = ["PAD_BLOCK", "PAD_SLOT", "AttentionMetadata", "StepCounter"]
 
 #: Block-table entry for "no block": never a valid block id.
 PAD_BLOCK = -1
 #: Slot of a token whose K/V must not be written (padding).
 PAD_SLOT = -1
+
+
+class StepCounter:
+    """The steps a metadata builder has written into its persistent buffers. A step's metadata
+    views that memory, so it shows its step only until the next one is planned over it:
+    ``AttentionMetadata.written_at`` holds the counter and the step, and a backend refuses a
+    plan whose step is no longer the current one."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,9 @@ class AttentionMetadata:
     query_lens_host: tuple[int, ...]
     sampling_rows_host: tuple[int, ...]
     tree_masks: torch.Tensor | None = None
+    #: ``(counter, step)`` for metadata viewing a builder's reused buffers (None: tensors of
+    #: its own); see :class:`StepCounter` and :meth:`check_current`.
+    written_at: tuple[StepCounter, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def batch(self) -> int:
@@ -113,9 +128,21 @@ class AttentionMetadata:
     def device(self) -> torch.device:
         return self.block_tables.device
 
+    def check_current(self) -> None:
+        """Raise MetadataError when this metadata's buffers now hold a later step (its builder
+        planned another step since: the tensors show that step's tables and slots)."""
+        stamp = self.written_at
+        if stamp is not None and stamp[0].current != stamp[1]:
+            raise MetadataError(
+                f"plan: made for step {stamp[1]} of its builder, whose buffers now hold step {stamp[0].current}; "
+                "a plan is good until its builder plans the next step: run each step before planning another"
+            )
+
     def check(self) -> None:
         """Check dtypes, shapes, devices and the host lengths (no device sync). Raises
         MetadataError naming the field."""
+        if type(self.block_size) is not int or self.block_size < 1:
+            raise MetadataError(f"metadata.block_size: {self.block_size!r:.40} is not a positive int (the cache's)")
         b = self.batch
         if len(self.query_lens_host) != b:
             raise MetadataError(f"metadata: {len(self.query_lens_host)} query lengths for {b} sequence lengths")
@@ -133,6 +160,11 @@ class AttentionMetadata:
                 raise MetadataError(f"metadata.{name}: expected {dtype} with {ndim} dims, got {got}")
             if t.device != self.device:
                 raise MetadataError(f"metadata.{name}: on {t.device}, but block_tables is on {self.device}")
+            if not t.is_contiguous():
+                raise MetadataError(
+                    f"metadata.{name}: strides {t.stride()} for shape {tuple(t.shape)}; the kernels index it as "
+                    "a contiguous tensor: pass .contiguous()"
+                )
         pb = self.padded_batch
         if pb < b or self.block_tables.shape[0] != pb or self.query_start_loc.shape[0] != pb + 1:
             raise MetadataError(
@@ -145,6 +177,8 @@ class AttentionMetadata:
             if isinstance(tree, torch.Tensor):
                 kind = f"{tree.dtype} with shape {tuple(tree.shape)}"
             raise MetadataError(f"metadata.tree_masks: expected int32 [num_tokens] or None, got {kind}")
+        if tree is not None and not tree.is_contiguous():
+            raise MetadataError(f"metadata.tree_masks: stride {tree.stride()}; pass .contiguous()")
         if tree is not None and (tree.shape[0] != self.num_tokens or tree.device != self.device):
             raise MetadataError(
                 f"metadata.tree_masks: {tree.shape[0]} entries on {tree.device}, expected {self.num_tokens} "

@@ -14,6 +14,12 @@ _CHUNK = 128  # table columns / tokens one program looks at per loop step
 
 
 @triton.jit
+def _reported(value):  # type: ignore[no-untyped-def]
+    """An int64 value as the int32 the flag holds, clamped (as the torch check reports it)."""
+    return tl.minimum(tl.maximum(value, -2147483647), 2147483647).to(tl.int32)
+
+
+@triton.jit
 def _note(flag_ptr, code, row, index, value):  # type: ignore[no-untyped-def]
     """Record the first violation: whoever swaps the code in from 0 writes the details."""
     if tl.atomic_cas(flag_ptr, 0, code) == 0:
@@ -58,7 +64,7 @@ def _repair_starts(qsl_ptr, slots_ptr, flag_ptr, num_rows, num_tokens, CHUNK: tl
         stray = in_t & (slot != -1)
         if tl.sum(stray.to(tl.int32), 0) > 0:
             first_bad = tl.min(tl.where(stray, tok, num_tokens), 0)
-            _note(flag_ptr, 5, num_rows, first_bad, tl.load(slots_ptr + first_bad).to(tl.int32))
+            _note(flag_ptr, 5, num_rows, first_bad, _reported(tl.load(slots_ptr + first_bad)))
             tl.store(slots_ptr + tok, tl.full([CHUNK], -1, tl.int64), mask=stray)
 
 
@@ -136,13 +142,13 @@ def _check_kernel(  # type: ignore[no-untyped-def]
         bad = in_q & (slot != -1) & (slot != want)
         if tl.sum(bad.to(tl.int32), 0) > 0:
             first_bad = tl.min(tl.where(bad, tok, num_tokens), 0)
-            _note(flag_ptr, 5, i, first_bad, tl.load(slots_ptr + first_bad).to(tl.int32))
+            _note(flag_ptr, 5, i, first_bad, _reported(tl.load(slots_ptr + first_bad)))
             tl.store(slots_ptr + tok, tl.full([CHUNK], -1, tl.int64), mask=bad)
         got = tl.load(positions_ptr + tok, mask=in_q, other=0)
         wrong = in_q & real & (got != pos)
         if tl.sum(wrong.to(tl.int32), 0) > 0:
             first_wrong = tl.min(tl.where(wrong, tok, num_tokens), 0)
-            _note(flag_ptr, 6, i, first_wrong, tl.load(positions_ptr + first_wrong).to(tl.int32))
+            _note(flag_ptr, 6, i, first_wrong, _reported(tl.load(positions_ptr + first_wrong)))
 
 
 def check_metadata(meta: AttentionMetadata, num_blocks: int, window: int | None, flag: torch.Tensor) -> None:

@@ -44,6 +44,10 @@ FreeReason = Literal["finished", "aborted", "preempted"]
 _REASONS = ("finished", "aborted", "preempted")
 
 
+#: What :meth:`BlockManager.attach_tier` calls on a tier (:class:`~kvcache.blocks.tiers.LowerTier`).
+_TIER_METHODS = ("lookup", "pin", "unpin", "load", "offload", "flush", "tier_contents")
+
+
 class BlockManager(SequenceTable):
     """Per-sequence block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
@@ -93,11 +97,19 @@ class BlockManager(SequenceTable):
             self.prefix_cache.events = self.kv_events
         #: Where evicted cached blocks go and admission looks next (:meth:`attach_tier`).
         self.lower_tier: LowerTier | None = None
-        #: Computed tokens a later :meth:`truncate` may take back (an engine sets the most
-        #: draft tokens a row carries): a sliding window releases only the blocks that a query
-        #: this many tokens earlier no longer sees, so the query after a rollback finds its
-        #: whole window. 0 without drafts.
-        self.window_lag = 0
+        self._window_lag = 0
+
+    @property
+    def window_lag(self) -> int:
+        """Computed tokens a later :meth:`truncate` may take back (an engine sets the most
+        draft tokens a row carries): a sliding window releases only the blocks that a query
+        this many tokens earlier no longer sees, so the query after a rollback finds its whole
+        window. 0 without drafts; setting anything but an int >= 0 raises (nothing changed)."""
+        return self._window_lag
+
+    @window_lag.setter
+    def window_lag(self, tokens: int) -> None:
+        self._window_lag = require_int("window_lag", tokens, minimum=0)
 
     # ---- queries (change nothing) ------------------------------------------------------
 
@@ -385,6 +397,12 @@ class BlockManager(SequenceTable):
             raise InvalidArgumentError("tier: a lower prefix-cache tier needs enable_prefix_caching=True")
         if self.lower_tier is not None:
             raise InvalidArgumentError(f"tier: this manager has a {self.lower_tier.name} tier already")
+        missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]
+        if missing or not isinstance(getattr(tier, "name", None), str):
+            raise ArgumentTypeError(
+                f"tier: {type(tier).__name__} is not a lower tier (kvcache.blocks.tiers.LowerTier: a name and "
+                f"{', '.join(_TIER_METHODS)}); missing {', '.join(missing) or 'name'}; pass a HostPrefixTier"
+            )
         self.lower_tier = tier
         self.prefix_cache.demote = tier.offload
         self.allocator.after_evict = tier.flush

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 
+from attention.metadata import PAD_BLOCK
 from kvcache.blocks.digest import ROOT_DIGEST, block_digest, encode_salt, pack_ids
 from kvcache.blocks.events import DEVICE_TIER, KVEventStream
 
@@ -174,12 +175,14 @@ class PrefixCache:
         starts at position ``base`` (ids of blocks keyed before may have been dropped).
 
         A block whose key is already held by another block becomes a duplicate; either way
-        the key appended is the stored one, so the chain continues from it.
+        the key appended is the stored one, so the chain continues from it. A ``PAD_BLOCK``
+        entry (released behind a sliding window before its ids were known) gets its key, which
+        the chain needs, but nothing is indexed for it.
         """
         bs = self.block_size
         for i in range(len(keys), num_full):
             key = BlockKey(keys[-1] if keys else None, tuple(token_ids[i * bs - base : (i + 1) * bs - base]), extra)
-            keys.append(self.adopt(key, blocks[i]))
+            keys.append(key if blocks[i] == PAD_BLOCK else self.adopt(key, blocks[i]))
 
     @property
     def holders(self) -> Container[int]:

@@ -39,15 +39,15 @@ def computed_after(
     rows: Iterable[ScheduledRow], sequence: Callable[[Hashable], SequenceBlocks]
 ) -> list[tuple[SequenceBlocks, int]]:
     """``(record, computed prefix after the step)`` for each row, every row checked first: each
-    must continue its sequence's computed prefix within its reserved tokens. Raises an
-    argument error (UnknownSequenceError for an unknown id); reads, never writes."""
+    must continue its sequence's computed prefix within its reserved tokens (``start`` >= 0).
+    Raises an argument error (UnknownSequenceError for an unknown id); reads, never writes."""
     updates = []
     for i, row in enumerate(row_list(rows)):
         if not isinstance(row, ScheduledRow):
             raise ArgumentTypeError(f"rows[{i}]: expected a ScheduledRow, got {type(row).__name__}")
         seq = sequence(row.seq_id)
         num_new = require_int(f"rows[{i}].num_new", row.num_new, minimum=1)
-        start = seq.num_tokens - num_new if row.start is None else require_int(f"rows[{i}].start", row.start)
+        start = seq.num_tokens - num_new if row.start is None else require_int(f"rows[{i}].start", row.start, minimum=0)
         if not start <= seq.num_computed or start + num_new > seq.num_tokens:
             raise InvalidArgumentError(
                 f"rows[{i}]: tokens [{start}, {start + num_new}) of sequence {row.seq_id!r:.60} do not continue "

@@ -56,7 +56,8 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
         values = list(token_ids)
     try:
         array("q", values)  # C-speed check that every element is an integer that fits int64
-        if bool in set(map(type, values)):  # an int is an int; a bool is not
+        types = set(map(type, values))
+        if bool in types:  # an int is an int; a bool is not
             raise TypeError
     except (TypeError, OverflowError):
         i, bad = next(
@@ -68,7 +69,36 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
         raise ArgumentTypeError(
             f"{name}[{i}]: every token id must be an integer in int64 range; found {bad!r:.40} ({what})"
         ) from None
+    if types - {int}:
+        values = _plain_ints(values, name)
     return values
+
+
+def _plain_ints(values: list[Any], name: str) -> list[int]:
+    """``values`` (each an integer, by ``array``'s check) as Python ints: numpy integer scalars
+    and 0-d integer tensors (``list(tensor)`` gives those) are converted, so what is stored and
+    published is plain ints; anything else that passed as an index (a 0-d bool tensor, a
+    numpy bool) raises ArgumentTypeError."""
+    plain: list[int] = []
+    for i, value in enumerate(values):
+        if type(value) is not int:
+            dtype = getattr(value, "dtype", None)
+            kind = getattr(dtype, "kind", None)  # numpy; torch dtypes have is_floating_point
+            integral = isinstance(value, int) or (
+                dtype is not None
+                and (kind in ("i", "u") if kind is not None else not (
+                    getattr(dtype, "is_floating_point", True) or getattr(dtype, "is_complex", True)
+                    or str(dtype) == "torch.bool"
+                ))
+            )
+            if isinstance(value, bool) or not integral:
+                raise ArgumentTypeError(
+                    f"{name}[{i}]: every token id must be an integer in int64 range; found {value!r:.40} "
+                    f"({type(value).__name__}{f' of dtype {dtype}' if dtype is not None else ''})"
+                )
+            value = int(value)
+        plain.append(value)
+    return plain
 
 
 def token_count(token_ids: object, name: str = "token_ids") -> int:

@@ -30,10 +30,11 @@ import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
 
-from attention.errors import RankDivergenceError, UnknownSequenceError
+from attention.errors import ArgumentTypeError, RankDivergenceError, UnknownSequenceError
 from kvcache.blocks.hybrid import AnyBlockManager, HybridBlockManager
 from kvcache.blocks.rows import ScheduledRow
 from kvcache.blocks.sequence import SequenceBlocks
+from kvcache.blocks.tokens import token_list
 from kvcache.parallel.collective import Collective
 
 __all__ = ["RankAgreement", "StepDigest", "digest_of"]
@@ -92,11 +93,18 @@ class StepDigest:
             fields += (start, row.num_new, seq.num_tokens, len(table), done)
             blocks += table[done:]
             shown[seq_id] = (seq, seq.epoch, len(table))
-        self._shown = shown
-        h.update(array("q", fields).tobytes())
+        try:
+            packed_fields = array("q", fields).tobytes()
+        except (TypeError, OverflowError):
+            raise ArgumentTypeError(
+                f"step and rows: step {step!r:.20} and each row's start and num_new must be ints in int64 range"
+            ) from None
+        packed_ids = array("q", token_list(token_ids)).tobytes()
+        self._shown = shown  # every argument checked: the digest changes from here on
+        h.update(packed_fields)
         h.update(array("q", blocks).tobytes())
         h.update(repr([row.seq_id for row in rows]).encode())
-        h.update(array("q", token_ids).tobytes())
+        h.update(packed_ids)
         self.value = int.from_bytes(h.digest(), "little", signed=True)
         return self.value
 

@@ -42,7 +42,7 @@ import torch
 from attention.base import AttentionBackend, StepPlan
 from attention.checks import require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnknownSequenceError
-from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata
+from attention.metadata import PAD_BLOCK, PAD_SLOT, AttentionMetadata, StepCounter
 from attention.metadata_check import DeviceCheck
 from attention.staging import PlanStaging, StepCapacity
 from kvcache.blocks.hybrid import AnyBlockManager, HybridBlockManager
@@ -177,6 +177,7 @@ class MetadataBuilder:
         self._sampled_rows = 0
         #: The records of the rows of the last step filled, per KV group (see _commit).
         self._records: list[list[SequenceBlocks]] = []
+        self._steps = StepCounter()  # steps written into the buffers (a plan is good until the next)
         self._allocate(capacity or StepCapacity(8, 64, 8))
 
     @property
@@ -325,6 +326,11 @@ class MetadataBuilder:
         backend that will plan it as a CUDA-graph step (its bucket is checked before any
         write, so a refused step leaves the buffers as they were). Returns the metadata of
         each KV group (one without groups)."""
+        if not isinstance(manager, (BlockManager, HybridBlockManager)):
+            raise ArgumentTypeError(
+                f"manager: expected a BlockManager or HybridBlockManager (kvcache.manager_for), "
+                f"got {type(manager).__name__}"
+            )
         if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
             raise ArgumentTypeError(f"rows: expected a sequence of ScheduledRow, got {type(rows).__name__}")
         n = len(rows)
@@ -374,6 +380,7 @@ class MetadataBuilder:
                 type(num_new) is not int
                 or type(start) is not int
                 or num_new < 1
+                or start < 0
                 or end > held
                 or (seq.num_released and start < seq.num_released * bs)
                 or (start > seq.num_computed and start > seq.num_planned)
@@ -403,9 +410,9 @@ class MetadataBuilder:
             recs, gslots = _group_rows(group, rows, starts, query_lens, bs)
             group_records.append(recs)
             group_slots.append(gslots)
-        self._records = group_records  # their planned frontier moves when the step is committed
-        if token_ids is not None and len(token_ids) != tokens:
-            raise InvalidArgumentError(f"token_ids: {len(token_ids)} ids for the step's {tokens} new tokens")
+        ids = None if token_ids is None else token_list(token_ids)
+        if ids is not None and len(ids) != tokens:
+            raise InvalidArgumentError(f"token_ids: {len(ids)} ids for the step's {tokens} new tokens")
         pad = padded - n
         if pad_tokens is None:
             num_tokens = tokens + pad  # padding rows: one token each
@@ -414,13 +421,13 @@ class MetadataBuilder:
         fed = self._checked_feed(feed, n, qsl)
         if graph_backend is not None:
             graph_backend.check_graph_bucket(padded, num_tokens, prefill_rows=tokens > n)
+        self._records = group_records  # their planned frontier moves when the step is committed
         self._grow(padded, num_tokens, widest)
         self._switch_buffer()
         for g, recs in enumerate(group_records):
             self._write_tables(recs, g)
             self._write_padding_tables(n, padded, g)
-        if token_ids is not None:
-            ids = token_list(token_ids)
+        if ids is not None:
             self._mv[self._layout.token_ids : self._layout.token_ids + 8 * num_tokens].cast("q")[:] = array(
                 "q", ids + [0] * (num_tokens - tokens)
             )
@@ -460,7 +467,9 @@ class MetadataBuilder:
         return fed
 
     def _switch_buffer(self) -> None:
-        """Plan into the next host buffer, once its last copy has read it."""
+        """Plan into the next host buffer, once its last copy has read it; the step before is
+        no longer current (its metadata shares the device memory)."""
+        self._steps.current += 1
         self._buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         self._buf.wait_for_copy()
@@ -547,6 +556,7 @@ class MetadataBuilder:
             seq_lens_host=tuple(seq_lens),
             query_lens_host=tuple(query_lens),
             sampling_rows_host=tuple(sampling),
+            written_at=(self._steps, self._steps.current),
         )
         groups = zip(tables[1:], slot_views[1:], strict=True)
         return [first, *(replace(first, block_tables=t, slot_mapping=v) for t, v in groups)]
@@ -682,6 +692,8 @@ def _raise_bad_range(
         raise MetadataError(f"rows[{i}]: num_new {num_new!r:.20} and start {start!r:.20} must be ints")
     if num_new < 1:
         raise MetadataError(f"rows[{i}].num_new: {num_new} must be at least 1 (a row brings a token)")
+    if start < 0:
+        raise MetadataError(f"rows[{i}].start: {start} is negative; a row starts at a token position >= 0")
     end = start + num_new
     name = f"rows[{i}]: tokens [{start}, {end}) of sequence {seq_id!r:.60}"
     if end <= seq.num_tokens and start >= seq.num_released * bs:
