@@ -1,10 +1,14 @@
 """The ``kvcache`` command: ``validate``, ``plan``, ``schema`` and ``list-configs``.
 
-Exit status: 0 on success (also when the reader of a pipe leaves early: ``kvcache schema |
-head``), 1 when a config is invalid or a plan holds nothing, 2 for bad command-line usage.
-Problems are printed one per line, never as a traceback. A config is a file path or the name
-of a bundled config (``kvcache validate tiny-cpu``; a near miss gets a "did you mean").
-``kvcache --version`` prints the installed version; ``python -m kvcache`` is the same command.
+Exit status: 0 on success, 1 when a config is invalid, a plan holds nothing or the output
+cannot be written (a full disk), 2 for bad command-line usage. A reader of a pipe that leaves
+early (``kvcache schema | head``) changes nothing: the command goes on silently to its end and
+its status is what it would have been (``kvcache validate *.yaml | head -1`` still exits 1 when
+any config is invalid). Problems are printed one per line, never as a traceback; a name the
+terminal's encoding cannot show is printed with backslash escapes. A config is a file path or
+the name of a bundled config (``kvcache validate tiny-cpu``; a near miss gets a "did you
+mean"). ``kvcache --version`` prints the installed version; ``python -m kvcache`` is the same
+command.
 
 Startup is kept short: no torch is imported, and pydantic and YAML only by the commands that
 read a config.
@@ -16,6 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from kvcache.config.rules import MAX_TOKENS
 from kvcache.config.sizes import parse_bytes
@@ -97,28 +102,37 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _list_configs(args: argparse.Namespace) -> int:
     from kvcache.config.bundled import bundled_configs
+    from kvcache.config.safe_read import printable
 
     configs = bundled_configs()
     if not configs:
         print("no bundled configs found (is the package installed completely?)", file=sys.stderr)
         return 1
-    width = max(len(name) for name in configs)
+    names = {name: printable(name) for name in configs}
+    width = max(len(shown) for shown in names.values())
     for name, path in configs.items():
-        print(f"{name:<{width}}  {_summary(path)}")
+        print(f"{names[name]:<{width}}  {_summary(path)}")
     return 0
 
 
 def _summary(path: os.PathLike[str]) -> str:
-    """The first sentence of a bundled config's leading comment (it says what the config is for)."""
+    """The first sentence of a bundled config's leading comment (it says what the config is
+    for), or ``(unreadable: why)`` for a file the config loader would refuse to read (not UTF-8,
+    a directory, a device); read through that loader's safe reader, so it never blocks or raises."""
+    from kvcache.config.safe_read import InputRefused, printable, read_config_text
+
+    try:
+        text = read_config_text(path)
+    except InputRefused as refused:
+        return f"(unreadable: {refused.message})"
     words: list[str] = []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            if not line.startswith("#"):
-                break
-            words += line.lstrip("#").split()
-    text = " ".join(words)
-    end = text.find(". ")
-    return text if end < 0 else text[: end + 1]
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        words += line.lstrip("#").split()
+    summary = " ".join(words)
+    end = summary.find(". ")
+    return printable(summary if end < 0 else summary[: end + 1])
 
 
 def _memory(text: str) -> int:
@@ -182,18 +196,80 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Output:
+    """A text stream for ``print`` that never raises: the first OSError on it (EPIPE: the reader
+    left; ENOSPC: a full disk) is kept in :attr:`error` and later output is dropped, so a command
+    runs to its end and its exit status stays true. Text the stream's encoding cannot hold is
+    written with backslash escapes. ``stream`` None (the descriptor was closed) drops everything."""
+
+    def __init__(self, stream: TextIO | None):
+        self.stream = stream
+        self.error: OSError | None = None
+
+    def write(self, text: str) -> int:
+        if self.stream is not None and self.error is None:
+            try:
+                try:
+                    self.stream.write(text)
+                except UnicodeEncodeError:  # a file name the terminal cannot show (PYTHONIOENCODING=ascii)
+                    encoding = getattr(self.stream, "encoding", None) or "ascii"
+                    self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+            except OSError as err:
+                self._failed(err)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.stream is not None and self.error is None:
+            try:
+                self.stream.flush()
+            except OSError as err:
+                self._failed(err)
+
+    def _failed(self, err: OSError) -> None:
+        self.error = err
+        # What the stream still buffers would fail again when Python flushes it at exit (and
+        # print "Exception ignored"): point its descriptor at /dev/null.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.stream.fileno() if self.stream is not None else -1)
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError):  # no descriptor (a test's capture): nothing buffers at exit
+            pass
+
+
+def _status(code: int, out: _Output, err: _Output) -> int:
+    """``code`` once both streams are flushed; at least 1 when output was lost for a reason
+    other than a reader that left (a full disk, an I/O error), which is said on stderr."""
+    out.flush()
+    err.flush()
+    lost = [(name, e) for name, e in (("stdout", out.error), ("stderr", err.error)) if e is not None]
+    lost = [(name, e) for name, e in lost if not isinstance(e, BrokenPipeError)]
+    if not lost:
+        return code
+    name, error = lost[0]
+    err.write(f"kvcache: cannot write to {name}: {error.strerror or error}; the output is incomplete\n")
+    err.flush()
+    return code or 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; return its exit status (argparse exits 2 itself on bad usage)."""
-    args = _parser().parse_args(argv)
+    """Run the command; return its exit status (argparse exits 2 itself on bad usage). Output
+    goes through :class:`_Output`: no error writing it becomes a traceback."""
+    out, err = _Output(sys.stdout), _Output(sys.stderr)
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err  # print() needs only write() and flush()
     try:
+        args = _parser().parse_args(argv)
         code: int = args.run(args)
     except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `kvcache schema | head`: the reader left; nothing went wrong
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
-    return code
+        code = 130
+    except SystemExit as stop:  # argparse: --help, --version, bad usage
+        raise SystemExit(_status(stop.code if isinstance(stop.code, int) else 2, out, err)) from None
+    finally:
+        sys.stdout, sys.stderr = saved
+    return _status(code, out, err)
 
 
 if __name__ == "__main__":

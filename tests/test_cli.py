@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,116 @@ def test_a_misspelled_bundled_name_gets_a_suggestion(capsys: pytest.CaptureFixtu
 def test_plan_says_when_memory_only_checks_a_fixed_block_count(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "tiny-cpu", "--memory", "1GiB"]) == 0
     assert "fixes num_blocks (24); --memory only decides whether they fit" in capsys.readouterr().out
+
+
+# --- output that cannot be written; files that cannot be read; KV groups ------------------------
+
+
+def _child(code: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that imports this checkout."""
+    from tests.child_env import child_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT), **(extra_env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        (["validate", *[str(ROOT / "no-such-dir" / f"bad{i}.yaml") for i in range(20)]], 1),
+        (["validate", "tiny-cpu", "no-such-config", "tiny-cpu"], 1),  # the failure is not the first
+        (["plan", "tiny-cpu", "--max-seq-len", "769"], 1),
+        (["plan", "tiny-cpu"], 0),
+        (["validate", "tiny-cpu", "llama3-8b"], 0),
+        (["list-configs"], 0),
+    ],
+)
+def test_a_reader_that_leaves_early_changes_no_exit_status(argv: list[str], status: int) -> None:
+    """``kvcache validate *.yaml 2>&1 | head -1``: stdout and stderr are a pipe whose reader is
+    gone before the first line; the command still checks everything and exits as it would."""
+    code = (
+        "import os, sys\n"
+        "keep = os.dup(1)\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1); os.dup2(w, 2)\n"
+        "from kvcache.cli import main\n"
+        f"code = main({argv!r})\n"
+        "os.write(keep, f'status {code}'.encode())\n"
+    )
+    result = _child(code)
+    assert result.stdout == f"status {status}", (result.stdout, result.stderr)
+
+
+def test_a_full_disk_is_one_line_and_status_1(tmp_path: Path) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvcache.cli", "validate", "tiny-cpu"], stdout=full, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT,
+        )
+    assert result.returncode == 1
+    assert result.stderr == "kvcache: cannot write to stdout: No space left on device; the output is incomplete\n"
+
+
+def test_a_file_name_the_terminal_cannot_show_is_escaped(tmp_path: Path) -> None:
+    config = tmp_path / "\u00e9t\u00e9.yaml"
+    config.write_text((ROOT / "configs" / "tiny-cpu.yaml").read_text())
+    result = _child(f"import sys; from kvcache.cli import main; sys.exit(main(['validate', {str(config)!r}]))",
+                    extra_env={"PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    assert "\\xe9t\\xe9.yaml: ok" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_list_configs_shows_a_file_it_cannot_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcache.config import bundled
+
+    (tmp_path / "a-latin1.yaml").write_bytes(b"# Caf\xe9 config.\nmodel: {}\n")
+    (tmp_path / "b-dir.yaml").mkdir()
+    if os.path.exists("/dev/zero"):
+        (tmp_path / "c-zero.yaml").symlink_to("/dev/zero")
+    (tmp_path / "d-good.yaml").write_text("# Fine. More words.\nmodel: {}\n")
+    (tmp_path / "e-\x1b[31mred.yaml").write_text("# Red \x1b[31mtext.\n")
+    monkeypatch.setattr(bundled, "bundled_config_dir", lambda: tmp_path)
+    assert main(["list-configs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("a-latin1") and "(unreadable: is not UTF-8 text (byte 0xe9 at line 1)" in lines[0]
+    assert lines[1].startswith("b-dir") and "(unreadable: is a directory" in lines[1]
+    if os.path.exists("/dev/zero"):
+        assert "(unreadable: is a character device, not a regular file" in lines[2]
+    assert lines[-2].endswith("  Fine.")
+    assert lines[-1] == "'e-\\x1b[31mred'  'Red \\x1b[31mtext.'"
+
+
+def test_plan_of_kv_groups_fits_what_the_groups_need(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """6 layers (4 windowed), 26 whole-model blocks: 78 block ids of 2 layers each. A sequence of
+    1,000 tokens needs 32 ids in the full group and 5 in each windowed one (window 100): 42 fit,
+    though 32 whole-model blocks would not."""
+    config = tmp_path / "hybrid.yaml"
+    config.write_text(
+        "model: {num_layers: 6, num_heads: 8, num_kv_heads: 4, head_dim: 128, sliding_window: 100,\n"
+        "        window_pattern: [true, true, false, true, true, false]}\n"
+        "cache: {block_size: 32, num_blocks: 26, device: cpu}\nattention: {backend: reference}\n"
+    )
+    assert main(["plan", str(config), "--max-seq-len", "1000"]) == 0
+    captured = capsys.readouterr()
+    assert "1 at once (42 block ids" in captured.out and captured.err == ""
+    # 68 blocks of the full group + 2 x 5 windowed = 78 ids: 2,176 tokens fit, 2,177 do not.
+    assert main(["plan", str(config), "--max-seq-len", "2176"]) == 0
+    assert main(["plan", str(config), "--max-seq-len", "2177"]) == 1
+    err = capsys.readouterr().err
+    assert "with KV groups it needs 79 block ids and the cache holds 78" in err and "at most 2,176" in err
+
+
+def test_plan_escapes_the_disk_dir_and_counts_in_the_singular(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "disk.yaml"
+    config.write_text(
+        "model: {num_layers: 2, num_heads: 4, num_kv_heads: 2, head_dim: 16}\n"
+        "cache: {block_size: 32, num_blocks: 8, enable_prefix_caching: true, host_cache_space: 1MiB,\n"
+        '        disk_cache_space: 1MiB, disk_cache_dir: "/tmp/\\e[31mred"}\n'
+    )
+    assert main(["plan", str(config), "--max-seq-len", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "files under '/tmp/\\x1b[31mred'" in out
+    assert re.search(r"sequences of 1 token +8 at once \(1 block each\)", out), out

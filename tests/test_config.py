@@ -142,7 +142,7 @@ cache:
         ("", ["empty"]),
         ("- 1\n- 2\n", ["list", "mapping"]),
         ("model: {num_layers: 2\n", ["bad.yaml:2:", "not valid YAML", "column"]),
-        ("just a string", ["str", "mapping"]),
+        ("just a string", ["holds text, not a mapping"]),
         ("model: 3\ncache: {block_size: 32, num_blocks: 1}\n", ["model", "mapping"]),
         (GOOD.replace("model:", "modle:"), ["modle", "did you mean model"]),
         (GOOD.replace("model: {num_layers: 2, ", "model: {"), ["model.num_layers", "required"]),

@@ -26,7 +26,7 @@ from attention.errors import ArgumentTypeError, ConfigError, ConfigProblem, quot
 from kvcache.config.bundled import bundled_config_dir, bundled_configs, is_bare_name
 from kvcache.config.rules import cross_field_problems
 from kvcache.config.safe_read import InputRefused, one_line, printable, read_config_text
-from kvcache.config.safe_yaml import parse_yaml, path_part
+from kvcache.config.safe_yaml import AmbiguousNumber, parse_yaml, path_part
 from kvcache.config.schema import ConfigProblems, KVCacheConfig
 
 __all__ = ["ConfigError", "bundled_config_dir", "bundled_configs", "load_config", "parse_config"]
@@ -51,6 +51,14 @@ _TYPE_WORDS = {
     "tuple": "a list such as [true, false]",
     "list": "a list",
 }
+
+#: What a document that is not a mapping holds, by its Python type's name.
+_KIND_WORDS = {"list": "a list", "str": "text", "int": "a number", "float": "a number", "bool": "true or false"}
+_SECTION_KINDS = ("model_type", "model_attributes_type", "dict_type")
+#: What to write for a text field left empty, by field name.
+_TEXT_FIXES = {"disk_cache_dir": "a directory path such as /mnt/nvme/kvcache"}
+#: A whole number with a leading zero that YAML 1.1 reads as text (a digit 8 or 9: not octal).
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9]{1,39}", re.ASCII)
 
 
 # --- locating a config -------------------------------------------------------------------------
@@ -133,7 +141,7 @@ def _parse(text: str, source: str) -> KVCacheConfig:
             [
                 ConfigProblem(
                     "",
-                    f"holds a {type(data).__name__}, not a mapping; write `model:`, "
+                    f"holds {_KIND_WORDS.get(type(data).__name__, 'a single value')}, not a mapping; write `model:`, "
                     "`cache:` and `attention:` sections at the top level",
                 )
             ],
@@ -205,12 +213,14 @@ def _raw_values(data: dict[Any, Any]) -> dict[str, object]:
 def _message(e: Any, loc: list[Any]) -> str:
     kind = e["type"]
     value = e.get("input")
-    if kind == "value_error":
-        return str(e["msg"]).removeprefix("Value error, ")
     if kind == "extra_forbidden":
         return _unknown_key(loc)
     if kind == "missing":
         return "is required; add it"
+    if isinstance(value, AmbiguousNumber) and kind not in _SECTION_KINDS:
+        return value.message(text_expected=kind == "string_type")
+    if kind == "value_error":
+        return str(e["msg"]).removeprefix("Value error, ")
     if kind == "literal_error":
         return _not_one_of(value, e["ctx"]["expected"])
     if kind in _RANGE_WORDS:
@@ -220,8 +230,16 @@ def _message(e: Any, loc: list[Any]) -> str:
         return f"has {len(value)} entries; at most {e['ctx']['max_length']} (one per layer)"
     if kind == "invalid_key":
         return f"{quote(value)} is not a key name; write names such as model, cache, attention"
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
+    if kind in _SECTION_KINDS:
         return f"{quote(value)} is not a section; write it as a mapping of keys to values"
+    if kind == "finite_number":
+        return f"{quote(value)} is not a finite number; write a number such as 1.0"
+    if kind == "string_too_short":
+        return f"{quote(value)} is empty; write {_TEXT_FIXES.get(str(loc[-1]), 'some text')}, or remove the key"
+    if kind == "string_too_long":
+        return f"is {len(value):,} characters; at most {e['ctx']['max_length']:,}"
+    if kind == "int_type" and isinstance(value, str) and _LEADING_ZERO.fullmatch(value):
+        return f"{quote(value)} has a leading zero, so YAML reads it as text; write {int(value, 10)}"
     if kind.endswith("_type") and kind.split("_")[0] in _TYPE_WORDS:
         expected = _TYPE_WORDS[kind.split("_")[0]]
         return f"{quote(value)} is not {expected}; write {expected}"
@@ -239,15 +257,24 @@ def _unknown_key(loc: list[Any]) -> str:
 
 
 def _not_one_of(value: object, allowed: str) -> str:
+    """Not one of ``allowed``, with the name meant when there is one: the same name in another
+    case (BFloat16), an alias (bf16), a near miss (flash_atn). A cache-only dtype (fp8, int8)
+    where a compute dtype is wanted (model.dtype) is sent to cache.dtype instead."""
     import difflib
 
     choices = re.findall(r"'([^']*)'", allowed)
-    guess = None
-    if isinstance(value, str) and len(value) <= 64:
-        alias = _ALIASES.get(value.lower())
-        guess = alias if alias in choices else next(iter(difflib.get_close_matches(value, choices, n=1)), None)
-    hint = f"; did you mean {guess}?" if guess else ""
-    return f"{quote(value)} is not one of {allowed}{hint}"
+    text = f"{quote(value)} is not one of {allowed}"
+    if not (isinstance(value, str) and len(value) <= 64):
+        return text
+    lowered = value.lower()
+    name = lowered if lowered in choices or lowered in DTYPES else _ALIASES.get(lowered)
+    if name is not None and name not in choices and name in DTYPES and DTYPES[name].cache_only:
+        return (
+            f"{text}: {name} is a storage format for the KV cache only, which the model cannot compute in; "
+            f"set it as cache.dtype, and model.dtype to one of these"
+        )
+    guess = name if name in choices else next(iter(difflib.get_close_matches(lowered, choices, n=1)), None)
+    return f"{text}; did you mean {guess}?" if guess else text
 
 
 def _fields_at(loc: Iterable[Any]) -> list[str]:

@@ -18,6 +18,7 @@ from attention.dtypes import DTYPES
 from attention.errors import InvalidArgumentError
 from kvcache.blocks.groups import KVGroupLayout
 from kvcache.config.rules import MAX_TOKENS
+from kvcache.config.safe_read import printable
 from kvcache.config.schema import KVCacheConfig
 from kvcache.config.sizes import format_bytes
 from kvcache.parallel.heads import MAX_TP_SIZE, TensorParallel, head_problems
@@ -98,7 +99,8 @@ class CapacityPlan:
 
     def problems(self) -> list[str]:
         """Why this plan cannot serve, each with a fix; empty when it can: no block fits the
-        budget, the cache does not fit in free memory, or no sequence of max_seq_len fits."""
+        budget, the cache does not fit in free memory, or no sequence of max_seq_len fits
+        (with KV groups: its block ids over every group, as the hybrid manager holds them)."""
         found = []
         per_block = format_bytes(self.bytes_per_block)
         if self.num_blocks == 0:
@@ -112,13 +114,43 @@ class CapacityPlan:
                 f"exceeds the {format_bytes(self.free_bytes or 0)} assumed free; lower cache.num_blocks "
                 f"to at most {(self.free_bytes or 0) // self.bytes_per_block:,}"
             )
-        if self.num_blocks > 0 and self.sequences_that_fit == 0:
-            found.append(
-                f"no sequence of {self.max_seq_len:,} tokens fits: it needs {self.blocks_per_sequence:,} blocks and "
-                f"the cache holds {self.num_blocks:,} ({self.token_capacity:,} tokens); give more memory or "
-                f"lower --max-seq-len to at most {self.token_capacity:,}"
-            )
+        if self.num_blocks > 0 and self.max_seq_len is not None:
+            found += self._sequence_problems(self.max_seq_len)
         return found
+
+    def _sequence_problems(self, seq_len: int) -> list[str]:
+        """Why no sequence of ``seq_len`` tokens fits (empty when one does)."""
+        longest = self._longest_sequence()
+        lower = f"; give more memory or lower --max-seq-len to at most {longest:,}" if longest else "; give more memory"
+        if self.groups is not None:
+            need = self.group_blocks_per_sequence(seq_len)
+            if need <= self.group_block_ids:
+                return []
+            return [
+                f"no sequence of {_count(seq_len, 'token')} fits: with KV groups it needs {_count(need, 'block id')} "
+                f"and the cache holds {self.group_block_ids:,}{lower}"
+            ]
+        need = -(-seq_len // self.block_size)
+        if need <= self.num_blocks:
+            return []
+        return [
+            f"no sequence of {_count(seq_len, 'token')} fits: it needs {_count(need, 'block')} and the cache "
+            f"holds {self.num_blocks:,} ({_count(self.token_capacity, 'token')}){lower}"
+        ]
+
+    def _longest_sequence(self) -> int:
+        """The most tokens one sequence can hold when it has the whole cache (with KV groups: the
+        longest whose block ids over every group fit; 0 when not even one token's do)."""
+        if self.groups is None:
+            return self.token_capacity
+        low, high = 0, self.group_block_ids  # blocks of a full-attention group's table
+        while low < high:  # the need grows with the length: bisect
+            mid = (low + high + 1) // 2
+            if self.group_blocks_per_sequence(mid * self.block_size) <= self.group_block_ids:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.block_size
 
     def lines(self) -> list[tuple[str, str]]:
         sharded = self.tp_size > 1
@@ -160,14 +192,17 @@ class CapacityPlan:
                 (
                     "prefix cache, disk tier",
                     f"{self.disk_blocks:,} blocks, {self.disk_blocks * self.block_size:,} tokens, "
-                    f"{format_bytes(self.disk_blocks * self.bytes_per_block)} of files under {self.disk_dir}{each}",
+                    f"{format_bytes(self.disk_blocks * self.bytes_per_block)} of files under "
+                    f"{printable(self.disk_dir or '')}{each}",
                 )
             )
         if self.max_seq_len is not None:
+            one_table = " with one block table for every layer" if self.groups is not None else ""
             rows.append(
                 (
-                    f"sequences of {self.max_seq_len:,} tokens",
-                    f"{self.sequences_that_fit:,} at once ({self.blocks_per_sequence:,} blocks each)",
+                    f"sequences of {_count(self.max_seq_len, 'token')}",
+                    f"{self.sequences_that_fit:,} at once ({_count(self.blocks_per_sequence or 0, 'block')} each)"
+                    f"{one_table}",
                 )
             )
         if self.groups is not None:
@@ -194,7 +229,7 @@ class CapacityPlan:
             if self.max_seq_len is not None:
                 ids = self._ids_per_sequence(self.max_seq_len, window)
                 text += (
-                    f"; a sequence of {self.max_seq_len:,} tokens holds {ids:,} ids per group, "
+                    f"; a sequence of {_count(self.max_seq_len, 'token')} holds {_count(ids, 'id')} per group, "
                     f"{format_bytes(ids * per_id * len(kind))} in all"
                 )
             rows.append((f"  {name}", text))
@@ -202,7 +237,7 @@ class CapacityPlan:
             per_seq = self.group_blocks_per_sequence(self.max_seq_len)
             rows.append(
                 (
-                    f"sequences of {self.max_seq_len:,} tokens, KV groups",
+                    f"sequences of {_count(self.max_seq_len, 'token')}, KV groups",
                     f"{self.group_block_ids // per_seq:,} at once ({per_seq:,} block ids, "
                     f"{format_bytes(per_seq * per_id)} each)",
                 )
@@ -217,6 +252,11 @@ class CapacityPlan:
 
 def _heads(n: int, kind: str) -> str:
     return f"{n} {kind} head{'s' if n != 1 else ''}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 token``, ``1,024 blocks``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def plan_capacity(

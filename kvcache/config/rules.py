@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from attention.capabilities import BACKENDS, BackendInfo, MultipleOf
 from attention.dtypes import DTYPES
 from attention.errors import ConfigProblem, quote
+from kvcache.config.sizes import MAX_BYTES, parse_bytes
 
 __all__ = [
     "BLOCK_SIZE_RULE",
@@ -93,6 +94,19 @@ def _any_int(values: Values, path: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _size(values: Values, path: str) -> int | None:
+    """``values[path]`` in bytes: a byte count in [0, MAX_BYTES], or a size as text (``16GiB``:
+    a raw value, before validation parses it); None when it is neither (a bad value, reported
+    by its field)."""
+    value = values.get(path)
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES else None
+
+
 def _name(values: Values, path: str, names: Mapping[str, object] | tuple[str, ...]) -> str | None:
     value = values.get(path)
     return value if isinstance(value, str) and value in names else None
@@ -106,7 +120,7 @@ def _bools(values: Values, path: str) -> tuple[bool, ...] | None:
 
 
 def _host_tier_needs_prefix_caching(values: Values) -> list[ConfigProblem]:
-    space = _any_int(values, "cache.host_cache_space")
+    space = _size(values, "cache.host_cache_space")
     if space is None or space <= 0 or values.get("cache.enable_prefix_caching") is True:
         return []
     return [
@@ -119,11 +133,13 @@ def _host_tier_needs_prefix_caching(values: Values) -> list[ConfigProblem]:
 
 
 def _disk_tier_needs(values: Values) -> list[ConfigProblem]:
-    space = _any_int(values, "cache.disk_cache_space")
+    """A disk tier needs its space, its directory and a host tier to feed it. A size that cannot
+    be judged (a bad value, reported by its field) raises nothing here."""
+    space = _size(values, "cache.disk_cache_space")
     directory = values.get("cache.disk_cache_dir")
-    if not space and directory is None:
+    if space is None or (space == 0 and directory is None):
         return []
-    if not space:
+    if space == 0:
         return [
             ConfigProblem(
                 "cache.disk_cache_dir",
@@ -139,8 +155,7 @@ def _disk_tier_needs(values: Values) -> list[ConfigProblem]:
                 f"(e.g. /mnt/nvme/kvcache), or set disk_cache_space to 0",
             )
         )
-    host = _any_int(values, "cache.host_cache_space")
-    if not host:
+    if _size(values, "cache.host_cache_space") == 0:
         found.append(
             ConfigProblem(
                 "cache.disk_cache_space",
@@ -304,7 +319,7 @@ def _latent_attention(values: Values) -> list[ConfigProblem]:
     if rank is None or rope is None or nope is None or v is None:
         return []  # a bad value, reported by its field
     found = []
-    if values.get("model.num_kv_heads") not in (1, None):
+    if _count(values, "model.num_kv_heads", 2, MAX_HEADS) is not None:  # 0 or text: reported by the field
         found.append(
             ConfigProblem(
                 "model.num_kv_heads",

@@ -10,6 +10,12 @@ everything beyond that is refused before it can cost time or memory:
 - numbers of at most :data:`MAX_NUMBER_CHARS` characters (no 60,000-digit integers);
 - mapping keys that are names (scalars), each given once per mapping.
 
+Numbers are read as people mean them, where YAML 1.1 (PyYAML's dialect) would read them
+otherwise: ``1e-3`` and ``1.5e2`` are floats (YAML 1.2's syntax; 1.1 wants ``1.0e-3`` and
+takes the rest for text), and a number YAML 1.1 reads in another base (``032``: octal 26;
+``1:30``: base 60, 90) is kept as an :class:`AmbiguousNumber`, which every field refuses,
+saying what was written and what to write.
+
 The limits are checked on the parser's event stream, which is built without recursion, before
 any node tree or Python value exists. Failures raise :class:`InputRefused` with a message and
 the line; duplicate keys are returned as problems, so they are reported with the rest.
@@ -28,7 +34,7 @@ from yaml.constructor import ConstructorError
 from attention.errors import ConfigProblem, quote
 from kvcache.config.safe_read import MAX_FILE_BYTES, InputRefused, one_line, too_big
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_NUMBER_CHARS", "YamlDocument", "parse_yaml", "path_part"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_NUMBER_CHARS", "AmbiguousNumber", "YamlDocument", "parse_yaml", "path_part"]
 
 #: Deepest nesting of mappings and lists accepted (a config is 3 levels deep at most).
 MAX_DEPTH = 16
@@ -74,6 +80,36 @@ class _SafeConstruction:
             raise ConstructorError(None, None, f"this value cannot be read: {one_line(err)}", node.start_mark) from None
 
 
+@dataclass(frozen=True, repr=False)
+class AmbiguousNumber:
+    """A number YAML 1.1 reads in another base than people mean: ``text`` as written (``032``,
+    ``1:30``) and ``reading``, YAML 1.1's value (26, 90). It stands in the data for the number,
+    so validation refuses the field with :meth:`message`; its repr is ``text``'s."""
+
+    text: str
+    reading: int | float
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+    def message(self, text_expected: bool = False) -> str:
+        """Why the value is refused and the fix (``text_expected``: the field takes text, so the
+        fix is to quote it)."""
+        if ":" in self.text:
+            why = f"{self.text!r} is a base-60 number to YAML 1.1, which reads it as {self.reading}"
+            fix = f"write {self.reading} if that is meant"
+        else:
+            why = f"{self.text!r} has a leading zero (YAML reads it as octal {self.reading})"
+            fix = f"write {int(self.text.replace('_', ''), 10)}"
+        return f"{why}; {f'quote it for text: {self.text!r}' if text_expected else fix}"
+
+
+#: YAML 1.1's octal integers: a leading zero and more digits.
+_OCTAL = re.compile(r"[-+]?0[0-7_]+", re.ASCII)
+#: YAML 1.2's floats with an exponent that YAML 1.1 takes for text (1e-3, 5E-3, 1.5e2, 3e1).
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$", re.ASCII)
+
+
 def _bounded_number(loader: Any, node: yaml.ScalarNode, kind: str) -> Any:
     if len(node.value) > MAX_NUMBER_CHARS:
         raise ConstructorError(
@@ -83,7 +119,10 @@ def _bounded_number(loader: Any, node: yaml.ScalarNode, kind: str) -> Any:
             f"{MAX_NUMBER_CHARS}",
             node.start_mark,
         )
-    return getattr(yaml.SafeLoader, f"construct_yaml_{kind}")(loader, node)
+    value = getattr(yaml.SafeLoader, f"construct_yaml_{kind}")(loader, node)
+    if ":" in node.value or (kind == "int" and _OCTAL.fullmatch(node.value)):
+        return AmbiguousNumber(node.value, value)
+    return value
 
 
 class _PyLoader(_SafeConstruction, yaml.SafeLoader):
@@ -101,6 +140,8 @@ if hasattr(yaml, "CSafeLoader"):
 for _cls in _LOADERS:
     _cls.add_constructor("tag:yaml.org,2002:int", lambda loader, node: _bounded_number(loader, node, "int"))
     _cls.add_constructor("tag:yaml.org,2002:float", lambda loader, node: _bounded_number(loader, node, "float"))
+    # Tried after YAML 1.1's own resolvers: only what they take for text becomes a float.
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
 
 #: The loader in use: libyaml's when present. Both are tested.
 _Loader: Any = _LOADERS[0]

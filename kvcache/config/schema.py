@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -224,11 +226,14 @@ class MemoryBudget:
             )
 
     def bytes_given(self, free_bytes: int) -> int:
-        """The budget in bytes when ``free_bytes`` are free on the device."""
+        """The budget in bytes when ``free_bytes`` are free on the device: ``num_bytes``, or
+        ``fraction`` of ``free_bytes`` rounded down, computed exactly with the fraction as it is
+        written (0.7 of 90 GiB is 63 GiB to the byte; ``0.7 * free_bytes`` in floats is a byte
+        short, and a block short when the budget is a whole number of blocks)."""
         if self.num_bytes is not None:
             return self.num_bytes
         assert self.fraction is not None, "__post_init__ requires a fraction or a byte count"
-        return int(self.fraction * free_bytes)
+        return math.floor(Fraction(repr(self.fraction)) * free_bytes)
 
     def __str__(self) -> str:
         if self.num_bytes is not None:
