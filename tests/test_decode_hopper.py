@@ -34,9 +34,9 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = decode_module.launch_decode_hopper
 
-    def counted(*args: object) -> None:
+    def counted(*args: object, **kw: object) -> None:
         calls.append(int(args[-1]))  # type: ignore[call-overload]
-        real(*args)  # type: ignore[arg-type]
+        real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
     return calls

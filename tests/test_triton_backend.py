@@ -789,9 +789,9 @@ def test_gpu_decode_runs_the_hopper_kernel_on_sm90(
     calls: list[int] = []
     real = decode_module.launch_decode_hopper
 
-    def counted(*args: Any) -> None:
+    def counted(*args: Any, **kw: Any) -> None:
         calls.append(int(args[-1]))
-        real(*args)
+        real(*args, **kw)
 
     monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
     spec = make_spec(32, 8, 128, torch.bfloat16, kv_cache_dtype=cache)
