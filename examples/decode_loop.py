@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from attention.capabilities import BACKEND_NAMES
 from attention.dtypes import torch_dtype
@@ -51,6 +52,14 @@ __all__ = ["RunReport", "format_summary", "main", "make_workload", "run_requests
 DEFAULT_CONFIG = "tiny-cpu"
 #: Example-only model sizes: the cache config describes attention only (and forbids extra keys).
 VOCAB_SIZE = 256
+#: Most requests a run may ask for: the workload is built up front and this example runs them
+#: one process's worth at a time (a million would take hours even on the tiny model).
+MAX_REQUESTS = 100_000
+#: Most tokens in one step: the largest step buffers the metadata builder holds
+#: (:class:`attention.StepCapacity`'s ``max_tokens``).
+MAX_TOKEN_BUDGET = 1 << 24
+#: The seeds torch's generators take.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 def _shown(path: str) -> str:
@@ -63,6 +72,26 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _at_most(maximum: int, why: str) -> Callable[[str], int]:
+    """An argparse type: an int in ``[1, maximum]``; ``why`` the reason for the bound."""
+
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum {maximum:,} ({why})")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; use an integer in [-2**63, 2**64 - 1]")
     return value
 
 
@@ -112,11 +141,21 @@ def _parser() -> argparse.ArgumentParser:
         nargs=2,
         metavar=("DIR", "SIZE"),
         help="overrides cache.disk_cache_dir and cache.disk_cache_space: block files for prefix blocks the "
-        "host tier evicts (e.g. /tmp/kv 256MiB; needs a host tier)",
+        "host tier evicts (e.g. /tmp/kv 256MiB; needs a host tier; SIZE 0: no disk tier)",
     )
-    p.add_argument("--requests", type=_positive, default=20, help="number of requests (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
-    p.add_argument("--token-budget", type=_positive, default=64, help="most tokens per step (chunked prefill)")
+    p.add_argument(
+        "--requests",
+        type=_at_most(MAX_REQUESTS, "the workload is built up front"),
+        default=20,
+        help=f"number of requests (default 20, at most {MAX_REQUESTS:,})",
+    )
+    p.add_argument("--seed", type=_seed, default=0, help="seeds the weights and the workload")
+    p.add_argument(
+        "--token-budget",
+        type=_at_most(MAX_TOKEN_BUDGET, "the most tokens a step's buffers hold"),
+        default=64,
+        help="most tokens per step (chunked prefill)",
+    )
     p.add_argument("--log-every", type=_positive, default=5, help="progress line every N steps")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument(
@@ -174,6 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--tokens-out records each token's logit margin, drafting none; drop --draft or --tokens-out")
     if args.draft_max_rows is not None and not args.draft:
         parser.error(f"--draft-max-rows {args.draft_max_rows}: needs --draft K (drafting is off)")
+    if args.disk_cache is not None:
+        try:
+            args.disk_cache[1] = _size(args.disk_cache[1])
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument --disk-cache: SIZE {args.disk_cache[1]!r}: {err}")
+    if args.tokens_out is not None:
+        problem = _unwritable(args.tokens_out)
+        if problem:  # found now, not after the whole run
+            parser.error(f"argument --tokens-out: {args.tokens_out}: {problem}")
     try:
         config = load_config(args.config)
         run = start_parallel(args.tp, resolve_device(args.device or config.cache.device))
@@ -182,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         code = _run(args, config, run)
+    except BrokenPipeError:  # stdout closed early (`| head`): stop quietly, as other tools do
+        stop_parallel(run)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when exit flushes it
+        return 1
     except BaseException:
         stop_parallel(run)
         raise
@@ -189,17 +241,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (None: it can). Creates nothing."""
+    if os.path.isdir(path):
+        return "is a directory; give a file name, e.g. tokens.json"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"the directory {parent} does not exist; create it first"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"the directory {parent} is not writable"
+
+
+def _config_problems(err: ValidationError) -> str:
+    """A pydantic error as ``field: message`` parts on one line (no pydantic dump)."""
+    parts = []
+    for e in err.errors(include_url=False):
+        where = ".".join(str(part) for part in e["loc"])
+        message = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
+
+
 def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> int:
     tp, device = run.tp, run.device
     lead = tp.rank == 0
     say = print if lead and not args.quiet else (lambda *_: None)
     where = f"rank {tp.rank}: " if tp.is_sharded else ""
+    doing = "reading the config"  # what failed, for an error that does not say (out of memory)
     try:
         dtype_name = config.attention_spec().dtype
         model: Llama | None = None
         if args.checkpoint:
             from .model.checkpoints import load_checkpoint
 
+            doing = f"loading --checkpoint {args.checkpoint}"
             model = load_checkpoint(args.checkpoint, dtype=torch_dtype(dtype_name), device=device, tp=tp)
             shape = model.shape
             # The cache holds this model's K/V: its model section is the checkpoint's.
@@ -215,12 +291,17 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         # The shared-prefix and multi-turn workloads exist to show prefix caching: turn it on for them.
         turned_on = args.workload in ("shared-prefix", "multi-turn") and not config.cache.enable_prefix_caching
         if turned_on or args.host_cache is not None or args.disk_cache is not None:
+            doing = "--host-cache / --disk-cache"
             cache_section = {**config.cache.model_dump(), "enable_prefix_caching": True}
             if args.host_cache is not None:
                 cache_section["host_cache_space"] = args.host_cache
             if args.disk_cache is not None:
-                cache_section["disk_cache_dir"], cache_section["disk_cache_space"] = args.disk_cache
+                directory, size = args.disk_cache
+                # SIZE 0 means no disk tier, as --host-cache 0 means no host tier.
+                cache_section["disk_cache_dir"] = directory if size else None
+                cache_section["disk_cache_space"] = size
             config = KVCacheConfig.model_validate({**config.model_dump(), "cache": cache_section}, strict=False)
+        doing = "building the cache" + (f" (--disk-cache {args.disk_cache[0]})" if config.cache.disk_cache_dir else "")
         engine = engine_for(
             config,
             shape,
@@ -238,10 +319,24 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
         preemption = make_preemption(args.preempt, manager, cache, config.cache.swap_space)
         use_graphs = engine.graphs_allowed and not args.eager
         if model is None:
+            doing = "drawing the random weights"
             model = random_llama(shape, seed=args.seed, dtype=torch_dtype(dtype_name), device=device, tp=tp)
         model.connect(run.collective)
-    except (KVCacheError, ValueError, ImportError, OSError) as err:
+    except ValidationError as err:  # a command-line override the config refuses
+        print(f"{where}error: {doing}: {_config_problems(err)}", file=sys.stderr)
+        return 1
+    except (KVCacheError, ValueError, ImportError) as err:
         print(f"{where}error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file or directory the flags name
+        print(f"{where}error: {doing}: {err}", file=sys.stderr)
+        return 1
+    except (RuntimeError, MemoryError) as err:  # torch's out of memory, which names no flag
+        print(
+            f"{where}error: {doing}: {_first_line(err)}; ask for less memory (--num-blocks, --host-cache, a smaller "
+            f"config)",
+            file=sys.stderr,
+        )
         return 1
     m, block_size = config.model, config.cache.block_size
     requests = make_workload(
@@ -259,6 +354,16 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
             f"{where}error: --num-blocks / cache size: request {longest.req_id} needs {need} blocks "
             f"({longest.peak_tokens} tokens at block_size {manager.block_size}) but the cache has "
             f"{manager.num_blocks}; give the cache at least {need} blocks",
+            file=sys.stderr,
+        )
+        return 1
+    limit = shape.max_positions
+    longest = max(requests, key=lambda r: len(r.prompt) + r.max_new_tokens)
+    if limit is not None and len(longest.prompt) + longest.max_new_tokens > limit:  # run_requests would refuse it
+        print(
+            f"{where}error: --checkpoint: the model has {limit} positions (max_position_embeddings) but request "
+            f"{longest.req_id} of the {args.workload} workload needs {len(longest.prompt) + longest.max_new_tokens} "
+            f"({len(longest.prompt)} prompt + {longest.max_new_tokens} new tokens); serve a model with more positions",
             file=sys.stderr,
         )
         return 1
@@ -314,14 +419,30 @@ def _run(args: argparse.Namespace, config: KVCacheConfig, run: ParallelRun) -> i
     except RankDivergenceError as err:  # raised on every rank at the same step: all exit cleanly
         print(f"{where}error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise
+    except (KVCacheError, ValueError, OSError, RuntimeError, MemoryError) as err:
+        stop_parallel(run)  # this rank alone may have failed: no barrier the others would not reach
+        print(f"{where}error: {type(err).__name__}: {_first_line(err)}", file=sys.stderr)
+        return 1
     if not lead:
         return 0
     if args.tokens_out:
-        _write_tokens(args.tokens_out, report)
+        try:
+            _write_tokens(args.tokens_out, report)
+        except OSError as err:  # checked before the run; the directory may have gone since
+            print(f"error: --tokens-out {args.tokens_out}: {err.strerror or err}", file=sys.stderr)
+            return 1
     print("summary")
     for line in format_summary(report):
         print(f"  {line}")
     return 0
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (torch's errors append C++ stack frames)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _write_tokens(path: str, report: RunReport) -> None:

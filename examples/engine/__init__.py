@@ -4,6 +4,7 @@
 | --- | --- |
 | ``parts`` | :func:`engine_for`: backend, cache tensors and block manager for a model |
 | ``scheduler`` | continuous batching: admission, chunked prefill, decode, preemption |
+| ``request_checks`` | a request's checks before a scheduler takes it (fields, vocabulary, positions) |
 | ``runner`` | one model step over the paged cache: plan once, graphs or eager |
 | ``loop`` | :func:`run_requests`: schedule -> step -> sample -> commit, and its report |
 | ``workload`` | seeded requests arriving over time |

@@ -15,6 +15,7 @@ which applies each step's results before scheduling the next.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,7 +117,8 @@ class StepPipeline:
     """Queues steps on the runner and applies their results to the scheduler, one step late
     when ``overlap`` (so the host schedules and plans the next step while the device runs
     this one), at once otherwise. Sets ``scheduler.drain``, so a preemption first applies
-    the step in flight."""
+    the step in flight, and ``scheduler.vocab_size`` and ``max_positions`` from the model
+    when they are unset, so a request submitted from now on is checked against them."""
 
     def __init__(
         self,
@@ -138,6 +140,10 @@ class StepPipeline:
         #: Host seconds the last :meth:`submit` spent planning and queueing its step.
         self.launch_seconds = 0.0
         scheduler.drain = self.drain
+        if scheduler.vocab_size is None:
+            scheduler.vocab_size = runner.model.shape.vocab_size
+        if scheduler.max_positions is None:
+            scheduler.max_positions = runner.model.shape.max_positions
 
     @property
     def busy(self) -> bool:
@@ -219,25 +225,28 @@ def run_requests(
     number): a drafting step is scheduled after the step before it is applied, since its
     drafts follow the tokens that step samples, so the host's work no longer hides behind the
     device's (with ``overlap``); past that many rows the loop overlaps instead, which pays
-    more there (speculative decoding pays most at small batches)."""
+    more there (speculative decoding pays most at small batches).
+
+    Every request is checked before anything runs (:meth:`Scheduler.submit`'s checks: its
+    fields, token ids within the model's vocabulary, ids of their own, a pool each fits);
+    a bad one raises a typed error naming it and nothing is changed. When the run fails
+    later, the blocks its requests hold are given back before the error propagates, so the
+    manager serves later requests, with the same ids too."""
     if draft_tokens and (record_logits or record_margins):
         raise ValueError("draft_tokens: drafting records no logits or margins; pass draft_tokens=0 to record them")
     if draft_max_rows is not None and draft_max_rows < 1:
         raise ValueError(f"draft_max_rows: {draft_max_rows} must be at least 1 (None: draft at any batch size)")
     if overlap and any(r.forced is not None for r in requests):
         raise ValueError("overlap: teacher-forced requests (Request.forced) need overlap=False")
-    for r in requests:
-        if r.forced is not None and len(r.forced) < r.max_new_tokens:
-            raise ValueError(f"request {r.req_id}: {len(r.forced)} forced tokens for {r.max_new_tokens} new tokens")
     agreement = RankAgreement(collective) if collective is not None and collective.size > 1 else None
-    if agreement is not None:
+    if agreement is not None:  # first: ranks given different requests must not fail apart
         agreement.check(
             "start-up values (block count, block size, requests)",
             manager.num_blocks,
             manager.block_size,
             [(r.req_id, r.prompt, r.max_new_tokens, r.arrival_step) for r in requests],
         )
-    scheduler = Scheduler(
+    scheduler = Scheduler(  # checks every request; changes nothing when one is refused
         manager,
         requests,
         preemption,
@@ -245,99 +254,117 @@ def run_requests(
         max_running=max_running,
         draft_tokens=draft_tokens,
         copy_blocks=cache.copy_blocks,
+        vocab_size=model.shape.vocab_size,
+        max_positions=model.shape.max_positions,
     )
-    longest = max((r.peak_tokens for r in requests), default=1)
-    capacity = StepCapacity(
-        max_rows=max_running,
-        max_tokens=max(token_budget, max_running),
-        max_blocks_per_seq=cdiv(longest, manager.block_size),
-    )
-    runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs, draft_tokens=draft_tokens)
-    report = runner.warmup()
-    if on_warmup is not None:
-        on_warmup(report)
-    logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
-    margins_of: dict[int, list[float]] = {r.req_id: [] for r in requests}
+    try:
+        longest = max((r.peak_tokens for r in requests), default=1)
+        capacity = StepCapacity(
+            max_rows=max_running,
+            max_tokens=max(token_budget, max_running),
+            max_blocks_per_seq=cdiv(longest, manager.block_size),
+        )
+        runner = ModelRunner(model, cache, manager, backend, capacity, use_graphs=use_graphs, draft_tokens=draft_tokens)
+        report = runner.warmup()
+        if on_warmup is not None:
+            on_warmup(report)
+        logits_of: dict[int, list[torch.Tensor]] = {r.req_id: [] for r in requests}
+        margins_of: dict[int, list[float]] = {r.req_id: [] for r in requests}
 
-    def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
-        if launched.logits is None:
-            return
-        logits = launched.logits.cpu()
-        rows = launched.plan.metadata.sampling_rows_host
-        top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else None
-        for j, i in enumerate(rows):
-            req_id = batch.requests[i].req_id
-            if record_logits:
-                logits_of[req_id].append(logits[j])
-            if record_margins:
-                margins_of[req_id].append(float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf"))
+        def record(batch: StepBatch, launched: LaunchedStep, tokens: list[int]) -> None:
+            if launched.logits is None:
+                return
+            logits = launched.logits.cpu()
+            rows = launched.plan.metadata.sampling_rows_host
+            top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else None
+            for j, i in enumerate(rows):
+                req_id = batch.requests[i].req_id
+                if record_logits:
+                    logits_of[req_id].append(logits[j])
+                if record_margins:
+                    margins_of[req_id].append(float(top2[j, 0] - top2[j, 1]) if top2 is not None else float("inf"))
 
-    keep = record_logits or record_margins
-    pipeline = StepPipeline(runner, scheduler, overlap=overlap, keep_logits=keep, on_result=record if keep else None)
-    computed = forward_steps = fed_rows = 0
-    step = 0  # the clock request arrivals are given in
-    start = time.perf_counter()
-    with CompileWatch() as watch:  # after the warm-up: nothing should compile
-        while not scheduler.done:
-            if draft_tokens:
-                scheduler.drafting = draft_max_rows is None or len(scheduler.running) <= draft_max_rows
-                if scheduler.drafting and pipeline.busy:
-                    pipeline.drain()  # drafts follow the tokens of the step in flight
-                    continue  # which may have finished requests: look again
-            batch = scheduler.schedule(step)
-            if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
-                agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
-            if batch is None:
-                if pipeline.busy:  # everything running waits on the step in flight
-                    pipeline.drain()
+        keep = record_logits or record_margins
+        on_result = record if keep else None
+        pipeline = StepPipeline(runner, scheduler, overlap=overlap, keep_logits=keep, on_result=on_result)
+        computed = forward_steps = fed_rows = 0
+        step = 0  # the clock request arrivals are given in
+        start = time.perf_counter()
+        with CompileWatch() as watch:  # after the warm-up: nothing should compile
+            while not scheduler.done:
+                if draft_tokens:
+                    scheduler.drafting = draft_max_rows is None or len(scheduler.running) <= draft_max_rows
+                    if scheduler.drafting and pipeline.busy:
+                        pipeline.drain()  # drafts follow the tokens of the step in flight
+                        continue  # which may have finished requests: look again
+                batch = scheduler.schedule(step)
+                if agreement is not None:  # before the forward: a diverged rank must not enter its collectives
+                    agreement.step(step, manager, batch.rows if batch else (), batch.token_ids if batch else ())
+                if batch is None:
+                    if pipeline.busy:  # everything running waits on the step in flight
+                        pipeline.drain()
+                        continue
+                    if scheduler.done:  # scheduling applied the step in flight, which finished the rest
+                        continue
+                    arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
+                    if arrival is None or arrival <= step:
+                        raise RuntimeError("the scheduler is idle but no request is due to arrive")
+                    step = arrival
                     continue
-                if scheduler.done:  # scheduling applied the step in flight, which finished the rest
-                    continue
-                arrival = scheduler.next_arrival()  # nothing has arrived yet: jump to the next arrival
-                if arrival is None or arrival <= step:
-                    raise RuntimeError("the scheduler is idle but no request is due to arrive")
-                step = arrival
-                continue
-            pipeline.submit(batch)
-            fed_rows += sum(1 for j in batch.feed if j >= 0)
-            computed += len(batch.token_ids)
-            forward_steps += 1
-            if on_step is not None:
-                on_step(step, scheduler, time.perf_counter() - start, pipeline.generated)
-            step += 1
-        pipeline.drain()
-    wall = time.perf_counter() - start
-    if agreement is not None:  # a rank that stopped early meets the others' step check here
-        agreement.check("outputs", forward_steps, [r.output for r in requests])
-    manager.check_integrity()
-    cache_stats = manager.prefix_cache
-    return RunReport(
-        requests=list(requests),
-        steps=forward_steps,
-        wall_s=wall,
-        num_blocks=manager.num_blocks,
-        peak_blocks=scheduler.peak_blocks,
-        preemptions=scheduler.num_preemptions,
-        preemptions_by_mode=dict(manager.preemptions),
-        swapped_blocks=_swapped_blocks(preemption),
-        computed_tokens=computed,
-        prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
-        prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
-        host_tier=_host_tier_stats(manager),
-        draft_tokens=draft_tokens,
-        draft_max_rows=draft_max_rows,
-        logits=logits_of if record_logits else {},
-        warmup=report,
-        margins=margins_of if record_margins else {},
-        tp_size=1 if collective is None else collective.size,
-        agreement_checks=0 if agreement is None else agreement.checks,
-        overlap=overlap,
-        fed_rows=fed_rows,
-        graph_replays=_graph_replays(runner),
-        kv_groups=1 if cache.layout is None else len(cache.layout.groups),
-        layers_per_block=cache.num_tensors,
-        compiles_after_warmup=watch.names() if watch.available and cache.device.type == "cuda" else None,
-    )
+                pipeline.submit(batch)
+                fed_rows += sum(1 for j in batch.feed if j >= 0)
+                computed += len(batch.token_ids)
+                forward_steps += 1
+                if on_step is not None:
+                    on_step(step, scheduler, time.perf_counter() - start, pipeline.generated)
+                step += 1
+            pipeline.drain()
+        wall = time.perf_counter() - start
+        if agreement is not None:  # a rank that stopped early meets the others' step check here
+            agreement.check("outputs", forward_steps, [r.output for r in requests])
+        manager.check_integrity()
+        cache_stats = manager.prefix_cache
+        return RunReport(
+            requests=list(requests),
+            steps=forward_steps,
+            wall_s=wall,
+            num_blocks=manager.num_blocks,
+            peak_blocks=scheduler.peak_blocks,
+            preemptions=scheduler.num_preemptions,
+            preemptions_by_mode=dict(manager.preemptions),
+            swapped_blocks=_swapped_blocks(preemption),
+            computed_tokens=computed,
+            prefix_query_tokens=None if cache_stats is None else cache_stats.query_tokens,
+            prefix_hit_tokens=None if cache_stats is None else cache_stats.hit_tokens,
+            host_tier=_host_tier_stats(manager),
+            draft_tokens=draft_tokens,
+            draft_max_rows=draft_max_rows,
+            logits=logits_of if record_logits else {},
+            warmup=report,
+            margins=margins_of if record_margins else {},
+            tp_size=1 if collective is None else collective.size,
+            agreement_checks=0 if agreement is None else agreement.checks,
+            overlap=overlap,
+            fed_rows=fed_rows,
+            graph_replays=_graph_replays(runner),
+            kv_groups=1 if cache.layout is None else len(cache.layout.groups),
+            layers_per_block=cache.num_tensors,
+            compiles_after_warmup=watch.names() if watch.available and cache.device.type == "cuda" else None,
+        )
+    except BaseException:
+        _abandon(scheduler, cache)
+        raise
+
+
+def _abandon(scheduler: Scheduler, cache: KVCacheTensors) -> None:
+    """After a failed run: wait for the device (a launched step may still write the blocks),
+    then give back every block the run's requests hold (:meth:`Scheduler.abort`). A failure
+    here is not raised: the run's own error is the one the caller needs."""
+    if cache.device.type == "cuda":
+        with contextlib.suppress(Exception):  # a device that failed (a device-side assert) fails every call after
+            torch.cuda.synchronize(cache.device)
+    with contextlib.suppress(Exception):  # the run's own error matters more than a second one from cleaning up
+        scheduler.abort()
 
 
 def _groups_note(report: RunReport) -> str:

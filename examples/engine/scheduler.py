@@ -41,9 +41,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from attention.errors import ArgumentTypeError, InvalidArgumentError, SequenceExistsError, quote
 from kvcache import AnyBlockManager, BlockManager, HybridBlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
 from .drafting import NgramIndex, accepted_tokens
+from .request_checks import check_request
 
 __all__ = [
     "PREEMPTION_MODES",
@@ -196,6 +198,12 @@ class Preemption(ABC):
         """Give ``req`` blocks again and set ``req.num_computed`` to the tokens whose K/V is
         already in them."""
 
+    def discard(self, req: Request, manager: AnyBlockManager) -> None:
+        """Give back whatever ``req`` holds, on the device or (swapped out) on the host: its
+        run was abandoned (:meth:`Scheduler.abort`). Nothing to do for a request holding none."""
+        if req.req_id in manager:
+            manager.free(req.req_id, reason="aborted")
+
 
 def admit(req: Request, manager: AnyBlockManager, tokens: list[int] | None = None) -> None:
     """Allocate slots for everything ``req`` knows (prompt + generated), or for its first
@@ -280,6 +288,14 @@ class SwapPreemption(Preemption):
         if req.num_tokens > reserved:  # the token sampled just before the swap out
             manager.append_slots(req.req_id, req.num_tokens - reserved, token_ids=req.tokens[reserved:])
 
+    def discard(self, req: Request, manager: AnyBlockManager) -> None:
+        if req.req_id in self._on_host:
+            self.space.synchronize()  # the copy out may still read the device blocks
+            self.space.drop(req.req_id)
+            self._on_host.discard(req.req_id)
+            return
+        super().discard(req, manager)
+
 
 #: ``--preempt`` modes this example implements.
 PREEMPTION_MODES: dict[str, type[Preemption]] = {"recompute": RecomputePreemption, "swap": SwapPreemption}
@@ -339,24 +355,37 @@ class Scheduler:
         max_running: int = 16,
         draft_tokens: int = 0,
         copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
+        vocab_size: int | None = None,
+        max_positions: int | None = None,
     ):
         """``token_budget``: most tokens in one step; ``max_running``: most rows in one step.
         ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`; 0: none),
         proposed while :attr:`drafting` is set, for requests whose last token is known (none
         in flight: the loop applies the step before a drafting step first); ``copy_blocks``
-        performs the block copies a rollback may return.
+        performs the block copies a rollback may return. ``vocab_size``: the model's, so a
+        request's token ids are checked against it (None: only that they are >= 0; a
+        :class:`~examples.engine.loop.StepPipeline` sets it from its model when unset);
+        ``max_positions``: the model's position limit, if it has one (prompt + new tokens).
 
-        Raises ValueError for a request that could never fit in the whole pool.
+        Every request is checked first (:meth:`submit`'s checks: its fields, an id of its own,
+        a pool it fits); a bad one raises a typed error naming it, and nothing is changed.
         """
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be at least 1")
         if not 0 <= draft_tokens <= 8:
             raise ValueError(f"draft_tokens: {draft_tokens} must be in [0, 8]")
+        self.manager = manager
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        requests = list(requests)
+        ids: set[int] = set()
+        for req in requests:  # before anything changes, the manager's window lag included
+            self._check_new(req, ids)
+            ids.add(req.req_id)
         self.draft_tokens = draft_tokens
         #: Whether this step proposes drafts (the loop turns it off for large batches).
         self.drafting = True
         self.copy_blocks = copy_blocks
-        self.manager = manager
         #: Reserve a prompt chunk by chunk (KV groups: see :meth:`_first_reservation`).
         self._per_chunk = isinstance(manager, HybridBlockManager)
         if draft_tokens > manager.window_lag:
@@ -366,8 +395,6 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_running = max_running
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_step))  # not yet arrived
-        for req in self.pending:
-            self._check_fits(req)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the newest is last
         self.finished: list[Request] = []
@@ -379,19 +406,54 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         """A request arriving now (an online server's entry point; requests given at
-        construction arrive at their ``arrival_step``). Raises ValueError when it could
-        never fit in the whole pool."""
-        self._check_fits(req)
+        construction arrive at their ``arrival_step``).
+
+        The whole request is checked here, so a bad one never reaches a step (where it would
+        fail after the running requests' rows were recorded): its fields
+        (:func:`~examples.engine.request_checks.check_request`, token ids against
+        ``vocab_size``), an id no pending, waiting or running request has and the block
+        manager does not hold, and a peak length the whole pool can hold. Raises
+        ArgumentTypeError or InvalidArgumentError (a ValueError) naming the request and the
+        field; nothing is changed then."""
+        live = {r.req_id for queue in (self.pending, self.waiting, self.running) for r in queue}
+        self._check_new(req, live)
         self.waiting.append(req)
 
-    def _check_fits(self, req: Request) -> None:
+    def _check_new(self, req: Request, taken: set[int]) -> None:
+        """Raise unless ``req`` can join: a valid request (``check_request``) whose id is not
+        in ``taken`` nor held by the manager, and that fits in the whole pool."""
+        if not isinstance(req, Request):
+            raise ArgumentTypeError(f"request: expected a Request, got {type(req).__name__} {quote(req)}")
+        check_request(req, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        if req.req_id in taken:
+            raise InvalidArgumentError(
+                f"request {req.req_id}: req_id: {req.req_id} is already taken by another request of this scheduler; "
+                f"give each request an id of its own (an id is free again once its request finished)"
+            )
+        table = self.manager if isinstance(self.manager, BlockManager) else self.manager.groups[0]
+        try:
+            table.check_new_id(req.req_id)  # held, or swapped out, by someone else
+        except SequenceExistsError as err:
+            raise InvalidArgumentError(f"request {req.req_id}: req_id: in the block manager, {err}") from None
         need = self.manager.blocks_for(req.peak_tokens)
         if need > self.manager.num_blocks:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"request {req.req_id}: {len(req.prompt)} prompt + {req.max_new_tokens} new "
                 f"tokens need {need} blocks but the pool has {self.manager.num_blocks}; "
                 f"give the cache more blocks or shorten the request"
             )
+
+    def abort(self) -> list[Request]:
+        """Give back every block the unfinished requests hold (on the device, or swapped out
+        to the host) and empty the queues: what a caller does when a run fails midway, so the
+        manager can serve later requests (with the same ids, too). Returns the requests
+        dropped (pending, waiting and running), their outputs as far as they got. The caller
+        makes sure no launched step still writes their blocks."""
+        dropped = [*self.running, *self.waiting, *self.pending]
+        for req in dropped:
+            self.preemption.discard(req, self.manager)
+        self.running, self.waiting, self.pending = [], deque(), deque()
+        return dropped
 
     @property
     def done(self) -> bool:

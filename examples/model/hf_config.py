@@ -163,7 +163,13 @@ def shape_from_config(config: Mapping[str, Any] | Any) -> LlamaShape:
         sliding_window=window,
         window_layers=window_layers,
         **(_gemma(get, model_type) if gemma else {}),
+        max_positions=_max_positions(get),
     )
+
+
+def _max_positions(get: Any) -> int | None:
+    """``max_position_embeddings``, or None when the config leaves it out."""
+    return None if get("max_position_embeddings") is None else _size(get, "max_position_embeddings")
 
 
 def _deepseek(get: Any, heads: int, hidden: int, layers: int) -> LlamaShape:
@@ -200,6 +206,7 @@ def _deepseek(get: Any, heads: int, hidden: int, layers: int) -> LlamaShape:
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         softmax_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5,
         mla=mla,
+        max_positions=_max_positions(get),
     )
 
 

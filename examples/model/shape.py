@@ -118,6 +118,10 @@ class LlamaShape:
     qk_norm: bool = False
     local_rope_theta: float | None = None
     mla: MLAShape | None = None
+    #: The most positions the model was trained for (a checkpoint's
+    #: ``max_position_embeddings``): the engine refuses a request whose prompt and new tokens
+    #: exceed it. None: no limit known (random weights, or a config without the key).
+    max_positions: int | None = None
 
     @property
     def rotary_dim(self) -> int:
