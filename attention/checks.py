@@ -27,8 +27,8 @@ def require_int(name: str, value: object, *, minimum: int | None = None, maximum
     integer tensors); refuses bools, floats and strings with ArgumentTypeError, and values
     out of range with InvalidArgumentError.
     """
-    if isinstance(value, bool):
-        raise ArgumentTypeError(f"{name}: expected an integer, got bool {value!r}")
+    if type(value) is not int and (isinstance(value, bool) or _is_bool_scalar(value)):
+        raise ArgumentTypeError(f"{name}: expected an integer, got bool {value!r:.40}")
     try:
         result = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -38,6 +38,11 @@ def require_int(name: str, value: object, *, minimum: int | None = None, maximum
     if maximum is not None and result > maximum:
         raise InvalidArgumentError(f"{name}: {result} is above the maximum {maximum}")
     return result
+
+
+def _is_bool_scalar(value: object) -> bool:
+    """A 0-d bool tensor or a numpy bool: ``operator.index`` takes the tensor as 0 or 1."""
+    return str(getattr(value, "dtype", "")) in ("torch.bool", "bool")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.checks import require_int
+from attention.errors import InvalidArgumentError
 
 __all__ = ["BufferRequest", "DirectStaging", "PlanStaging", "StepCapacity"]
 
@@ -45,7 +46,7 @@ class StepCapacity:
         require_int("max_tokens", self.max_tokens, minimum=1, maximum=1 << 24)
         require_int("max_blocks_per_seq", self.max_blocks_per_seq, minimum=1, maximum=1 << 24)
         if self.max_tokens < self.max_rows:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_tokens: {self.max_tokens} is below max_rows {self.max_rows}; every row brings >= 1 token"
             )
 

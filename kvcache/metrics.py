@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from attention.errors import ArgumentTypeError, InvalidArgumentError
+from kvcache.blocks.hybrid import require_one_table
 from kvcache.blocks.manager import BlockManager
 from kvcache.memory.disk_tier import DiskTierStats
 from kvcache.memory.host_tier import HostPrefixTier
@@ -86,8 +87,7 @@ def collect_stats(manager: BlockManager, swap_space: SwapSpace | None = None) ->
     """Snapshot ``manager`` (and its swap space). O(1). Raises ArgumentTypeError for
     arguments of the wrong type and InvalidArgumentError for a swap space of another manager
     (its counts would mix two pools)."""
-    if not isinstance(manager, BlockManager):
-        raise ArgumentTypeError(f"manager: expected a BlockManager, got {type(manager).__name__}")
+    require_one_table(manager)
     if swap_space is not None:
         if not isinstance(swap_space, SwapSpace):
             raise ArgumentTypeError(f"swap_space: expected a SwapSpace or None, got {type(swap_space).__name__}")

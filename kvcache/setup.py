@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attention.errors import UnsupportedSettingError
+from attention.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedSettingError
 from attention.registry import BackendChoice, choose_backend
 from kvcache.blocks.hybrid import AnyBlockManager, HybridBlockManager
 from kvcache.blocks.manager import BlockManager
@@ -39,6 +39,15 @@ def manager_for(
 
     Under tensor parallelism every rank builds the same manager (same block count, same
     settings): block ids are shared by all ranks, each rank's blocks hold its own KV heads."""
+    if cache.block_size != config.cache.block_size:
+        raise InvalidArgumentError(
+            f"cache: blocks of {cache.block_size} tokens, but the config's cache.block_size is "
+            f"{config.cache.block_size}; allocate the cache from this config (allocate_kv_cache(config))"
+        )
+    if prefix_caching is not None and not isinstance(prefix_caching, bool):
+        raise ArgumentTypeError(
+            f"prefix_caching: expected True, False or None (the config's), got {type(prefix_caching).__name__}"
+        )
     spec = spec or config.attention_spec()
     caching = config.cache.enable_prefix_caching if prefix_caching is None else prefix_caching
     if cache.layout is not None:

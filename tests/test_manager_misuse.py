@@ -196,3 +196,36 @@ def test_metadata_block_size_must_be_a_positive_int(block_size: object) -> None:
     with pytest.raises(MetadataError, match=r"metadata\.block_size"):
         bad.check()
 
+
+
+def test_one_table_tools_tell_a_hybrid_manager_what_it_can_do() -> None:
+    from kvcache import HybridBlockManager, collect_stats, group_layout, preempt
+
+    hybrid = HybridBlockManager(group_layout(4, 128, (True, False, True, False)), 16, 32)
+    hybrid.allocate("a", 40)
+    cache = KVCacheTensors(torch.zeros(4, 2, 16, 32, 1, 8))
+    for call in (
+        lambda: SwapSpace(hybrid, cache, 4),  # type: ignore[arg-type]
+        lambda: collect_stats(hybrid),  # type: ignore[arg-type]
+        lambda: preempt(hybrid, "a"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ArgumentTypeError, match=r"HybridBlockManager \(KV groups\) has no swap space"):
+            call()
+    assert hybrid.num_sequences == 1
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(True), np.bool_(False)], ids=["tensor", "numpy"])
+def test_counts_refuse_boolean_scalars(flag: object) -> None:
+    m = BlockManager(8, 4)
+    with pytest.raises(ArgumentTypeError, match="num_tokens: expected an integer, got bool"):
+        m.allocate("a", flag)  # type: ignore[arg-type]
+    assert m.num_sequences == 0
+
+
+def test_manager_for_checks_its_arguments() -> None:
+    config = load_config("tiny-cpu")
+    other = config.model_copy(update={"cache": config.cache.model_copy(update={"block_size": 64})})
+    with pytest.raises(InvalidArgumentError, match="cache: blocks of 64 tokens"):
+        manager_for(config, allocate_kv_cache(other))
+    with pytest.raises(ArgumentTypeError, match="prefix_caching: expected True, False or None"):
+        manager_for(config, allocate_kv_cache(config), prefix_caching="yes")  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 from attention.checks import cdiv, require_int
-from attention.errors import IntegrityError, InvalidArgumentError, OutOfBlocksError
+from attention.errors import ArgumentTypeError, IntegrityError, InvalidArgumentError, OutOfBlocksError
 from attention.metadata import PAD_BLOCK
 from kvcache.blocks.admission import checked_prompt
 from kvcache.blocks.allocator import BlockAllocator
@@ -40,7 +40,7 @@ from kvcache.blocks.rows import ScheduledRow, computed_after, row_list
 from kvcache.blocks.sequence import BlockCopy, SequenceBlocks
 from kvcache.blocks.truncation import plan_truncation
 
-__all__ = ["AnyBlockManager", "HybridBlockManager"]
+__all__ = ["AnyBlockManager", "HybridBlockManager", "require_one_table"]
 
 
 class _HybridAdmission(NamedTuple):
@@ -368,3 +368,18 @@ class HybridBlockManager:
 
 #: Either manager: what a serving engine runs on (one table per sequence, or per KV group).
 AnyBlockManager = BlockManager | HybridBlockManager
+
+
+def require_one_table(manager: object, name: str = "manager") -> None:
+    """Raise ArgumentTypeError unless ``manager`` is a :class:`BlockManager` (one block table
+    per sequence): swap spaces, pool statistics and swap preemption serve only that; a
+    :class:`HybridBlockManager` is told apart, with what it can do instead."""
+    if isinstance(manager, BlockManager):
+        return
+    if isinstance(manager, HybridBlockManager):
+        raise ArgumentTypeError(
+            f"{name}: a HybridBlockManager (KV groups) has no swap space, swap preemption or pool statistics "
+            "yet; preempt by recompute (manager.free(seq_id, reason='preempted')), read manager.num_free_blocks, "
+            "or keep one table for every layer (the example engine: --no-kv-groups)"
+        )
+    raise ArgumentTypeError(f"{name}: expected a BlockManager, got {type(manager).__name__}")

@@ -11,6 +11,7 @@ from collections.abc import Hashable
 from typing import Literal
 
 from attention.errors import ArgumentTypeError, InvalidArgumentError
+from kvcache.blocks.hybrid import require_one_table
 from kvcache.blocks.manager import BlockManager
 from kvcache.memory.swap import SwapSpace
 
@@ -31,8 +32,7 @@ def preempt(
     argument of the wrong type, OutOfBlocksError when the swap space is full; changes nothing
     then.
     """
-    if not isinstance(manager, BlockManager):
-        raise ArgumentTypeError(f"manager: expected a BlockManager, got {type(manager).__name__}")
+    require_one_table(manager)
     if swap_space is not None and not isinstance(swap_space, SwapSpace):
         raise ArgumentTypeError(f"swap_space: expected a SwapSpace or None, got {type(swap_space).__name__}")
     if mode == "recompute":

@@ -27,6 +27,7 @@ from attention.checks import require_int
 from attention.errors import InvalidArgumentError, OutOfBlocksError, SequenceExistsError, UnknownSequenceError
 from attention.metadata import PAD_BLOCK
 from kvcache.blocks.allocator import BlockAllocator
+from kvcache.blocks.hybrid import require_one_table
 from kvcache.blocks.manager import BlockManager
 from kvcache.blocks.sequence import SequenceBlocks
 from kvcache.memory.cache_tensors import KVCacheTensors
@@ -52,6 +53,7 @@ class SwapSpace:
             raise InvalidArgumentError(
                 f"num_host_blocks: {num_host_blocks} must be at least 1 (cache.swap_space is too small)"
             )
+        require_one_table(manager)
         check_cache_serves(manager, cache)
         self.manager = manager
         self.cache = cache
