@@ -12,7 +12,7 @@ from attention.errors import ArgumentTypeError, InvalidArgumentError, quote
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cdiv", "check_tensor", "require_int", "same_device"]
+__all__ = ["cdiv", "check_tensor", "is_bool_scalar", "require_int", "same_device"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,7 +27,7 @@ def require_int(name: str, value: object, *, minimum: int | None = None, maximum
     integer tensors); refuses bools, floats and strings with ArgumentTypeError, and values
     out of range with InvalidArgumentError.
     """
-    if type(value) is not int and (isinstance(value, bool) or _is_bool_scalar(value)):
+    if type(value) is not int and (isinstance(value, bool) or is_bool_scalar(value)):
         raise ArgumentTypeError(f"{name}: expected an integer, got bool {value!r:.40}")
     try:
         result = operator.index(value)  # type: ignore[arg-type]
@@ -40,8 +40,10 @@ def require_int(name: str, value: object, *, minimum: int | None = None, maximum
     return result
 
 
-def _is_bool_scalar(value: object) -> bool:
-    """A 0-d bool tensor or a numpy bool: ``operator.index`` takes the tensor as 0 or 1."""
+def is_bool_scalar(value: object) -> bool:
+    """Whether ``value`` is a bool scalar of torch or numpy (a 0-d bool tensor, ``np.bool_``),
+    which ``operator.index`` and ``array`` take as 0 or 1 (a Python bool is not one: test it
+    with isinstance)."""
     return str(getattr(value, "dtype", "")) in ("torch.bool", "bool")
 
 

@@ -3,11 +3,12 @@ and turned into one form, so a tensor behaves exactly like the list it holds."""
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from attention.checks import require_int
+from attention.checks import is_bool_scalar, require_int
 from attention.errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -75,30 +76,16 @@ def token_list(token_ids: object, name: str = "token_ids") -> list[int]:
 
 
 def _plain_ints(values: list[Any], name: str) -> list[int]:
-    """``values`` (each an integer, by ``array``'s check) as Python ints: numpy integer scalars
-    and 0-d integer tensors (``list(tensor)`` gives those) are converted, so what is stored and
-    published is plain ints; anything else that passed as an index (a 0-d bool tensor, a
-    numpy bool) raises ArgumentTypeError."""
-    plain: list[int] = []
+    """``values`` (each an integer by ``array``'s check, Python bools refused before) as Python
+    ints: numpy integer scalars and 0-d integer tensors (``list(tensor)`` gives those) are
+    converted, so what is stored and published is plain ints. A bool scalar of torch or numpy,
+    which also passes as an index, raises ArgumentTypeError."""
     for i, value in enumerate(values):
-        if type(value) is not int:
-            dtype = getattr(value, "dtype", None)
-            kind = getattr(dtype, "kind", None)  # numpy; torch dtypes have is_floating_point
-            integral = isinstance(value, int) or (
-                dtype is not None
-                and (kind in ("i", "u") if kind is not None else not (
-                    getattr(dtype, "is_floating_point", True) or getattr(dtype, "is_complex", True)
-                    or str(dtype) == "torch.bool"
-                ))
+        if is_bool_scalar(value):
+            raise ArgumentTypeError(
+                f"{name}[{i}]: every token id must be an integer in int64 range; found {value!r:.40} (a bool)"
             )
-            if isinstance(value, bool) or not integral:
-                raise ArgumentTypeError(
-                    f"{name}[{i}]: every token id must be an integer in int64 range; found {value!r:.40} "
-                    f"({type(value).__name__}{f' of dtype {dtype}' if dtype is not None else ''})"
-                )
-            value = int(value)
-        plain.append(value)
-    return plain
+    return [operator.index(value) for value in values]
 
 
 def token_count(token_ids: object, name: str = "token_ids") -> int:
