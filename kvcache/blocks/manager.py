@@ -44,10 +44,6 @@ FreeReason = Literal["finished", "aborted", "preempted"]
 _REASONS = ("finished", "aborted", "preempted")
 
 
-#: What :meth:`BlockManager.attach_tier` calls on a tier (:class:`~kvcache.blocks.tiers.LowerTier`).
-_TIER_METHODS = ("lookup", "pin", "unpin", "load", "offload", "flush", "tier_contents")
-
-
 class BlockManager(SequenceTable):
     """Per-sequence block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
@@ -397,11 +393,10 @@ class BlockManager(SequenceTable):
             raise InvalidArgumentError("tier: a lower prefix-cache tier needs enable_prefix_caching=True")
         if self.lower_tier is not None:
             raise InvalidArgumentError(f"tier: this manager has a {self.lower_tier.name} tier already")
-        missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]
-        if missing or not isinstance(getattr(tier, "name", None), str):
+        if not isinstance(tier, LowerTier):  # every member of the protocol present
             raise ArgumentTypeError(
-                f"tier: {type(tier).__name__} is not a lower tier (kvcache.blocks.tiers.LowerTier: a name and "
-                f"{', '.join(_TIER_METHODS)}); missing {', '.join(missing) or 'name'}; pass a HostPrefixTier"
+                f"tier: {type(tier).__name__} is not a lower tier (it lacks members of "
+                "kvcache.blocks.tiers.LowerTier); pass a HostPrefixTier"
             )
         self.lower_tier = tier
         self.prefix_cache.demote = tier.offload

@@ -15,13 +15,14 @@ A tier may have its own lower level (the host tier spills to an optional disk ti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvcache.blocks.prefix_cache import BlockKey
 
 __all__ = ["LowerTier"]
 
 
+@runtime_checkable
 class LowerTier(Protocol):
     """What the block manager asks of a lower tier (handles are the tier's own block ids)."""
 
