@@ -5,6 +5,7 @@ the same manager serves the same ids again."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -192,3 +193,52 @@ def test_a_checkpoint_config_gives_the_models_positions() -> None:
     }  # fmt: skip
     assert shape_from_config(config).max_positions is None  # no limit known
     assert shape_from_config({**config, "max_position_embeddings": 32}).max_positions == 32
+
+
+def _small_runner(model: Llama, engine: Engine, capacity: StepCapacity) -> ModelRunner:
+    return ModelRunner(model, engine.cache, engine.manager, engine.backend, capacity)
+
+
+def test_an_online_request_longer_than_the_runners_tables_is_refused_at_submit(model: Llama) -> None:
+    # The pool (24 blocks of 32) holds 768 tokens, the runner's tables 4 blocks: 128 tokens.
+    engine = _engine()
+    m = engine.manager
+    good = _good()
+    scheduler = Scheduler(m, [good], make_preemption("recompute", m, engine.cache), token_budget=64)
+    pipeline = StepPipeline(_small_runner(model, engine, StepCapacity(16, 64, 4)), scheduler, overlap=False)
+    assert scheduler.max_request_tokens == 4 * m.block_size
+    for step in range(60):
+        if step == 2:
+            with pytest.raises(InvalidArgumentError) as info:
+                scheduler.submit(Request(2, list(range(100)), 30))  # 129 tokens at its peak
+            assert "request 2: 100 prompt + 30 new tokens reach 129 tokens but the runner's sequences hold at " \
+                   "most 128 (StepCapacity.max_blocks_per_seq x block_size)" in str(info.value)  # fmt: skip
+            assert not scheduler.waiting
+            scheduler.submit(Request(3, list(range(100)), 29))  # 128: fits exactly
+        if scheduler.done:
+            break
+        batch = scheduler.schedule(step)
+        if batch is not None:
+            pipeline.submit(batch)
+    assert scheduler.done and len(good.output) == 6 and m.num_sequences == 0
+    assert [len(r.output) for r in scheduler.finished if r.req_id == 3] == [29]
+
+
+def test_a_pipeline_refuses_a_scheduler_its_runner_cannot_hold(model: Llama) -> None:
+    engine = _engine()
+    m = engine.manager
+    preemption = make_preemption("recompute", m, engine.cache)
+    runner = _small_runner(model, engine, StepCapacity(8, 32, 4))
+    cases = [
+        (Scheduler(m, [], preemption, token_budget=32, max_running=9), "max_running 9 and token_budget 32 exceed"),
+        (Scheduler(m, [], preemption, token_budget=33, max_running=8), "max_running 8 and token_budget 33 exceed"),
+        (Scheduler(m, [Request(4, [1] * 120, 10)], preemption, token_budget=32, max_running=8),
+         "request 4: 120 prompt + 10 new tokens reach 129 tokens"),
+    ]  # fmt: skip
+    for scheduler, message in cases:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            StepPipeline(runner, scheduler, overlap=False)
+        assert scheduler.drain is None and scheduler.vocab_size is None and scheduler.max_request_tokens is None
+    fits = Scheduler(m, [], preemption, token_budget=32, max_running=8, max_request_tokens=1000)
+    StepPipeline(runner, fits, overlap=False)
+    assert fits.max_request_tokens == 128  # the runner's, the smaller

@@ -229,3 +229,25 @@ def test_manager_for_checks_its_arguments() -> None:
         manager_for(config, allocate_kv_cache(other))
     with pytest.raises(ArgumentTypeError, match="prefix_caching: expected True, False or None"):
         manager_for(config, allocate_kv_cache(config), prefix_caching="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("keys", "ab", "record.keys: expected a list of BlockKey"),
+        ("keys", [1], "record.keys: expected a list of BlockKey"),
+        ("extra_key", ["salt"], "record.extra_key: list is not hashable"),
+    ],
+)
+def test_attach_refuses_a_record_with_foreign_keys_or_salt(field: str, value: object, message: str) -> None:
+    m = BlockManager(num_blocks=8, block_size=32, enable_prefix_caching=True)
+    m.allocate(1, token_ids=list(range(40)))
+    m.commit([ScheduledRow(1, 40)])
+    record = m.detach(1)
+    assert len(record.keys) == 1  # the full block was keyed
+    before = snapshot(m)
+    with pytest.raises(ArgumentTypeError, match=message):
+        m.attach(1, dataclasses.replace(record, **{field: value}))
+    assert snapshot(m) == before
+    assert m.attach(1, record) and m.num_sequences == 1
+    m.check_integrity()

@@ -24,6 +24,7 @@ import torch
 
 from attention import AttentionBackend, StepCapacity
 from attention.checks import cdiv
+from attention.errors import InvalidArgumentError
 from kvcache import AnyBlockManager, KVCacheTensors
 from kvcache.memory.host_tier import HostPrefixTier, HostTierStats
 from kvcache.parallel.agreement import RankAgreement
@@ -31,6 +32,7 @@ from kvcache.parallel.collective import Collective
 
 from ..model.llama import Llama
 from .compile_watch import CompileWatch, describe_compiles
+from .request_checks import check_fits_runner
 from .runner import LaunchedStep, ModelRunner, WarmupReport
 from .scheduler import Preemption, Request, Scheduler, StepBatch
 
@@ -117,8 +119,10 @@ class StepPipeline:
     """Queues steps on the runner and applies their results to the scheduler, one step late
     when ``overlap`` (so the host schedules and plans the next step while the device runs
     this one), at once otherwise. Sets ``scheduler.drain``, so a preemption first applies
-    the step in flight, and ``scheduler.vocab_size`` and ``max_positions`` from the model
-    when they are unset, so a request submitted from now on is checked against them."""
+    the step in flight, ``scheduler.vocab_size`` and ``max_positions`` from the model when
+    they are unset, and ``scheduler.max_request_tokens`` to the runner's longest sequence,
+    so a request submitted from now on is checked against them. Refuses (InvalidArgumentError,
+    nothing set) a scheduler whose steps or requests do not fit the runner's capacity."""
 
     def __init__(
         self,
@@ -139,11 +143,32 @@ class StepPipeline:
         self.generated = 0
         #: Host seconds the last :meth:`submit` spent planning and queueing its step.
         self.launch_seconds = 0.0
+        self._check_fits(runner, scheduler)  # before anything is set
         scheduler.drain = self.drain
         if scheduler.vocab_size is None:
             scheduler.vocab_size = runner.model.shape.vocab_size
         if scheduler.max_positions is None:
             scheduler.max_positions = runner.model.shape.max_positions
+        longest = runner.builder.capacity.max_blocks_per_seq * runner.manager.block_size
+        if scheduler.max_request_tokens is None or scheduler.max_request_tokens > longest:
+            scheduler.max_request_tokens = longest
+
+    @staticmethod
+    def _check_fits(runner: ModelRunner, scheduler: Scheduler) -> None:
+        """Raise InvalidArgumentError unless every step ``scheduler`` can make fits the
+        runner's step buffers (rows, tokens, and each request's block-table columns): a step
+        that does not would fail after its rows were recorded. Changes nothing."""
+        cap = runner.builder.capacity
+        if scheduler.max_running > cap.max_rows or scheduler.token_budget > cap.max_tokens:
+            raise InvalidArgumentError(
+                f"scheduler: max_running {scheduler.max_running} and token_budget {scheduler.token_budget} "
+                f"exceed the runner's capacity of {cap.max_rows} rows and {cap.max_tokens} tokens a step; "
+                f"lower them or build the runner with a larger StepCapacity"
+            )
+        longest = cap.max_blocks_per_seq * runner.manager.block_size
+        for queue in (scheduler.pending, scheduler.waiting, scheduler.running):
+            for req in queue:
+                check_fits_runner(req, longest)
 
     @property
     def busy(self) -> bool:

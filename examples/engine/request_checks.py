@@ -17,7 +17,7 @@ from attention.errors import ArgumentTypeError, InvalidArgumentError, quote
 if TYPE_CHECKING:
     from .scheduler import Request
 
-__all__ = ["check_request", "check_token_ids"]
+__all__ = ["check_fits_runner", "check_request", "check_token_ids"]
 
 
 def _is_int(value: object) -> bool:
@@ -115,4 +115,18 @@ def check_request(req: Request, *, vocab_size: int | None = None, max_positions:
         raise InvalidArgumentError(
             f"{who}: {len(req.prompt)} prompt + {req.max_new_tokens} new tokens exceed the model's "
             f"{max_positions} positions (max_position_embeddings); shorten the prompt or lower max_new_tokens"
+        )
+
+
+def check_fits_runner(req: Request, max_request_tokens: int | None) -> None:
+    """Raise InvalidArgumentError when ``req`` would outgrow a runner whose sequences hold at
+    most ``max_request_tokens`` tokens (None: no limit); changes nothing. A runner's block
+    tables have ``StepCapacity.max_blocks_per_seq`` columns, fixed when its step buffers (and
+    CUDA graphs) are built, so a longer request would fail inside a step."""
+    if max_request_tokens is not None and req.peak_tokens > max_request_tokens:
+        raise InvalidArgumentError(
+            f"request {req.req_id}: {len(req.prompt)} prompt + {req.max_new_tokens} new tokens reach "
+            f"{req.peak_tokens} tokens but the runner's sequences hold at most {max_request_tokens} "
+            f"(StepCapacity.max_blocks_per_seq x block_size); shorten the request or build the runner "
+            f"with a larger max_blocks_per_seq"
         )

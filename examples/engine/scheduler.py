@@ -45,7 +45,7 @@ from attention.errors import ArgumentTypeError, InvalidArgumentError, SequenceEx
 from kvcache import AnyBlockManager, BlockManager, HybridBlockManager, KVCacheTensors, ScheduledRow, SwapSpace, preempt
 
 from .drafting import NgramIndex, accepted_tokens
-from .request_checks import check_request
+from .request_checks import check_fits_runner, check_request
 
 __all__ = [
     "PREEMPTION_MODES",
@@ -357,6 +357,7 @@ class Scheduler:
         copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
         vocab_size: int | None = None,
         max_positions: int | None = None,
+        max_request_tokens: int | None = None,
     ):
         """``token_budget``: most tokens in one step; ``max_running``: most rows in one step.
         ``draft_tokens``: prompt-lookup drafts per decode row (:mod:`.drafting`; 0: none),
@@ -366,6 +367,9 @@ class Scheduler:
         request's token ids are checked against it (None: only that they are >= 0; a
         :class:`~examples.engine.loop.StepPipeline` sets it from its model when unset);
         ``max_positions``: the model's position limit, if it has one (prompt + new tokens).
+        ``max_request_tokens``: the most tokens a request's sequence may reach in the runner
+        that serves it (its block tables' columns times the block size; a
+        :class:`~examples.engine.loop.StepPipeline` sets it from its runner when unset).
 
         Every request is checked first (:meth:`submit`'s checks: its fields, an id of its own,
         a pool it fits); a bad one raises a typed error naming it, and nothing is changed.
@@ -377,6 +381,7 @@ class Scheduler:
         self.manager = manager
         self.vocab_size = vocab_size
         self.max_positions = max_positions
+        self.max_request_tokens = max_request_tokens
         requests = list(requests)
         ids: set[int] = set()
         for req in requests:  # before anything changes, the manager's window lag included
@@ -412,7 +417,8 @@ class Scheduler:
         fail after the running requests' rows were recorded): its fields
         (:func:`~examples.engine.request_checks.check_request`, token ids against
         ``vocab_size``), an id no pending, waiting or running request has and the block
-        manager does not hold, and a peak length the whole pool can hold. Raises
+        manager does not hold, a peak length the runner's block tables
+        (``max_request_tokens``) and the whole pool can hold. Raises
         ArgumentTypeError or InvalidArgumentError (a ValueError) naming the request and the
         field; nothing is changed then."""
         live = {r.req_id for queue in (self.pending, self.waiting, self.running) for r in queue}
@@ -421,7 +427,8 @@ class Scheduler:
 
     def _check_new(self, req: Request, taken: set[int]) -> None:
         """Raise unless ``req`` can join: a valid request (``check_request``) whose id is not
-        in ``taken`` nor held by the manager, and that fits in the whole pool."""
+        in ``taken`` nor held by the manager, and that fits in the whole pool and in the
+        runner's sequences (``max_request_tokens``)."""
         if not isinstance(req, Request):
             raise ArgumentTypeError(f"request: expected a Request, got {type(req).__name__} {quote(req)}")
         check_request(req, vocab_size=self.vocab_size, max_positions=self.max_positions)
@@ -442,6 +449,7 @@ class Scheduler:
                 f"tokens need {need} blocks but the pool has {self.manager.num_blocks}; "
                 f"give the cache more blocks or shorten the request"
             )
+        check_fits_runner(req, self.max_request_tokens)
 
     def abort(self) -> list[Request]:
         """Give back every block the unfinished requests hold (on the device, or swapped out

@@ -166,6 +166,16 @@ def checked_record(record: object, block_size: int) -> SequenceBlocks:
         not isinstance(record.token_ids, list) or not all(type(t) is int for t in record.token_ids)
     ):
         raise ArgumentTypeError("record.token_ids: expected None or a list of int token ids")
+    from kvcache.blocks.prefix_cache import BlockKey  # a module that imports this one's users
+
+    if not isinstance(record.keys, list) or not all(isinstance(k, BlockKey) for k in record.keys):
+        raise ArgumentTypeError("record.keys: expected a list of BlockKey (the record's own, from detach)")
+    try:
+        hash(record.extra_key)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"record.extra_key: {type(record.extra_key).__name__} is not hashable (a prefix-cache salt is)"
+        ) from None
     found = record.count_problems("record", block_size)
     if found:
         raise InvalidArgumentError("record: " + "; ".join(found))
