@@ -342,6 +342,10 @@ class TritonBackend(AttentionBackend):
       hopper_mla_ring:  that Gluon kernel in its deeper-ring form
                         (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same results;
                         off by default: 0.98-0.99x the two-tile kernel's speed on the H200).
+      hopper_mla_split: that Gluon kernel in its split-warpgroup form
+                        (:mod:`~attention.triton_kernels.mla_decode_hopper_split`: the latent's
+                        channels halved between two warpgroups, loads in a producer partition;
+                        same results). Off by default until timed against the two-tile kernel.
       direct_decode_graphs: capture each CUDA-graph bucket twice (:meth:`graph_variants`):
                         with the decode combine kernel and without it; a step none of whose
                         rows splits replays the one without (default). The combine launch of
@@ -379,6 +383,7 @@ class TritonBackend(AttentionBackend):
         hopper_decode_overlap: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
+        hopper_mla_split: bool = False,
         direct_decode_graphs: bool = True,
         graph_dequant_prefill: bool = False,
         value_runs: bool = True,
@@ -386,7 +391,8 @@ class TritonBackend(AttentionBackend):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
                  ("hopper_mla_decode", hopper_mla_decode),
-                 ("hopper_mla_ring", hopper_mla_ring), ("direct_decode_graphs", direct_decode_graphs),
+                 ("hopper_mla_ring", hopper_mla_ring), ("hopper_mla_split", hopper_mla_split),
+                 ("direct_decode_graphs", direct_decode_graphs),
                  ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
@@ -428,6 +434,7 @@ class TritonBackend(AttentionBackend):
         self.hopper_decode_overlap = hopper_decode_overlap
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
+        self.hopper_mla_split = hopper_mla_split
         self.direct_decode_graphs = direct_decode_graphs
         self.graph_dequant_prefill = graph_dequant_prefill
         self.value_runs = value_runs
@@ -522,7 +529,7 @@ class TritonBackend(AttentionBackend):
             and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
             and hopper_prefill_possible(device)
         ):
-            return hopper_mla_launch(self.hopper_mla_ring)
+            return hopper_mla_launch(self.hopper_mla_ring, self.hopper_mla_split)
         return default_mla_launch(spec.num_heads)
 
     def _mla_programs(self, launch: MLALaunch, device: torch.device | None) -> int:
@@ -920,6 +927,7 @@ class TritonBackend(AttentionBackend):
                 f16_fp8_dots=plan.latent.launch.f16_fp8_dots,
                 hopper=plan.latent.launch.hopper,
                 hopper_ring=plan.latent.launch.hopper_ring,
+                hopper_split=plan.latent.launch.hopper_split,
                 zero_rest=in_place,
             )
             if not in_place:

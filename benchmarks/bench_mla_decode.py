@@ -159,8 +159,9 @@ def measure_batch(
         h_work = MLAWork(torch.tensor(plan_mla_work(lens, h_programs, hopper.block_n, min_program_latents(heads),
                                                     direct=h_direct), dtype=torch.int32, device="cuda"),
                          h_programs, h_direct)  # fmt: skip
-        if heads <= hopper.block_h:  # the kernel, then its deeper-ring form
-            todo += [(hopper, h_programs, 0, True, "hopper"), (hopper_mla_launch(True), h_programs, 0, True, "hopper")]
+        if heads <= hopper.block_h:  # the kernel, then its deeper-ring and split-warpgroup forms
+            todo += [(hopper, h_programs, 0, True, "hopper"), (hopper_mla_launch(True), h_programs, 0, True, "hopper"),
+                     (hopper_mla_launch(split=True), h_programs, 0, True, "hopper")]  # fmt: skip
         if fp8:
             todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
         for launch, splits, split_len, planned, latent in todo:
@@ -171,7 +172,8 @@ def measure_batch(
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
                                    "split_len": split_len, "plan": planned, "split_plan": split_plan,
                                    "latent": latent or "bf16", "direct": planned and direct,
-                                   "as_backend": planned and not launch.hopper_ring and (on_hopper or direct == rule),
+                                   "as_backend": planned and launch == hopper_mla_launch() if on_hopper
+                                   else planned and direct == rule,
                                    "hopper": on_hopper,
                                    "schedule": "balanced" if planned else "split"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
@@ -220,7 +222,7 @@ def _plan_label(row: dict[str, Any]) -> str:
     if row["latent"] != "bf16":
         return str(row["latent"])[:7]
     if row.get("hopper"):
-        return "ring" if row.get("hopper_ring") else "hopper"
+        return "ring" if row.get("hopper_ring") else "split" if row.get("hopper_split") else "hopper"
     if row["as_backend"]:
         return "plan"
     return "direct" if row["direct"] else "slots"
@@ -268,16 +270,17 @@ def main() -> None:
                     f"{r['tbps']:5.2f} {r['of_copy']:7.0%} {r['tflops']:7.0f} {r['vs_torch']:7.2f}x "
                     f"{r['rel_err']:8.1e} {cycled}"
                 )
-    for kind in batches:  # the deeper ring against the kernel the backend runs
+    for kind in batches:  # the other forms against the two-tile kernel
         hop = [r for r in rows_out if r["batch"] == kind and r.get("hopper") and "ms" in r]
-        pair = [r for r in hop if not r["hopper_ring"]]
-        ring = [r for r in hop if r["hopper_ring"]]
-        if pair and ring:
-            a, b = pair[0], ring[0]
-            cycled = ""
-            if "layers_ms" in a and "layers_ms" in b:
-                cycled = f", among layers {a['layers_ms'] / b['layers_ms']:.3f}x"
-            print(f"{kind}: ring {a['ms'] / b['ms']:.3f}x the hopper kernel's speed in one call{cycled}")
+        pair = [r for r in hop if not r["hopper_ring"] and not r["hopper_split"]]
+        for form in ("ring", "split"):
+            other = [r for r in hop if r[f"hopper_{form}"]]
+            if pair and other:
+                a, b = pair[0], other[0]
+                cycled = ""
+                if "layers_ms" in a and "layers_ms" in b:
+                    cycled = f", among layers {a['layers_ms'] / b['layers_ms']:.3f}x"
+                print(f"{kind}: {form} {a['ms'] / b['ms']:.3f}x the two-tile hopper kernel's speed in one call{cycled}")
     doc = {"benchmark": "bench_mla_decode", "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps_read_plus_write": copy_tbps,
            "rows": rows_out}  # fmt: skip

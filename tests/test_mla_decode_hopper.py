@@ -6,9 +6,11 @@ an sm_90 GPU and the Triton balanced kernel elsewhere (the interpreter included)
 float64 checks below hold for both, on DeepSeek-V3's latent (512 + 64) with partial tiles and
 blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and direct plans. On
 an sm_90 GPU they also assert that the Gluon kernel ran, and run again on its deeper-ring
-form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py). The backend's
-choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py and
-tests/test_mla_decode_hopper_ring_compile.py compile the kernels for sm_90.
+form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py) and its
+split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py).
+The backend's choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py,
+tests/test_mla_decode_hopper_ring_compile.py and tests/test_mla_decode_hopper_split_compile.py
+compile the kernels for sm_90.
 """
 
 from __future__ import annotations
@@ -28,18 +30,18 @@ from tests.test_mla_decode import DEVICE, _case, _reference
 
 RANK, ROPE = 512, 64
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
-#: The Hopper kernel's forms a test runs (without one, both run the same Triton fallback).
-RINGS = [False, True] if ON_HOPPER else [False]
+#: The Hopper kernel's forms a test runs (without one, all run the same Triton fallback).
+FORMS = ["pair", "ring", "split"] if ON_HOPPER else ["pair"]
 
 
 @pytest.fixture
-def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The Gluon kernel's launches: whether each ran the deeper-ring form."""
-    calls: list[bool] = []
+def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Gluon kernel's launches: the form each ran ("pair", "ring" or "split")."""
+    calls: list[str] = []
     real = mla_decode_module.launch_mla_hopper
 
     def counted(*args: object, **kw: object) -> None:
-        calls.append(bool(kw.get("ring")))
+        calls.append("ring" if kw.get("ring") else "split" if kw.get("split") else "pair")
         real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", counted)
@@ -48,7 +50,7 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *, programs: int, direct: bool,
             seed: int = 0, tables: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            ring: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+            form: str = "pair"):  # type: ignore[no-untyped-def]  # fmt: skip
     query, cache, case_tables, latents = _case(lens, heads, RANK, ROPE, block_size, torch.float64, seed=seed)
     plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct)
     work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct)
@@ -57,7 +59,7 @@ def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *,
         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         kv_lora_rank=RANK, scale=0.05, work=work,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True, out=out, zero_rest=out is not None,
-        hopper_ring=ring,
+        hopper_ring=form == "ring", hopper_split=form == "split",
     )  # fmt: skip
     return result, query, latents
 
@@ -73,24 +75,25 @@ def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *,
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
-@pytest.mark.parametrize("ring", RINGS, ids=[("ring" if r else "pair") for r in RINGS])
+@pytest.mark.parametrize("form", FORMS)
 def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
-    hopper_calls, lens, heads, block_size, programs, dtype, direct, ring
+    hopper_calls, lens, heads, block_size, programs, dtype, direct, form
 ) -> None:
-    out, query, latents = _attend(lens, heads, block_size, dtype, programs=programs, direct=direct, ring=ring)
+    out, query, latents = _attend(lens, heads, block_size, dtype, programs=programs, direct=direct, form=form)
     want = _reference(query.to(dtype).double(), [lat.to(dtype).double() for lat in latents], RANK, 0.05)
     assert out.shape == (len(lens), heads, RANK) and torch.isfinite(out).all(), "read a stale (NaN) slot"
     err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < 1e-2, err
-    assert hopper_calls == ([ring] if ON_HOPPER else [])
+    assert hopper_calls == ([form] if ON_HOPPER else [])  # (the split form runs a direct plan on the pair)
 
 
-def test_the_output_in_place_gets_its_rotary_channels_zeroed(hopper_calls: list[bool]) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_the_output_in_place_gets_its_rotary_channels_zeroed(hopper_calls: list[str], form: str) -> None:
     """As the triton backend calls it: into a bf16 [T, H, 576] output, channels past 512 zeroed,
     the rows of a larger tensor around it untouched."""
     lens = [70, 5, 130]
     outer = torch.full((5, 16, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)
-    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=4, direct=False, out=outer[1:4])
+    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=4, direct=False, out=outer[1:4], form=form)
     want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], RANK,
                       0.05)  # fmt: skip
     err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
@@ -99,15 +102,15 @@ def test_the_output_in_place_gets_its_rotary_channels_zeroed(hopper_calls: list[
     assert bool(hopper_calls) == ON_HOPPER
 
 
-@pytest.mark.parametrize("ring", RINGS, ids=[("ring" if r else "pair") for r in RINGS])
-def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[bool], ring: bool) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[str], form: str) -> None:
     """Ids outside [0, num_blocks) read block 0 and leave their latents out: no fault, finite
     output, and the rows whose tables are sound match the oracle."""
     lens = [300, 77, 129]
     query, cache, tables, latents = _case(lens, 16, RANK, ROPE, 64, torch.float64)
     bad = tables.clone()
     bad[0, 1], bad[1, 0] = -3, cache.shape[0] + 5
-    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=3, direct=False, tables=bad, ring=ring)
+    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=3, direct=False, tables=bad, form=form)
     assert torch.isfinite(out).all()
     want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], RANK,
                       0.05)  # fmt: skip
@@ -118,8 +121,8 @@ def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[bool], ring:
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interpreter's numpy on garbage sums)
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("ring", RINGS, ids=[("ring" if r else "pair") for r in RINGS])
-def test_any_work_array_stays_inside_the_buffers(seed: int, ring: bool) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_any_work_array_stays_inside_the_buffers(seed: int, form: str) -> None:
     """A work array of random values reads and writes nothing outside the cache, the partial
     buffers and the output (seed 1: planned direct)."""
     lens = [140, 12, 70]
@@ -135,7 +138,8 @@ def test_any_work_array_stays_inside_the_buffers(seed: int, ring: bool) -> None:
         query.to(DEVICE, torch.bfloat16), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=RANK, scale=0.05,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
-        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4], hopper_ring=ring,
+        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
+        hopper_ring=form == "ring", hopper_split=form == "split",
     )  # fmt: skip
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -171,20 +175,27 @@ def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: 
     assert not backend._mla_launch(cuda, 64).hopper_ring
     ring = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_ring=True)._mla_launch(cuda, 64)
     assert ring.hopper and ring.hopper_ring and ring.kernel_args()["hopper_ring"]
+    assert not backend._mla_launch(cuda, 64).hopper_split
+    split = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_split=True)._mla_launch(cuda, 64)
+    assert split.hopper and split.hopper_split and split.kernel_args()["hopper_split"]
+    assert split.programs_per_sm == 1  # one program an SM, as the two-tile kernel
     # The work buffer holds the larger plan of the two launches (the default's 2 programs an SM).
     assert backend._most_mla_programs() == 264
     monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: False)
     assert not backend._mla_launch(cuda, 64).hopper
 
 
-def test_the_ring_flag_reaches_the_hopper_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``mla_attention(..., hopper_ring=)`` picks the Gluon kernel's form where it applies."""
+def test_the_form_flags_reach_the_hopper_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mla_attention(..., hopper_ring=, hopper_split=)`` pick the Gluon kernel's form where
+    it applies."""
     seen: list[object] = []
     monkeypatch.setattr(mla_decode_module, "mla_decode_hopper_applies", lambda *args: True)
-    monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", lambda *args, **kw: seen.append(kw.get("ring")))
-    for ring in (False, True):
-        _attend([70, 5], 16, 64, torch.bfloat16, programs=2, direct=False, ring=ring)
-    assert seen == [False, True]
+    monkeypatch.setattr(
+        mla_decode_module, "launch_mla_hopper", lambda *args, **kw: seen.append((kw.get("ring"), kw.get("split")))
+    )
+    for form in ("pair", "ring", "split"):
+        _attend([70, 5], 16, 64, torch.bfloat16, programs=2, direct=False, form=form)
+    assert seen == [(False, False), (True, False), (False, True)]
 
 
 def test_the_kernel_shape_rule() -> None:

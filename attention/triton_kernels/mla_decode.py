@@ -86,7 +86,8 @@ class MLALaunch:
     latent's dots run in fp16 (else in the query's dtype); ``hopper``: the balanced schedule
     runs on the Gluon kernel of :mod:`attention.triton_kernels.mla_decode_hopper` where it
     applies (else on the Triton kernel with this launch); ``hopper_ring``: that kernel's
-    deeper-ring form (:mod:`attention.triton_kernels.mla_decode_hopper_ring`)."""
+    deeper-ring form (:mod:`attention.triton_kernels.mla_decode_hopper_ring`);
+    ``hopper_split``: its split-warpgroup form (:mod:`attention.triton_kernels.mla_decode_hopper_split`)."""
 
     block_h: int = 16
     block_n: int = 32
@@ -97,12 +98,13 @@ class MLALaunch:
     f16_fp8_dots: bool = True
     hopper: bool = False
     hopper_ring: bool = False
+    hopper_split: bool = False
 
     def kernel_args(self) -> dict[str, int | bool]:
         """The keyword arguments :func:`mla_attention` takes from this launch."""
         return dict(block_h=self.block_h, block_n=self.block_n, num_warps=self.num_warps,
                     num_stages=self.num_stages, unrolled=self.unrolled, f16_fp8_dots=self.f16_fp8_dots,
-                    hopper=self.hopper, hopper_ring=self.hopper_ring)  # fmt: skip
+                    hopper=self.hopper, hopper_ring=self.hopper_ring, hopper_split=self.hopper_split)  # fmt: skip
 
 
 def default_mla_launch(heads: int) -> MLALaunch:
@@ -119,13 +121,13 @@ def default_mla_launch(heads: int) -> MLALaunch:
     return MLALaunch(64, 64, 8, 2, programs_per_sm=1, unrolled=0, f16_fp8_dots=False)
 
 
-def hopper_mla_launch(ring: bool = False) -> MLALaunch:
+def hopper_mla_launch(ring: bool = False, split: bool = False) -> MLALaunch:
     """The launch of the Hopper MLA decode kernel (up to 16 heads, 64-latent tiles, one
     program an SM; :mod:`attention.triton_kernels.mla_decode_hopper`; ``ring``: its
-    deeper-ring form). Where that kernel does not apply to a call, the Triton balanced kernel
-    runs the same schedule with 64-latent tiles and 2 stages."""
+    deeper-ring form; ``split``: its split-warpgroup form). Where that kernel does not apply to
+    a call, the Triton balanced kernel runs the same schedule with 64-latent tiles and 2 stages."""
     return MLALaunch(MLA_HOPPER_HEADS, MLA_HOPPER_BLOCK_N, 4, 2, programs_per_sm=1, unrolled=0, hopper=True,
-                     hopper_ring=ring)  # fmt: skip
+                     hopper_ring=ring, hopper_split=split)  # fmt: skip
 
 
 def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
@@ -311,6 +313,7 @@ def mla_attention(
     zero_rest: bool = False,
     hopper: bool = False,
     hopper_ring: bool = False,
+    hopper_split: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -350,6 +353,8 @@ def mla_attention(
                   64, contiguous tensors); elsewhere the Triton kernel, same result.
     hopper_ring:  with ``hopper``, the Hopper kernel's deeper-ring form
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same result).
+    hopper_split: with ``hopper``, the Hopper kernel's split-warpgroup form
+                  (:mod:`~attention.triton_kernels.mla_decode_hopper_split`; same result).
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
     shape, dtype or device, or sizes outside what the kernel takes.
@@ -438,7 +443,8 @@ def mla_attention(
     if work is not None:
         on_hopper = hopper and block_n == MLA_HOPPER_BLOCK_N and mla_decode_hopper_applies(query, cache, kv_lora_rank)
         if tokens and heads and on_hopper:
-            launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, ring=hopper_ring)
+            launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, ring=hopper_ring,
+                              split=hopper_split)  # fmt: skip
         elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
                                 tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip

@@ -58,6 +58,7 @@ from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possi
 
 if _GLUON:
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
+    from attention.triton_kernels.mla_decode_hopper_split import SPLIT_STAGES, _mla_hopper_split_kernel
     from attention.triton_kernels.mla_hopper_stores import store_segment, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
         TensorDescriptor,
@@ -264,12 +265,15 @@ def launch_mla_hopper(
     *,
     tail: int,
     ring: bool = False,
+    split: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
     zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
-    results; 0.98-0.99x this kernel's speed on the H200, so not the default)."""
+    results; 0.98-0.99x this kernel's speed on the H200, so not the default); ``split``: the
+    split-warpgroup kernel of :mod:`.mla_decode_hopper_split` (same results) for a plan of
+    partial slots (a ``direct`` plan runs this kernel)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32, device=query.device)
@@ -280,7 +284,9 @@ def launch_mla_hopper(
             out.stride(1))  # fmt: skip
     shape = dict(HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N,
                  BLOCK_SIZE=cache.shape[1], DIRECT=work.direct)  # fmt: skip
-    if ring:
+    if split and not work.direct:  # (a direct plan runs the two-tile kernel)
+        _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
+    elif ring:
         _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
     else:
         _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
