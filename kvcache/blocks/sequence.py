@@ -166,9 +166,7 @@ def checked_record(record: object, block_size: int) -> SequenceBlocks:
         not isinstance(record.token_ids, list) or not all(type(t) is int for t in record.token_ids)
     ):
         raise ArgumentTypeError("record.token_ids: expected None or a list of int token ids")
-    from kvcache.blocks.prefix_cache import BlockKey  # a module that imports this one's users
-
-    if not isinstance(record.keys, list) or not all(isinstance(k, BlockKey) for k in record.keys):
+    if not isinstance(record.keys, list):
         raise ArgumentTypeError("record.keys: expected a list of BlockKey (the record's own, from detach)")
     try:
         hash(record.extra_key)
@@ -179,6 +177,10 @@ def checked_record(record: object, block_size: int) -> SequenceBlocks:
     found = record.count_problems("record", block_size)
     if found:
         raise InvalidArgumentError("record: " + "; ".join(found))
+    from kvcache.blocks.prefix_cache import BlockKey  # (that module's users import this one)
+
+    if not all(isinstance(k, BlockKey) for k in record.keys):  # (as many as its full blocks: counted above)
+        raise ArgumentTypeError("record.keys: expected a list of BlockKey (the record's own, from detach)")
     return record
 
 
