@@ -345,7 +345,8 @@ class TritonBackend(AttentionBackend):
       hopper_mla_split: that Gluon kernel in its split-warpgroup form
                         (:mod:`~attention.triton_kernels.mla_decode_hopper_split`: the latent's
                         channels halved between two warpgroups, loads in a producer partition;
-                        same results). Off by default until timed against the two-tile kernel.
+                        same results). Off by default: 1.00x the two-tile kernel's speed on an
+                        H100 (benchmarks/results/mla-decode-split-h100-2026-12-06.md).
       direct_decode_graphs: capture each CUDA-graph bucket twice (:meth:`graph_variants`):
                         with the decode combine kernel and without it; a step none of whose
                         rows splits replays the one without (default). The combine launch of

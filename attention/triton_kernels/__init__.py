@@ -21,8 +21,9 @@ One concept per module:
   launches and the split schedule), :mod:`.mla_balanced` (the length-balanced schedule planned
   on the host, its kernel and the merge), :mod:`.mla_tiles` (the tile loop those share),
   :mod:`.mla_decode_hopper` (decode for up to 16 heads on Hopper, in Gluon),
-  :mod:`.mla_decode_hopper_ring` (its deeper-ring form, opt-in), :mod:`.mla_hopper_stores`
-  (the stores those two share),
+  :mod:`.mla_decode_hopper_ring` (its deeper-ring form, opt-in),
+  :mod:`.mla_decode_hopper_split` (its split-warpgroup form, opt-in), :mod:`.mla_hopper_stores`
+  (the stores they share),
   :mod:`.mla_prefill` and :mod:`.mla_prefill_hopper` (decompressed prefill / extend).
 
 Triton decides at decoration time whether a kernel is compiled for the GPU or run by its CPU

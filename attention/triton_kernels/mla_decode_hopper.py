@@ -30,8 +30,10 @@ layers). The loop is still serial within a tile (S, softmax, P V, then the next 
 into the freed slot). :mod:`.mla_decode_hopper_ring` (``launch_mla_hopper(..., ring=True)``)
 refills each channel half as soon as its P V MMA is done, from a ring of two and a half
 tiles, and loads across a program's tokens: 0.98-0.99x this kernel's speed on the H200
-(``benchmarks/results/mla-decode-ring-2026-12-05.json``), so not the default. Overlapping S
-of tile j + 1 with P V of tile j, or a producer warp, is what is left.
+(``benchmarks/results/mla-decode-ring-2026-12-05.json``), so not the default.
+:mod:`.mla_decode_hopper_split` (``launch_mla_hopper(..., split=True)``) halves each tile's
+work between two warpgroups and loads from a producer partition: 1.00x on an H100
+(``benchmarks/results/mla-decode-split-h100-2026-12-06.md``), so not the default either.
 
 Safety as in :mod:`.mla_balanced`: lengths clamped to the table, block ids outside
 ``[0, num_blocks)`` read block 0 and mask their latents, latent rows past a token's length are

@@ -1,16 +1,17 @@
 """MLA decode on Hopper with the latent's channels split between two warpgroups and the loads
 in a producer partition of their own: the kernel of :mod:`.mla_decode_hopper` (same schedule,
 same results) with its per-tile work halved. Opt-in (``MLALaunch.hopper_split``,
-``TritonBackend(hopper_mla_split=True)``) until timed on a GPU; plans of partial slots only
-(a ``direct`` plan, planned where the slots would pass 64 MB, runs the two-tile kernel).
+``TritonBackend(hopper_mla_split=True)``): on an H100 it ran at 1.00x the two-tile kernel's
+speed (``benchmarks/results/mla-decode-split-h100-2026-12-06.md``); not yet timed on an H200.
+Plans of partial slots only (a ``direct`` plan, planned where the slots would pass 64 MB, runs
+the two-tile kernel).
 
-Why: the single-warpgroup kernel holds a latent slot for the whole of a tile's work (three
-score MMAs over 576 channels, the softmax, two P V MMAs over 512), one warp per scheduler
-issuing ~640 instructions a tile, and refills the slot only then; its time a tile is about
-``(compute + load latency) / 2`` (a ring of two tiles) where the copy rate allows less. On an
-H200 (``benchmarks/results/mla-decode-ceiling-h200-2026-12-06.md``) the same loads without the
-compute run at 94-97% of the copy rate, the compute without HBM (every tile from one block in
-L2) takes 66-67% of the kernel's time, and the kernel reaches 83-85%.
+Why it was tried: the single-warpgroup kernel holds a latent slot for the whole of a tile's
+work (three score MMAs over 576 channels, the softmax, two P V MMAs over 512), one warp per
+scheduler, and refills the slot only then. On an H200
+(``benchmarks/results/mla-decode-ceiling-h200-2026-12-06.md``) its loads alone run at 94-97%
+of the copy rate where the kernel reaches 83-85%. Halving the per-tile work did not close that
+gap, so the per-tile compute is not what holds the loop back.
 
 Here, per tile:
 
