@@ -133,8 +133,9 @@ def _cuda_total_memory(index: int) -> int:
 
 def hbm3e_class(device: torch.device) -> bool:
     """Whether ``device`` is a GPU with more than :data:`HBM3E_MEMORY_BYTES` of memory: on
-    sm_90, an HBM3e part, whose bandwidth leaves an fp8 cache's decode bound by the kernel's
-    compute rather than its loads (benchmarks/results/mla-decode-ceiling-h200-2026-12-06.md)."""
+    sm_90, an HBM3e part (the H200), where the Gluon decode kernel reads an fp8 cache in long
+    blocks faster than the Triton kernel (1.06x on the burst's decode shape,
+    benchmarks/results/mla-decode-ceiling-h200-2026-12-06.md) and an H100 does not."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _cuda_total_memory(torch.cuda.current_device() if device.index is None else device.index) > (
