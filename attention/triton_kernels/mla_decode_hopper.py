@@ -61,7 +61,7 @@ from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possi
 if _GLUON:
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
     from attention.triton_kernels.mla_decode_hopper_split import SPLIT_STAGES, _mla_hopper_split_kernel
-    from attention.triton_kernels.mla_hopper_stores import store_segment, zero_latents_from
+    from attention.triton_kernels.mla_hopper_stores import store_segment, tile_softmax, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
         TensorDescriptor,
         _partition_barrier,
@@ -204,15 +204,9 @@ if _GLUON:
                     s = warpgroup_mma(e_bufs.index(slot), qe_buf.permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                     page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
-                    page_ok = (page >= 0) & (page < num_blocks)
-                    valid = gl.where(page_ok, end - n0, 0)  # latents of the tile inside the row
-                    s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, 0))
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_safe)
-                    p = gl.exp2(s - m_safe[None, :])
-                    l_part = l_part * alpha[None, :] + p  # summed over the latents once, after the loop
-                    m_i = m_new
+                    p, alpha, m_i, l_part, valid = tile_softmax(
+                        s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2
+                    )  # (l_part: summed over the latents once, after the loop)
                     if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
                         zero_latents_from(lat_a, valid, BLOCK_N, HALF)
                         zero_latents_from(lat_b, valid, BLOCK_N, HALF)

@@ -43,12 +43,12 @@ when the program ends.
 
 from __future__ import annotations
 
-from attention.triton_kernels.mla_balanced import program_work, segment_latents
-from attention.triton_kernels.mla_tiles import token_extent
+from attention.triton_kernels.mla_balanced import program_work
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
-    from attention.triton_kernels.mla_hopper_stores import zero_latents_from
+    from attention.triton_kernels.mla_decode_hopper_ring import _segment_extent
+    from attention.triton_kernels.mla_hopper_stores import tile_softmax, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
         _partition_barrier,
         _tma_load,
@@ -78,16 +78,14 @@ if _GLUON:
     @gluon.jit
     def _segment(work_ptr, rows_ptr, lens_ptr, table_ptr, t, g0, g1, num_rows, table_width,  # type: ignore[no-untyped-def]
                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-        """Token ``t``'s segment of the program's range ``[g0, g1)``: whether it has one, its
-        latents ``[start, end)``, its tile count and its table row (as the single-warpgroup
-        kernel computes them)."""
-        t_first = gl.load(work_ptr + t)
-        seg_start = gl.maximum(g0, t_first)
-        seg_end = gl.minimum(g1, gl.load(work_ptr + t + 1))
-        row, seq_len = token_extent(rows_ptr, lens_ptr, t, num_rows, table_width, BLOCK_SIZE)
-        start, end = segment_latents(t_first, seg_start, seg_end, seq_len, table_width, BLOCK_SIZE, BLOCK_N)
+        """Token ``t``'s segment of the program's range ``[g0, g1)`` (the ring kernel's
+        :func:`_segment_extent`): whether it has one, its first tile, its latents ``[start,
+        end)``, its tile count and its table row."""
+        seg_start, seg_end, start, end, table_row = _segment_extent(
+            work_ptr, rows_ptr, lens_ptr, table_ptr, t, g0, g1, num_rows, table_width, BLOCK_SIZE, BLOCK_N
+        )  # fmt: skip
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        return seg_end > seg_start, seg_start, start, end, n_tiles, table_ptr + row.to(gl.int64) * table_width
+        return seg_end > seg_start, seg_start, start, end, n_tiles, table_row
 
     @gluon.jit
     def _producer(  # type: ignore[no-untyped-def]
@@ -207,15 +205,9 @@ if _GLUON:
                     s_bufs.index(2 * (pos % 2) + WG).store(s)
                     token = _meet(token)
                     s = s + s_bufs.index(2 * (pos % 2) + 1 - WG).load(s_layout)
-                    page_ok = (page >= 0) & (page < num_blocks)
-                    valid = gl.where(page_ok, end - n0, 0)  # latents of the tile inside the row
-                    s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, 0))
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_safe)
-                    p = gl.exp2(s - m_safe[None, :])
-                    l_part = l_part * alpha[None, :] + p  # summed over the latents once, after the loop
-                    m_i = m_new
+                    p, alpha, m_i, l_part, valid = tile_softmax(
+                        s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2
+                    )  # (l_part: summed over the latents once, after the loop)
                     if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
                         zero_latents_from(lat, valid, BLOCK_N, HALF)
                     p_buf.store(p.to(dtype))

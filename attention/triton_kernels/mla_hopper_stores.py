@@ -1,7 +1,7 @@
-"""What the Hopper MLA decode kernels (:mod:`.mla_decode_hopper`, :mod:`.mla_decode_hopper_ring`)
-share besides the loop: zeroing a latent tile's rows past a token's length in shared memory, and
-storing a segment's result, its output held transposed ([channels, heads]) in two channel
-halves."""
+"""What the Hopper MLA decode kernels (:mod:`.mla_decode_hopper`, :mod:`.mla_decode_hopper_ring`,
+:mod:`.mla_decode_hopper_split`) share besides the loop: a tile's online softmax with its row sums
+kept per thread, zeroing a latent tile's rows past a token's length in shared memory, and storing
+a segment's result, its output held transposed ([channels, heads]) in two channel halves."""
 
 from __future__ import annotations
 
@@ -10,10 +10,25 @@ from attention.triton_kernels.prefill_hopper import _GLUON
 if _GLUON:
     from attention.triton_kernels.prefill_hopper import gl, gluon
 
-__all__ = ["store_half", "store_segment", "store_slot_halves", "zero_latents_from"]
+__all__ = ["store_half", "store_segment", "store_slot_halves", "tile_softmax", "zero_latents_from"]
 
 
 if _GLUON:
+
+    @gluon.jit
+    def tile_softmax(s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2):  # type: ignore[no-untyped-def]
+        """The online softmax of a tile's scores ``s`` [BLOCK_N latents, heads] (latents ``n0 ..``;
+        those at or past ``end``, and all of them when the tile's block id ``page`` is outside
+        ``[0, num_blocks)``, masked). Returns (p, alpha, the new running max, the per-thread row
+        sums ``l_part`` rescaled and grown by p, the tile's latents inside the row)."""
+        page_ok = (page >= 0) & (page < num_blocks)
+        valid = gl.where(page_ok, end - n0, 0)
+        s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        return p, alpha, m_new, l_part * alpha[None, :] + p, valid
 
     @gluon.jit
     def zero_latents_from(buf, first_bad, BLOCK_N: gl.constexpr, HALF: gl.constexpr):  # type: ignore[no-untyped-def]
