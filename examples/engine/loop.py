@@ -143,21 +143,21 @@ class StepPipeline:
         self.generated = 0
         #: Host seconds the last :meth:`submit` spent planning and queueing its step.
         self.launch_seconds = 0.0
-        self._check_fits(runner, scheduler)  # before anything is set
+        longest = self._check_fits(runner, scheduler)  # before anything is set
         scheduler.drain = self.drain
         if scheduler.vocab_size is None:
             scheduler.vocab_size = runner.model.shape.vocab_size
         if scheduler.max_positions is None:
             scheduler.max_positions = runner.model.shape.max_positions
-        longest = runner.builder.capacity.max_blocks_per_seq * runner.manager.block_size
         if scheduler.max_request_tokens is None or scheduler.max_request_tokens > longest:
             scheduler.max_request_tokens = longest
 
     @staticmethod
-    def _check_fits(runner: ModelRunner, scheduler: Scheduler) -> None:
+    def _check_fits(runner: ModelRunner, scheduler: Scheduler) -> int:
         """Raise InvalidArgumentError unless every step ``scheduler`` can make fits the
         runner's step buffers (rows, tokens, and each request's block-table columns): a step
-        that does not would fail after its rows were recorded. Changes nothing."""
+        that does not would fail after its rows were recorded. Changes nothing; returns the
+        most tokens a sequence may reach in the runner."""
         cap = runner.builder.capacity
         if scheduler.max_running > cap.max_rows or scheduler.token_budget > cap.max_tokens:
             raise InvalidArgumentError(
@@ -169,6 +169,7 @@ class StepPipeline:
         for queue in (scheduler.pending, scheduler.waiting, scheduler.running):
             for req in queue:
                 check_fits_runner(req, longest)
+        return longest
 
     @property
     def busy(self) -> bool:
