@@ -99,12 +99,14 @@ def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0, direct=Fa
         consts.update(UNROLLED=unrolled, DIRECT=direct)
     return source(_mla_balanced_kernel if balanced else _mla_decode_kernel, sig, consts)
 
-def mla_merge(balanced, direct=False):
-    if balanced:
-        sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16", "num_tokens": "i32",
+def mla_merge(balanced, direct=False, hopper=False):
+    if balanced:  # hopper: as the Hopper kernel's launch takes it (fp16 partials, a dependent launch)
+        sig = {"acc_ptr": "*fp16" if hopper else "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16",
+               "num_tokens": "i32",
                "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
                "tail": "i32"}
-        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64, DIRECT=direct))
+        return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64, DIRECT=direct,
+                                                             AFTER_PDL=hopper))
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",
            "out_ptr": "*bf16", "num_rows": "i32", "num_heads": "i32", "table_width": "i32", "splits": "i32",
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
@@ -136,6 +138,7 @@ kernels = {
     "mla-merge-split": mla_merge(False),
     "mla-merge-balanced": mla_merge(True),
     "mla-merge-balanced-direct": mla_merge(True, direct=True),
+    "mla-merge-hopper": mla_merge(True, hopper=True),
     "rotary-bf16": rotary("*bf16", "*bf16", False),
     "rotary-fp16": rotary("*fp16", "*fp16", False),
     "rotary-fp32": rotary("*fp32", "*fp32", False),
@@ -169,7 +172,8 @@ report = {}
 for name, src in kernels.items():
     warps = 8 if name.startswith("prefill") else 4
     k = triton.compile(src, target=target, options=dict(num_warps=warps, num_stages=3))
-    report[name] = {"shared": k.metadata.shared, "ptx_lines": k.asm["ptx"].count(chr(10))}
+    report[name] = {"shared": k.metadata.shared, "ptx_lines": k.asm["ptx"].count(chr(10)),
+                    "gdc_waits": k.asm["ptx"].count("griddepcontrol.wait")}
 print(json.dumps(report))
 """
 
@@ -177,4 +181,6 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 40, report
+    assert len(report) == 41, report
+    # Only the merge the Hopper kernel launches dependent on it waits for that kernel.
+    assert {name for name, r in report.items() if r["gdc_waits"]} == {"mla-merge-hopper"}, report

@@ -50,8 +50,10 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *, programs: int, direct: bool,
             seed: int = 0, tables: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            form: str = "pair"):  # type: ignore[no-untyped-def]  # fmt: skip
+            form: str = "pair", magnitude: float = 1.0):  # type: ignore[no-untyped-def]  # fmt: skip
+    """``magnitude``: the latents times it, the queries divided by it (the same scores)."""
     query, cache, case_tables, latents = _case(lens, heads, RANK, ROPE, block_size, torch.float64, seed=seed)
+    query, cache, latents = query / magnitude, cache * magnitude, [lat * magnitude for lat in latents]
     plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct)
     work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct)
     result = mla_attention(
@@ -85,6 +87,23 @@ def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
     err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
     assert err < 1e-2, err
     assert hopper_calls == ([form] if ON_HOPPER else [])  # (the split form runs a direct plan on the pair)
+
+
+@pytest.mark.parametrize("magnitude", [2.0**14, 2.0**-20], ids=["large", "small"])
+@pytest.mark.parametrize("form", FORMS)
+def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form: str, magnitude: float) -> None:
+    """The partial outputs are fp16 scaled per head by a power of two: an unnormalized sum of
+    1,000 latents of ~2^14 (past fp16's 65504) or of ~2^-20 (fp16 subnormals) merges to the
+    float64 result as closely as latents of ~1 do."""
+    lens = [40, 500, 1000, 77]
+    out, query, latents = _attend(lens, 16, 64, torch.bfloat16, programs=3, direct=False, form=form,
+                                  magnitude=magnitude)  # fmt: skip
+    want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], RANK,
+                      0.05)  # fmt: skip
+    assert torch.isfinite(out).all()
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-2, err
+    assert hopper_calls == ([form] if ON_HOPPER else [])
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -9,7 +9,8 @@ one *segment* per token the range touches. A program's cost is its tiles plus
 :data:`SEGMENT_COST_LATENTS` for each token it starts after its first, and the ranges make the
 busiest program's cost the least any contiguous sharing has (on 128 LogNormal rows over 132
 programs: 43 tiles where equal shares that avoid slivers of a token gave 47). Each segment
-stores a partial output (fp32, unnormalized), its running max and sum into a slot of its own,
+stores a partial output (fp32, unnormalized; the Hopper kernel's: fp16 scaled by a power of two,
+see :mod:`.mla_decode_hopper`), its running max and sum into a slot of its own,
 and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens`` slots at
 most.
 
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from attention.errors import InvalidArgumentError
 from attention.triton_kernels.mla_tiles import (
@@ -397,7 +399,7 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
-    acc_ptr,  # fp32 [num_slots, H, R]
+    acc_ptr,  # fp32 [num_slots, H, R] (or fp16, scaled with its max and sum)
     ml_ptr,  # fp32 [num_slots, H, 2]
     work_ptr,  # int32 [mla_work_len(T, programs)]
     out_ptr,  # [T, H, >= R] (channels contiguous)
@@ -412,9 +414,14 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     DIRECT: tl.constexpr,  # tokens of one segment were stored by the attention kernel
+    AFTER_PDL: tl.constexpr = False,  # launched dependent on the attention kernel: wait for it first
 ):
     """One (token, head): the log-sum-exp merge of its slots (a token without latents: zeros;
-    under ``DIRECT`` a token of one segment, already stored: its tail only)."""
+    under ``DIRECT`` a token of one segment, already stored: its tail only). ``AFTER_PDL``: the
+    launch was programmatic-dependent (``launch_pdl``) on the attention kernel, so it may start
+    before that kernel ends; it waits for it (and its stores) before anything else."""
+    if AFTER_PDL:
+        gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     entry = work_ptr + num_tokens + 1 + 5 * num_programs + 2 * token

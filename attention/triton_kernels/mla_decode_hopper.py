@@ -20,6 +20,14 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
   of the copy rate at 64x4096, 16 heads; benchmarks/results/decode-hopper-h100-2026-12-05.md);
 - O^T += L_R^T P^T ([512 channels, 16 heads], two accumulators of 256) reads the same latent
   tile, transposed, as the MMA's A operand;
+- a segment's partial output is stored in float16, each head's output and sum scaled by a
+  power of two and its max raised to match (the merge's sums are unchanged, the channels keep
+  11 significant bits at any size): half the bytes of float32, whose stores had cost 5% of the
+  kernel's time on LogNormal rows (~2 segments a program). The merge is launched dependent on
+  the kernel (PDL), its programs waiting for the kernel's stores instead of for its end.
+  H100, against float32 partials and a plain merge launch in one run: 1.03x on LogNormal-128,
+  1.03x on 512 x 512, 1.00x on 64 x 4096, the error against float64 unchanged
+  (``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``);
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
   64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
   one is computed. One program per SM (the ring, the query and P take 180 KiB).
@@ -88,6 +96,11 @@ MLA_HOPPER_BLOCK_N = 64
 MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
+#: The partial outputs' dtype: float16, each head's output and sum scaled by a power of two
+#: (``mla_hopper_stores.store_slot_halves``): half the bytes of float32 at about the same error
+#: (stores cost more than their bytes suggest: on an H100, LogNormal-128 ran 1.02x faster,
+#: ``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``).
+PARTIAL_DTYPE = torch.float16
 
 
 def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
@@ -135,11 +148,15 @@ if _GLUON:
         q_desc, qe_desc, c_desc, e_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
         num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
         HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, EARLY_DEPENDENTS: gl.constexpr = False,
     ):  # fmt: skip
         """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
         each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
-        ``out``), as :func:`.mla_balanced._mla_balanced_kernel`."""
+        ``out``), as :func:`.mla_balanced._mla_balanced_kernel`. ``EARLY_DEPENDENTS``: a
+        programmatic-dependent launch after it (the merge) may start at once."""
+        if EARLY_DEPENDENTS:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
         R: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = c_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -263,16 +280,19 @@ def launch_mla_hopper(
     ring: bool = False,
     split: bool = False,
 ) -> None:
-    """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
-    has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
-    :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
-    zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
+    """The kernel and :mod:`.mla_balanced`'s merge (over :data:`PARTIAL_DTYPE` partial
+    outputs, float32 for the split kernel; launched dependent on the kernel) on arguments
+    :func:`.mla_decode.mla_attention` has checked and :func:`mla_decode_hopper_applies`
+    accepted; ``work`` planned with :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out``
+    after the first 512 the merge zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
     results; 0.98-0.99x this kernel's speed on the H200, so not the default); ``split``: the
     split-warpgroup kernel of :mod:`.mla_decode_hopper_split` (same results) for a plan of
     partial slots (a ``direct`` plan runs this kernel)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
-    acc = torch.empty(slots, heads, _RANK, dtype=torch.float32, device=query.device)
+    split = split and not work.direct  # (a direct plan runs the two-tile kernel)
+    # The split kernel's warpgroups each hold half the channels: no common scale, float32.
+    acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else PARTIAL_DTYPE, device=query.device)
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
     q_desc, qe_desc, c_desc, e_desc = _descriptors(query, cache)
     args = (q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots,
@@ -280,13 +300,16 @@ def launch_mla_hopper(
             out.stride(1))  # fmt: skip
     shape = dict(HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N,
                  BLOCK_SIZE=cache.shape[1], DIRECT=work.direct)  # fmt: skip
-    if split and not work.direct:  # (a direct plan runs the two-tile kernel)
+    if split:
         _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
     elif ring:
         _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
     else:
-        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
+        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, EARLY_DEPENDENTS=True, num_warps=4)
+    # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
+    # start while the kernel's last ones run and wait in gdc_wait for its stores.
     _mla_balanced_merge_kernel[(tokens, heads)](
         acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=_RANK,
-        BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, num_warps=4,
+        BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, AFTER_PDL=True,
+        num_warps=4, launch_pdl=True,
     )  # fmt: skip

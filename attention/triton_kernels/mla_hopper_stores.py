@@ -44,7 +44,18 @@ if _GLUON:
         out_layout: gl.constexpr, HALF: gl.constexpr,
     ):  # fmt: skip
         """A segment's partial output (O^T halves, max and sum per head) into slot ``slot_id``
-        (nothing for a slot outside the buffer)."""
+        (nothing for a slot outside the buffer). Into a float16 ``acc_ptr`` each head's output
+        and sum are scaled by ``2**-k`` and its max raised by ``k`` (log2 domain), ``k`` the
+        least integer putting the head's largest channel within 1: the merge's sums are the
+        same, and the channels keep fp16's 11 significant bits whatever their size."""
+        if acc_ptr.dtype.element_ty == gl.float16:
+            most = gl.maximum(gl.max(gl.abs(o_a), 0), gl.max(gl.abs(o_b), 0))
+            k = gl.where(most > 0, gl.ceil(gl.log2(most)), 0.0)
+            scale = gl.exp2(-k)
+            o_a = o_a * scale[None, :]
+            o_b = o_b * scale[None, :]
+            m_i = m_i + k
+            l_i = l_i * scale
         slot_ok = (slot_id >= 0) & (slot_id < num_slots)
         keep = head_ok & slot_ok
         idx = gl.where(slot_ok, slot_id, 0).to(gl.int64) * num_heads + offs_h.to(gl.int64)

@@ -146,7 +146,7 @@ def fold_partial(acc_ptr, ml_ptr, base, m_run, l_run, acc, R: tl.constexpr, BLOC
     offs_r = tl.arange(0, BLOCK_R)
     m_s = tl.load(ml_ptr + base * 2)
     l_s = tl.load(ml_ptr + base * 2 + 1)
-    a_s = tl.load(acc_ptr + base * R + offs_r, mask=offs_r < R, other=0.0)
+    a_s = tl.load(acc_ptr + base * R + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
     m_new = tl.maximum(m_run, m_s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     w_run = tl.exp2(m_run - m_safe)
