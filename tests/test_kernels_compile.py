@@ -84,7 +84,9 @@ def prefill(dtype, persistent, window, softcap=False, sinks=False, cache=None, t
 def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0, direct=False):
     sig = {"q_ptr": dtype, "cache_ptr": cache, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32"}
     sig.update({"work_ptr": "*i32"} if balanced else {})
-    sig.update({"acc_ptr": "*fp32", "ml_ptr": "*fp32"})
+    # The balanced schedule's partial outputs are fp16 for 16-bit queries over a 16-bit latent.
+    fp16_partials = balanced and dtype in ("*bf16", "*fp16") and cache in ("*bf16", "*fp16")
+    sig.update({"acc_ptr": "*fp16" if fp16_partials else "*fp32", "ml_ptr": "*fp32"})
     sig.update({"out_ptr": dtype} if balanced else {"chunk_ptr": "*i32"})
     sig["kv_scale_ptr"] = "*fp32"
     names = ("num_tokens", "num_slots") if balanced else ()
@@ -99,9 +101,9 @@ def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0, direct=Fa
         consts.update(UNROLLED=unrolled, DIRECT=direct)
     return source(_mla_balanced_kernel if balanced else _mla_decode_kernel, sig, consts)
 
-def mla_merge(balanced, direct=False, hopper=False):
-    if balanced:  # hopper: as the Hopper kernel's launch takes it (fp16 partials, a dependent launch)
-        sig = {"acc_ptr": "*fp16" if hopper else "*fp32", "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16",
+def mla_merge(balanced, direct=False, hopper=False, partials="*fp16"):
+    if balanced:  # hopper: as the Hopper kernel's launch takes it (a dependent launch)
+        sig = {"acc_ptr": partials, "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16",
                "num_tokens": "i32",
                "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
                "tail": "i32"}
@@ -136,7 +138,7 @@ kernels = {
     "mla-balanced-fp8-per-token-pages": mla("*bf16", "*fp8e4nv", True, block_size=32, block_n=64),
     "mla-balanced-bf16-direct-64-heads": mla("*bf16", "*bf16", True, direct=True),
     "mla-merge-split": mla_merge(False),
-    "mla-merge-balanced": mla_merge(True),
+    "mla-merge-balanced": mla_merge(True, partials="*fp32"),  # (float32 queries)
     "mla-merge-balanced-direct": mla_merge(True, direct=True),
     "mla-merge-hopper": mla_merge(True, hopper=True),
     "rotary-bf16": rotary("*bf16", "*bf16", False),

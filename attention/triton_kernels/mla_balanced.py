@@ -9,8 +9,8 @@ one *segment* per token the range touches. A program's cost is its tiles plus
 :data:`SEGMENT_COST_LATENTS` for each token it starts after its first, and the ranges make the
 busiest program's cost the least any contiguous sharing has (on 128 LogNormal rows over 132
 programs: 43 tiles where equal shares that avoid slivers of a token gave 47). Each segment
-stores a partial output (fp32, unnormalized; the Hopper kernel's: fp16 scaled by a power of two,
-see :mod:`.mla_decode_hopper`), its running max and sum into a slot of its own,
+stores a partial output (unnormalized; fp16 scaled by a power of two for 16-bit queries over a
+16-bit latent, else fp32: :func:`partial_dtype`), its running max and sum into a slot of its own,
 and a second kernel merges each token's slots (log-sum-exp): ``programs + tokens`` slots at
 most.
 
@@ -75,6 +75,7 @@ __all__ = [
     "mla_work_len",
     "mla_work_programs",
     "mla_work_slots",
+    "partial_dtype",
     "plan_mla_work",
 ]  # fmt: skip
 
@@ -89,6 +90,10 @@ DIRECT_STORE_BYTES = 64 << 20
 #: one 64-latent tile's load: on the H200, 63 of 264 programs crossing a row made a 64 x 4096
 #: step 7% longer, about 70 latents a crossing; ``results/mla-decode-balanced-2026-12-04.md``).
 SEGMENT_COST_LATENTS = 64
+#: The partial outputs' dtype under 16-bit queries (:func:`partial_dtype`): half the bytes of
+#: float32; a segment's stores had cost more than their bytes suggest (the Hopper kernel's:
+#: ``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``).
+PARTIAL_DTYPE_16BIT = torch.float16
 #: A program without tiles in the work array.
 _IDLE_PROGRAM = array("i", [0, 0, 0, -1, -1])
 
@@ -104,6 +109,16 @@ class MLAWork:
     data: torch.Tensor
     programs: int
     direct: bool = False
+
+
+def partial_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The partial outputs' dtype: :data:`PARTIAL_DTYPE_16BIT` (float16, scaled per head by a
+    power of two, :func:`.mla_tiles.store_partial`) for 16-bit queries over a 16-bit latent,
+    whose outputs round to 8 or 11 bits anyway; float32 otherwise: under float32 queries, and
+    over an fp8 latent, where the Triton kernel ran 0.97x as fast with fp16 partials on an H100
+    (``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``)."""
+    sixteen = (torch.bfloat16, torch.float16)
+    return PARTIAL_DTYPE_16BIT if query_dtype in sixteen and cache_dtype in sixteen else torch.float32
 
 
 def mla_work_len(tokens: int, programs: int) -> int:
@@ -340,7 +355,7 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
     rows_ptr,  # int32 [T]: each query token's table row
     lens_ptr,  # int32 [T]: the latents each query token sees
     work_ptr,  # int32 [mla_work_len(T, programs)]
-    acc_ptr,  # fp32 [num_slots, H, R]
+    acc_ptr,  # fp32 or fp16 (scaled with its max and sum) [num_slots, H, R]
     ml_ptr,  # fp32 [num_slots, H, 2]: running max (log2 domain) and sum
     out_ptr,  # [T, H, >= R]: tokens of one segment are stored here
     kv_scale_ptr,  # fp32 [1]: an fp8 latent's dequantization scale (read when DEQUANT)
@@ -464,10 +479,10 @@ def launch_mla_balanced(
     tokens, heads, _ = query.shape
     rank = consts["R"]
     slots = mla_work_slots(work.programs, tokens, work.direct)
-    acc = torch.empty(slots, heads, rank, dtype=torch.float32, device=query.device)
+    acc = torch.empty(slots, heads, rank, dtype=partial_dtype(query.dtype, cache.dtype), device=query.device)
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
     _mla_balanced_kernel[(triton.cdiv(heads, consts["BLOCK_H"]), work.programs)](
-        query, cache, tables, rows, lens, work.data, acc, ml, out, kv_scale if kv_scale is not None else acc,
+        query, cache, tables, rows, lens, work.data, acc, ml, out, kv_scale if kv_scale is not None else ml,
         tokens, slots, tables.shape[0], heads, cache.shape[0], tables.shape[1], scale_log2, query.stride(0),
         query.stride(1), out.stride(0), out.stride(1), **consts, UNROLLED=unrolled, DIRECT=work.direct,
         num_warps=num_warps, num_stages=num_stages,

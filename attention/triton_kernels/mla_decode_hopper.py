@@ -59,6 +59,7 @@ from attention.triton_kernels.mla_balanced import (
     MLAWork,
     _mla_balanced_merge_kernel,
     mla_work_slots,
+    partial_dtype,
     program_work,
     segment_latents,
 )
@@ -96,11 +97,6 @@ MLA_HOPPER_BLOCK_N = 64
 MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
-#: The partial outputs' dtype: float16, each head's output and sum scaled by a power of two
-#: (``mla_hopper_stores.store_slot_halves``): half the bytes of float32 at about the same error
-#: (stores cost more than their bytes suggest: on an H100, LogNormal-128 ran 1.02x faster,
-#: ``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``).
-PARTIAL_DTYPE = torch.float16
 
 
 def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
@@ -280,8 +276,9 @@ def launch_mla_hopper(
     ring: bool = False,
     split: bool = False,
 ) -> None:
-    """The kernel and :mod:`.mla_balanced`'s merge (over :data:`PARTIAL_DTYPE` partial
-    outputs, float32 for the split kernel; launched dependent on the kernel) on arguments
+    """The kernel and :mod:`.mla_balanced`'s merge (over fp16 partial outputs,
+    :func:`.mla_balanced.partial_dtype`, float32 for the split kernel; launched dependent on
+    the kernel) on arguments
     :func:`.mla_decode.mla_attention` has checked and :func:`mla_decode_hopper_applies`
     accepted; ``work`` planned with :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out``
     after the first 512 the merge zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
@@ -292,7 +289,8 @@ def launch_mla_hopper(
     slots = mla_work_slots(work.programs, tokens, work.direct)
     split = split and not work.direct  # (a direct plan runs the two-tile kernel)
     # The split kernel's warpgroups each hold half the channels: no common scale, float32.
-    acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else PARTIAL_DTYPE, device=query.device)
+    acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else partial_dtype(query.dtype, cache.dtype),
+                      device=query.device)  # fmt: skip
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
     q_desc, qe_desc, c_desc, e_desc = _descriptors(query, cache)
     args = (q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots,

@@ -131,9 +131,21 @@ def attend_latents(  # type: ignore[no-untyped-def]
 @triton.jit
 def store_partial(acc_ptr, ml_ptr, base, keep, acc, m_i, l_i, R: tl.constexpr, BLOCK_R: tl.constexpr):  # type: ignore[no-untyped-def]
     """A partial output: ``acc`` [BLOCK_H, BLOCK_R] (its first R channels), ``m_i`` and ``l_i``
-    [BLOCK_H] into the slots ``base`` (int64 [BLOCK_H]: slot * heads + head) where ``keep``."""
+    [BLOCK_H] into the slots ``base`` (int64 [BLOCK_H]: slot * heads + head) where ``keep``.
+    Into a float16 ``acc_ptr`` each head's output and sum are scaled by ``2**-k`` and its max
+    (log2 domain) raised by ``k``, ``k`` the least integer putting the head's largest channel
+    within 1: :func:`fold_partial`'s sums are the same, and the channels keep fp16's 11
+    significant bits whatever their size (as the Hopper kernel's, ``mla_hopper_stores``)."""
     offs_r = tl.arange(0, BLOCK_R)
-    tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc, mask=keep[:, None] & (offs_r[None, :] < R))
+    if acc_ptr.dtype.element_ty == tl.float16:
+        most = tl.max(tl.abs(acc), 1)
+        k = tl.where(most > 0, tl.ceil(tl.log2(most)), 0.0)
+        scale = tl.exp2(-k)
+        acc = acc * scale[:, None]
+        m_i = m_i + k
+        l_i = l_i * scale
+    tl.store(acc_ptr + base[:, None] * R + offs_r[None, :], acc.to(acc_ptr.dtype.element_ty),
+             mask=keep[:, None] & (offs_r[None, :] < R))  # fmt: skip
     tl.store(ml_ptr + base * 2, m_i, mask=keep)
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=keep)
 
