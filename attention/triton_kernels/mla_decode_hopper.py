@@ -276,15 +276,15 @@ def launch_mla_hopper(
     ring: bool = False,
     split: bool = False,
 ) -> None:
-    """The kernel and :mod:`.mla_balanced`'s merge (over fp16 partial outputs,
-    :func:`.mla_balanced.partial_dtype`, float32 for the split kernel; launched dependent on
-    the kernel) on arguments
-    :func:`.mla_decode.mla_attention` has checked and :func:`mla_decode_hopper_applies`
-    accepted; ``work`` planned with :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out``
-    after the first 512 the merge zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
+    """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
+    has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
+    :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
+    zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
     results; 0.98-0.99x this kernel's speed on the H200, so not the default); ``split``: the
     split-warpgroup kernel of :mod:`.mla_decode_hopper_split` (same results) for a plan of
-    partial slots (a ``direct`` plan runs this kernel)."""
+    partial slots (a ``direct`` plan runs this kernel). The partial outputs are fp16
+    (:func:`.mla_balanced.partial_dtype`; float32 for the split kernel) and the merge is
+    launched dependent on the kernel."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     split = split and not work.direct  # (a direct plan runs the two-tile kernel)
