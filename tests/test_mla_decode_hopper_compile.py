@@ -29,8 +29,7 @@ for dtype in (torch.bfloat16, torch.float16):
             q = torch.empty(8, 16, 576, dtype=dtype)
             cache = torch.empty(4, bs, 1, 576, dtype=dtype)
             descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
-            consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct,
-                          EARLY_DEPENDENTS=True)
+            consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct)
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
             k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem, types={"acc_ptr": "*fp16", "ml_ptr": "*fp32"})
             r = kernel_report(k, "/tmp/mla_decode_hopper_check")

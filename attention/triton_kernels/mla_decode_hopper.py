@@ -144,15 +144,14 @@ if _GLUON:
         q_desc, qe_desc, c_desc, e_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
         num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
         HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, EARLY_DEPENDENTS: gl.constexpr = False,
+        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
     ):  # fmt: skip
         """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
         each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
-        ``out``), as :func:`.mla_balanced._mla_balanced_kernel`. ``EARLY_DEPENDENTS``: a
-        programmatic-dependent launch after it (the merge) may start at once."""
-        if EARLY_DEPENDENTS:
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
+        ``out``), as :func:`.mla_balanced._mla_balanced_kernel`. A programmatic-dependent launch
+        after it (the merge) may start at once (without one, the trigger does nothing)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
         R: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = c_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -303,7 +302,7 @@ def launch_mla_hopper(
     elif ring:
         _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
     else:
-        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, EARLY_DEPENDENTS=True, num_warps=4)
+        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
     # start while the kernel's last ones run and wait in gdc_wait for its stores.
     _mla_balanced_merge_kernel[(tokens, heads)](
