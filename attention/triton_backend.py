@@ -324,9 +324,11 @@ class TritonBackend(AttentionBackend):
                         (``DecodeConfig.hopper_overlap``: a tile's score MMAs and softmax while
                         the previous tile's P V MMAs run). Off by default: not yet run on a
                         GPU.
-      hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a 16-bit latent of
-                        512 + 64 channels in blocks of a multiple of 64 run on the Gluon decode
-                        kernel (:mod:`~attention.triton_kernels.mla_decode_hopper`; default);
+      hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a latent of 512 + 64
+                        channels in blocks of a multiple of 64, 16-bit or fp8 under bf16 queries,
+                        run on the Gluon decode kernel
+                        (:mod:`~attention.triton_kernels.mla_decode_hopper`, its fp8 form
+                        :mod:`~attention.triton_kernels.mla_decode_hopper_fp8`; default);
                         False: the Triton MLA kernel.
       graph_dequant_prefill: on an sm_90 GPU, mixed CUDA-graph steps over an 8-bit cache run
                         their prefill rows as eager steps do: on the Hopper prefill kernel over
@@ -521,13 +523,15 @@ class TritonBackend(AttentionBackend):
 
     def _mla_launch(self, device: torch.device, block_size: int) -> MLALaunch:
         """The MLA launch for steps on ``device`` over blocks of ``block_size``: the Hopper
-        kernel's where the device, the spec and the block size allow it
-        (:func:`~attention.triton_kernels.mla_decode.hopper_mla_launch`), else the default."""
+        kernel's where the device, the spec and the block size allow it (a 16-bit latent, or an
+        fp8 one under bf16 queries; :func:`~attention.triton_kernels.mla_decode.hopper_mla_launch`),
+        else the default."""
         spec = self.spec
         rank = spec.latent_rank or 0
+        fp8_ok = spec.cache_dtype == "float8_e4m3" and spec.dtype == "bfloat16"
         if (
             self.hopper_mla_decode
-            and not spec.quantized_cache
+            and (not spec.quantized_cache or fp8_ok)
             and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
             and hopper_prefill_possible(device)
         ):

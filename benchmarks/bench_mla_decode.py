@@ -30,7 +30,8 @@ on its own plan of 64-latent tiles, one program an SM; "ring": the same kernel's
 and that schedule planned the other way ("direct": tokens of one segment stored by their
 program, or "slots": a partial output for every token); all are in the JSON.
 
-``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16);
+``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16) and,
+at 16 heads, the Hopper kernel's fp8 form (``attention.triton_kernels.mla_decode_hopper_fp8``);
 ``--plan-only`` skips the sweep.
 
 Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--batches B,...] [--out FILE]
@@ -165,9 +166,11 @@ def measure_batch(
                      (hopper_mla_launch(split=True), h_programs, 0, True, "hopper")]  # fmt: skip
         if fp8:
             todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
+            if heads <= hopper.block_h:  # the Hopper kernel's fp8 form (what the backend runs)
+                todo += [(hopper, h_programs, 0, True, "fp8 hopper")]
         for launch, splits, split_len, planned, latent in todo:
             split_plan = latent == "split plan"
-            on_hopper = latent == "hopper"
+            on_hopper = latent in ("hopper", "fp8 hopper")
             direct = h_direct if on_hopper else rule != (latent in ("slots", "direct"))  # those: the other way
             latent = "" if latent in ("split plan", "slots", "direct", "hopper") else latent
             row: dict[str, Any] = {"batch": kind, "heads": heads, **launch.__dict__, "splits": splits,
@@ -221,7 +224,7 @@ def _plan_label(row: dict[str, Any]) -> str:
     """The table's label of a balanced-schedule row: "plan" for the backend's plan, "direct" or
     "slots" for the other way of planning it, the latent's name for the fp8 rows."""
     if row["latent"] != "bf16":
-        return str(row["latent"])[:7]
+        return "fp8 hop" if row.get("hopper") else str(row["latent"])[:7]
     if row.get("hopper"):
         return "ring" if row.get("hopper_ring") else "split" if row.get("hopper_split") else "hopper"
     if row["as_backend"]:
@@ -272,7 +275,7 @@ def main() -> None:
                     f"{r['rel_err']:8.1e} {cycled}"
                 )
     for kind in batches:  # the other forms against the two-tile kernel
-        hop = [r for r in rows_out if r["batch"] == kind and r.get("hopper") and "ms" in r]
+        hop = [r for r in rows_out if r["batch"] == kind and r.get("hopper") and "ms" in r and r["latent"] == "bf16"]
         pair = [r for r in hop if not r["hopper_ring"] and not r["hopper_split"]]
         for form in ("ring", "split"):
             other = [r for r in hop if r[f"hopper_{form}"]]
@@ -282,6 +285,15 @@ def main() -> None:
                 if "layers_ms" in a and "layers_ms" in b:
                     cycled = f", among layers {a['layers_ms'] / b['layers_ms']:.3f}x"
                 print(f"{kind}: {form} {a['ms'] / b['ms']:.3f}x the two-tile hopper kernel's speed in one call{cycled}")
+        fp8_rows = {r["latent"]: r for r in rows_out if r["batch"] == kind and r["heads"] == 16 and "layers_ms" in r
+                    and r["latent"] != "bf16"}  # fmt: skip
+        base = [r for r in rows_out if r["batch"] == kind and r["heads"] == 16 and "layers_ms" in r
+                and r.get("hopper") and r["latent"] == "bf16" and not r["hopper_ring"] and not r["hopper_split"]]
+        if base and "fp8 hopper" in fp8_rows:  # speed over the bf16 latent's, among layers
+            b8, on_hopper, on_triton = (base[0]["layers_ms"], fp8_rows["fp8 hopper"]["layers_ms"],
+                                        fp8_rows["fp8"]["layers_ms"])  # fmt: skip
+            print(f"{kind}, 16 heads, among layers: fp8 on the hopper kernel {b8 / on_hopper:.2f}x the bf16 latent's "
+                  f"speed, fp8 on the triton kernel {b8 / on_triton:.2f}x")
     doc = {"benchmark": "bench_mla_decode", "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps_read_plus_write": copy_tbps,
            "rows": rows_out}  # fmt: skip

@@ -50,16 +50,25 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *, programs: int, direct: bool,
             seed: int = 0, tables: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            form: str = "pair", magnitude: float = 1.0):  # type: ignore[no-untyped-def]  # fmt: skip
-    """``magnitude``: the latents times it, the queries divided by it (the same scores)."""
+            form: str = "pair", magnitude: float = 1.0, fp8_scale: float | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+    """``magnitude``: the latents times it, the queries divided by it (the same scores);
+    ``fp8_scale``: the cache stored as float8_e4m3fn over that scale (the latents returned
+    are then the dequantized ones, float64)."""
     query, cache, case_tables, latents = _case(lens, heads, RANK, ROPE, block_size, torch.float64, seed=seed)
     query, cache, latents = query / magnitude, cache * magnitude, [lat * magnitude for lat in latents]
+    kv_scale = None
+    if fp8_scale is None:
+        stored = cache.to(DEVICE, dtype)
+    else:
+        stored = (cache / fp8_scale).to(torch.float8_e4m3fn).to(DEVICE)  # (NaN slots stay NaN)
+        latents = [(lat / fp8_scale).to(torch.float8_e4m3fn).double() * fp8_scale for lat in latents]
+        kv_scale = torch.tensor([fp8_scale], device=DEVICE)
     plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct)
     work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct)
     result = mla_attention(
-        query.to(DEVICE, dtype), cache.to(DEVICE, dtype), (case_tables if tables is None else tables).to(DEVICE),
+        query.to(DEVICE, dtype), stored, (case_tables if tables is None else tables).to(DEVICE),
         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        kv_lora_rank=RANK, scale=0.05, work=work,
+        kv_lora_rank=RANK, scale=0.05, work=work, kv_scale=kv_scale,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True, out=out, zero_rest=out is not None,
         hopper_ring=form == "ring", hopper_split=form == "split",
     )  # fmt: skip
@@ -106,6 +115,34 @@ def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form:
     assert hopper_calls == ([form] if ON_HOPPER else [])
 
 
+@pytest.mark.parametrize(
+    ("lens", "heads", "block_size", "programs"),
+    [
+        ([1, 37, 64, 200, 129, 0, 300], 16, 64, 5),  # partial tiles, a one-latent and an empty row
+        ([65, 500, 3], 8, 128, 3),  # fewer heads than the MMA's 16, blocks of two tiles
+        ([40, 41, 42, 43, 1000], 16, 64, 2),  # programs of several segments
+    ],
+)
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**12, 2.0**-12], ids=["unit", "large", "small"])
+def test_an_fp8_latent_under_bf16_queries_matches_float64(  # type: ignore[no-untyped-def]
+    hopper_calls, lens, heads, block_size, programs, direct, magnitude
+) -> None:
+    """A float8_e4m3fn latent with its scale (on an sm_90 GPU the fp8 Gluon kernel: scores from
+    the fp8 tile against the query split hi + lo, P V over the tile turned fp16; elsewhere the
+    Triton kernel) against float64 over the dequantized latents, stale NaN slots included;
+    latents of 2^12 and 2^-12 with queries the inverse (the query's split is scaled per head;
+    the Triton kernel's fp16 dots clamp queries past 65504, which 2^-16 would reach)."""
+    scale = 0.05 * magnitude
+    out, query, latents = _attend(lens, heads, block_size, torch.bfloat16, programs=programs, direct=direct,
+                                  magnitude=magnitude, fp8_scale=scale)  # fmt: skip
+    want = _reference(query.to(torch.bfloat16).double(), latents, RANK, 0.05)
+    assert torch.isfinite(out).all(), "read a stale (NaN) slot"
+    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-2, err
+    assert hopper_calls == (["pair"] if ON_HOPPER else [])
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_output_in_place_gets_its_rotary_channels_zeroed(hopper_calls: list[str], form: str) -> None:
     """As the triton backend calls it: into a bf16 [T, H, 576] output, channels past 512 zeroed,
@@ -140,18 +177,19 @@ def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[str], form: 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interpreter's numpy on garbage sums)
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", [*FORMS, "fp8"])
 def test_any_work_array_stays_inside_the_buffers(seed: int, form: str) -> None:
     """A work array of random values reads and writes nothing outside the cache, the partial
-    buffers and the output (seed 1: planned direct)."""
+    buffers and the output (seed 1: planned direct); "fp8": over an fp8 latent."""
     lens = [140, 12, 70]
     query, cache, tables, _ = _case(lens, 16, RANK, ROPE, 64, torch.float64, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     programs = 3
     junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs),), generator=gen, dtype=torch.int64)
     junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50
-    c = cache.to(DEVICE, torch.bfloat16)
-    before = c.clone()
+    fp8 = form == "fp8"
+    c = cache.to(DEVICE, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    before = c.float()
     outer = torch.full((5, 16, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)
     mla_attention(
         query.to(DEVICE, torch.bfloat16), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
@@ -159,10 +197,12 @@ def test_any_work_array_stays_inside_the_buffers(seed: int, form: str) -> None:
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
         work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
         hopper_ring=form == "ring", hopper_split=form == "split",
+        kv_scale=torch.tensor([0.5], device=DEVICE) if fp8 else None,
     )  # fmt: skip
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(c.isnan(), before.isnan()) and torch.equal(c.nan_to_num(), before.nan_to_num())
+    after = c.float()
+    assert torch.equal(after.isnan(), before.isnan()) and torch.equal(after.nan_to_num(), before.nan_to_num())
     assert (outer[0] == 3.0).all() and (outer[4] == 3.0).all() and (outer[1:4, :, RANK:] == 3.0).all()
 
 
@@ -171,9 +211,10 @@ def _latent_spec(heads: int = 16, **kw: object) -> AttentionSpec:
 
 
 def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With an sm_90 GPU declared: <= 16 heads over a 16-bit 512 + 64 latent in blocks of a
-    multiple of 64 get the Hopper launch (one program an SM); 32 heads, blocks of 32, an fp8
-    latent and ``hopper_mla_decode=False`` keep the default launch."""
+    """With an sm_90 GPU declared: <= 16 heads over a 16-bit 512 + 64 latent, or an fp8 one under
+    bf16 queries, in blocks of a multiple of 64 get the Hopper launch (one program an SM); 32
+    heads, blocks of 32, an fp8 latent under fp16 queries and ``hopper_mla_decode=False`` keep
+    the default launch."""
     monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: True)
     cuda = torch.device("cuda")
     backend = TritonBackend(_latent_spec(), num_sms=132)
@@ -182,10 +223,12 @@ def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: 
         assert launch == hopper_mla_launch() and launch.hopper, block_size
         assert backend._mla_programs(launch, cuda) == 132
     assert TritonBackend(_latent_spec(8), num_sms=132)._mla_launch(cuda, 64).hopper
+    assert TritonBackend(_latent_spec(kv_cache_dtype="float8_e4m3"), num_sms=132)._mla_launch(cuda, 64).hopper
+    fp16_queries = AttentionSpec(16, 1, RANK + ROPE, "float16", latent_rank=RANK, kv_cache_dtype="float8_e4m3")
     keeps = [
         (TritonBackend(_latent_spec(), num_sms=132), 32),
         (TritonBackend(_latent_spec(32), num_sms=132), 64),
-        (TritonBackend(_latent_spec(kv_cache_dtype="float8_e4m3"), num_sms=132), 64),
+        (TritonBackend(fp16_queries, num_sms=132), 64),
         (TritonBackend(_latent_spec(), num_sms=132, hopper_mla_decode=False), 64),
     ]
     for other, block_size in keeps:

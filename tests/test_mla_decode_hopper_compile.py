@@ -49,3 +49,45 @@ def test_mla_decode_hopper_compiles_for_sm90() -> None:
         assert r["tma_load"] == 3 + 3 * 3, (name, r)
         assert r["early_dependents"] == 1, (name, r)  # the merge's programs may start at once
         assert r["spills"] == 0 if name.endswith("False") else 0 <= r["spills"] <= 32, (name, r)
+
+
+_FP8_SCRIPT = r"""
+import json
+import torch
+from tests.gluon_compile import compile_sm90, kernel_report
+from attention.triton_kernels import mla_decode_hopper_fp8 as mf
+
+report = {}
+for bs in (64, 256):
+    for direct in (False, True):
+        cache = torch.empty(4, bs, 1, 576, dtype=torch.float8_e4m3fn)
+        descs = dict(zip(("c_desc", "e_desc"), mf.fp8_descriptors(cache, 512, 64)))
+        consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mf.FP8_STAGES, DIRECT=direct)
+        k = compile_sm90(mf._mla_hopper_fp8_kernel, descs, consts, "*bf16",
+                         types={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "kv_scale_ptr": "*fp32"})
+        r = kernel_report(k, "/tmp/mla_decode_hopper_fp8_check")
+        ptx = k.asm["ptx"]
+        r["fp8_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3")
+        r["f16_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16")
+        r["cvt"] = ptx.count("cvt.rn.f16x2.e4m3x2")
+        r["early_dependents"] = ptx.count("griddepcontrol.launch_dependents")
+        report[f"fp8-{bs}-{direct}"] = r
+print(json.dumps(report))
+"""
+
+
+def test_the_fp8_form_compiles_for_sm90() -> None:
+    """attention/triton_kernels/mla_decode_hopper_fp8.py as launched (blocks of 64 and 256, slot
+    and direct plans): the scores as fp8 MMAs (each of the tile's parts against the query's hi
+    and lo: 2 x (2 x 8 + 2) m64n16k32), P V as fp16 MMAs over the converted channels (2 x 4 x 4
+    m64n16k16), the conversion one instruction a pair of values, the ring's TMA loads, shared
+    memory within 227 KiB, few spills (the loop itself checked on the GPU for speed)."""
+    report = compile_report(_FP8_SCRIPT)
+    assert len(report) == 4, report
+    for name, r in report.items():
+        assert 0 < r["shared"] <= 232448, (name, r)
+        assert r["fp8_mma"] == 36 and r["f16_mma"] == 32 and r["wgmma"] == 68, (name, r)
+        assert r["cvt"] >= 2 * 64 * 256 // 128 // 2, (name, r)  # a tile's 512 channels, per thread, in pairs
+        assert r["tma_load"] == 3 * 3, (name, r)  # the ring's 2 prologue tiles and the loop's next, 3 boxes each
+        assert r["early_dependents"] == 1, (name, r)
+        assert r["spills"] <= 128, (name, r)

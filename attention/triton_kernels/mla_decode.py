@@ -349,8 +349,9 @@ def mla_attention(
                   backend's output is ``R + E`` wide; this saves it a kernel per layer).
     hopper:       with ``work`` planned with ``block_n`` 64: run the Hopper kernel where
                   :func:`~attention.triton_kernels.mla_decode_hopper.mla_decode_hopper_applies`
-                  (an sm_90 GPU, <= 16 heads, a 16-bit 512 + 64 latent, blocks of a multiple of
-                  64, contiguous tensors); elsewhere the Triton kernel, same result.
+                  (an sm_90 GPU, <= 16 heads, a 512 + 64 latent, 16-bit or fp8 under bf16
+                  queries, blocks of a multiple of 64, contiguous tensors); elsewhere the Triton
+                  kernel, same result.
     hopper_ring:  with ``hopper``, the Hopper kernel's deeper-ring form
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same result).
     hopper_split: with ``hopper``, the Hopper kernel's split-warpgroup form
@@ -443,8 +444,8 @@ def mla_attention(
     if work is not None:
         on_hopper = hopper and block_n == MLA_HOPPER_BLOCK_N and mla_decode_hopper_applies(query, cache, kv_lora_rank)
         if tokens and heads and on_hopper:
-            launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, ring=hopper_ring,
-                              split=hopper_split)  # fmt: skip
+            launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, kv_scale=kv_scale,
+                              ring=hopper_ring, split=hopper_split)  # fmt: skip
         elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
                                 tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip

@@ -3,7 +3,8 @@
 The computation of :mod:`.mla_balanced` (absorbed MLA over the paged latents, on the same
 length-balanced work array and the same merge), for the memory-bound case of DeepSeek-V3 split
 over tensor-parallel ranks: at most 16 heads, a 16-bit latent of 512 + 64 channels, blocks of a
-multiple of 64 tokens.
+multiple of 64 tokens (an fp8 latent under bf16 queries: :mod:`.mla_decode_hopper_fp8`, launched
+from here).
 
 Why a second kernel: with 16 heads the Triton kernel's dots have 16 rows, so they run as
 ``mma.sync`` with every warp holding the whole 16 x 576 query in registers (252 registers, two
@@ -55,6 +56,7 @@ from typing import Any
 
 import torch
 
+from attention.errors import InvalidArgumentError
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     _mla_balanced_merge_kernel,
@@ -68,9 +70,10 @@ from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
 
 if _GLUON:
+    from attention.triton_kernels.mla_decode_hopper_fp8 import FP8_STAGES, _mla_hopper_fp8_kernel, fp8_descriptors
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
     from attention.triton_kernels.mla_decode_hopper_split import SPLIT_STAGES, _mla_hopper_split_kernel
-    from attention.triton_kernels.mla_hopper_stores import store_segment, tile_softmax, zero_latents_from
+    from attention.triton_kernels.mla_hopper_stores import load_tile, store_segment, tile_softmax, zero_latents_from
     from attention.triton_kernels.prefill_hopper import (
         TensorDescriptor,
         _partition_barrier,
@@ -108,12 +111,16 @@ def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_s
 
 def mla_decode_hopper_applies(query: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether :func:`launch_mla_hopper` takes a call: an sm_90 GPU with Gluon, at most 16 heads,
-    a 16-bit latent (the query's dtype) of 512 + 64 channels in blocks of a multiple of 64, a
-    contiguous query and cache with 16-byte aligned bases."""
+    a latent of 512 + 64 channels in blocks of a multiple of 64, either 16-bit (the query's
+    dtype) or float8_e4m3fn under bf16 queries (:mod:`.mla_decode_hopper_fp8`), a contiguous
+    query and cache with 16-byte aligned bases."""
     if not hopper_prefill_possible(query.device) or query.dtype not in (torch.bfloat16, torch.float16):
         return False
     rope = query.shape[-1] - kv_lora_rank
-    if cache.dtype != query.dtype or not mla_decode_hopper_shape_ok(query.shape[1], kv_lora_rank, rope, cache.shape[1]):
+    fp8_ok = cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16
+    if not (cache.dtype == query.dtype or fp8_ok):
+        return False
+    if not mla_decode_hopper_shape_ok(query.shape[1], kv_lora_rank, rope, cache.shape[1]):
         return False
     if not (query.is_contiguous() and cache.is_contiguous()):
         return False
@@ -121,23 +128,6 @@ def mla_decode_hopper_applies(query: torch.Tensor, cache: torch.Tensor, kv_lora_
 
 
 if _GLUON:
-
-    @gluon.jit
-    def _load_tile(  # type: ignore[no-untyped-def]
-        c_desc, e_desc, c_bufs, e_bufs, ready, pos, table_row, n0, table_width, num_blocks,
-        HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ):  # fmt: skip
-        """TMA of the 64 latents from ``n0`` of a token's row into ring position ``pos``: the
-        two channel halves and the rotary part (an id outside the cache reads block 0)."""
-        slot = pos % STAGES
-        page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
-        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
-        first = page * BLOCK_SIZE + n0 % BLOCK_SIZE
-        bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + e_desc.block_type.nbytes)
-        _tma_load(c_desc, [first, 0], bar, c_bufs.index(2 * slot))
-        _tma_load(c_desc, [first, HALF], bar, c_bufs.index(2 * slot + 1))
-        _tma_load(e_desc, [first, 2 * HALF], bar, e_bufs.index(slot))
 
     @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "num_blocks", "table_width"])
     def _mla_hopper_kernel(  # type: ignore[no-untyped-def]
@@ -197,7 +187,7 @@ if _GLUON:
                 _tma_load(qe_desc, [q_row, R], q_bar, qe_buf)
                 for i in gl.static_range(STAGES):
                     if i < n_tiles:
-                        _load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, c + i, table_row, start + i * BLOCK_N,
+                        load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, c + i, table_row, start + i * BLOCK_N,
                                    table_width, num_blocks, HALF, STAGES, BLOCK_SIZE)  # fmt: skip
                 mbarrier.wait(q_bar, segs & 1)
                 m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
@@ -230,7 +220,7 @@ if _GLUON:
                     o_a, o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
                     _partition_barrier()  # every warp is done with the slot (and with p_buf)
                     if j + STAGES < n_tiles:
-                        _load_tile(
+                        load_tile(
                             c_desc, e_desc, c_bufs, e_bufs, ready, pos + STAGES, table_row, n0 + STAGES * BLOCK_N,
                             table_width, num_blocks, HALF, STAGES, BLOCK_SIZE,
                         )  # fmt: skip
@@ -272,37 +262,47 @@ def launch_mla_hopper(
     scale_log2: float,
     *,
     tail: int,
+    kv_scale: torch.Tensor | None = None,
     ring: bool = False,
     split: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
-    zeroes; ``ring``: run the deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same
-    results; 0.98-0.99x this kernel's speed on the H200, so not the default); ``split``: the
-    split-warpgroup kernel of :mod:`.mla_decode_hopper_split` (same results) for a plan of
-    partial slots (a ``direct`` plan runs this kernel). The partial outputs are fp16
-    (:func:`.mla_balanced.partial_dtype`; float32 for the split kernel) and the merge is
-    launched dependent on the kernel."""
+    zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the kernel of
+    :mod:`.mla_decode_hopper_fp8`, whatever ``ring`` and ``split`` say); ``ring``: run the
+    deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same results; 0.98-0.99x this
+    kernel's speed on the H200, so not the default); ``split``: the split-warpgroup kernel of
+    :mod:`.mla_decode_hopper_split` (same results) for a plan of partial slots (a ``direct``
+    plan runs this kernel). The partial outputs are :func:`.mla_balanced.partial_dtype`'s
+    (float32 for the split kernel) and the merge is launched dependent on the kernel."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
-    split = split and not work.direct  # (a direct plan runs the two-tile kernel)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    split = split and not work.direct and not fp8  # (a direct plan runs the two-tile kernel)
+    ring = ring and not fp8
     # The split kernel's warpgroups each hold half the channels: no common scale, float32.
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else partial_dtype(query.dtype, cache.dtype),
                       device=query.device)  # fmt: skip
     ml = torch.empty(slots, heads, 2, dtype=torch.float32, device=query.device)
-    q_desc, qe_desc, c_desc, e_desc = _descriptors(query, cache)
-    args = (q_desc, qe_desc, c_desc, e_desc, tables, rows, lens, work.data, acc, ml, out, tokens, slots,
-            tables.shape[0], heads, cache.shape[0], tables.shape[1], scale_log2, out.stride(0),
-            out.stride(1))  # fmt: skip
+    rest = (tables, rows, lens, work.data, acc, ml, out, tokens, slots, tables.shape[0], heads, cache.shape[0],
+            tables.shape[1], scale_log2, out.stride(0), out.stride(1))  # fmt: skip
     shape = dict(HALF=_RANK // 2, ROPE=_ROPE, BLOCK_H=MLA_HOPPER_HEADS, BLOCK_N=MLA_HOPPER_BLOCK_N,
                  BLOCK_SIZE=cache.shape[1], DIRECT=work.direct)  # fmt: skip
-    if split:
-        _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
-    elif ring:
-        _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
+    if fp8:
+        if kv_scale is None:
+            raise InvalidArgumentError("kv_scale: an fp8 latent cache takes its fp32 [1] scale, got None")
+        c_desc, e_desc = fp8_descriptors(cache, _RANK, MLA_HOPPER_BLOCK_N)
+        _mla_hopper_fp8_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape, STAGES=FP8_STAGES,
+                                                 num_warps=4)  # fmt: skip
     else:
-        _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
+        args = (*_descriptors(query, cache), *rest)
+        if split:
+            _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
+        elif ring:
+            _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
+        else:
+            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
     # start while the kernel's last ones run and wait in gdc_wait for its stores.
     _mla_balanced_merge_kernel[(tokens, heads)](

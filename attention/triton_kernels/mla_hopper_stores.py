@@ -1,19 +1,59 @@
 """What the Hopper MLA decode kernels (:mod:`.mla_decode_hopper`, :mod:`.mla_decode_hopper_ring`,
-:mod:`.mla_decode_hopper_split`) share besides the loop: a tile's online softmax with its row sums
-kept per thread, zeroing a latent tile's rows past a token's length in shared memory, and storing
-a segment's result, its output held transposed ([channels, heads]) in two channel halves."""
+:mod:`.mla_decode_hopper_split`, :mod:`.mla_decode_hopper_fp8`) share besides the loop: a tile's
+TMA load, its online softmax with its row sums kept per thread, zeroing a latent tile's rows past
+a token's length in shared memory, and storing a segment's result, its output held transposed
+([channels, heads]) in two channel halves."""
 
 from __future__ import annotations
 
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
-    from attention.triton_kernels.prefill_hopper import gl, gluon
+    from attention.triton_kernels.prefill_hopper import _tma_load, gl, gluon, mbarrier
 
-__all__ = ["store_half", "store_segment", "store_slot_halves", "tile_softmax", "zero_latents_from"]
+__all__ = [
+    "load_tile",
+    "load_tile_at",
+    "store_half",
+    "store_segment",
+    "store_slot_halves",
+    "table_page",
+    "tile_softmax",
+    "zero_latents_from",
+]
 
 
 if _GLUON:
+
+    @gluon.jit
+    def load_tile(  # type: ignore[no-untyped-def]
+        c_desc, e_desc, c_bufs, e_bufs, ready, pos, table_row, n0, table_width, num_blocks,
+        HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """TMA of the 64 latents from ``n0`` of a token's row into ring position ``pos``: the
+        two channel halves and the rotary part (an id outside the cache reads block 0)."""
+        page = table_page(table_row, n0, table_width, BLOCK_SIZE)
+        load_tile_at(c_desc, e_desc, c_bufs, e_bufs, ready, pos, page, n0, num_blocks, HALF, STAGES, BLOCK_SIZE)
+
+    @gluon.jit
+    def table_page(table_row, n0, table_width, BLOCK_SIZE: gl.constexpr):  # type: ignore[no-untyped-def]
+        """The block id of latent ``n0`` of a row (the row's last entry past its table), as stored."""
+        return gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
+
+    @gluon.jit
+    def load_tile_at(  # type: ignore[no-untyped-def]
+        c_desc, e_desc, c_bufs, e_bufs, ready, pos, page, n0, num_blocks,
+        HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """:func:`load_tile` with the tile's block id ``page`` already read (:func:`table_page`)."""
+        slot = pos % STAGES
+        page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+        first = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + e_desc.block_type.nbytes)
+        _tma_load(c_desc, [first, 0], bar, c_bufs.index(2 * slot))
+        _tma_load(c_desc, [first, HALF], bar, c_bufs.index(2 * slot + 1))
+        _tma_load(e_desc, [first, 2 * HALF], bar, e_bufs.index(slot))
 
     @gluon.jit
     def tile_softmax(s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2):  # type: ignore[no-untyped-def]
