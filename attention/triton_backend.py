@@ -327,7 +327,8 @@ class TritonBackend(AttentionBackend):
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a latent of 512 + 64
                         channels in blocks of a multiple of 64, 16-bit or fp8 under bf16 queries,
                         run on the Gluon decode kernel
-                        (:mod:`~attention.triton_kernels.mla_decode_hopper`, its fp8 form
+                        (:mod:`~attention.triton_kernels.mla_decode_hopper`, its fp8 forms
+                        :mod:`~attention.triton_kernels.mla_decode_hopper_fp8_ws` and
                         :mod:`~attention.triton_kernels.mla_decode_hopper_fp8`; default);
                         False: the Triton MLA kernel.
       graph_dequant_prefill: on an sm_90 GPU, mixed CUDA-graph steps over an 8-bit cache run

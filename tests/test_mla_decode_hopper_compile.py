@@ -1,11 +1,12 @@
-"""The Hopper MLA decode kernel (attention/triton_kernels/mla_decode_hopper.py) compiles for
-sm_90 without a GPU, in each form the backend launches (bf16 and fp16, blocks of 64 and 128,
-slot and direct plans): warpgroup MMAs (3 for S, 2 x 4 for P V per tile, unrolled over k),
-its TMA loads (the query's 3 boxes, the ring's 2 prologue tiles and the loop's next tile, 3
-boxes each), shared memory within the H200's 227 KiB, and no register spills in the slot form
-(the direct form's extra stores after the tile loop spill 12 bytes with Triton 3.9, none with
-3.6), with fp16 partial outputs and the trigger for the merge's dependent launch, as the backend
-launches it. Skipped where this Triton has no Gluon."""
+"""The Hopper MLA decode kernel (attention/triton_kernels/mla_decode_hopper.py) and its fp8 forms
+(mla_decode_hopper_fp8.py, mla_decode_hopper_fp8_ws.py, below) compile for sm_90 without a GPU.
+The 16-bit kernel in each form the backend launches (bf16 and fp16, blocks of 64 and 128, slot
+and direct plans): warpgroup MMAs (3 for S, 2 x 4 for P V per tile, unrolled over k), its TMA
+loads (the query's 3 boxes, the ring's 2 prologue tiles and the loop's next tile, 3 boxes each),
+shared memory within the H200's 227 KiB, and no register spills in the slot form (the direct
+form's extra stores after the tile loop spill 12 bytes with Triton 3.9, none with 3.6), with
+fp16 partial outputs and the trigger for the merge's dependent launch, as the backend launches
+it. Skipped where this Triton has no Gluon."""
 
 from __future__ import annotations
 
@@ -91,3 +92,44 @@ def test_the_fp8_form_compiles_for_sm90() -> None:
         assert r["tma_load"] == 3 * 3, (name, r)  # the ring's 2 prologue tiles and the loop's next, 3 boxes each
         assert r["early_dependents"] == 1, (name, r)
         assert r["spills"] <= 128, (name, r)
+
+
+_FP8_WS_SCRIPT = r"""
+import json
+import torch
+from tests.gluon_compile import compile_sm90, kernel_report
+from attention.triton_kernels import mla_decode_hopper_fp8 as mf
+from attention.triton_kernels import mla_decode_hopper_fp8_ws as mw
+
+report = {}
+for bs in (64, 256):
+    cache = torch.empty(4, bs, 1, 576, dtype=torch.float8_e4m3fn)
+    descs = dict(zip(("c_desc", "e_desc"), mf.fp8_descriptors(cache, 512, 64)))
+    consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mw.FP8_WS_STAGES, DIRECT=False)
+    k = compile_sm90(mw._mla_hopper_fp8_ws_kernel, descs, consts, "*bf16",
+                     types={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "kv_scale_ptr": "*fp32"})
+    r = kernel_report(k, "/tmp/mla_decode_hopper_fp8_ws_check")
+    ptx = k.asm["ptx"]
+    r["fp8_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3")
+    r["f16_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16")
+    r["cvt"] = ptx.count("cvt.rn.f16x2.e4m3x2")
+    r["setmaxnreg"] = ptx.count("setmaxnreg")
+    report[f"fp8-ws-{bs}"] = r
+print(json.dumps(report))
+"""
+
+
+def test_the_partitioned_fp8_form_compiles_for_sm90() -> None:
+    """attention/triton_kernels/mla_decode_hopper_fp8_ws.py (slot plans, blocks of 64 and 256):
+    the same MMAs as the one-warpgroup fp8 form, the loader's 3 TMA boxes a tile, registers
+    shared out among the partitions (setmaxnreg), shared memory within 227 KiB (220 KiB of
+    buffers), few spills."""
+    report = compile_report(_FP8_WS_SCRIPT)
+    assert len(report) == 2, report
+    for name, r in report.items():
+        assert 0 < r["shared"] <= 232448, (name, r)
+        assert r["fp8_mma"] == 36 and r["f16_mma"] == 32 and r["wgmma"] == 68, (name, r)
+        assert r["cvt"] >= 2 * 64 * 256 // 128 // 2, (name, r)
+        assert r["tma_load"] == 3, (name, r)
+        assert r["setmaxnreg"] > 0, (name, r)
+        assert r["spills"] <= 64, (name, r)

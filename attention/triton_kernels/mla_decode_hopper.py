@@ -3,8 +3,8 @@
 The computation of :mod:`.mla_balanced` (absorbed MLA over the paged latents, on the same
 length-balanced work array and the same merge), for the memory-bound case of DeepSeek-V3 split
 over tensor-parallel ranks: at most 16 heads, a 16-bit latent of 512 + 64 channels, blocks of a
-multiple of 64 tokens (an fp8 latent under bf16 queries: :mod:`.mla_decode_hopper_fp8`, launched
-from here).
+multiple of 64 tokens (an fp8 latent under bf16 queries: :mod:`.mla_decode_hopper_fp8_ws` for
+plans of partial slots, :mod:`.mla_decode_hopper_fp8` for direct ones, launched from here).
 
 Why a second kernel: with 16 heads the Triton kernel's dots have 16 rows, so they run as
 ``mma.sync`` with every warp holding the whole 16 x 576 query in registers (252 registers, two
@@ -71,6 +71,7 @@ from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possi
 
 if _GLUON:
     from attention.triton_kernels.mla_decode_hopper_fp8 import FP8_STAGES, _mla_hopper_fp8_kernel, fp8_descriptors
+    from attention.triton_kernels.mla_decode_hopper_fp8_ws import FP8_WS_STAGES, _mla_hopper_fp8_ws_kernel
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
     from attention.triton_kernels.mla_decode_hopper_split import SPLIT_STAGES, _mla_hopper_split_kernel
     from attention.triton_kernels.mla_hopper_stores import load_tile, store_segment, tile_softmax, zero_latents_from
@@ -269,8 +270,9 @@ def launch_mla_hopper(
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
-    zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the kernel of
-    :mod:`.mla_decode_hopper_fp8`, whatever ``ring`` and ``split`` say); ``ring``: run the
+    zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the kernels of
+    :mod:`.mla_decode_hopper_fp8_ws` for slots, :mod:`.mla_decode_hopper_fp8` for a direct
+    plan, whatever ``ring`` and ``split`` say); ``ring``: run the
     deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same results; 0.98-0.99x this
     kernel's speed on the H200, so not the default); ``split``: the split-warpgroup kernel of
     :mod:`.mla_decode_hopper_split` (same results) for a plan of partial slots (a ``direct``
@@ -293,8 +295,12 @@ def launch_mla_hopper(
         if kv_scale is None:
             raise InvalidArgumentError("kv_scale: an fp8 latent cache takes its fp32 [1] scale, got None")
         c_desc, e_desc = fp8_descriptors(cache, _RANK, MLA_HOPPER_BLOCK_N)
-        _mla_hopper_fp8_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape, STAGES=FP8_STAGES,
-                                                 num_warps=4)  # fmt: skip
+        if work.direct:
+            _mla_hopper_fp8_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape,
+                                                     STAGES=FP8_STAGES, num_warps=4)  # fmt: skip
+        else:  # the conversion in a partition of its own
+            _mla_hopper_fp8_ws_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape,
+                                                        STAGES=FP8_WS_STAGES, num_warps=4)  # fmt: skip
     else:
         args = (*_descriptors(query, cache), *rest)
         if split:
