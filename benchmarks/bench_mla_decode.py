@@ -31,7 +31,9 @@ and that schedule planned the other way ("direct": tokens of one segment stored 
 program, or "slots": a partial output for every token); all are in the JSON.
 
 ``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16) and,
-at 16 heads, the Hopper kernel's fp8 form (``attention.triton_kernels.mla_decode_hopper_fp8``);
+at 16 heads, the Hopper kernel's fp8 forms as the backend launches them ("fp8 hop":
+``attention.triton_kernels.mla_decode_hopper_fp8_ws`` for a plan of partial slots,
+``attention.triton_kernels.mla_decode_hopper_fp8`` for a direct one);
 ``--plan-only`` skips the sweep.
 
 Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--batches B,...] [--out FILE]

@@ -8,6 +8,8 @@ blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and dir
 an sm_90 GPU they also assert that the Gluon kernel ran, and run again on its deeper-ring
 form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py) and its
 split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py).
+An fp8 latent under bf16 queries runs the fp8 forms (mla_decode_hopper_fp8_ws.py for slots,
+mla_decode_hopper_fp8.py for direct plans) against float64 over the dequantized latents.
 The backend's choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py,
 tests/test_mla_decode_hopper_ring_compile.py and tests/test_mla_decode_hopper_split_compile.py
 compile the kernels for sm_90.
@@ -128,9 +130,10 @@ def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form:
 def test_an_fp8_latent_under_bf16_queries_matches_float64(  # type: ignore[no-untyped-def]
     hopper_calls, lens, heads, block_size, programs, direct, magnitude
 ) -> None:
-    """A float8_e4m3fn latent with its scale (on an sm_90 GPU the fp8 Gluon kernel: scores from
-    the fp8 tile against the query split hi + lo, P V over the tile turned fp16; elsewhere the
-    Triton kernel) against float64 over the dequantized latents, stale NaN slots included;
+    """A float8_e4m3fn latent with its scale (on an sm_90 GPU the fp8 Gluon kernels: scores from
+    the fp8 tile against the query split hi + lo, P V over the tile turned fp16, the partitioned
+    kernel for slots and the one-warpgroup kernel for a direct plan; elsewhere the Triton kernel)
+    against float64 over the dequantized latents, stale NaN slots included;
     latents of 2^12 and 2^-12 with queries the inverse (the query's split is scaled per head;
     the Triton kernel's fp16 dots clamp queries past 65504, which 2^-16 would reach)."""
     scale = 0.05 * magnitude

@@ -78,8 +78,8 @@ print(json.dumps(report))
 
 
 def test_the_fp8_form_compiles_for_sm90() -> None:
-    """attention/triton_kernels/mla_decode_hopper_fp8.py as launched (blocks of 64 and 256, slot
-    and direct plans): the scores as fp8 MMAs (each of the tile's parts against the query's hi
+    """attention/triton_kernels/mla_decode_hopper_fp8.py (blocks of 64 and 256; launched for
+    direct plans, compiled for slot plans too): the scores as fp8 MMAs (each of the tile's parts against the query's hi
     and lo: 2 x (2 x 8 + 2) m64n16k32), P V as fp16 MMAs over the converted channels (2 x 4 x 4
     m64n16k16), the conversion one instruction a pair of values, the ring's TMA loads, shared
     memory within 227 KiB, few spills (the loop itself checked on the GPU for speed)."""

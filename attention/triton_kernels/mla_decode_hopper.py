@@ -272,12 +272,12 @@ def launch_mla_hopper(
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
     zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the kernels of
     :mod:`.mla_decode_hopper_fp8_ws` for slots, :mod:`.mla_decode_hopper_fp8` for a direct
-    plan, whatever ``ring`` and ``split`` say); ``ring``: run the
-    deeper-ring kernel of :mod:`.mla_decode_hopper_ring` (same results; 0.98-0.99x this
-    kernel's speed on the H200, so not the default); ``split``: the split-warpgroup kernel of
-    :mod:`.mla_decode_hopper_split` (same results) for a plan of partial slots (a ``direct``
-    plan runs this kernel). The partial outputs are :func:`.mla_balanced.partial_dtype`'s
-    (float32 for the split kernel) and the merge is launched dependent on the kernel."""
+    plan, whatever ``ring`` and ``split`` say); ``ring``: run the deeper-ring kernel of
+    :mod:`.mla_decode_hopper_ring` (same results; 0.98-0.99x this kernel's speed on the H200,
+    so not the default); ``split``: the split-warpgroup kernel of :mod:`.mla_decode_hopper_split`
+    (same results) for a plan of partial slots (a ``direct`` plan runs this kernel). The partial
+    outputs are :func:`.mla_balanced.partial_dtype`'s (float32 for the split kernel) and the
+    merge is launched dependent on the kernel."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     fp8 = cache.dtype == torch.float8_e4m3fn

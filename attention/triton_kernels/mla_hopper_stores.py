@@ -1,5 +1,6 @@
 """What the Hopper MLA decode kernels (:mod:`.mla_decode_hopper`, :mod:`.mla_decode_hopper_ring`,
-:mod:`.mla_decode_hopper_split`, :mod:`.mla_decode_hopper_fp8`) share besides the loop: a tile's
+:mod:`.mla_decode_hopper_split`, :mod:`.mla_decode_hopper_fp8`, :mod:`.mla_decode_hopper_fp8_ws`)
+share besides the loop: a tile's
 TMA load, its online softmax with its row sums kept per thread, zeroing a latent tile's rows past
 a token's length in shared memory, and storing a segment's result, its output held transposed
 ([channels, heads]) in two channel halves."""
