@@ -128,6 +128,56 @@ if _GLUON:
         s = warpgroup_mma(lat_e, qe_bufs.index(0).permute((1, 0)), s, is_async=True)
         return warpgroup_mma(lat_e, qe_bufs.index(1).permute((1, 0)), s, is_async=True)
 
+    @gluon.jit
+    def _allocate_buffers(  # type: ignore[no-untyped-def]
+        c_desc, e_desc, HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, FP16_TILES: gl.constexpr,
+    ):  # fmt: skip
+        """The fp8 kernels' shared buffers: the query's hi and lo parts ([4, BLOCK_H, HALF]: half
+        0 hi, lo, half 1 hi, lo; [2, BLOCK_H, ROPE]), the ring of ``STAGES`` fp8 tiles (two
+        channel halves and the rotary part each), ``FP16_TILES`` tiles' channel halves in fp16
+        and P (fp16 [BLOCK_N, BLOCK_H])."""
+        f8: gl.constexpr = c_desc.dtype
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8)
+        qe_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8)
+        q_bufs = gl.allocate_shared_memory(f8, [4, BLOCK_H, HALF], q_smem)
+        qe_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, ROPE], qe_smem)
+        c_bufs = gl.allocate_shared_memory(f8, [2 * STAGES, BLOCK_N, HALF], c_desc.layout)
+        e_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, ROPE], e_desc.layout)
+        h_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
+        h_bufs = gl.allocate_shared_memory(gl.float16, [2 * FP16_TILES, BLOCK_N, HALF], h_smem)
+        p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
+        p_buf = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_smem)
+        return q_bufs, qe_bufs, c_bufs, e_bufs, h_bufs, p_buf
+
+    @gluon.jit
+    def _begin_segment(  # type: ignore[no-untyped-def]
+        q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2, HALF: gl.constexpr, ROPE: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+    ):  # fmt: skip
+        """Token ``t``'s query staged for the score MMAs (:func:`_stage_query`, visible to them on
+        return; every score MMA of the previous segment must be done) and the segment's fresh
+        state: (the scores' factor per head, running max, per-thread row sums, the two output
+        halves O^T [HALF, heads])."""
+        col = _stage_query(q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2, HALF, ROPE, BLOCK_H,
+                           gl.SliceLayout(0, s_layout))  # fmt: skip
+        fence_async_shared()
+        _partition_barrier()
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        o_a = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
+        o_b = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
+        return col, m_i, l_part, o_a, o_b
+
+    @gluon.jit
+    def _pv(h_a, h_b, p_buf, o_a, o_b, alpha, o_layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """O^T = O^T * alpha + L^T P^T over the fp16 channel halves ``h_a``, ``h_b`` ([BLOCK_N,
+        HALF] in shared memory, read transposed) and P ``p_buf``, waited for."""
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
+        o_a = warpgroup_mma(h_a.permute((1, 0)), p_buf, o_a * alpha_o[None, :], is_async=True)
+        o_b = warpgroup_mma(h_b.permute((1, 0)), p_buf, o_b * alpha_o[None, :], is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
+
     @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "num_blocks", "table_width"])
     def _mla_hopper_fp8_kernel(  # type: ignore[no-untyped-def]
         q_ptr, c_desc, e_desc, kv_scale_ptr, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
@@ -139,7 +189,6 @@ if _GLUON:
         :func:`.mla_decode_hopper._mla_hopper_kernel` (module docstring: what differs)."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
-        f8: gl.constexpr = c_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
         )
@@ -147,16 +196,9 @@ if _GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
         )
         out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8)
-        qe_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8)
-        q_bufs = gl.allocate_shared_memory(f8, [4, BLOCK_H, HALF], q_smem)  # the query's hi, lo parts
-        qe_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, ROPE], qe_smem)
-        c_bufs = gl.allocate_shared_memory(f8, [2 * STAGES, BLOCK_N, HALF], c_desc.layout)
-        e_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, ROPE], e_desc.layout)
-        h_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
-        h_bufs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HALF], h_smem)  # the tile's channels, fp16
-        p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
-        p_buf = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_smem)
+        q_bufs, qe_bufs, c_bufs, e_bufs, h_bufs, p_buf = _allocate_buffers(
+            c_desc, e_desc, HALF, ROPE, BLOCK_H, BLOCK_N, STAGES, 1
+        )  # (one tile's channels in fp16)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -184,14 +226,10 @@ if _GLUON:
                         load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, c + i, table_row, start + i * BLOCK_N,
                                    table_width, num_blocks, HALF, STAGES, BLOCK_SIZE)  # fmt: skip
                 # (every warp is past the previous segment's MMAs: its last tile's barrier)
-                col = _stage_query(q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2 * kv_scale, HALF, ROPE, BLOCK_H,
-                                   gl.SliceLayout(0, s_layout))  # fmt: skip
-                fence_async_shared()
-                _partition_barrier()
-                m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-                l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-                o_a = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
-                o_b = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
+                col, m_i, l_part, o_a, o_b = _begin_segment(
+                    q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2 * kv_scale, HALF, ROPE, BLOCK_H, BLOCK_N, s_layout,
+                    o_layout,
+                )  # fmt: skip
                 for j in range(n_tiles):
                     pos = c + j
                     slot = pos % STAGES
@@ -219,10 +257,7 @@ if _GLUON:
                     p_buf.store(p.to(gl.float16))
                     fence_async_shared()
                     _partition_barrier()
-                    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
-                    o_a = warpgroup_mma(h_bufs.index(0).permute((1, 0)), p_buf, o_a * alpha_o[None, :], is_async=True)
-                    o_b = warpgroup_mma(h_bufs.index(1).permute((1, 0)), p_buf, o_b * alpha_o[None, :], is_async=True)
-                    o_a, o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
+                    o_a, o_b = _pv(h_bufs.index(0), h_bufs.index(1), p_buf, o_a, o_b, alpha, o_layout)
                     _partition_barrier()  # every warp is done with the fp16 channels and p_buf
                 c += n_tiles
 

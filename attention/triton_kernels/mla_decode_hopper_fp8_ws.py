@@ -32,7 +32,13 @@ from attention.triton_kernels.mla_balanced import program_work
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
-    from attention.triton_kernels.mla_decode_hopper_fp8 import _issue_scores, _stage_query, _tile_to_f16
+    from attention.triton_kernels.mla_decode_hopper_fp8 import (
+        _allocate_buffers,
+        _begin_segment,
+        _issue_scores,
+        _pv,
+        _tile_to_f16,
+    )
     from attention.triton_kernels.mla_decode_hopper_split import _segment, _store_half_slot
     from attention.triton_kernels.mla_hopper_stores import load_tile_at, table_page, tile_softmax
     from attention.triton_kernels.prefill_hopper import (
@@ -41,7 +47,6 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
-        warpgroup_mma,
         warpgroup_mma_wait,
     )
 
@@ -138,14 +143,10 @@ if _GLUON:
             )  # fmt: skip
             if has:
                 # (every score MMA of the previous segment was waited for)
-                col = _stage_query(q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2 * kv_scale, HALF, ROPE, BLOCK_H,
-                                   gl.SliceLayout(0, s_layout))  # fmt: skip
-                fence_async_shared()
-                _partition_barrier()
-                m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-                l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-                o_a = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
-                o_b = gl.zeros([HALF, BLOCK_H], gl.float32, o_layout)
+                col, m_i, l_part, o_a, o_b = _begin_segment(
+                    q_ptr, t, num_heads, q_bufs, qe_bufs, scale_log2 * kv_scale, HALF, ROPE, BLOCK_H, BLOCK_N, s_layout,
+                    o_layout,
+                )  # fmt: skip
                 for j in range(n_tiles):
                     pos = c + j
                     slot = pos % STAGES
@@ -165,12 +166,7 @@ if _GLUON:
                     mbarrier.wait(h_ready.index(hb), (pos // 2) & 1)
                     fence_async_shared()
                     _partition_barrier()
-                    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
-                    h_a = h_bufs.index(2 * hb).permute((1, 0))
-                    h_b = h_bufs.index(2 * hb + 1).permute((1, 0))
-                    o_a = warpgroup_mma(h_a, p_buf, o_a * alpha_o[None, :], is_async=True)
-                    o_b = warpgroup_mma(h_b, p_buf, o_b * alpha_o[None, :], is_async=True)
-                    o_a, o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
+                    o_a, o_b = _pv(h_bufs.index(2 * hb), h_bufs.index(2 * hb + 1), p_buf, o_a, o_b, alpha, o_layout)
                     _partition_barrier()  # every warp is done with the fp16 buffer and P
                     mbarrier.arrive(h_empty.index(hb))
                 c += n_tiles
@@ -197,17 +193,9 @@ if _GLUON:
         gl.static_assert(not DIRECT, "the partitioned fp8 kernel stores partial slots; a direct plan runs the other")
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
-        f8: gl.constexpr = c_desc.dtype
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8)
-        qe_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8)
-        q_bufs = gl.allocate_shared_memory(f8, [4, BLOCK_H, HALF], q_smem)  # the query's hi, lo parts
-        qe_bufs = gl.allocate_shared_memory(f8, [2, BLOCK_H, ROPE], qe_smem)
-        c_bufs = gl.allocate_shared_memory(f8, [2 * STAGES, BLOCK_N, HALF], c_desc.layout)
-        e_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, ROPE], e_desc.layout)
-        h_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.float16)
-        h_bufs = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, HALF], h_smem)  # 2 tiles x 2 halves, fp16
-        p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
-        p_buf = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_smem)
+        q_bufs, qe_bufs, c_bufs, e_bufs, h_bufs, p_buf = _allocate_buffers(
+            c_desc, e_desc, HALF, ROPE, BLOCK_H, BLOCK_N, STAGES, 2
+        )  # (two tiles' channels in fp16: the converter fills one while the MMAs read the other)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         h_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
