@@ -10,6 +10,8 @@ it. Skipped where this Triton has no Gluon."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from attention.triton_kernels.prefill_hopper import _GLUON
@@ -57,33 +59,44 @@ import json
 import torch
 from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import mla_decode_hopper_fp8 as mf
+from attention.triton_kernels import mla_decode_hopper_fp8_ws as mw
 
+forms = [("fp8", mf._mla_hopper_fp8_kernel, mf.FP8_STAGES, direct) for direct in (False, True)]
+forms.append(("fp8-ws", mw._mla_hopper_fp8_ws_kernel, mw.FP8_WS_STAGES, False))
 report = {}
 for bs in (64, 256):
-    for direct in (False, True):
+    for name, kernel, stages, direct in forms:
         cache = torch.empty(4, bs, 1, 576, dtype=torch.float8_e4m3fn)
         descs = dict(zip(("c_desc", "e_desc"), mf.fp8_descriptors(cache, 512, 64)))
-        consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mf.FP8_STAGES, DIRECT=direct)
-        k = compile_sm90(mf._mla_hopper_fp8_kernel, descs, consts, "*bf16",
+        consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=stages, DIRECT=direct)
+        k = compile_sm90(kernel, descs, consts, "*bf16",
                          types={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "kv_scale_ptr": "*fp32"})
-        r = kernel_report(k, "/tmp/mla_decode_hopper_fp8_check")
+        r = kernel_report(k, f"/tmp/mla_decode_hopper_{name}_check")
         ptx = k.asm["ptx"]
         r["fp8_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3")
         r["f16_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16")
         r["cvt"] = ptx.count("cvt.rn.f16x2.e4m3x2")
         r["early_dependents"] = ptx.count("griddepcontrol.launch_dependents")
-        report[f"fp8-{bs}-{direct}"] = r
+        r["setmaxnreg"] = ptx.count("setmaxnreg")
+        report[f"{name}-{bs}-{direct}"] = r
 print(json.dumps(report))
 """
 
 
+@functools.cache
+def _fp8_report() -> dict[str, dict[str, int]]:
+    """Both fp8 kernels compiled once (one child process) for the two tests below."""
+    return compile_report(_FP8_SCRIPT)
+
+
 def test_the_fp8_form_compiles_for_sm90() -> None:
     """attention/triton_kernels/mla_decode_hopper_fp8.py (blocks of 64 and 256; launched for
-    direct plans, compiled for slot plans too): the scores as fp8 MMAs (each of the tile's parts against the query's hi
-    and lo: 2 x (2 x 8 + 2) m64n16k32), P V as fp16 MMAs over the converted channels (2 x 4 x 4
-    m64n16k16), the conversion one instruction a pair of values, the ring's TMA loads, shared
-    memory within 227 KiB, few spills (the loop itself checked on the GPU for speed)."""
-    report = compile_report(_FP8_SCRIPT)
+    direct plans, compiled for slot plans too): the scores as fp8 MMAs (each of the tile's parts
+    against the query's hi and lo: 2 x (2 x 8 + 2) m64n16k32), P V as fp16 MMAs over the converted
+    channels (2 x 4 x 4 m64n16k16), the conversion one instruction a pair of values, the ring's
+    TMA loads, shared memory within 227 KiB, few spills (the loop itself checked on the GPU for
+    speed)."""
+    report = {name: r for name, r in _fp8_report().items() if name.startswith("fp8-") and "-ws-" not in name}
     assert len(report) == 4, report
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)
@@ -94,37 +107,12 @@ def test_the_fp8_form_compiles_for_sm90() -> None:
         assert r["spills"] <= 128, (name, r)
 
 
-_FP8_WS_SCRIPT = r"""
-import json
-import torch
-from tests.gluon_compile import compile_sm90, kernel_report
-from attention.triton_kernels import mla_decode_hopper_fp8 as mf
-from attention.triton_kernels import mla_decode_hopper_fp8_ws as mw
-
-report = {}
-for bs in (64, 256):
-    cache = torch.empty(4, bs, 1, 576, dtype=torch.float8_e4m3fn)
-    descs = dict(zip(("c_desc", "e_desc"), mf.fp8_descriptors(cache, 512, 64)))
-    consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mw.FP8_WS_STAGES, DIRECT=False)
-    k = compile_sm90(mw._mla_hopper_fp8_ws_kernel, descs, consts, "*bf16",
-                     types={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "kv_scale_ptr": "*fp32"})
-    r = kernel_report(k, "/tmp/mla_decode_hopper_fp8_ws_check")
-    ptx = k.asm["ptx"]
-    r["fp8_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3")
-    r["f16_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16")
-    r["cvt"] = ptx.count("cvt.rn.f16x2.e4m3x2")
-    r["setmaxnreg"] = ptx.count("setmaxnreg")
-    report[f"fp8-ws-{bs}"] = r
-print(json.dumps(report))
-"""
-
-
 def test_the_partitioned_fp8_form_compiles_for_sm90() -> None:
     """attention/triton_kernels/mla_decode_hopper_fp8_ws.py (slot plans, blocks of 64 and 256):
     the same MMAs as the one-warpgroup fp8 form, the loader's 3 TMA boxes a tile, registers
     shared out among the partitions (setmaxnreg), shared memory within 227 KiB (220 KiB of
     buffers), few spills."""
-    report = compile_report(_FP8_WS_SCRIPT)
+    report = {name: r for name, r in _fp8_report().items() if name.startswith("fp8-ws-")}
     assert len(report) == 2, report
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)
