@@ -31,6 +31,7 @@ import torch
 from attention.base import AttentionBackend, StepPlan
 from attention.capabilities import BackendInfo, backend_info
 from attention.checks import cdiv
+from attention.dtypes import torch_dtype
 from attention.errors import InvalidArgumentError, MetadataError, UnsupportedSettingError
 from attention.latent_prefill import LatentPrefill, plan_latent_prefill
 from attention.layer_cache import LayerCache
@@ -81,7 +82,7 @@ from attention.triton_kernels.mla_decode import (
     hopper_mla_launch,
     mla_attention,
 )
-from attention.triton_kernels.mla_decode_hopper import mla_decode_hopper_shape_ok
+from attention.triton_kernels.mla_decode_hopper import mla_decode_hopper_dtypes_ok, mla_decode_hopper_shape_ok
 from attention.triton_kernels.mla_prefill import mla_prefill
 from attention.triton_kernels.prefill import PAD_TILE
 from attention.triton_kernels.prefill_hopper import (
@@ -529,10 +530,9 @@ class TritonBackend(AttentionBackend):
         else the default."""
         spec = self.spec
         rank = spec.latent_rank or 0
-        fp8_ok = spec.cache_dtype == "float8_e4m3" and spec.dtype == "bfloat16"
         if (
             self.hopper_mla_decode
-            and (not spec.quantized_cache or fp8_ok)
+            and mla_decode_hopper_dtypes_ok(torch_dtype(spec.dtype), torch_dtype(spec.cache_dtype))
             and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
             and hopper_prefill_possible(device)
         ):

@@ -92,6 +92,7 @@ __all__ = [
     "MLA_HOPPER_HEADS",
     "launch_mla_hopper",
     "mla_decode_hopper_applies",
+    "mla_decode_hopper_dtypes_ok",
     "mla_decode_hopper_shape_ok",
 ]
 
@@ -110,17 +111,23 @@ def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_s
     return 0 < heads <= MLA_HOPPER_HEADS and shape_ok
 
 
+def mla_decode_hopper_dtypes_ok(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels take these dtypes: a 16-bit latent in the query's dtype, or a
+    float8_e4m3fn one under bf16 queries (:mod:`.mla_decode_hopper_fp8_ws`; the query's e4m3 hi +
+    lo split holds about bf16's 8 bits, not fp16's 11)."""
+    if query_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return cache_dtype == query_dtype or (cache_dtype == torch.float8_e4m3fn and query_dtype == torch.bfloat16)
+
+
 def mla_decode_hopper_applies(query: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether :func:`launch_mla_hopper` takes a call: an sm_90 GPU with Gluon, at most 16 heads,
     a latent of 512 + 64 channels in blocks of a multiple of 64, either 16-bit (the query's
-    dtype) or float8_e4m3fn under bf16 queries (:mod:`.mla_decode_hopper_fp8`), a contiguous
-    query and cache with 16-byte aligned bases."""
-    if not hopper_prefill_possible(query.device) or query.dtype not in (torch.bfloat16, torch.float16):
+    dtype) or float8_e4m3fn under bf16 queries (:func:`mla_decode_hopper_dtypes_ok`), a
+    contiguous query and cache with 16-byte aligned bases."""
+    if not hopper_prefill_possible(query.device) or not mla_decode_hopper_dtypes_ok(query.dtype, cache.dtype):
         return False
     rope = query.shape[-1] - kv_lora_rank
-    fp8_ok = cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16
-    if not (cache.dtype == query.dtype or fp8_ok):
-        return False
     if not mla_decode_hopper_shape_ok(query.shape[1], kv_lora_rank, rope, cache.shape[1]):
         return False
     if not (query.is_contiguous() and cache.is_contiguous()):
