@@ -216,8 +216,8 @@ def _latent_spec(heads: int = 16, **kw: object) -> AttentionSpec:
 def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """With an sm_90 GPU declared: <= 16 heads over a 16-bit 512 + 64 latent, or an fp8 one under
     bf16 queries, in blocks of a multiple of 64 get the Hopper launch (one program an SM); 32
-    heads, blocks of 32, an fp8 latent under fp16 queries and ``hopper_mla_decode=False`` keep
-    the default launch."""
+    heads, blocks of 32, an fp8 latent under fp16 queries, a float32 spec and
+    ``hopper_mla_decode=False`` keep the default launch."""
     monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: True)
     cuda = torch.device("cuda")
     backend = TritonBackend(_latent_spec(), num_sms=132)
@@ -228,10 +228,12 @@ def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: 
     assert TritonBackend(_latent_spec(8), num_sms=132)._mla_launch(cuda, 64).hopper
     assert TritonBackend(_latent_spec(kv_cache_dtype="float8_e4m3"), num_sms=132)._mla_launch(cuda, 64).hopper
     fp16_queries = AttentionSpec(16, 1, RANK + ROPE, "float16", latent_rank=RANK, kv_cache_dtype="float8_e4m3")
+    fp32 = AttentionSpec(16, 1, RANK + ROPE, "float32", latent_rank=RANK)
     keeps = [
         (TritonBackend(_latent_spec(), num_sms=132), 32),
         (TritonBackend(_latent_spec(32), num_sms=132), 64),
         (TritonBackend(fp16_queries, num_sms=132), 64),
+        (TritonBackend(fp32, num_sms=132), 64),
         (TritonBackend(_latent_spec(), num_sms=132, hopper_mla_decode=False), 64),
     ]
     for other, block_size in keeps:
