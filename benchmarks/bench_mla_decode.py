@@ -6,7 +6,8 @@ a float32 softmax), same run.
 Shapes: DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576 bf16 values per token), 128
 heads (one rank) and 16 (eight tensor-parallel ranks), blocks of 64 tokens at shuffled ids;
 batches 64 x 4096, 512 x 512 (many short rows) and 128 rows of LogNormal(median 2048, sigma
-0.8) lengths (``--batches`` picks some). Times are medians of CUDA-graph replays
+0.8) lengths (``--batches`` picks some, or adds 2048 x 1024: a step the backend plans ``direct``
+at 16 heads). Times are medians of CUDA-graph replays
 (``KernelTimer.graph_ms``: L2 flushed before each run, so the latents come from HBM), the
 merge included, called as the triton backend calls it (into the bf16 attention output, the
 rotary channels zeroed by the merge). Bandwidth: the latent bytes
@@ -31,9 +32,8 @@ and that schedule planned the other way ("direct": tokens of one segment stored 
 program, or "slots": a partial output for every token); all are in the JSON.
 
 ``--fp8`` adds the plan's launch over an fp8 copy of the latents (dots in fp16, and in bf16) and,
-at 16 heads, the Hopper kernel's fp8 forms as the backend launches them ("fp8 hop":
-``attention.triton_kernels.mla_decode_hopper_fp8_ws`` for a plan of partial slots,
-``attention.triton_kernels.mla_decode_hopper_fp8`` for a direct one);
+at 16 heads, the Hopper kernel's fp8 form as the backend launches it ("fp8 hop":
+``attention.triton_kernels.mla_decode_hopper_fp8_ws``);
 ``--plan-only`` skips the sweep.
 
 Run (GPU machine): python3 benchmarks/bench_mla_decode.py [--plan-only] [--fp8] [--batches B,...] [--out FILE]
@@ -84,10 +84,12 @@ HBM_BYTES_PER_GRAPH = 400 << 20
 
 #: The batches: uniform rows, short rows (many tokens, each a few tiles), LogNormal lengths.
 BATCHES = ("64x4096", "512x512", "lognormal-128")
+#: Batches run only when named: 2,048 rows, planned direct at 16 heads.
+EXTRA_BATCHES = ("2048x1024",)
 
 
 def lengths(kind: str, seed: int) -> list[int]:
-    if kind in ("64x4096", "512x512"):
+    if kind in ("64x4096", "512x512", "2048x1024"):
         rows, length = kind.split("x")
         return [int(length)] * int(rows)
     rng = random.Random(seed)
@@ -240,14 +242,15 @@ def main() -> None:
     p.add_argument("--rep-ms", type=int, default=60)
     p.add_argument("--plan-only", action="store_true", help="no launch sweep: the plan's launch only")
     p.add_argument("--fp8", action="store_true", help="also an fp8 latent at the plan's launch (fp16 and bf16 dots)")
-    p.add_argument("--batches", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
+    known = (*BATCHES, *EXTRA_BATCHES)
+    p.add_argument("--batches", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(known)}")
     args = p.parse_args()
+    batches = [b for b in args.batches.split(",") if b]
+    unknown = [b for b in batches if b not in known]
+    if unknown or not batches:
+        p.error(f"--batches: {args.batches!r}; choose among {', '.join(known)}")
     if not require_cuda("bench_mla_decode.py"):
         sys.exit(2)
-    batches = [b for b in args.batches.split(",") if b]
-    unknown = [b for b in batches if b not in BATCHES]
-    if unknown or not batches:
-        p.error(f"--batches: {args.batches!r}; choose among {', '.join(BATCHES)}")
     timer = KernelTimer(10, args.rep_ms)
     copy_tbps = measure_copy_tbps(timer)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -8,14 +8,16 @@ blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and dir
 an sm_90 GPU they also assert that the Gluon kernel ran, and run again on its deeper-ring
 form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py) and its
 split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py).
-An fp8 latent under bf16 queries runs the fp8 forms (mla_decode_hopper_fp8_ws.py for slots,
-mla_decode_hopper_fp8.py for direct plans) against float64 over the dequantized latents.
+An fp8 latent under bf16 queries runs the fp8 kernels (mla_decode_hopper_fp8_ws.py, the
+backend's, and the opt-in mla_decode_hopper_fp8.py) against float64 over the dequantized latents.
 The backend's choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py,
 tests/test_mla_decode_hopper_ring_compile.py and tests/test_mla_decode_hopper_split_compile.py
 compile the kernels for sm_90.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -34,6 +36,16 @@ RANK, ROPE = 512, 64
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
 #: The Hopper kernel's forms a test runs (without one, all run the same Triton fallback).
 FORMS = ["pair", "ring", "split"] if ON_HOPPER else ["pair"]
+#: The fp8 kernels a test runs: the partitioned one (what the backend launches) and the opt-in
+#: one-warpgroup one (``launch_mla_hopper(..., fp8_one_warpgroup=True)``).
+FP8_KERNELS = ["partitioned", "one-warpgroup"] if ON_HOPPER else ["partitioned"]
+
+
+def _fp8_kernel(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Every Hopper launch of the test on ``kernel`` (one of :data:`FP8_KERNELS`)."""
+    if kernel == "one-warpgroup":
+        launch = mla_decode_module.launch_mla_hopper
+        monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", functools.partial(launch, fp8_one_warpgroup=True))
 
 
 @pytest.fixture
@@ -127,15 +139,17 @@ def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form:
 )
 @pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
 @pytest.mark.parametrize("magnitude", [1.0, 2.0**12, 2.0**-12], ids=["unit", "large", "small"])
+@pytest.mark.parametrize("kernel", FP8_KERNELS)
 def test_an_fp8_latent_under_bf16_queries_matches_float64(  # type: ignore[no-untyped-def]
-    hopper_calls, lens, heads, block_size, programs, direct, magnitude
+    hopper_calls, monkeypatch, lens, heads, block_size, programs, direct, magnitude, kernel
 ) -> None:
     """A float8_e4m3fn latent with its scale (on an sm_90 GPU the fp8 Gluon kernels: scores from
-    the fp8 tile against the query split hi + lo, P V over the tile turned fp16, the partitioned
-    kernel for slots and the one-warpgroup kernel for a direct plan; elsewhere the Triton kernel)
-    against float64 over the dequantized latents, stale NaN slots included;
+    the fp8 tile against the query split hi + lo, P V over the tile turned fp16, in the
+    partitioned kernel and in the one-warpgroup one; elsewhere the Triton kernel) against float64
+    over the dequantized latents, stale NaN slots included;
     latents of 2^12 and 2^-12 with queries the inverse (the query's split is scaled per head;
     the Triton kernel's fp16 dots clamp queries past 65504, which 2^-16 would reach)."""
+    _fp8_kernel(monkeypatch, kernel)
     scale = 0.05 * magnitude
     out, query, latents = _attend(lens, heads, block_size, torch.bfloat16, programs=programs, direct=direct,
                                   magnitude=magnitude, fp8_scale=scale)  # fmt: skip
@@ -180,17 +194,20 @@ def test_block_ids_outside_the_cache_stay_finite(hopper_calls: list[str], form: 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the interpreter's numpy on garbage sums)
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("form", [*FORMS, "fp8"])
-def test_any_work_array_stays_inside_the_buffers(seed: int, form: str) -> None:
+@pytest.mark.parametrize("form", [*FORMS, *(f"fp8-{kernel}" for kernel in FP8_KERNELS)])
+def test_any_work_array_stays_inside_the_buffers(monkeypatch: pytest.MonkeyPatch, seed: int, form: str) -> None:
     """A work array of random values reads and writes nothing outside the cache, the partial
-    buffers and the output (seed 1: planned direct); "fp8": over an fp8 latent."""
+    buffers and the output (seed 1: planned direct); "fp8-*": over an fp8 latent, on that fp8
+    kernel."""
     lens = [140, 12, 70]
     query, cache, tables, _ = _case(lens, 16, RANK, ROPE, 64, torch.float64, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     programs = 3
     junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs),), generator=gen, dtype=torch.int64)
     junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50
-    fp8 = form == "fp8"
+    fp8 = form.startswith("fp8-")
+    if fp8:
+        _fp8_kernel(monkeypatch, form.removeprefix("fp8-"))
     c = cache.to(DEVICE, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     before = c.float()
     outer = torch.full((5, 16, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)

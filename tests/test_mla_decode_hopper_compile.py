@@ -62,7 +62,7 @@ from attention.triton_kernels import mla_decode_hopper_fp8 as mf
 from attention.triton_kernels import mla_decode_hopper_fp8_ws as mw
 
 forms = [("fp8", mf._mla_hopper_fp8_kernel, mf.FP8_STAGES, direct) for direct in (False, True)]
-forms.append(("fp8-ws", mw._mla_hopper_fp8_ws_kernel, mw.FP8_WS_STAGES, False))
+forms += [("fp8-ws", mw._mla_hopper_fp8_ws_kernel, mw.FP8_WS_STAGES, direct) for direct in (False, True)]
 report = {}
 for bs in (64, 256):
     for name, kernel, stages, direct in forms:
@@ -90,8 +90,8 @@ def _fp8_report() -> dict[str, dict[str, int]]:
 
 
 def test_the_fp8_form_compiles_for_sm90() -> None:
-    """attention/triton_kernels/mla_decode_hopper_fp8.py (blocks of 64 and 256; launched for
-    direct plans, compiled for slot plans too): the scores as fp8 MMAs (each of the tile's parts
+    """attention/triton_kernels/mla_decode_hopper_fp8.py (blocks of 64 and 256, slot and direct
+    plans; opt-in, ``launch_mla_hopper(..., fp8_one_warpgroup=True)``): the scores as fp8 MMAs (each of the tile's parts
     against the query's hi and lo: 2 x (2 x 8 + 2) m64n16k32), P V as fp16 MMAs over the converted
     channels (2 x 4 x 4 m64n16k16), the conversion one instruction a pair of values, the ring's
     TMA loads, shared memory within 227 KiB, few spills (the loop itself checked on the GPU for
@@ -108,16 +108,17 @@ def test_the_fp8_form_compiles_for_sm90() -> None:
 
 
 def test_the_partitioned_fp8_form_compiles_for_sm90() -> None:
-    """attention/triton_kernels/mla_decode_hopper_fp8_ws.py (slot plans, blocks of 64 and 256):
-    the same MMAs as the one-warpgroup fp8 form, the loader's 3 TMA boxes a tile, registers
-    shared out among the partitions (setmaxnreg), shared memory within 227 KiB (220 KiB of
-    buffers), few spills."""
+    """attention/triton_kernels/mla_decode_hopper_fp8_ws.py (slot and direct plans, blocks of 64
+    and 256): the same MMAs as the one-warpgroup fp8 form, the loader's 3 TMA boxes a tile,
+    registers shared out among the partitions (setmaxnreg), shared memory within 227 KiB (220 KiB
+    of buffers), few spills."""
     report = {name: r for name, r in _fp8_report().items() if name.startswith("fp8-ws-")}
-    assert len(report) == 2, report
+    assert len(report) == 4, report
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)
         assert r["fp8_mma"] == 36 and r["f16_mma"] == 32 and r["wgmma"] == 68, (name, r)
         assert r["cvt"] >= 2 * 64 * 256 // 128 // 2, (name, r)
         assert r["tma_load"] == 3, (name, r)
         assert r["setmaxnreg"] > 0, (name, r)
-        assert r["spills"] <= 64, (name, r)
+        # Direct plans' outputs stored from the MMA's registers spilled 28-40 bytes (0.92x the speed).
+        assert r["spills"] <= 16, (name, r)

@@ -3,8 +3,8 @@
 The computation of :mod:`.mla_balanced` (absorbed MLA over the paged latents, on the same
 length-balanced work array and the same merge), for the memory-bound case of DeepSeek-V3 split
 over tensor-parallel ranks: at most 16 heads, a 16-bit latent of 512 + 64 channels, blocks of a
-multiple of 64 tokens (an fp8 latent under bf16 queries: :mod:`.mla_decode_hopper_fp8_ws` for
-plans of partial slots, :mod:`.mla_decode_hopper_fp8` for direct ones, launched from here).
+multiple of 64 tokens (an fp8 latent under bf16 queries: :mod:`.mla_decode_hopper_fp8_ws`,
+launched from here; :mod:`.mla_decode_hopper_fp8` holds its parts and a slower one-warpgroup form).
 
 Why a second kernel: with 16 heads the Triton kernel's dots have 16 rows, so they run as
 ``mma.sync`` with every warp holding the whole 16 x 576 query in registers (252 registers, two
@@ -273,13 +273,15 @@ def launch_mla_hopper(
     kv_scale: torch.Tensor | None = None,
     ring: bool = False,
     split: bool = False,
+    fp8_one_warpgroup: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
     :data:`MLA_HOPPER_BLOCK_N`; ``tail``: channels of ``out`` after the first 512 the merge
-    zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the kernels of
-    :mod:`.mla_decode_hopper_fp8_ws` for slots, :mod:`.mla_decode_hopper_fp8` for a direct
-    plan, whatever ``ring`` and ``split`` say); ``ring``: run the deeper-ring kernel of
+    zeroes; ``kv_scale``: an fp8 latent's fp32 [1] scale (the cache is fp8: the partitioned
+    kernel of :mod:`.mla_decode_hopper_fp8_ws`, or with ``fp8_one_warpgroup`` the slower
+    one-warpgroup kernel of :mod:`.mla_decode_hopper_fp8`, same results, whatever ``ring`` and
+    ``split`` say); ``ring``: run the deeper-ring kernel of
     :mod:`.mla_decode_hopper_ring` (same results; 0.98-0.99x this kernel's speed on the H200,
     so not the default); ``split``: the split-warpgroup kernel of :mod:`.mla_decode_hopper_split`
     (same results) for a plan of partial slots (a ``direct`` plan runs this kernel). The partial
@@ -302,7 +304,7 @@ def launch_mla_hopper(
         if kv_scale is None:
             raise InvalidArgumentError("kv_scale: an fp8 latent cache takes its fp32 [1] scale, got None")
         c_desc, e_desc = fp8_descriptors(cache, _RANK, MLA_HOPPER_BLOCK_N)
-        if work.direct:
+        if fp8_one_warpgroup:
             _mla_hopper_fp8_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape,
                                                      STAGES=FP8_STAGES, num_warps=4)  # fmt: skip
         else:  # the conversion in a partition of its own

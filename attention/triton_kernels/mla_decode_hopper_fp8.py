@@ -18,8 +18,9 @@ ring of fp8 tiles; the tensor cores take them in two ways:
   length (stale slots may hold NaN). The fp8 slot is refilled as soon as the scores and the
   conversion are done with it.
 
-Launched for ``direct`` plans; plans of partial slots run :mod:`.mla_decode_hopper_fp8_ws`, which
-puts the conversion in a warpgroup of its own (1.23-1.36x this kernel's speed on an H100). H100,
+Opt-in (``launch_mla_hopper(..., fp8_one_warpgroup=True)``): the backend runs
+:mod:`.mla_decode_hopper_fp8_ws`, which puts the conversion in a warpgroup of its own (1.23-1.36x
+this kernel's speed on an H100) and uses this module's parts. H100,
 16 heads, among layers (``benchmarks/results/mla-decode-fp8-hopper-2026-12-06.md``): 1.13x /
 1.08x / 1.02x the bf16 latent's speed on :mod:`.mla_decode_hopper` at 64 x 4096 / LogNormal-128 /
 512 x 512, where the Triton kernel's fp8 path ran 0.85-0.90x; on the H200 an earlier form (16-row
