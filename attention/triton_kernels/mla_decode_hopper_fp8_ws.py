@@ -20,7 +20,7 @@ there the conversion was the largest single part of the loop (H200: 0.04 of 0.10
 64 x 4096, ``benchmarks/results/mla-decode-fp8-hopper-2026-12-06.md``). Here, on an H100 (same
 file, among layers, 16 heads): 1.41x / 1.42x / 1.36x the bf16 latent's speed at 64 x 4096 /
 LogNormal-128 / 512 x 512, 1.23-1.36x the one-warpgroup kernel's; on direct plans (2,048 x 1,024
-and 2,048 LogNormal(1024) rows) 1.40x / 1.43x, 1.24-1.26x the one-warpgroup kernel's
+and 2,048 LogNormal(1024) rows) 1.40x / 1.43x, 1.25-1.26x the one-warpgroup kernel's
 (``benchmarks/results/mla-decode-fp8-direct-h100-2026-12-06.md``); not yet timed on an H200.
 
 Shared memory: the fp8 ring of two tiles (72 KiB), two fp16 buffers of a tile's 512 channels
