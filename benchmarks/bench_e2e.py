@@ -6,7 +6,9 @@ Model: Llama-3-8B-shaped (32 layers, hidden 4096, MLP 14336, 32 query / 8 KV hea
 fan_in ** -0.5, seeded), one set shared by both engines: transformers' ``LlamaForCausalLM`` is
 built on the meta device, allocated on the GPU and filled, and our model takes the same
 tensors (:func:`examples.model.checkpoints.from_transformers`: shared, except the fused q/k/v
-and gate/up projections, which are copies).
+and gate/up projections, which are copies). ``--model deepseek-v2-lite``: latent attention
+(:data:`DEEPSEEK_V2_LITE`: 16 heads over a 576-wide latent, 27 layers, dense MLPs), our engine
+only (``--skip-transformers``).
 
 Workloads (prompt lengths LogNormal(median 512, sigma 0.6) capped at 2048, random token ids,
 128 new tokens each, greedy, no EOS):
@@ -95,6 +97,7 @@ from examples.engine.scheduler import Request, Scheduler, StepBatch, make_preemp
 from examples.model import (  # noqa: E402
     Llama,
     LlamaShape,
+    MLAShape,
     empty_llama,
     from_transformers,
     init_random_,
@@ -121,6 +124,34 @@ TINY = LlamaShape(
     num_kv_heads=2,
     head_dim=16,
 )
+#: DeepSeek-V2-Lite's attention (arXiv:2405.04434; its config.json: 16 heads over a latent of
+#: kv_lora_rank 512 + 64 rotary values, qk_nope 128, v_head 128, no q LoRA) and sizes (27 layers,
+#: hidden 2048, vocab 102400), with every MLP dense at the first layer's width (10944): the
+#: latent cache of DeepSeek-V3 at 8-way tensor parallelism (16 heads a rank) on one GPU.
+#: The rotary is plain (no YaRN scaling): random weights.
+DEEPSEEK_V2_LITE = LlamaShape(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    num_layers=27,
+    num_heads=16,
+    num_kv_heads=1,
+    head_dim=192,
+    norm_eps=1e-6,
+    mla=MLAShape(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+)
+TINY_MLA = LlamaShape(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=24,
+    mla=MLAShape(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+)
+#: ``--model`` choices: (the shape, its ``--tiny`` stand-in).
+MODELS = {"llama3-8b": (LLAMA3_8B, TINY), "deepseek-v2-lite": (DEEPSEEK_V2_LITE, TINY_MLA)}
 #: Targets (issue "The serving loop at the roofline"), checked on the 8B shape at 128 rows.
 ROOFLINE_TARGET = 1.25
 ITL_TARGET = 0.65
@@ -164,6 +195,7 @@ class Settings:
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
     graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
     value_runs: bool | None = None  # token-major V of prefill rows written in coalesced runs (None: default)
+    model: str = "llama3-8b"  # a key of MODELS
 
     @property
     def cache_dtype(self) -> str:
@@ -171,7 +203,8 @@ class Settings:
 
     @property
     def shape(self) -> LlamaShape:
-        return TINY if self.tiny else LLAMA3_8B
+        full, tiny = MODELS[self.model]
+        return tiny if self.tiny else full
 
     @property
     def on_cuda(self) -> bool:
@@ -209,6 +242,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         hopper_decode=args.hopper_decode,
         decode_launch=args.decode_launch,
         **{name: getattr(args, name) for name in BACKEND_SWITCHES},
+        model=args.model,
     )
     if args.quick:
         s = replace(s, requests=32, new_tokens=32, max_running=32, poisson_requests=64)
@@ -795,7 +829,10 @@ def _iteration_stats(
     itemsize = torch.empty((), dtype=torch_dtype(s.cache_dtype)).element_size()
     # An int8 cache reads each token's fp16 scale per KV head of K and V besides the values.
     scale_bytes = 2 if s.cache_dtype == "int8" else 0
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * itemsize + scale_bytes)
+    if shape.mla is not None:  # one latent a token and layer, shared by K and V
+        kv_per_token = shape.num_layers * shape.mla.latent_dim * itemsize
+    else:
+        kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * itemsize + scale_bytes)
     weights = weight_bytes(model)
     timed = iterations[1:]  # the first has no period
     decode = [it for it in timed if it.decode_only]
@@ -1155,6 +1192,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="tiny model and workloads (the same code path in seconds)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="llama3-8b",
+        help="the model's shape (random weights): llama3-8b (default), or deepseek-v2-lite (latent attention, 16 "
+        "heads, dense MLPs; our engine only: needs --skip-transformers)",
+    )
     p.add_argument("--quick", action="store_true", help="32 requests x 32 new tokens (64 in the Poisson workload)")
     p.add_argument("--skip-transformers", action="store_true", help="serve with our engine only")
     p.add_argument("--out", help="JSON path (default benchmarks/results/e2e-<date>.json; none with --tiny)")
@@ -1229,6 +1273,9 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
             parse_decode_launch(args.decode_launch)
         except ValueError as err:
             parser.error(str(err))
+    if MODELS[args.model][0].mla is not None and not args.skip_transformers:
+        parser.error(f"--model {args.model}: transformers' continuous batching is not compared on latent attention; "
+                     "add --skip-transformers")  # fmt: skip
     if args.kv_rotation != "none" and args.kv_cache_dtype is None:
         parser.error("--kv-rotation: rotates an 8-bit cache's K and V; give --kv-cache-dtype int8 or float8_e4m3")
     s = settings_from(args)

@@ -159,6 +159,33 @@ def test_poisson_alone_probes_its_first_step_at_its_own_token_budget() -> None:
     assert poisson["ours"]["generated_tokens"] == poisson["workload"]["requests"] * poisson["workload"]["new_tokens"]
 
 
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3"])
+def test_tiny_cpu_run_of_the_latent_attention_model(cache_dtype: str | None) -> None:
+    """``--model deepseek-v2-lite`` (its ``--tiny`` stand-in): our engine serves a model of
+    latent attention from a latent cache (bf16 here float32, or fp8), and the roofline counts
+    one latent (kv_lora_rank + rotary values) a token and layer."""
+    threads = torch.get_num_threads()
+    try:
+        args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst", "--model", "deepseek-v2-lite"]
+        doc = _bench().run([*args, *(["--kv-cache-dtype", cache_dtype] if cache_dtype else [])])
+    finally:
+        torch.set_num_threads(threads)
+    results, errors = doc["results"], doc["errors"]
+    assert not any(name.startswith(("ours", "model")) for name in errors), errors
+    shape = results["model"]["shape"]
+    assert shape["mla"] is not None and shape["num_kv_heads"] == 1
+    burst = results["workloads"]["burst"]
+    assert burst["ours"]["generated_tokens"] == burst["workload"]["requests"] * burst["workload"]["new_tokens"]
+    latent = shape["mla"]["kv_lora_rank"] + shape["mla"]["qk_rope_head_dim"]
+    itemsize = 1 if cache_dtype else 4
+    assert burst["ours"]["kv_bytes_per_token"] == shape["num_layers"] * latent * itemsize
+
+
+def test_the_latent_attention_model_runs_without_transformers_only() -> None:
+    with pytest.raises(SystemExit):
+        _bench().run(["--device", "cpu", "--tiny", "--model", "deepseek-v2-lite"])
+
+
 def test_kv_rotation_needs_an_8bit_cache() -> None:
     with pytest.raises(SystemExit):
         _bench().run(["--device", "cpu", "--tiny", "--kv-rotation", "hadamard"])
