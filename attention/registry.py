@@ -104,5 +104,6 @@ def _problems(info: BackendInfo, spec: AttentionSpec, device_type: str, block_si
             sliding_window=spec.sliding_window is not None,
             logit_softcap=spec.logit_softcap is not None,
             attention_sinks=spec.attention_sinks,
+            latent_attention=spec.latent_attention,
         )
     ]

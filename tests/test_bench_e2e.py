@@ -166,7 +166,8 @@ def test_tiny_cpu_run_of_the_latent_attention_model(cache_dtype: str | None) -> 
     one latent (kv_lora_rank + rotary values) a token and layer."""
     threads = torch.get_num_threads()
     try:
-        args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst", "--model", "deepseek-v2-lite"]
+        args = ["--device", "cpu", "--tiny", "--skip-transformers", "--workloads", "burst"]
+        args += ["--model", "deepseek-v2-lite"]
         doc = _bench().run([*args, *(["--kv-cache-dtype", cache_dtype] if cache_dtype else [])])
     finally:
         torch.set_num_threads(threads)

@@ -17,7 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attention import get_backend  # noqa: E402
+from attention import AttentionSpec, choose_backend, get_backend  # noqa: E402
+from attention.errors import UnsupportedSettingError  # noqa: E402
 from examples.engine import cache_config_for, engine_for  # noqa: E402
 from examples.engine.calibration import calibrate_kv_scales  # noqa: E402
 from examples.engine.loop import run_requests  # noqa: E402
@@ -291,3 +292,22 @@ def test_what_the_example_model_lacks_is_refused() -> None:
     problems = BACKENDS["flash_attn"].problems(block_size=256, head_dim=40, dtype="bfloat16", device_type="cuda",
                                                latent_attention=spec.latent_attention)  # fmt: skip
     assert [p.parameter for p in problems] == ["latent_attention"]
+
+
+def test_a_latent_config_naming_triton_gets_the_triton_backend() -> None:
+    """What a config's ``attention.backend`` resolves to (``choose_backend``, which
+    ``engine_for`` calls): a latent spec (DeepSeek-V3's 576-wide latent, past the 256 of
+    per-head K/V) goes to triton when named and under ``auto`` on a GPU; flash_attn is refused
+    for having no latent attention. (The choice used to check the latent's width against the
+    per-head limit and refused triton for every MLA model.)"""
+    spec = AttentionSpec(16, 1, 576, "bfloat16", latent_rank=512)
+    assert choose_backend("triton", spec, device_type="cuda", block_size=64).backend.name == "triton"
+    auto = choose_backend("auto", spec, device_type="cuda", block_size=64)
+    assert auto.backend.name == "triton", auto.reason
+    with pytest.raises(UnsupportedSettingError, match="no latent attention") as refused:
+        choose_backend("flash_attn", spec, device_type="cuda", block_size=256)
+    assert "head_dim" not in str(refused.value)
+    text = LATENT.replace("backend: reference", "backend: triton").replace("device: cpu", "device: cuda")
+    config = parse_config(text.replace("block_size: 32", "block_size: 64"))
+    chosen = choose_backend(config.attention.backend, config.attention_spec(), device_type="cuda", block_size=64)
+    assert chosen.backend.name == "triton" and chosen.backend.spec.latent_attention
