@@ -556,6 +556,7 @@ class AttentionBackend(ABC):
             dtype=self.spec.dtype,
             kv_cache_dtype=dtype_name(layer.key.dtype),
             device_type=self._device_type_for_checks(layer.key.device.type),
+            latent_attention=spec.latent_attention,
         )
         if problems:
             p = problems[0]

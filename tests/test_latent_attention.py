@@ -311,3 +311,77 @@ def test_a_latent_config_naming_triton_gets_the_triton_backend() -> None:
     config = parse_config(text.replace("block_size: 32", "block_size: 64"))
     chosen = choose_backend(config.attention.backend, config.attention_spec(), device_type="cuda", block_size=64)
     assert chosen.backend.name == "triton" and chosen.backend.spec.latent_attention
+
+
+#: DeepSeek-V3's latent: kv_lora_rank 512 + 64 rotary values (576, past per-head K/V's 256).
+WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
+def test_deepseek_v3s_latent_width_serves_on_triton() -> None:
+    """A model with DeepSeek-V3's 576-wide latent through the engine on the triton backend
+    (Triton's CPU interpreter without a GPU): transformers' tokens and logits, float32. (Every
+    other engine test's latent is 40 wide; at 576 the backend's per-step layer check refused
+    the cache for its head_dim.)"""
+    pytest.importorskip("triton")
+    from attention.triton_kernels import kernels_interpreted
+
+    if not kernels_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton kernels are compiled for CUDA in this process and there is no GPU")
+    device = "cpu" if kernels_interpreted() else "cuda"
+    hf = _deepseek(None, **WIDE, num_hidden_layers=1)
+    model = from_transformers(hf, share=False, device=device)
+    config = cache_config_for(model.shape, block_size=64, dtype="float32", num_blocks=4, device=device)
+    triton = get_backend("triton", model.shape.attention_spec("float32"))
+    engine = engine_for(config, model.shape, backend=triton, fill=float("nan"))
+    assert engine.spec.head_dim == 576 and engine.spec.latent_rank == 512
+    prompts = [_prompts()[i] for i in (1, 4)]  # 1 and 33 tokens
+    requests = [Request(i, p, 4) for i, p in enumerate(prompts)]
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=64, max_running=2,
+        record_logits=True,
+    )  # fmt: skip
+    for prompt, req in zip(prompts, requests, strict=True):
+        tokens, logits = _hf_generate(hf, prompt, 4)
+        assert req.output == tokens, f"prompt of {len(prompt)}"
+        torch.testing.assert_close(torch.stack(report.logits[req.req_id]).cpu(), logits, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3"])
+def test_sixteen_heads_over_a_wide_latent_serve_as_the_reference_does(
+    cache_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V3's latent at 16 heads (its share of a rank at 8-way tensor parallelism), bf16,
+    blocks of 64, CUDA graphs: the triton backend (on an sm_90 GPU the Gluon Hopper kernels,
+    fp8 included) gives the reference backend's greedy tokens over the same cache dtype."""
+    import attention.triton_kernels.mla_decode as mla_decode_module
+    from attention.triton_kernels.prefill_hopper import hopper_prefill_possible
+
+    hopper_calls = [0]
+    real = mla_decode_module.launch_mla_hopper
+
+    def counted(*args: Any, **kw: Any) -> None:
+        hopper_calls[0] += 1
+        real(*args, **kw)
+
+    monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", counted)
+    hf = _deepseek(None, **WIDE, num_attention_heads=16, num_key_value_heads=16)
+    outputs = {}
+    for name in ("reference", "triton"):
+        model = from_transformers(hf, share=False, device="cuda").to(torch.bfloat16)
+        config = cache_config_for(model.shape, block_size=64, dtype=cache_dtype, num_blocks=12, device="cuda",
+                                  compute_dtype="bfloat16" if cache_dtype != "bfloat16" else None)  # fmt: skip
+        backend = get_backend(name, model.shape.attention_spec("bfloat16", config.cache.dtype))
+        engine = engine_for(config, model.shape, backend=backend, fill=float("nan"))
+        prompts = [_prompts()[i] for i in (0, 1, 4)]
+        requests = [Request(i, p, 6) for i, p in enumerate(prompts)]
+        run_requests(
+            model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+            preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=256, max_running=3,
+            use_graphs=name == "triton",
+        )  # fmt: skip
+        outputs[name] = [r.output for r in requests]
+    assert outputs["triton"] == outputs["reference"]
+    assert (hopper_calls[0] > 0) == hopper_prefill_possible(torch.device("cuda")), hopper_calls
