@@ -14,11 +14,12 @@ from examples.engine.compile_watch import CompileWatch, describe_compiles
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fire(runtime: Any, name: str, signature: str) -> None:
-    """Call the installed hook as Triton's JIT does after a compile."""
+def _fire(runtime: Any, name: str, signature: str, attrs: dict[Any, Any] | None = None) -> None:
+    """Call the installed hook as Triton's JIT does after a compile (``attrs``: the
+    specialization attributes it passes as ``configs=[attrs]``)."""
     runtime.jit_post_compile_hook(
         key=(), repr=signature, fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
-        already_compiled=False,
+        already_compiled=False, **({} if attrs is None else {"configs": [attrs]}),
     )  # fmt: skip
 
 
@@ -31,7 +32,8 @@ def test_the_watch_records_compiles_chains_the_previous_hook_and_puts_it_back(
     before = runtime.jit_post_compile_hook
     with CompileWatch() as watch:
         assert watch.available and runtime.jit_post_compile_hook is not before
-        _fire(runtime, "_decode_kernel", "_decode_kernel[num_warps=4](q: *bf16, n: i32)")
+        _fire(runtime, "_decode_kernel", "_decode_kernel[num_warps=4](q: *bf16, n: i32)",
+              {(0,): [["tt.divisibility", 16]]})  # fmt: skip
         _fire(runtime, "_combine_kernel", "_combine_kernel[num_warps=4](o: *fp32)")
     assert runtime.jit_post_compile_hook is before
     assert watch.names() == ["_decode_kernel", "_combine_kernel"]
@@ -39,7 +41,9 @@ def test_the_watch_records_compiles_chains_the_previous_hook_and_puts_it_back(
     summary = watch.summary()
     assert summary["available"] and summary["count"] == 2
     signature = "_decode_kernel[num_warps=4](q: *bf16, n: i32)"
-    assert summary["compiles"][0] == {"name": "_decode_kernel", "signature": signature}
+    attrs = "{(0,): [['tt.divisibility', 16]]}"  # which arguments Triton specialized
+    assert summary["compiles"][0] == {"name": "_decode_kernel", "signature": signature, "attrs": attrs}
+    assert summary["compiles"][1]["attrs"] == ""  # a Triton that passes none
     _fire(runtime, "_after", "")  # outside the watch: not recorded
     assert watch.names() == ["_decode_kernel", "_combine_kernel"]
 

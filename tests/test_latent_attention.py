@@ -385,3 +385,34 @@ def test_sixteen_heads_over_a_wide_latent_serve_as_the_reference_does(
         outputs[name] = [r.output for r in requests]
     assert outputs["triton"] == outputs["reference"]
     assert (hopper_calls[0] > 0) == hopper_prefill_possible(torch.device("cuda")), hopper_calls
+
+
+def test_the_warm_up_runs_decompressed_rows_in_every_step_form() -> None:
+    """With latent attention the runner's eager warm-up also runs rows long enough to attend
+    decompressed (their prefill kernel compiles per form): fresh, extending cached tokens, two
+    in a step and beside a decode row; each such step plans those rows decompressed. (Without
+    them a DeepSeek-shaped burst compiled two Hopper prefill variants while serving, 2.3 s each.)"""
+    from attention.staging import StepCapacity
+    from examples.engine.runner import ModelRunner
+
+    hf = _deepseek(None)
+    model = from_transformers(hf, share=False)
+    config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=64, device="cpu")
+    engine = engine_for(config, model.shape)
+    engine.backend.latent_prefill_min_tokens = 48
+    runner = ModelRunner(model, engine.cache, engine.manager, engine.backend, StepCapacity(4, 160, 8))
+    steps = runner.warmup_steps()
+    wide = [rows for rows in steps if any(n >= 48 for _, n in rows)]
+    forms = {
+        "fresh": [(48, 48)] in wide,
+        "extend": any(len(r) == 1 and r[0][0] > r[0][1] == 48 for r in wide),
+        "two": [(48, 48), (48, 48)] in wide,
+        "mixed": any(len(r) == 2 and (32, 1) in r and (48, 48) in r for r in wide),
+    }
+    assert all(forms.values()), (forms, steps)
+    decompressed = _count_decompressed(engine.backend)
+    assert runner.warmup(eager=True).eager_steps == len(steps)
+    # Every row of >= 48 new tokens, in every layer, and no other.
+    expected = sum(n for rows in steps for _, n in rows if n >= 48) * model.shape.num_layers
+    assert decompressed[0] == expected, (decompressed, expected)
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks, "the warm-up leaves no blocks behind"

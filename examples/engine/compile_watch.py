@@ -28,11 +28,15 @@ __all__ = ["CompileWatch", "KernelCompile", "describe_compiles"]
 @dataclass(frozen=True)
 class KernelCompile:
     """One JIT compile: the kernel's name, its launch signature as Triton prints it (argument
-    types and specialization, num_warps, num_stages) and when it finished (``time.perf_counter``)."""
+    types and specialization, num_warps, num_stages), when it finished (``time.perf_counter``)
+    and the specialization attributes Triton compiled it for (per argument index, e.g.
+    ``tt.divisibility`` 16 for an aligned pointer or a multiple of 16; "" when not given):
+    two compiles of one kernel differ in one of these or in a constexpr of the signature."""
 
     name: str
     signature: str
     at: float
+    attrs: str = ""
 
 
 def describe_compiles(names: list[str], *, after_warmup: bool = False) -> str:
@@ -87,7 +91,9 @@ class CompileWatch:
         # Triton names a kernel by its qualified name ("module.fn", "test.<locals>.fn"): keep the
         # function's own name, the one its source and a profile show.
         name = str(getattr(fn, "name", None) or kwargs.get("repr", "?")).split("[")[0].rsplit(".", 1)[-1]
-        self.compiles.append(KernelCompile(name, str(kwargs.get("repr", "")), time.perf_counter()))
+        configs = kwargs.get("configs") or [None]
+        attrs = "" if configs[0] is None else str(configs[0])
+        self.compiles.append(KernelCompile(name, str(kwargs.get("repr", "")), time.perf_counter(), attrs))
         return self._previous(**kwargs) if self._previous is not None else None
 
     def names(self) -> list[str]:
@@ -99,5 +105,5 @@ class CompileWatch:
         return {
             "available": self.available,
             "count": len(self.compiles),
-            "compiles": [{"name": c.name, "signature": c.signature} for c in self.compiles],
+            "compiles": [{"name": c.name, "signature": c.signature, "attrs": c.attrs} for c in self.compiles],
         }

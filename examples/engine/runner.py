@@ -176,7 +176,9 @@ class ModelRunner:
         capacity. Prefill rows whose longest is 9, 17, 33 and ``max_tokens`` tokens (each tile
         height of a prefill kernel), an extend row, then for decode lengths of 1, 2, 4, ...
         blocks up to the longest sequence (each split count of a split-KV decode): a decode
-        row alone and a decode row beside a prefill row (a mixed step)."""
+        row alone and a decode row beside a prefill row (a mixed step). With latent attention,
+        rows of ``backend.latent_prefill_min_tokens`` new tokens too (those attend
+        decompressed): fresh, extending, two in a step, and beside a decode row."""
         cap = self.builder.capacity
         bs = self.manager.block_size
         longest = cap.max_blocks_per_seq * bs
@@ -194,6 +196,15 @@ class ModelRunner:
             steps.append([(length, 1)])
             if cap.max_rows >= 2 and mixed_q > 1:
                 steps.append([(length, 1), (mixed_q, mixed_q)])
+        wide = getattr(self.backend, "latent_prefill_min_tokens", None)
+        if wide is not None and wide <= min(top, cap.max_tokens - 1):
+            steps.append([(wide, wide)])
+            if longest > wide:
+                steps.append([(longest, wide)])
+            if cap.max_rows >= 2 and 2 * wide <= cap.max_tokens and 2 * wide <= longest:
+                steps.append([(wide, wide), (wide, wide)])
+            if cap.max_rows >= 2:
+                steps.append([(bs, 1), (wide, wide)])
         return steps
 
     def _warm_eager(self) -> int:
