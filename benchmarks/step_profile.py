@@ -142,21 +142,28 @@ class KernelBreakdown:
 
 def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: int = 12) -> KernelBreakdown:
     """Sum the CUDA kernel events of a finished ``torch.profiler.profile`` (its
-    ``events()``) by class, per iteration. ``wall_s``: the host time of those iterations."""
+    ``events()``) by class, per iteration. ``wall_s``: the host time of those iterations.
+
+    An attention kernel that starts before the previous attention kernel ended (a dependent
+    launch: the MLA merge starts while the decode kernel's last programs run and waits for
+    them) counts from that end, so the overlap is not counted twice."""
     total: dict[str, float] = defaultdict(float)
     attention: dict[str, float] = defaultdict(float)
     count: Counter[str] = Counter()
     per_kernel: dict[str, float] = defaultdict(float)
     per_kernel_count: Counter[str] = Counter()
-    for event in events:
-        # Kernels (and device copies) are the events on the device; a host op's device time
-        # would count its kernels twice.
-        if str(getattr(event, "device_type", "")) != "DeviceType.CUDA":
-            continue
-        us = float(event.time_range.elapsed_us())
-        if us <= 0:
+    # Kernels (and device copies) are the events on the device; a host op's device time
+    # would count its kernels twice.
+    device = [e for e in events if str(getattr(e, "device_type", "")) == "DeviceType.CUDA"]
+    attention_end = float("-inf")
+    for event in sorted(device, key=lambda e: float(e.time_range.start)):
+        start, end = float(event.time_range.start), float(event.time_range.end)
+        if end - start <= 0:
             continue
         label = classify(event.name)
+        if label == "attention":
+            start, attention_end = max(start, attention_end), max(end, attention_end)
+        us = max(0.0, end - start)
         total[label] += us
         count[label] += 1
         if label == "attention":

@@ -84,27 +84,38 @@ def test_profile_splits_attention_into_its_parts() -> None:
     for name, part in parts.items():
         assert attention_part(name) == part, name
 
-    class Span:
-        def __init__(self, us: float) -> None:
-            self.us = us
+    class Span:  # torch.profiler's time range, in us
+        def __init__(self, start: float, us: float) -> None:
+            self.start, self.end = start, start + us
 
         def elapsed_us(self) -> float:
-            return self.us
+            return self.end - self.start
 
     class Event:
         device_type = "DeviceType.CUDA"
 
-        def __init__(self, name: str, us: float) -> None:
-            self.name, self.time_range = name, Span(us)
+        def __init__(self, name: str, us: float, start: float) -> None:
+            self.name, self.time_range = name, Span(start, us)
 
-    events = [Event("decode_items_kernel", 300.0), Event("decode_combine_kernel", 20.0), Event("_prefill_kernel", 80.0),
-              Event("nvjet_tst_128x256", 500.0)]  # fmt: skip
+    def laid_out(kernels: list[tuple[str, float]]) -> list[Event]:
+        """One kernel after the other."""
+        starts = [sum(us for _, us in kernels[:i]) for i in range(len(kernels))]
+        return [Event(name, us, start) for (name, us), start in zip(kernels, starts, strict=True)]
+
+    events = laid_out([("decode_items_kernel", 300.0), ("decode_combine_kernel", 20.0), ("_prefill_kernel", 80.0),
+                       ("nvjet_tst_128x256", 500.0)])  # fmt: skip
     result = breakdown(events, iterations=2)
     assert result.ms["attention"] == pytest.approx(0.2) and result.ms["gemm"] == pytest.approx(0.25)
     assert result.attention_ms == pytest.approx({"decode": 0.15, "combine": 0.01, "prefill": 0.04})
     assert "attention 0.20 (decode 0.15, prefill 0.04, combine 0.01)" in result.line()
     assert result.as_json()["attention_ms_per_iteration"] == {"combine": 0.01, "decode": 0.15, "prefill": 0.04}
     assert breakdown(events[:1], iterations=1).line().endswith("attention 0.30")  # one part: no split
+    # A dependent launch (the MLA merge) starts while the kernel before it runs: the overlap
+    # counts once, and a GEMM beside it (another stream) is not clipped.
+    pdl = [Event("_mla_hopper_kernel", 50.0, 0.0), Event("_mla_balanced_merge_kernel", 30.0, 35.0),
+           Event("nvjet_tst_128x256", 100.0, 10.0)]  # fmt: skip
+    result = breakdown(pdl, iterations=1)
+    assert result.ms["attention"] == pytest.approx(0.065) and result.ms["gemm"] == pytest.approx(0.1)
 
 
 def test_transformers_gets_the_paged_attention_name_its_version_takes() -> None:
