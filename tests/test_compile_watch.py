@@ -14,12 +14,15 @@ from examples.engine.compile_watch import CompileWatch, describe_compiles
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fire(runtime: Any, name: str, signature: str, attrs: dict[Any, Any] | None = None) -> None:
+def _fire(
+    runtime: Any, name: str, signature: str, attrs: dict[Any, Any] | None = None, key: tuple[Any, ...] = ()
+) -> None:
     """Call the installed hook as Triton's JIT does after a compile (``attrs``: the
-    specialization attributes it passes as ``configs=[attrs]``)."""
+    specialization attributes, which Triton 3.6 passes in ``compile["configs"]``; ``key``: the
+    kernel cache's key)."""
     runtime.jit_post_compile_hook(
-        key=(), repr=signature, fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
-        already_compiled=False, **({} if attrs is None else {"configs": [attrs]}),
+        key=key, repr=signature, fn=SimpleNamespace(name=name),
+        compile={} if attrs is None else {"configs": [attrs]}, is_manual_warmup=False, already_compiled=False,
     )  # fmt: skip
 
 
@@ -35,17 +38,19 @@ def test_the_watch_records_compiles_chains_the_previous_hook_and_puts_it_back(
         _fire(runtime, "_decode_kernel", "_decode_kernel[num_warps=4](q: *bf16, n: i32)",
               {(0,): [["tt.divisibility", 16]]})  # fmt: skip
         _fire(runtime, "_combine_kernel", "_combine_kernel[num_warps=4](o: *fp32)")
+        _fire(runtime, "_merge", "_merge[num_warps=4](o: *fp32)", key=("*fp32", "D"))
     assert runtime.jit_post_compile_hook is before
-    assert watch.names() == ["_decode_kernel", "_combine_kernel"]
-    assert earlier == ["_decode_kernel", "_combine_kernel"]  # the hook that was there still ran
+    assert watch.names() == ["_decode_kernel", "_combine_kernel", "_merge"]
+    assert earlier == ["_decode_kernel", "_combine_kernel", "_merge"]  # the hook that was there still ran
     summary = watch.summary()
-    assert summary["available"] and summary["count"] == 2
+    assert summary["available"] and summary["count"] == 3
     signature = "_decode_kernel[num_warps=4](q: *bf16, n: i32)"
     attrs = "{(0,): [['tt.divisibility', 16]]}"  # which arguments Triton specialized
     assert summary["compiles"][0] == {"name": "_decode_kernel", "signature": signature, "attrs": attrs}
     assert summary["compiles"][1]["attrs"] == ""  # a Triton that passes none
+    assert summary["compiles"][2]["attrs"] == "key=('*fp32', 'D')"
     _fire(runtime, "_after", "")  # outside the watch: not recorded
-    assert watch.names() == ["_decode_kernel", "_combine_kernel"]
+    assert watch.names() == ["_decode_kernel", "_combine_kernel", "_merge"]
 
 
 def test_a_qualified_kernel_name_is_kept_as_the_function_s_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,9 +29,9 @@ __all__ = ["CompileWatch", "KernelCompile", "describe_compiles"]
 class KernelCompile:
     """One JIT compile: the kernel's name, its launch signature as Triton prints it (argument
     types and specialization, num_warps, num_stages), when it finished (``time.perf_counter``)
-    and the specialization attributes Triton compiled it for (per argument index, e.g.
-    ``tt.divisibility`` 16 for an aligned pointer or a multiple of 16; "" when not given):
-    two compiles of one kernel differ in one of these or in a constexpr of the signature."""
+    and the specialization Triton compiled it for: the attributes per argument index (e.g.
+    ``tt.divisibility`` 16 for an aligned pointer or a multiple of 16) and the kernel cache's
+    key ("key=..."), "" when Triton gives neither: two compiles of one kernel differ there."""
 
     name: str
     signature: str
@@ -91,8 +91,12 @@ class CompileWatch:
         # Triton names a kernel by its qualified name ("module.fn", "test.<locals>.fn"): keep the
         # function's own name, the one its source and a profile show.
         name = str(getattr(fn, "name", None) or kwargs.get("repr", "?")).split("[")[0].rsplit(".", 1)[-1]
-        configs = kwargs.get("configs") or [None]
+        details = kwargs.get("compile") or {}  # (Triton 3.6 passes the compile's options here)
+        configs = kwargs.get("configs") or details.get("configs") or [None]
         attrs = "" if configs[0] is None else str(configs[0])
+        key = kwargs.get("key")
+        if key:  # the kernel cache's key: every argument's type and specialization
+            attrs = f"{attrs} key={key}" if attrs else f"key={key}"
         self.compiles.append(KernelCompile(name, str(kwargs.get("repr", "")), time.perf_counter(), attrs))
         return self._previous(**kwargs) if self._previous is not None else None
 
