@@ -145,3 +145,29 @@ def test_the_backend_refuses_bad_decompressed_inputs_by_name() -> None:
     other = get_backend("reference", AttentionSpec(8, 1, 40, dtype="float32", latent_rank=32))
     with pytest.raises(MetadataError, match="not made by this"):
         other.attend_latent_prefill(q, kv, pe, plan)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_the_row_and_tile_arrays_start_on_16_bytes_whatever_the_row_count(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The query starts, key starts and tile index the kernels read (one staged array) each
+    start on 16 bytes: Triton compiles a kernel per alignment of its pointers, so a row count
+    that misaligned them compiled a new variant while serving (2-3 s a step on a GPU)."""
+    import attention.triton_kernels.mla_prefill as module
+
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    class Launch:
+        def __getitem__(self, grid: object) -> object:
+            return lambda *args, **kwargs: seen.append(args[4:7])
+
+    monkeypatch.setattr(module, "_mla_prefill_kernel", Launch())
+    lens = [3 + r for r in range(rows)]
+    query, kv, latents = _case(lens, lens, 2, 16, 8, 16)
+    keys = sum(lens)
+    mla_prefill(query.float().to(DEVICE), kv[:keys].float().to(DEVICE), latents[:keys, 32:].float().to(DEVICE), lens,
+                lens, qk_nope_head_dim=16, scale=0.1)  # fmt: skip
+    (q_start, k_start, tiles), = seen
+    assert all(t.data_ptr() % 16 == 0 for t in (q_start, k_start, tiles))
+    assert q_start.tolist() == k_start.tolist() == [sum(lens[:i]) for i in range(rows + 1)]

@@ -273,14 +273,18 @@ def mla_prefill(
     tiles = prefill_tile_index(list(key_lens), list(query_lens), MLA_HOPPER_BLOCK_M if on_hopper else cfg.block_m)
     if not tiles or not heads:
         return out
-    starts = [0] * (2 * len(query_lens) + 2)
+    # Query starts, key starts and the tile index in one staged array, each part starting on
+    # 16 bytes: Triton compiles a kernel per alignment of its pointers, and the row count
+    # would otherwise pick one of four while serving.
+    rows = len(query_lens)
+    cut = -(-(rows + 1) // 4) * 4
+    starts = [0] * (2 * cut)
     for b, (q, k) in enumerate(zip(query_lens, key_lens, strict=True)):
         starts[b + 1] = starts[b] + q
-        starts[len(query_lens) + 2 + b] = starts[len(query_lens) + 1 + b] + k
+        starts[cut + b + 1] = starts[cut + b] + k
     host = torch.tensor(starts + [x for pair in tiles for x in pair], dtype=torch.int32)
     staged = host.to(query.device, non_blocking=True)
-    cut = len(query_lens) + 1
-    q_start, k_start, tile_index = staged[:cut], staged[cut : 2 * cut], staged[2 * cut :]
+    q_start, k_start, tile_index = staged[: rows + 1], staged[cut : cut + rows + 1], staged[2 * cut :]
     if on_hopper:
         return mla_prefill_hopper(
             query, kv, key_pe, q_start, k_start, tile_index.view(-1, 2), nope=nope, scale=scale, out=out,
