@@ -30,6 +30,17 @@ from tests.test_checkpoints import LOGITS_ATOL, VOCAB, _hf_generate  # noqa: E40
 NEW_TOKENS = 8
 
 
+@pytest.fixture
+def few_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Triton's CPU interpreter, plan the MLA launches for 4 SMs instead of 132: at these
+    sizes a program takes at least 256 latents, so the busy programs and their work are the same,
+    and the interpreter no longer runs ~128 empty programs a call (half the time). A GPU plans
+    for its own SMs either way."""
+    import attention.triton_backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "INTERPRETER_NUM_SMS", 4)
+
+
 def _deepseek(q_lora_rank: int | None, **options: Any) -> Any:
     settings: dict[str, Any] = {
         "vocab_size": VOCAB,
@@ -131,6 +142,7 @@ def _note_direct(plan, seen: list[bool]):  # type: ignore[no-untyped-def]
     [(False, None, False), (False, None, True), (False, 16, False), (True, 16, False), (True, 16, True)],
     ids=["eager", "eager-direct", "eager-decompressed", "cuda-graphs-decompressed", "cuda-graphs-direct"],
 )
+@pytest.mark.usefixtures("few_sms")
 def test_latent_attention_on_triton_matches_transformers(
     graphs: bool, decompress_from: int | None, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,6 +192,7 @@ def test_latent_attention_on_triton_matches_transformers(
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
+@pytest.mark.usefixtures("few_sms")
 def test_an_fp8_latent_with_calibrated_scales_tracks_the_bf16_latent(backend_name: str) -> None:
     """An fp8 latent cache (one scale per layer, calibrated on two prompts), teacher-forced on
     the bf16 cache's greedy tokens: its logits stay close to the bf16 cache's, decompressed
@@ -317,6 +330,7 @@ def test_a_latent_config_naming_triton_gets_the_triton_backend() -> None:
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_deepseek_v3s_latent_width_serves_on_triton() -> None:
     """A model with DeepSeek-V3's 576-wide latent through the engine on the triton backend
     (Triton's CPU interpreter without a GPU): transformers' tokens and logits, float32. (Every
