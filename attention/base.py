@@ -112,17 +112,8 @@ class AttentionBackend(ABC):
         info = self.info
         refused = [
             p
-            for p in info.problems(
-                block_size=info.block_sizes.factor,  # checked per cache, when one is seen
-                head_dim=spec.head_dim,
-                dtype=spec.dtype,
-                kv_cache_dtype=spec.kv_cache_dtype,
-                device_type=None,
-                sliding_window=spec.sliding_window is not None,
-                logit_softcap=spec.logit_softcap is not None,
-                attention_sinks=spec.attention_sinks,
-                latent_attention=spec.latent_attention,
-            )
+            # (the block size is checked per cache, when one is seen)
+            for p in info.spec_problems(spec, block_size=info.block_sizes.factor, device_type=None)
         ]
         if refused:
             raise UnsupportedSettingError(
@@ -550,13 +541,11 @@ class AttentionBackend(ABC):
                 f"attention.value_layout), got strides {layer.key.stride()} and {layer.value.stride()}; "
                 "allocate them with kvcache"
             )
-        problems = self.info.problems(
+        problems = self.info.spec_problems(
+            spec,
             block_size=bs,
-            head_dim=d,
-            dtype=self.spec.dtype,
-            kv_cache_dtype=dtype_name(layer.key.dtype),
             device_type=self._device_type_for_checks(layer.key.device.type),
-            latent_attention=spec.latent_attention,
+            kv_cache_dtype=dtype_name(layer.key.dtype),
         )
         if problems:
             p = problems[0]

@@ -13,8 +13,12 @@ combination fails when the YAML is parsed instead of at the first kernel call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from attention.dtypes import DTYPES
+
+if TYPE_CHECKING:
+    from attention.spec import AttentionSpec
 
 __all__ = [
     "BACKENDS",
@@ -115,6 +119,24 @@ class BackendInfo:
     fused_rotary: bool
     block_size_origin: str
 
+    def spec_problems(
+        self, spec: AttentionSpec, *, block_size: int, device_type: str | None, kv_cache_dtype: str | None = None
+    ) -> list[CapabilityProblem]:
+        """:meth:`problems` for ``spec`` (its head_dim, dtype and every switch it carries) in
+        blocks of ``block_size`` on ``device_type``; ``kv_cache_dtype``: the cache's, when it
+        is not the spec's own (None: the spec's)."""
+        return self.problems(
+            block_size=block_size,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            kv_cache_dtype=spec.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype,
+            device_type=device_type,
+            sliding_window=spec.sliding_window is not None,
+            logit_softcap=spec.logit_softcap is not None,
+            attention_sinks=spec.attention_sinks,
+            latent_attention=spec.latent_attention,
+        )
+
     def problems(
         self,
         *,
@@ -128,7 +150,8 @@ class BackendInfo:
         attention_sinks: bool = False,
         latent_attention: bool = False,
     ) -> list[CapabilityProblem]:
-        """Every reason this backend refuses the setting; empty when it is supported.
+        """Every reason this backend refuses the setting; empty when it is supported
+        (:meth:`spec_problems` for an :class:`~attention.spec.AttentionSpec`).
 
         ``device_type`` is "cpu", "cuda", or None when the device is chosen at run time;
         ``kv_cache_dtype`` None means the same as ``dtype``. Touches no device.

@@ -95,15 +95,5 @@ def choose_backend(name: str, spec: AttentionSpec, *, device_type: str, block_si
 def _problems(info: BackendInfo, spec: AttentionSpec, device_type: str, block_size: int) -> list[str]:
     return [
         f"{p.parameter} {p.value}: {p.reason}; {p.fix}"
-        for p in info.problems(
-            block_size=block_size,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-            kv_cache_dtype=spec.kv_cache_dtype,
-            device_type=device_type,
-            sliding_window=spec.sliding_window is not None,
-            logit_softcap=spec.logit_softcap is not None,
-            attention_sinks=spec.attention_sinks,
-            latent_attention=spec.latent_attention,
-        )
+        for p in info.spec_problems(spec, block_size=block_size, device_type=device_type)
     ]
