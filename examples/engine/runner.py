@@ -201,7 +201,7 @@ class ModelRunner:
             steps.append([(wide, wide)])
             if longest > wide:
                 steps.append([(longest, wide)])
-            if cap.max_rows >= 2 and 2 * wide <= cap.max_tokens and 2 * wide <= longest:
+            if cap.max_rows >= 2 and 2 * wide <= cap.max_tokens:
                 steps.append([(wide, wide), (wide, wide)])
             if cap.max_rows >= 2:
                 steps.append([(bs, 1), (wide, wide)])
