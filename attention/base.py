@@ -28,6 +28,7 @@ from attention.dtypes import dtype_name, torch_dtype
 from attention.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, UnsupportedSettingError
 from attention.kv_rotation import rotate as rotate_basis
 from attention.kv_rotation import rotate_back
+from attention.latent_boundary import check_latent_boundary, compose_latent_boundary
 from attention.latent_prefill import LatentPrefill, latent_key_slots, reference_latent_prefill
 from attention.layer_cache import LayerCache
 from attention.metadata import AttentionMetadata
@@ -360,19 +361,7 @@ class AttentionBackend(ABC):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if t and x.stride(-1) != 1:
                 raise InvalidArgumentError(f"{name}: expected unit stride along head_dim, got strides {x.stride()}")
-        if not isinstance(rotary, RotaryTable):
-            raise ArgumentTypeError(f"rotary: expected a RotaryTable, got {type(rotary).__name__}")
-        if rotary.head_dim != spec.head_dim or not same_device(rotary.device, device):
-            raise InvalidArgumentError(
-                f"rotary: a table of head_dim {rotary.head_dim} on {rotary.device}; the layer needs head_dim "
-                f"{spec.head_dim} on {device} (RotaryTable.build with this model's inv_freq on the cache's device)"
-            )
-        longest = max(meta.seq_lens_host, default=0)
-        if longest > rotary.max_positions:
-            raise InvalidArgumentError(
-                f"rotary: the table covers {rotary.max_positions} positions, but a row of this step reaches "
-                f"{longest}; build the table for the longest sequence the engine serves"
-            )
+        _check_rotary(rotary, spec.head_dim, device, meta)
         if layer.rotation is not None and not self.rotates_kv_in_rotary_write:  # composed
             positions = meta.positions
             rotation = self._rotation_of(layer.rotation)
@@ -381,6 +370,45 @@ class AttentionBackend(ABC):
             )
             return rotate(query, positions, rotary)
         return self._rotary_write_kv(query, key, value, layer, plan, rotary)
+
+    def rotary_write_latent(
+        self,
+        query_latent: torch.Tensor,
+        query_pe: torch.Tensor,
+        latent: torch.Tensor,
+        key_pe: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+        *,
+        pairs: bool = False,
+    ) -> torch.Tensor:
+        """MLA's boundary before attention in one call (:mod:`attention.latent_boundary`):
+        rotate ``query_pe`` and ``key_pe`` at the step's positions, write ``[latent,
+        rotate(key_pe)]`` into each token's cache slot as :meth:`write_kv` writes a latent, and
+        return the query ``[query_latent, rotate(query_pe)]`` for :meth:`attend`.
+
+        query_latent: [num_tokens, num_heads, r], the absorbed query (r = ``spec.latent_rank``);
+        query_pe:     [num_tokens, num_heads, e], the unrotated rotary query (e = ``head_dim - r``);
+        latent:       [num_tokens, r], the normalised latent; key_pe: [num_tokens, e], unrotated;
+                      the compute dtype, any token/head strides with unit stride along channels.
+                      Not modified.
+        rotary:       the model's table over the e rotary channels, on the cache's device,
+                      covering every position of the step.
+        pairs:        the rotary channels come interleaved (DeepSeek's ``rope_interleave``).
+        Returns a new contiguous [num_tokens, num_heads, r + e] (padding tokens' rows included;
+        their latent is not written). Backends whose table entry says ``fused_rotary`` do it
+        in one kernel; the others compose it.
+        """
+        meta = self._check_step(layer, plan)
+        device = layer.key.device
+        check_latent_boundary(
+            self.spec, self.compute_dtype, meta.num_tokens, device, query_latent, query_pe, latent, key_pe
+        )
+        _check_rotary(rotary, self.spec.head_dim - (self.spec.latent_rank or 0), device, meta)
+        if not isinstance(pairs, bool):
+            raise ArgumentTypeError(f"pairs: expected a bool, got {type(pairs).__name__}")
+        return self._rotary_write_latent(query_latent, query_pe, latent, key_pe, layer, plan, rotary, pairs)
 
     # ---- warm-up -----------------------------------------------------------------------
 
@@ -420,6 +448,24 @@ class AttentionBackend(ABC):
         positions = plan.metadata.positions
         self._write_kv(rotate(key, positions, rotary), value, layer, plan)
         return rotate(query, positions, rotary)
+
+    def _rotary_write_latent(
+        self,
+        query_latent: torch.Tensor,
+        query_pe: torch.Tensor,
+        latent: torch.Tensor,
+        key_pe: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+        pairs: bool,
+    ) -> torch.Tensor:
+        """Composed from torch ops and :meth:`_write_kv`; a fused kernel overrides it."""
+        query, rows = compose_latent_boundary(
+            query_latent, query_pe, latent, key_pe, plan.metadata.positions, rotary, pairs=pairs
+        )
+        self._write_kv(rows, rows, layer, plan)
+        return query
 
     def _device_type_for_checks(self, device_type: str) -> str:
         """The device type checked against the capabilities (the Triton backend maps its CPU
@@ -559,3 +605,21 @@ class AttentionBackend(ABC):
             self._check_rotation(layer, layer.rotation, d)
         if spec.window_layers is not None:
             spec.window_of(layer.index)  # raises for a layer index outside the pattern
+
+
+def _check_rotary(rotary: object, head_dim: int, device: torch.device, meta: AttentionMetadata) -> None:
+    """Raise unless ``rotary`` is a RotaryTable of ``head_dim`` channels on ``device`` covering
+    every position of the step."""
+    if not isinstance(rotary, RotaryTable):
+        raise ArgumentTypeError(f"rotary: expected a RotaryTable, got {type(rotary).__name__}")
+    if rotary.head_dim != head_dim or not same_device(rotary.device, device):
+        raise InvalidArgumentError(
+            f"rotary: a table of head_dim {rotary.head_dim} on {rotary.device}; the layer needs head_dim "
+            f"{head_dim} on {device} (RotaryTable.build with this model's inv_freq on the cache's device)"
+        )
+    longest = max(meta.seq_lens_host, default=0)
+    if longest > rotary.max_positions:
+        raise InvalidArgumentError(
+            f"rotary: the table covers {rotary.max_positions} positions, but a row of this step reaches "
+            f"{longest}; build the table for the longest sequence the engine serves"
+        )

@@ -67,6 +67,7 @@ from attention.triton_kernels.decode import TOKEN_SCALED_KV_DTYPES
 from attention.triton_kernels.decode_hopper import decode_hopper_shape_ok, hopper_block_n
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS
 from attention.triton_kernels.dequantize_blocks import counted_programs, dequantize_blocks, plan_block_dequant
+from attention.triton_kernels.latent_write import rotary_write_latent
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     min_program_latents,
@@ -888,6 +889,31 @@ class TritonBackend(AttentionBackend):
             layer.k_centre,
             None if layer.rotation is None else self._rotation_of(layer.rotation),
             value_runs=self._value_runs(plan),
+        )
+
+    def _rotary_write_latent(
+        self,
+        query_latent: torch.Tensor,
+        query_pe: torch.Tensor,
+        latent: torch.Tensor,
+        key_pe: torch.Tensor,
+        layer: LayerCache,
+        plan: StepPlan,
+        rotary: RotaryTable,
+        pairs: bool,
+    ) -> torch.Tensor:
+        meta = plan.metadata
+        return rotary_write_latent(
+            query_latent,
+            query_pe,
+            latent,
+            key_pe,
+            layer.key,
+            meta.slot_mapping,
+            meta.positions,
+            rotary.cos_sin,
+            layer.k_scale,
+            pairs=pairs,
         )
 
     def _value_runs(self, plan: StepPlan) -> bool | None:

@@ -1,4 +1,4 @@
-"""The fused boundary kernel and its token-major V runs, the 8-bit block dequantization (per
+"""The fused boundary kernel and its token-major V runs, MLA's latent boundary, the 8-bit block dequantization (per
 launch and counted on a fixed grid), the prefill kernel (its launch per tile and its persistent fixed-grid form), the
 MLA decode kernels (split and balanced schedules, bf16 and fp8 latents) and the model's
 elementwise kernels compile for the H200 (sm_90) without a
@@ -23,6 +23,7 @@ from attention.triton_kernels.prefill import _prefill_kernel
 from attention.triton_kernels.mla_decode import _mla_decode_kernel, _mla_merge_kernel
 from attention.triton_kernels.mla_balanced import _mla_balanced_kernel, _mla_balanced_merge_kernel
 from attention.triton_kernels.dequantize_blocks import _dequantize_blocks_kernel
+from attention.triton_kernels.latent_write import _latent_boundary_kernel
 
 def source(fn, sig, consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
@@ -43,6 +44,17 @@ def rotary(dtype, cache, quantize, int8=False, rotate=False):
                   Q_CHUNKS=1, BLOCK_SIZE=256, QUANTIZE=quantize, TOKEN_SCALES=int8, CENTRE_K=int8 and not rotate,
                   ROTATE=rotate, VALUE_RUN=32 if cache in ("*fp8e4nv", "*i8") else 0, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
+
+def latent(dtype, cache, pairs):
+    sig = {"q_latent_ptr": dtype, "q_pe_ptr": dtype, "latent_ptr": dtype, "key_pe_ptr": dtype, "query_ptr": dtype,
+           "cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "scale_ptr": "*fp32",
+           "num_heads": "i32", "num_slots": "i64", "max_position": "i32"}
+    for name in ("stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_lt", "stride_kt", "stride_cb",
+                 "stride_ct"):
+        sig[name] = "i32"
+    consts = dict(RANK=512, RANK_PAD=512, HALF=32, HALF_PAD=32, BLOCK_H=8, BLOCK_SIZE=64, PAIRS=pairs,
+                  QUANTIZE=cache == "*fp8e4nv", INTERPRETED=False)
+    return source(_latent_boundary_kernel, sig, consts)
 
 def value_runs(dtype, cache, int8=False, rotate=False):
     scale = "*fp16" if int8 else "*fp32"
@@ -151,6 +163,9 @@ kernels = {
     "rotary-fp32-rotated": rotary("*fp32", "*fp32", False, rotate=True),
     "rotary-bf16-int8-cache-rotated": rotary("*bf16", "*i8", False, int8=True, rotate=True),
     "rotary-bf16-fp8-cache-rotated": rotary("*bf16", "*fp8e4nv", True, rotate=True),
+    "latent-boundary-bf16-pairs": latent("*bf16", "*bf16", True),
+    "latent-boundary-bf16-fp8-latent": latent("*bf16", "*fp8e4nv", True),
+    "latent-boundary-fp32-halves": latent("*fp32", "*fp32", False),
     "value-runs-bf16-fp8-cache": value_runs("*bf16", "*fp8e4nv"),
     "value-runs-bf16-int8-cache": value_runs("*bf16", "*i8", int8=True),
     "value-runs-bf16-fp8-cache-rotated": value_runs("*bf16", "*fp8e4nv", rotate=True),
@@ -184,7 +199,7 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 42, report
+    assert len(report) == 45, report
     # Only the merge the Hopper kernels launch dependent on them waits for that kernel.
     waiting = {name for name, r in report.items() if r["gdc_waits"]}
     assert waiting == {"mla-merge-hopper", "mla-merge-hopper-fp32"}, report

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from attention import AttentionBackend, LayerCache, StepPlan
-from attention.rotary import RotaryTable, rotate
+from attention.rotary import RotaryTable
 from kvcache.parallel.heads import TensorParallel
 
 from .layers import RMSNorm, RowParallelLinear
@@ -39,13 +39,6 @@ __all__ = ["LatentAttention"]
 
 #: transformers builds DeepSeek's two inner norms with its RMSNorm default, not rms_norm_eps.
 INNER_NORM_EPS = 1e-6
-
-
-def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's interleaved rotary channels ``(x0, x1), (x2, x3), ...`` reordered as halves
-    ``(x0, x2, ..., x1, x3, ...)``, the layout :func:`attention.rotary.rotate` turns. Applied to
-    q and k alike, it leaves every q . k unchanged."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class LatentAttention(nn.Module):
@@ -95,18 +88,14 @@ class LatentAttention(nn.Module):
             raise RuntimeError("LatentAttention: no query projection (built without a shape?)")
         q_nope, q_pe = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
-        c = self.kv_a_layernorm(c)
-        if m.rope_interleave:
-            q_pe, k_pe = _pairs_to_halves(q_pe), _pairs_to_halves(k_pe)
-        positions = plan.metadata.positions
-        q_pe = rotate(q_pe, positions, rotary)  # [T, H, e]
-        k_pe = rotate(k_pe.unsqueeze(1), positions, rotary)  # [T, 1, e]
         w = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, n, r], [H, v, r]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, r + e]
-        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, r + e]: what the cache keeps
-        backend.write_kv(latent, latent, layer, plan)
+        # Rotary on q_pe and k_pe, the latent [c, k_pe] into the cache, and the query
+        # [q_latent, q_pe] (rotary channels as halves) in one backend call.
+        query = backend.rotary_write_latent(
+            q_latent, q_pe, self.kv_a_layernorm(c), k_pe, layer, plan, rotary, pairs=m.rope_interleave
+        )  # [T, H, r + e]
         out = backend.attend(query, layer, plan)  # [T, H, r + e]; the first r: sum_i p_i c_i
         values = torch.einsum("thr,hvr->thv", out[..., :rank], w_uv)  # [T, H, v]
         prefill = plan.latent_prefill
@@ -116,7 +105,7 @@ class LatentAttention(nn.Module):
             keys = backend.gather_latent_keys(layer, plan)  # [K, r + e]
             kv = self.kv_b_proj(keys[:, :rank]).view(keys.shape[0], heads, nope + m.v_head_dim)
             rows = prefill.token_index
-            q_rows = torch.cat((q_nope, q_pe), dim=-1).index_select(0, rows)  # [P, H, n + e]
+            q_rows = torch.cat((q_nope, query[..., rank:]), dim=-1).index_select(0, rows)  # [P, H, n + e]
             decompressed = backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan)  # [P, H, v]
             values = values.index_copy(0, rows, decompressed.to(values.dtype))
         return self.wo(values.reshape(t, heads * m.v_head_dim))
