@@ -9,8 +9,8 @@ Classes, by kernel name (the first pattern that matches wins):
 - ``gemm``: cuBLAS / cuBLASLt / CUTLASS matrix products (``nvjet``, ``sm90_xmma``, ``gemm``,
   ``gemv``, ``cutlass``) and their split-K reductions (``splitKreduce``);
 - ``boundary``: the fused rotary + cache write (``_rotary_write_kernel``, and
-  ``_value_runs_kernel``, which writes prefill rows' token-major V beside it) and the plain
-  cache write;
+  ``_value_runs_kernel``, which writes prefill rows' token-major V beside it), MLA's
+  (``_latent_boundary_kernel``) and the plain cache write;
 - ``copy``: memcpy / memset;
 - ``elementwise``: everything else (norms, SiLU x up, embedding gather, argmax, the
   metadata check, torch's elementwise and reduction kernels).
@@ -49,7 +49,7 @@ ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
 CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile("|".join(pattern.pattern for _, pattern in ATTENTION_PARTS), re.I)),
     ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
-    ("boundary", re.compile(r"_rotary_write_kernel|_value_runs_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
+    ("boundary", re.compile(r"_rotary_write_kernel|_value_runs_kernel|_latent_boundary_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 
@@ -140,7 +140,7 @@ class KernelBreakdown:
         return f"per iteration (ms): GPU {self.gpu_ms:.2f} = {parts}{idle}"
 
 
-def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: int = 12) -> KernelBreakdown:
+def breakdown(events: Any, iterations: int, wall_s: float | None = None, top: int = 20) -> KernelBreakdown:
     """Sum the CUDA kernel events of a finished ``torch.profiler.profile`` (its
     ``events()``) by class, per iteration. ``wall_s``: the host time of those iterations.
 

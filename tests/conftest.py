@@ -23,3 +23,15 @@ def triton_device() -> str:
     from attention.triton_kernels import kernels_interpreted
 
     return "cpu" if kernels_interpreted() else "cuda"
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist each worker's torch takes its share of the cores: by default every
+    worker's intra-op pool is as large as the machine, and N workers oversubscribe it N times."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
+
+
+_share_the_cores()

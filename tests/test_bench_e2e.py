@@ -66,6 +66,7 @@ def test_kernel_classes() -> None:
                  "_mla_prefill_hopper_kernel", "_dequantize_blocks_kernel", "decode_combine_kernel"):  # fmt: skip
         assert classify(ours) == "attention", ours
     assert classify("_rotary_write_kernel") == "boundary" and classify("_value_runs_kernel") == "boundary"
+    assert classify("_latent_boundary_kernel") == "boundary"
     assert classify("_rms_norm_kernel") == "elementwise"
     assert classify("Memcpy HtoD (Pinned -> Device)") == "copy"
 
