@@ -49,7 +49,13 @@ ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
 CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile("|".join(pattern.pattern for _, pattern in ATTENTION_PARTS), re.I)),
     ("gemm", re.compile(r"nvjet|xmma|gemm|gemv|cutlass|splitKreduce|cublas", re.I)),
-    ("boundary", re.compile(r"_rotary_write_kernel|_value_runs_kernel|_latent_boundary_kernel|_cache_write_kernel|reshape_and_cache", re.I)),
+    (
+        "boundary",
+        re.compile(
+            r"_rotary_write_kernel|_value_runs_kernel|_latent_boundary_kernel|_cache_write_kernel|reshape_and_cache",
+            re.I,
+        ),
+    ),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )
 

@@ -6,6 +6,8 @@ One concept per module:
                            math, one online-softmax step);
 - :mod:`.cache_write`:     scatter new tokens' K/V into their cache slots;
 - :mod:`.rotary_write`:    rotary on Q and K, the cache write and the rotated Q in one kernel;
+- :mod:`.latent_write`:    MLA's boundary: rotary on q_pe and k_pe, the latent into its slot
+                           and the query assembled, in one kernel;
 - :mod:`.decode_schedule`: host-side partition of decode rows into equal-token chunks (pure
                            Python; fixed grids for CUDA graphs);
 - :mod:`.decode_kernels`:  the decode kernels (one program per chunk and KV head, combine);
