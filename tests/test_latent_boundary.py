@@ -205,3 +205,27 @@ def test_an_ordinary_cache_is_pointed_to_rotary_write_kv() -> None:
             q, q[..., :16], q[:, 0], q[:, 0, :16], case.layer, backend.plan(case.meta),
             RotaryTable.build(torch.ones(8), 8),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("under", [p for p in BACKENDS_UNDER_TEST if p.values[0].name == "triton"])
+def test_corrupt_slots_and_positions_on_the_device_stay_inside_the_cache(under: UnderTest) -> None:
+    """Device metadata is not trusted to index: slot ids outside the cache write nothing and
+    positions outside the table are clamped into it (as attention.rotary.rotate clamps)."""
+    case = _case(under, [(c, 1) for c in ODD], torch.bfloat16)
+    backend = under.make(case.spec)
+    plan = backend.plan(case.meta)
+    slots, positions = case.meta.slot_mapping, case.meta.positions
+    good = slots.clone()
+    slots[0], slots[1], slots[2] = 10**9, -5, case.layer.key.shape[0] * case.layer.key.shape[1]
+    positions[0], positions[1] = 10**9, -3
+    before = case.storage.clone()
+    query = backend.rotary_write_latent(*case.inputs, case.layer, plan, case.table)
+    assert torch.isfinite(query.float()).all()
+    want = _rotated64(case.inputs[1][:2], positions[:2].clamp(0, case.table.max_positions - 1), case.table, False)
+    torch.testing.assert_close(query[:2, :, RANK:].double(), want, **TOLERANCE[torch.bfloat16])
+    store, then = case.layer.key.reshape(-1, RANK + ROPE), before[1:-1].reshape(-1, RANK + ROPE)
+    written = torch.zeros(store.shape[0], dtype=torch.bool, device=store.device)
+    written[good[3:][good[3:] >= 0]] = True
+    assert torch.equal(_bits(store[~written]), _bits(then[~written])), "a corrupt slot wrote into the cache"
+    for edge in (0, -1):
+        assert torch.equal(_bits(case.storage[edge]), _bits(before[edge])), "a block outside the cache changed"
