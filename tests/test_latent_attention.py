@@ -430,3 +430,19 @@ def test_the_warm_up_runs_decompressed_rows_in_every_step_form() -> None:
     expected = sum(n for rows in steps for _, n in rows if n >= 48) * model.shape.num_layers
     assert decompressed[0] == expected, (decompressed, expected)
     assert engine.manager.num_free_blocks == engine.manager.num_blocks, "the warm-up leaves no blocks behind"
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q_proj", "q_lora"])
+def test_each_rank_holds_its_heads_query_rows_and_the_whole_latent_projection(q_lora_rank: int | None) -> None:
+    """``wqkv_a`` stacks q_proj's (or q_a_proj's) rows and kv_a_proj_with_mqa's: over two ranks
+    each holds its two heads' q_proj rows (q_a_proj whole) and the whole latent projection."""
+    from kvcache.parallel.heads import TensorParallel
+
+    hf = _deepseek(q_lora_rank)
+    attn = hf.model.layers[1].self_attn
+    kv_a = attn.kv_a_proj_with_mqa.weight
+    for rank in range(2):
+        ours = from_transformers(hf, share=False, tp=TensorParallel(2, rank)).layers[1].attn
+        query = attn.q_a_proj.weight if q_lora_rank else attn.q_proj.weight[rank * 48 : (rank + 1) * 48]  # 2 x 24
+        assert torch.equal(ours.wqkv_a.weight, torch.cat((query, kv_a)))
+        assert ours.splits == (query.shape[0], 32 + 8)

@@ -91,14 +91,24 @@ class Source:
     part: int
 
 
-def _transformers_names(name: str, sandwich: bool = False) -> list[str]:
-    """transformers' keys of our parameter ``name``: one, or one per part of a fused one
-    (``sandwich``: the model's blocks have four norms)."""
+#: MLA's fused input projection (``LatentAttention.wqkv_a``): without and with a query LoRA.
+_MLA_FUSED_SOURCES = {
+    False: ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"),
+    True: ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+}
+
+
+def _transformers_names(name: str, shape: LlamaShape) -> list[str]:
+    """transformers' keys of our parameter ``name``: one, or one per part of a fused one."""
     if name == "lm_head.weight":
         return [name]
     if name == "embed.weight":
         return ["model.embed_tokens.weight"]
-    for fused, sources in _FUSED_SOURCES.items():
+    fused_sources = dict(_FUSED_SOURCES)
+    if shape.mla is not None:
+        fused_sources["attn.wqkv_a"] = _MLA_FUSED_SOURCES[shape.mla.q_lora_rank is not None]
+    sandwich = shape.sandwich_norms
+    for fused, sources in fused_sources.items():
         if f".{fused}." in name:
             return ["model." + name.replace(f".{fused}.", f".{source}.") for source in sources]
     for ours, theirs in _SANDWICH_RENAMES if sandwich else _RENAMES:
@@ -113,7 +123,7 @@ def transformers_sources(model: Llama) -> dict[str, Source]:
     return {
         key: Source(name, part)
         for name, _ in model.named_parameters()
-        for part, key in enumerate(_transformers_names(name, model.shape.sandwich_norms))
+        for part, key in enumerate(_transformers_names(name, model.shape))
     }
 
 

@@ -42,10 +42,13 @@ INNER_NORM_EPS = 1e-6
 
 
 class LatentAttention(nn.Module):
-    """MLA attention of one layer (parameter names as transformers' ``DeepseekV3Attention``;
-    ``wo`` is its ``o_proj``). Sharded over tensor-parallel ranks, it holds its rank's query
-    heads (their rows of ``q_proj``/``q_b_proj`` and ``kv_b_proj``, their columns of ``wo``)
-    and the whole latent projections: every rank writes and reads the same latent cache."""
+    """MLA attention of one layer (parameter names as transformers' ``DeepseekV3Attention``,
+    but for two: ``wo`` is its ``o_proj``, and ``wqkv_a`` stacks the two projections of the
+    block's input along the output features, ``q_proj`` (or, with a query LoRA, ``q_a_proj``)
+    then ``kv_a_proj_with_mqa``: one matrix product where transformers runs two, as vLLM's
+    ``fused_qkv_a_proj``). Sharded over tensor-parallel ranks, it holds its rank's query heads
+    (their rows of ``q_proj``/``q_b_proj`` and ``kv_b_proj``, their columns of ``wo``) and the
+    whole latent projections: every rank writes and reads the same latent cache."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallel | None = None):
         super().__init__()
@@ -57,17 +60,14 @@ class LatentAttention(nn.Module):
         self.mla = mla
         hidden, heads = shape.hidden_size, self.num_heads
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        self.q_proj: nn.Linear | None = None
-        self.q_a_proj: nn.Linear | None = None
+        #: wqkv_a's output features: the query (q_proj's rows, or q_a_proj's), then the latent.
+        self.splits = (heads * qk if mla.q_lora_rank is None else mla.q_lora_rank, mla.latent_dim)
+        self.wqkv_a = nn.Linear(hidden, sum(self.splits), bias=False)
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: nn.Linear | None = None
-        if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=False)
+        if mla.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, INNER_NORM_EPS)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, INNER_NORM_EPS)
         #: Per head, the key half (n rows) then the value half (v rows), of r columns each.
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
@@ -80,14 +80,11 @@ class LatentAttention(nn.Module):
         qk_rope_head_dim channels). Returns [T, hidden]."""
         m, t, heads = self.mla, x.shape[0], self.num_heads
         nope, rope, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-        if self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        elif self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            raise RuntimeError("LatentAttention: no query projection (built without a shape?)")
+        q, ckv = self.wqkv_a(x).split(self.splits, dim=-1)
+        if self.q_a_layernorm is not None and self.q_b_proj is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        c, k_pe = ckv.split([rank, rope], dim=-1)
         w = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, n, r], [H, v, r]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)

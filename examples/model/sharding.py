@@ -39,12 +39,20 @@ _SHARDED: dict[str, tuple[int, tuple[Split, ...]]] = {
 
 #: Latent attention (MLA): the per-head projections split by query heads, each head's rows (or
 #: columns) as wide as that projection's part per head; the latent projections stay whole.
+#: ``attn.wqkv_a`` (see :func:`_mla_rules`) is q_proj's rows (by query heads; with a query
+#: LoRA q_a_proj's, whole) then kv_a_proj_with_mqa's (whole).
 _SHARDED_MLA: dict[str, tuple[int, tuple[Split, ...]]] = {
-    "attn.q_proj": (0, ("query heads",)),
     "attn.q_b_proj": (0, ("query heads",)),
     "attn.kv_b_proj": (0, ("latent kv_b heads",)),
     "attn.wo": (1, ("latent value heads",)),
 }
+
+
+def _mla_rules(shape: LlamaShape) -> dict[str, tuple[int, tuple[Split, ...]]]:
+    """The latent-attention block's rules for ``shape`` (its fused input projection's query
+    part is split by heads only without a query LoRA)."""
+    query: Split = "query heads" if shape.mla is None or shape.mla.q_lora_rank is None else "q lora"
+    return {"attn.wqkv_a": (0, (query, "latent")), **_SHARDED_MLA}
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,16 @@ def _head_width(split: Split, shape: LlamaShape) -> int:
     return shape.head_dim
 
 
+#: Parts every rank keeps whole: the latent (MLA) and a query LoRA's down-projection.
+_WHOLE: tuple[Split, ...] = ("latent", "q lora")
+
+
 def _part_length(split: Split, shape: LlamaShape) -> int:
+    mla = shape.mla
+    if split == "latent" and mla is not None:
+        return mla.latent_dim
+    if split == "q lora" and mla is not None and mla.q_lora_rank is not None:
+        return mla.q_lora_rank
     if split in ("query heads", "latent kv_b heads", "latent value heads"):
         return shape.num_heads * _head_width(split, shape)
     if split == "kv heads":
@@ -84,7 +101,7 @@ def _part_length(split: Split, shape: LlamaShape) -> int:
 
 def _share(split: Split, shape: LlamaShape, tp: TensorParallel) -> tuple[int, int]:
     """(start, length) of rank ``tp.rank``'s share of a part split by ``split``."""
-    if split is None or not tp.is_sharded:
+    if split is None or split in _WHOLE or not tp.is_sharded:
         return 0, _part_length(split, shape)
     if split == "mlp":
         width = shape.intermediate_size // tp.size
@@ -104,12 +121,13 @@ def param_parts(name: str, full_shape: tuple[int, ...], shape: LlamaShape, tp: T
     rows on every rank sharing a replicated KV head); wo: the columns of its query heads;
     gate_up: its rows of the MLP width, of gate then of up; down: its columns. Biases follow
     their rows; wo's and down's bias (added after the all-reduce) stay whole. Latent
-    attention: the rows of the rank's query heads of q_proj / q_b_proj (``head_dim`` each)
-    and kv_b_proj (``qk_nope_head_dim + v_head_dim`` each), wo's columns (``v_head_dim``
-    each); kv_a_proj_with_mqa, q_a_proj and the two inner norms stay whole.
+    attention: the rows of the rank's query heads of q_proj (the first part of wqkv_a) and
+    q_b_proj (``head_dim`` each) and kv_b_proj (``qk_nope_head_dim + v_head_dim`` each),
+    wo's columns (``v_head_dim`` each); kv_a_proj_with_mqa (wqkv_a's last part), q_a_proj
+    (its first, with a query LoRA) and the two inner norms stay whole.
     """
     module, _, kind = name.rpartition(".")
-    rules = _SHARDED_MLA if shape.mla is not None and ".attn." in name else _SHARDED
+    rules = _mla_rules(shape) if shape.mla is not None and ".attn." in name else _SHARDED
     rule = next((r for suffix, r in rules.items() if module.endswith(suffix)), None)
     if rule is None or (kind == "bias" and rule[0] == 1):
         return [Part(0, full_shape[0], 0, full_shape[0], 0)] if full_shape else []
