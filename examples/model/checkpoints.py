@@ -184,8 +184,8 @@ def load_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor], *, sha
     share=False: copy into the existing parameters (cast to their dtype and device).
     share=True:  make the state dict's tensors the parameters (no copy: both models then use
                  the same memory; dtype and device are the tensors'). A fused parameter
-                 (q/k/v, gate/up, MLA's q and kv_a) and a rank's share of a row-parallel weight (columns) are
-                 not one tensor of the source and are copied.
+                 (q/k/v, gate/up, MLA's q and kv_a) and a rank's share of a row-parallel
+                 weight (columns) are not one tensor of the source and are copied.
     Raises ValueError listing missing keys, unused keys and shape mismatches; changes
     nothing then.
     """
