@@ -15,23 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_kernels.cache_write import _round_to_bf16_grid, _round_to_e4m3_grid
+from attention.triton_kernels.cache_write import _round_to_e4m3_grid
 from attention.triton_kernels.paging import kernels_interpreted, next_power_of_2
+from attention.triton_kernels.rotary_write import _as_input_dtype
 
 __all__ = ["rotary_write_latent"]
 
 # Elements of the absorbed query one program copies: a [heads, latent rank] tile of this
 # size stays in registers and leaves several programs per token.
 _TILE_ELEMENTS = 4096
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]
-    """fp32 ``x`` rounded to ``dtype`` (to nearest even), kept fp32 (the interpreter's fp32
-    to bf16 cast truncates, so there bf16 is rounded with integer ops)."""
-    if INTERPRETED and dtype == tl.bfloat16:
-        return _round_to_bf16_grid(x)
-    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -118,8 +110,8 @@ def _latent_boundary_kernel(  # type: ignore[no-untyped-def]
     tl.store(out + r[None, :], q_latent, mask=r_mask)
     pe_mask = h_mask & (j[None, :] < HALF)
     lo, hi = _load_rotated(q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph, j, pe_mask, cos, sin, HALF, PAIRS)
-    tl.store(out + RANK + j[None, :], _rounded(lo, dtype, INTERPRETED).to(dtype), mask=pe_mask)
-    tl.store(out + RANK + HALF + j[None, :], _rounded(hi, dtype, INTERPRETED).to(dtype), mask=pe_mask)
+    tl.store(out + RANK + j[None, :], _as_input_dtype(lo, dtype, INTERPRETED).to(dtype), mask=pe_mask)
+    tl.store(out + RANK + HALF + j[None, :], _as_input_dtype(hi, dtype, INTERPRETED).to(dtype), mask=pe_mask)
 
     # The latent, from the first chunk's program when its slot is in the cache. An invalid
     # slot shrinks the lanes to nothing (scalar selects, not scalar & tensor, which the
@@ -136,8 +128,8 @@ def _latent_boundary_kernel(  # type: ignore[no-untyped-def]
         c = _to_cache(c.to(tl.float32), scale, cache_dtype, QUANTIZE, INTERPRETED)
     tl.store(dst + r[None, :], c, mask=c_mask)
     k_lo, k_hi = _load_rotated(key_pe_ptr + t * stride_kt, j, k_mask, cos, sin, HALF, PAIRS)
-    k_lo = _to_cache(_rounded(k_lo, dtype, INTERPRETED), scale, cache_dtype, QUANTIZE, INTERPRETED)
-    k_hi = _to_cache(_rounded(k_hi, dtype, INTERPRETED), scale, cache_dtype, QUANTIZE, INTERPRETED)
+    k_lo = _to_cache(_as_input_dtype(k_lo, dtype, INTERPRETED), scale, cache_dtype, QUANTIZE, INTERPRETED)
+    k_hi = _to_cache(_as_input_dtype(k_hi, dtype, INTERPRETED), scale, cache_dtype, QUANTIZE, INTERPRETED)
     tl.store(dst + RANK + j[None, :], k_lo, mask=k_mask)
     tl.store(dst + RANK + HALF + j[None, :], k_hi, mask=k_mask)
 
