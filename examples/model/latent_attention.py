@@ -94,7 +94,10 @@ class LatentAttention(nn.Module):
             q_latent, q_pe, self.kv_a_layernorm(c), k_pe, layer, plan, rotary, pairs=m.rope_interleave
         )  # [T, H, r + e]
         out = backend.attend(query, layer, plan)  # [T, H, r + e]; the first r: sum_i p_i c_i
-        values = torch.einsum("thr,hvr->thv", out[..., :rank], w_uv)  # [T, H, v]
+        # Per head, [T, r] @ [r, v] into a token-major [T, H, v] (the batched product writes
+        # through the transposed view: wo reads it as it is, with no copy in between).
+        values = torch.empty(t, heads, m.v_head_dim, dtype=out.dtype, device=out.device)
+        torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2), out=values.transpose(0, 1))
         prefill = plan.latent_prefill
         if prefill is not None:
             # Long rows attend decompressed (attention.latent_prefill): every key's latent
@@ -104,5 +107,5 @@ class LatentAttention(nn.Module):
             rows = prefill.token_index
             q_rows = torch.cat((q_nope, query[..., rank:]), dim=-1).index_select(0, rows)  # [P, H, n + e]
             decompressed = backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan)  # [P, H, v]
-            values = values.index_copy(0, rows, decompressed.to(values.dtype))
+            values.index_copy_(0, rows, decompressed.to(values.dtype))
         return self.wo(values.reshape(t, heads * m.v_head_dim))
