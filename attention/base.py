@@ -397,8 +397,11 @@ class AttentionBackend(ABC):
                       covering every position of the step.
         pairs:        the rotary channels come interleaved (DeepSeek's ``rope_interleave``).
         Returns a new contiguous [num_tokens, num_heads, r + e] (padding tokens' rows included;
-        their latent is not written). Backends whose table entry says ``fused_rotary`` do it
-        in one kernel; the others compose it.
+        their latent is not written). On a step with decompressed rows (``plan.latent_prefill``),
+        the tokens :meth:`attend` does not take (those rows', and any padding) may get their
+        rotary channels only: their first r are unspecified, so their rows of ``query_latent``
+        need not be set. Backends whose table entry says ``fused_rotary`` do it in one kernel;
+        the others compose it.
         """
         meta = self._check_step(layer, plan)
         device = layer.key.device

@@ -34,6 +34,8 @@ class LatentPrefill:
     query_lens:  their new tokens; key_lens: the keys each sees (its sequence length).
     token_index: int64 [sum(query_lens)] on the device: their new tokens' indices among the
                  step's tokens, row by row.
+    absorbed_index: int64 [num_tokens - sum(query_lens)] on the device: the step's other
+                 tokens' indices (the rows attending absorbed, then any padding), in order.
     key_rows, key_positions: int32 [sum(key_lens)] on the device: per key (row by row, position
                  0 first), its batch row and position; :func:`latent_key_slots` makes slots.
     """
@@ -44,6 +46,7 @@ class LatentPrefill:
     token_index: torch.Tensor
     key_rows: torch.Tensor
     key_positions: torch.Tensor
+    absorbed_index: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,7 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
     if min_tokens is None or meta.tree_masks is not None:
         return None
     rows, tokens, key_rows, key_positions = [], array("i"), array("i"), array("i")
+    absorbed = array("i")
     start = 0
     for row, (seq_len, q_len) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host, strict=True)):
         if q_len >= min_tokens:
@@ -69,9 +73,12 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
             tokens += array("i", range(start, start + q_len))
             key_rows += array("i", [row]) * seq_len
             key_positions += array("i", range(seq_len))
+        else:
+            absorbed += array("i", range(start, start + q_len))
         start += q_len
     if not rows:
         return None
+    absorbed += array("i", range(start, meta.num_tokens))  # padding tokens
     q_lens = tuple(meta.query_lens_host[r] for r in rows)
     k_lens = tuple(meta.seq_lens_host[r] for r in rows)
     staging = DirectStaging(meta.device)
@@ -82,6 +89,7 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
         staging.stage("latent_prefill_tokens", tokens).long(),
         staging.stage("latent_prefill_key_rows", key_rows),
         staging.stage("latent_prefill_key_positions", key_positions),
+        staging.stage("latent_prefill_absorbed", absorbed).long(),
     )
 
 

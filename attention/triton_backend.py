@@ -903,6 +903,8 @@ class TritonBackend(AttentionBackend):
         pairs: bool,
     ) -> torch.Tensor:
         meta = plan.metadata
+        # On a step with decompressed rows, the kernel leaves their absorbed query unset.
+        launch = plan.latent if isinstance(plan, TritonStepPlan) and plan.latent_prefill is not None else None
         return rotary_write_latent(
             query_latent,
             query_pe,
@@ -914,6 +916,7 @@ class TritonBackend(AttentionBackend):
             rotary.cos_sin,
             layer.k_scale,
             pairs=pairs,
+            token_rows=launch.token_rows if launch is not None else None,
         )
 
     def _value_runs(self, plan: StepPlan) -> bool | None:

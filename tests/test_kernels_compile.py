@@ -45,15 +45,16 @@ def rotary(dtype, cache, quantize, int8=False, rotate=False):
                   ROTATE=rotate, VALUE_RUN=32 if cache in ("*fp8e4nv", "*i8") else 0, INTERPRETED=False)
     return source(_rotary_write_kernel, sig, consts)
 
-def latent(dtype, cache, pairs):
+def latent(dtype, cache, pairs, rows=True):
     sig = {"q_latent_ptr": dtype, "q_pe_ptr": dtype, "latent_ptr": dtype, "key_pe_ptr": dtype, "query_ptr": dtype,
-           "cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "scale_ptr": "*fp32",
+           "cache_ptr": cache, "slot_ptr": "*i64", "pos_ptr": "*i64", "rows_ptr": "*i32" if rows else "*i64",
+           "cos_sin_ptr": "*fp32", "scale_ptr": "*fp32",
            "num_heads": "i32", "num_slots": "i64", "max_position": "i32"}
     for name in ("stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_lt", "stride_kt", "stride_cb",
                  "stride_ct"):
         sig[name] = "i32"
     consts = dict(RANK=512, RANK_PAD=512, HALF=32, HALF_PAD=32, BLOCK_H=8, BLOCK_SIZE=64, PAIRS=pairs,
-                  QUANTIZE=cache == "*fp8e4nv", INTERPRETED=False)
+                  QUANTIZE=cache == "*fp8e4nv", HAS_ROWS=rows, INTERPRETED=False)
     return source(_latent_boundary_kernel, sig, consts)
 
 def value_runs(dtype, cache, int8=False, rotate=False):
@@ -166,6 +167,7 @@ kernels = {
     "latent-boundary-bf16-pairs": latent("*bf16", "*bf16", True),
     "latent-boundary-bf16-fp8-latent": latent("*bf16", "*fp8e4nv", True),
     "latent-boundary-fp32-halves": latent("*fp32", "*fp32", False),
+    "latent-boundary-bf16-no-rows": latent("*bf16", "*bf16", False, rows=False),
     "value-runs-bf16-fp8-cache": value_runs("*bf16", "*fp8e4nv"),
     "value-runs-bf16-int8-cache": value_runs("*bf16", "*i8", int8=True),
     "value-runs-bf16-fp8-cache-rotated": value_runs("*bf16", "*fp8e4nv", rotate=True),
@@ -199,7 +201,7 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 45, report
+    assert len(report) == 46, report
     # Only the merge the Hopper kernels launch dependent on them waits for that kernel.
     waiting = {name for name, r in report.items() if r["gdc_waits"]}
     assert waiting == {"mla-merge-hopper", "mla-merge-hopper-fp32"}, report

@@ -23,7 +23,7 @@ from examples.engine import cache_config_for, engine_for  # noqa: E402
 from examples.engine.calibration import calibrate_kv_scales  # noqa: E402
 from examples.engine.loop import run_requests  # noqa: E402
 from examples.engine.scheduler import Request, make_preemption  # noqa: E402
-from examples.model import from_transformers, shape_for_cache, shape_from_config  # noqa: E402
+from examples.model import from_transformers, latent_attention, shape_for_cache, shape_from_config  # noqa: E402
 from kvcache import ConfigError, allocate_kv_cache, parse_config  # noqa: E402
 from tests.test_checkpoints import LOGITS_ATOL, VOCAB, _hf_generate  # noqa: E402
 
@@ -92,13 +92,18 @@ def _count_decompressed(backend: Any) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("q_lora_rank", "decompress_from"),
-    [(None, None), (24, None), (None, 16), (24, 2)],
-    ids=["q-proj", "q-lora", "q-proj-decompressed", "q-lora-decompressed"],
+    ("q_lora_rank", "decompress_from", "subset"),
+    [(None, None, False), (24, None, False), (None, 16, False), (24, 2, False), (24, 2, True)],
+    ids=["q-proj", "q-lora", "q-proj-decompressed", "q-lora-decompressed", "q-lora-absorbed-subset"],
 )
-def test_latent_attention_serves_transformers_tokens(q_lora_rank: int | None, decompress_from: int | None) -> None:
+def test_latent_attention_serves_transformers_tokens(
+    q_lora_rank: int | None, decompress_from: int | None, subset: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Absorbed for every row, or decompressed for rows of at least ``decompress_from`` new
-    tokens (``latent_prefill_min_tokens``): transformers' tokens either way."""
+    tokens (``latent_prefill_min_tokens``): transformers' tokens either way. ``subset``: every
+    step with decompressed rows runs the absorbed products on its other tokens only."""
+    if subset:
+        monkeypatch.setattr(latent_attention, "ABSORBED_SUBSET_MIN_TOKENS", 1)
     hf = _deepseek(q_lora_rank)
     model = from_transformers(hf)
     assert model.shape.mla is not None and model.shape.mla.q_lora_rank == q_lora_rank
@@ -138,18 +143,24 @@ def _note_direct(plan, seen: list[bool]):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("graphs", "decompress_from", "direct"),
-    [(False, None, False), (False, None, True), (False, 16, False), (True, 16, False), (True, 16, True)],
-    ids=["eager", "eager-direct", "eager-decompressed", "cuda-graphs-decompressed", "cuda-graphs-direct"],
-)
+    ("graphs", "decompress_from", "direct", "subset"),
+    [(False, None, False, False), (False, None, True, False), (False, 16, False, False), (False, 16, True, True),
+     (True, 16, False, False), (True, 16, True, False)],
+    ids=["eager", "eager-direct", "eager-decompressed", "eager-absorbed-subset", "cuda-graphs-decompressed",
+         "cuda-graphs-direct"],
+)  # fmt: skip
 @pytest.mark.usefixtures("few_sms")
 def test_latent_attention_on_triton_matches_transformers(
-    graphs: bool, decompress_from: int | None, direct: bool, monkeypatch: pytest.MonkeyPatch
+    graphs: bool, decompress_from: int | None, direct: bool, subset: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The triton backend's MLA kernels (absorbed for every token, or decompressed prefill
     rows beside absorbed decode rows; Triton's CPU interpreter without a GPU, and CUDA graphs
     for decode steps on one): transformers' tokens and logits. ``direct``: every step planned
-    direct (tokens of one segment stored by their program), as steps of many tokens are."""
+    direct (tokens of one segment stored by their program), as steps of many tokens are.
+    ``subset``: steps with decompressed rows run the absorbed products on the other tokens
+    only, and the boundary kernel leaves the decompressed tokens' absorbed query unset."""
+    if subset:
+        monkeypatch.setattr(latent_attention, "ABSORBED_SUBSET_MIN_TOKENS", 1)
     pytest.importorskip("triton")
     import attention.triton_kernels.mla_balanced as balanced
 

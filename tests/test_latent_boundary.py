@@ -126,6 +126,37 @@ def test_the_query_and_the_latent_match_float64(under: UnderTest, dtype: torch.d
     torch.testing.assert_close(rows_written[:, RANK:].double(), want_key, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("under", [p for p in BACKENDS_UNDER_TEST if p.values[0].name != "flash_attn"])
+def test_a_step_with_decompressed_rows_reads_no_absorbed_query_for_them(under: UnderTest) -> None:
+    """On a step whose first row attends decompressed (``plan.latent_prefill``), the other
+    tokens get their absorbed query as given, every token its rotated rotary channels and its
+    latent in the cache, and the decompressed tokens' rows of ``query_latent`` are not needed:
+    NaN there changes nothing else."""
+    case = _case(under, [(0, 37), (5, 1), (40, 3)], torch.bfloat16)
+    backend = under.make(case.spec)
+    backend.latent_prefill_min_tokens = 16
+    plan = backend.plan(case.meta)
+    prefill = plan.latent_prefill
+    assert prefill is not None and prefill.rows == (0,)
+    t = case.meta.num_tokens
+    decompressed, absorbed = prefill.token_index, prefill.absorbed_index
+    assert torch.equal(torch.cat((decompressed, absorbed)).sort().values.cpu(), torch.arange(t))
+    q_latent, q_pe, latent, key_pe = case.inputs
+    q_latent[decompressed] = float("nan")
+    query = backend.rotary_write_latent(q_latent, q_pe, latent, key_pe, case.layer, plan, case.table)
+
+    slots, positions = case.meta.slot_mapping, case.meta.positions
+    real = absorbed[slots[absorbed] >= 0]  # (padding tokens too may be left unset)
+    assert real.numel() == 4 and torch.equal(_bits(query[real, :, :RANK]), _bits(q_latent[real]))
+    want_query_pe = _rotated64(q_pe, positions, case.table, False)
+    torch.testing.assert_close(query[..., RANK:].double(), want_query_pe, **TOLERANCE[torch.bfloat16])
+    keep = slots >= 0
+    rows_written = case.layer.key.reshape(-1, RANK + ROPE)[slots[keep]]
+    assert keep.sum() == 41 and torch.equal(_bits(rows_written[:, :RANK]), _bits(latent[keep]))
+    want_key = _rotated64(key_pe[keep].unsqueeze(1), positions[keep], case.table, False)[:, 0]
+    torch.testing.assert_close(rows_written[:, RANK:].double(), want_key, **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("under", [p for p in BACKENDS_UNDER_TEST if p.values[0].name == "triton"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_the_fused_kernel_stores_what_the_composed_form_stores(under: UnderTest, fp8: bool) -> None:

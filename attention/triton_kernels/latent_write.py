@@ -62,6 +62,7 @@ def _latent_boundary_kernel(  # type: ignore[no-untyped-def]
     cache_ptr,
     slot_ptr,
     pos_ptr,
+    rows_ptr,
     cos_sin_ptr,
     scale_ptr,
     num_heads,
@@ -83,10 +84,12 @@ def _latent_boundary_kernel(  # type: ignore[no-untyped-def]
     BLOCK_SIZE: tl.constexpr,
     PAIRS: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (token t, head chunk): query[t, h] = [q_latent[t, h], rotate(q_pe[t, h])] for
-    the chunk's BLOCK_H heads, a new contiguous [T, H, RANK + 2 HALF]; the first chunk's
+    the chunk's BLOCK_H heads, a new contiguous [T, H, RANK + 2 HALF] (under ``HAS_ROWS`` a
+    token whose ``rows_ptr`` entry is negative gets the rotary part only); the first chunk's
     program also stores [latent[t], rotate(key_pe[t])] into slot ``slot_ptr[t]`` of the
     cache (strides (stride_cb, stride_ct, 1, 1), one latent per slot). A slot outside
     [0, num_slots) (the -1 of a padding token, or a corrupt id) writes nothing; a position
@@ -104,7 +107,10 @@ def _latent_boundary_kernel(  # type: ignore[no-untyped-def]
     # The query: the absorbed part copied, the rotary part rotated.
     h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h[:, None] < num_heads
-    r_mask = h_mask & (r[None, :] < RANK)
+    copied = RANK
+    if HAS_ROWS:  # a token the absorbed kernel skips needs no absorbed query
+        copied = tl.where(tl.load(rows_ptr + t) >= 0, RANK, 0)
+    r_mask = h_mask & (r[None, :] < copied)
     q_latent = tl.load(q_latent_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :], mask=r_mask)
     out = query_ptr + t * num_heads * width + h[:, None] * width
     tl.store(out + r[None, :], q_latent, mask=r_mask)
@@ -146,6 +152,7 @@ def rotary_write_latent(
     scale: torch.Tensor | None,
     *,
     pairs: bool,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``[latent[t], rotate(key_pe[t])]`` into slot ``slot_mapping[t]`` of ``cache`` and
     return the query ``[query_latent, rotate(query_pe)]``.
@@ -158,6 +165,9 @@ def rotary_write_latent(
     cos_sin:      float32 [max_positions, e] (:class:`attention.rotary.RotaryTable`).
     pairs:        the rotary channels of ``query_pe`` and ``key_pe`` come interleaved
                   (DeepSeek's ``rope_interleave``); both leave as halves.
+    token_rows:   int32 [T] or None: the absorbed kernel's table row of each token; a token
+                  with a negative one (padding, a row attending decompressed) gets only its
+                  rotary channels, its first r left unset (``query_latent`` is not read there).
     Returns a new contiguous [T, H, r + e]. Arguments are assumed checked by the caller
     (``AttentionBackend.rotary_write_latent``).
     """
@@ -179,6 +189,7 @@ def rotary_write_latent(
         cache,
         slot_mapping,
         positions,
+        token_rows if token_rows is not None else slot_mapping,  # read only under HAS_ROWS
         cos_sin,
         scale if scale is not None else cos_sin,  # read, unused, unless QUANTIZE
         heads,
@@ -200,6 +211,7 @@ def rotary_write_latent(
         BLOCK_SIZE=block_size,
         PAIRS=pairs,
         QUANTIZE=quantize,
+        HAS_ROWS=token_rows is not None,
         INTERPRETED=kernels_interpreted(),
         num_warps=4,
     )

@@ -39,6 +39,10 @@ __all__ = ["LatentAttention"]
 
 #: transformers builds DeepSeek's two inner norms with its RMSNorm default, not rms_norm_eps.
 INNER_NORM_EPS = 1e-6
+#: Steps with at least this many tokens attending decompressed (``plan.latent_prefill``) run
+#: the absorbed query and value products on the other tokens only, gathered and scattered
+#: back; below it the gathers' launches cost more than the products they skip.
+ABSORBED_SUBSET_MIN_TOKENS = 512
 
 
 class LatentAttention(nn.Module):
@@ -87,7 +91,15 @@ class LatentAttention(nn.Module):
         c, k_pe = ckv.split([rank, rope], dim=-1)
         w = self.kv_b_proj.weight.view(heads, nope + m.v_head_dim, rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H, n, r], [H, v, r]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        prefill = plan.latent_prefill
+        # With many tokens attending decompressed, the absorbed products run on the others
+        # only (the boundary leaves the absorbed channels of the skipped ones unset).
+        subset = None if prefill is None or prefill.num_tokens < ABSORBED_SUBSET_MIN_TOKENS else prefill.absorbed_index
+        if subset is None:
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        else:
+            q_latent = q_nope.new_empty(t, heads, rank)  # rows of decompressed tokens never read
+            q_latent.index_copy_(0, subset, torch.einsum("thn,hnr->thr", q_nope.index_select(0, subset), w_uk))
         # Rotary on q_pe and k_pe, the latent [c, k_pe] into the cache, and the query
         # [q_latent, q_pe] (rotary channels as halves) in one backend call.
         query = backend.rotary_write_latent(
@@ -97,8 +109,11 @@ class LatentAttention(nn.Module):
         # Per head, [T, r] @ [r, v] into a token-major [T, H, v] (the batched product writes
         # through the transposed view: wo reads it as it is, with no copy in between).
         values = torch.empty(t, heads, m.v_head_dim, dtype=out.dtype, device=out.device)
-        torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2), out=values.transpose(0, 1))
-        prefill = plan.latent_prefill
+        if subset is None:
+            torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2), out=values.transpose(0, 1))
+        else:
+            absorbed = out.index_select(0, subset)[..., :rank].transpose(0, 1)  # [H, D, r]
+            values.index_copy_(0, subset, torch.bmm(absorbed, w_uv.transpose(1, 2)).transpose(0, 1))
         if prefill is not None:
             # Long rows attend decompressed (attention.latent_prefill): every key's latent
             # through kv_b_proj gives each head its k_nope and value.
