@@ -98,7 +98,7 @@ class LatentAttention(nn.Module):
         if subset is None:
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         else:
-            q_latent = q_nope.new_empty(t, heads, rank)  # rows of decompressed tokens never read
+            q_latent = q_nope.new_empty(t, heads, rank)  # the decompressed tokens' rows: unset, unused
             q_latent.index_copy_(0, subset, torch.einsum("thn,hnr->thr", q_nope.index_select(0, subset), w_uk))
         # Rotary on q_pe and k_pe, the latent [c, k_pe] into the cache, and the query
         # [q_latent, q_pe] (rotary channels as halves) in one backend call.
