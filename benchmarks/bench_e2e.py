@@ -37,7 +37,9 @@ copy bandwidth measured in this run, and our mixed iterations (prefill + decode 
 ``--profile`` (default on CUDA) a window of iterations of each workload is re-run under
 torch.profiler: GPU time per iteration by kernel class (gemm, attention, boundary, elementwise,
 copy; ``step_profile.py``) and the wall time left, which is host work the GPU waited for.
-Cold start: our first prefill step before any warm-up vs after it, and the warm-up time.
+``--profile-prefill`` profiles the burst's first iterations too (its prompts' prefill and
+mixed steps, eager with latent attention), in a third serve of that workload. Cold start: our
+first prefill step before any warm-up vs after it, and the warm-up time.
 
 ``--kv-cache-dtype float8_e4m3`` serves ours from an fp8 cache (unit scales, V token-major as
 ``kvcache`` allocates it; compute stays bf16), ``--kv-cache-dtype int8`` from an int8 cache
@@ -187,6 +189,7 @@ class Settings:
     poisson_budget: int
     profile: bool
     workloads: tuple[str, ...]
+    profile_prefill: bool = False  # also profile the burst's first (prefill / mixed) iterations
     kv_cache_dtype: str | None = None  # None: the compute dtype; float8_e4m3 or int8: an 8-bit cache
     kv_rotation: str = "none"  # hadamard: that 8-bit cache stores K and V rotated
     hopper_decode: str | None = None  # one-token rows on the Gluon kernel: HOPPER_DECODE's words; None: the default
@@ -237,6 +240,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         poisson_budget=args.poisson_budget,
         profile=on_cuda if args.profile is None else args.profile,
         workloads=tuple(args.workloads.split(",")),
+        profile_prefill=args.profile_prefill,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_rotation=args.kv_rotation,
         hopper_decode=args.hopper_decode,
@@ -870,10 +874,14 @@ def _iteration_stats(
     return out
 
 
-def profile_summary(bd: KernelBreakdown, model: Llama, copy_gbps: float | None) -> dict[str, Any]:
+def profile_summary(
+    bd: KernelBreakdown, model: Llama, copy_gbps: float | None, *, decode: bool = True
+) -> dict[str, Any]:
+    """The breakdown as JSON, printed; ``decode``: the window is decode iterations, whose GEMMs
+    read every weight once (their rate against the copy bandwidth is added)."""
     out = bd.as_json()
     gemm_ms = bd.ms.get("gemm")
-    if gemm_ms and copy_gbps:
+    if decode and gemm_ms and copy_gbps:
         # Every weight matrix is read once per iteration (the embedding is gathered, not read).
         out["gemm_fraction_of_copy_bw"] = weight_bytes(model) / (gemm_ms * 1e-3) / (copy_gbps * 1e9)
     print(f"  profile: {bd.line()}", flush=True)
@@ -1075,20 +1083,20 @@ def table(results: dict[str, Any], errors: dict[str, str]) -> str:
                 f"same greedy tokens: first token {a['first_token_agreement']:.0%} of requests, "
                 f"{a['identical_requests']} requests identical, mean common prefix {a['mean_common_prefix']:.1f}"
             )
-        for label in ("profile",):
+        for label in ("profile", "prefill_profile"):
             if section.get(label):
                 p = section[label]
                 split = attention_parts_text(p.get("attention_ms_per_iteration") or {})
                 classes = ", ".join(
                     f"{k} {v:.2f}{split if k == 'attention' else ''}" for k, v in p["ms_per_iteration"].items()
                 )
+                gemm_rate = p.get("gemm_fraction_of_copy_bw")
                 lines.append(
-                    f"profile ({p['iterations']} iterations, ms each): GPU {p['gpu_ms_per_iteration']:.2f} = "
-                    f"{classes}; wall {_fmt(p['wall_ms_per_iteration'])}, no kernel running "
-                    f"{_fmt(p['gpu_idle_ms_per_iteration'])}, graph replay {_fmt(p.get('graph_replay_ms'))}, "
-                    f"host wait {_fmt(p.get('host_wait_ms_per_iteration'))}; GEMMs at "
-                    f"{_fmt(p.get('gemm_fraction_of_copy_bw'))} "
-                    f"of copy bandwidth"
+                    f"{label.replace('_', ' ')} ({p['iterations']} iterations, ms each): GPU "
+                    f"{p['gpu_ms_per_iteration']:.2f} = {classes}; wall {_fmt(p['wall_ms_per_iteration'])}, "
+                    f"no kernel running {_fmt(p['gpu_idle_ms_per_iteration'])}, graph replay "
+                    f"{_fmt(p.get('graph_replay_ms'))}, host wait {_fmt(p.get('host_wait_ms_per_iteration'))}"
+                    + (f"; GEMMs at {_fmt(gemm_rate)} of copy bandwidth" if gemm_rate is not None else "")
                 )
         rows = _workload_rows(ours, hf)
         width = max(len(r[0]) for r in rows)
@@ -1248,12 +1256,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default="burst,poisson", help="comma-separated: burst, poisson")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                    help="re-run a window of iterations under torch.profiler (default: on CUDA)")  # fmt: skip
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="also profile the burst's first (prefill and mixed) iterations, in one more serve")  # fmt: skip
     p.add_argument("--hf-attention", help="transformers attn_implementation (default paged|flash_attention_2 on cuda)")
     return p
 
 
 #: Profiled iterations (first, count): the burst's decode phase, the Poisson run's steady state.
 PROFILE_WINDOWS = {"burst": (24, 30), "poisson": (160, 30)}
+#: With ``--profile-prefill``: the burst's first iterations, its prompts' prefill and mixed steps
+#: (81k prompt tokens in steps of up to 8,192).
+PREFILL_PROFILE_WINDOWS = {"burst": (0, 8)}
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1262,6 +1275,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.hopper_decode is not None and args.backend not in (None, "triton"):
         parser.error(f"--hopper-decode: a choice of the triton backend, not of --backend {args.backend}")
+    if args.profile_prefill and not args.device.startswith("cuda"):
+        parser.error(f"--profile-prefill: the profile times CUDA kernels; not on --device {args.device}")
     for name in BACKEND_SWITCHES:
         if getattr(args, name) is not None and args.backend not in (None, "triton"):
             flag = "--" + name.replace("_", "-")
@@ -1368,6 +1383,12 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 if profiled is not None and profiled.profile is not None:
                     sections[name]["profile"] = profile_summary(profiled.profile, model, copy_gbps)
+            if s.profile_prefill and name in PREFILL_PROFILE_WINDOWS:
+                window = PREFILL_PROFILE_WINDOWS[name]
+                profiled = part(f"ours.{name}.prefill_profile", functools.partial(serve_it, profile_window=window))
+                if profiled is not None and profiled.profile is not None:
+                    summary = profile_summary(profiled.profile, model, copy_gbps, decode=False)
+                    sections[name]["prefill_profile"] = summary
     # Hand our cache and graphs back before transformers sizes its cache from free memory.
     engine = None
     gc.collect()
@@ -1402,6 +1423,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "(transformers: its record_timestamps)",
                 "profile": "a window of iterations re-run under torch.profiler (CUDA activity only), after a sync: "
                 "kernel time per iteration by class, and the wall time per iteration no kernel covers",
+                "prefill_profile": "the same over the burst's first iterations (prefill and mixed steps)",
                 "cold_first_prefill_step": "the workload's first prefill step before any warm-up (compiles included)",
             },
         },

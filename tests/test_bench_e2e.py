@@ -358,3 +358,24 @@ def test_compiles_line_names_the_kernels_compiled_while_serving() -> None:
     watch.compiles += [KernelCompile("_a", "", 0.0), KernelCompile("_b", "", 1.0), KernelCompile("_a", "", 2.0)]
     assert "3 (_a x2, _b x1)" in bench.compiles_line(watch)
     assert "unknown" in bench.compiles_line(CompileWatch())
+
+
+def test_profile_prefill_is_a_cuda_option_printed_without_a_weight_rate() -> None:
+    """``--profile-prefill`` sets the setting, is refused on a CPU device (the profile times CUDA
+    kernels), and its section prints beside the decode profile, without the GEMMs' rate
+    against the copy bandwidth (a prefill step's GEMMs are not weight reads)."""
+    bench = _bench()
+    parser = bench._parser()
+    assert bench.settings_from(parser.parse_args(["--profile-prefill"])).profile_prefill
+    assert not bench.settings_from(parser.parse_args([])).profile_prefill
+    with pytest.raises(SystemExit):
+        bench.run(["--device", "cpu", "--tiny", "--profile-prefill"])
+    section = {"iterations": 8, "ms_per_iteration": {"gemm": 60.0, "attention": 4.0}, "gpu_ms_per_iteration": 70.0,
+               "wall_ms_per_iteration": 71.0, "gpu_idle_ms_per_iteration": 1.0}  # fmt: skip
+    results = {"workloads": {"burst": {"profile": {**section, "gemm_fraction_of_copy_bw": 0.7},
+                                       "prefill_profile": section}}}  # fmt: skip
+    text = bench.table(results, {})
+    decode_line = next(line for line in text.splitlines() if line.startswith("profile ("))
+    prefill_line = next(line for line in text.splitlines() if line.startswith("prefill profile ("))
+    assert "GEMMs at 0.70 of copy bandwidth" in decode_line
+    assert "GPU 70.00 = gemm 60.00, attention 4.00" in prefill_line and "GEMMs at" not in prefill_line
