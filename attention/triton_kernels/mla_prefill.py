@@ -283,6 +283,8 @@ def mla_prefill(
         starts[b + 1] = starts[b] + q
         starts[cut + b + 1] = starts[cut + b] + k
     host = torch.tensor(starts + [x for pair in tiles for x in pair], dtype=torch.int32)
+    if query.device.type == "cuda":  # from pageable memory the copy would wait for the stream
+        host = host.pin_memory()
     staged = host.to(query.device, non_blocking=True)
     q_start, k_start, tile_index = staged[: rows + 1], staged[cut : cut + rows + 1], staged[2 * cut :]
     if on_hopper:
