@@ -371,6 +371,16 @@ class TritonBackend(AttentionBackend):
                         the runs (benchmarks/results/value-runs-h100-2026-12-05.md). Not for
                         int8, whose runs kernel (per-token scales) cost more than it saved.
                         False: token by token, a byte a store.
+      latent_mixed_graphs: with latent attention, capture steps with prefill rows too
+                        (``info.mixed_cuda_graphs``; the buckets' token limit,
+                        ``kvcache.step.buckets.MAX_GRAPH_TOKENS``, applies): such a step then
+                        attends every row absorbed, and only larger steps run eagerly with long
+                        rows decompressed. Off by default, not yet timed on a GPU: the eager
+                        mixed steps of DeepSeek-V2-Lite's sizes under the Poisson workload
+                        (token budget 256) took 37.5 ms for 5.3 ms of GPU work on an H100
+                        (benchmarks/results/e2e-mla-subset-h100-2026-12-06.md), while the
+                        absorbed kernel costs more GPU time than the decompressed path on rows
+                        of 64 new tokens or more.
     """
 
     name = "triton"
@@ -394,13 +404,15 @@ class TritonBackend(AttentionBackend):
         direct_decode_graphs: bool = True,
         graph_dequant_prefill: bool = False,
         value_runs: bool = True,
+        latent_mixed_graphs: bool = False,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
                  ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("hopper_mla_split", hopper_mla_split),
                  ("direct_decode_graphs", direct_decode_graphs),
-                 ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs))  # fmt: skip
+                 ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs),
+                 ("latent_mixed_graphs", latent_mixed_graphs))  # fmt: skip
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
@@ -445,6 +457,7 @@ class TritonBackend(AttentionBackend):
         self.direct_decode_graphs = direct_decode_graphs
         self.graph_dequant_prefill = graph_dequant_prefill
         self.value_runs = value_runs
+        self.latent_mixed_graphs = latent_mixed_graphs
 
     def graph_variants(self) -> tuple[str | None, ...]:
         """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
@@ -458,10 +471,13 @@ class TritonBackend(AttentionBackend):
     @property
     def info(self) -> BackendInfo:
         """The table's entry; with latent attention, steps with prefill rows are not captured
-        (``mixed_cuda_graphs`` off): they run eagerly, where long rows attend decompressed."""
+        (``mixed_cuda_graphs`` off) unless ``latent_mixed_graphs``: they run eagerly, where long
+        rows attend decompressed."""
         info = backend_info(self.name)
         spec = getattr(self, "spec", None)  # None while AttentionBackend.__init__ checks the spec
-        return replace(info, mixed_cuda_graphs=False) if spec is not None and spec.latent_attention else info
+        if spec is None or not spec.latent_attention or getattr(self, "latent_mixed_graphs", False):
+            return info
+        return replace(info, mixed_cuda_graphs=False)
 
     @property
     def windows(self) -> tuple[int | None, ...]:

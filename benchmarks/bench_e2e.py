@@ -198,6 +198,7 @@ class Settings:
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
     graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
     value_runs: bool | None = None  # token-major V of prefill rows written in coalesced runs (None: default)
+    latent_mixed_graphs: bool | None = None  # latent attention: steps with prefill rows captured too (None: default)
     model: str = "llama3-8b"  # a key of MODELS
 
     @property
@@ -561,6 +562,8 @@ BACKEND_SWITCHES: dict[str, str] = {
     "of their blocks (default: the backend's, off)",
     "value_runs": "with an fp8 cache: prefill rows' token-major V written in coalesced runs (default: the "
     "backend's, on)",
+    "latent_mixed_graphs": "with latent attention (--model deepseek-v2-lite): steps with prefill rows up to the "
+    "graph token limit captured too, every row absorbed (default: the backend's, off: eager, long rows decompressed)",
 }
 
 
@@ -571,9 +574,9 @@ def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     ``hopper_decode_overlap`` (``--[no-]hopper-decode-overlap``; that kernel's overlapped loop, off
     by default), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
     ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default),
-    ``value_runs`` (``--[no-]value-runs``; on by default) and
-    ``decode_config`` (``--decode-launch``: every decode row on that launch; the burst has no
-    rows of several new tokens)."""
+    ``value_runs`` (``--[no-]value-runs``; on by default), ``latent_mixed_graphs``
+    (``--[no-]latent-mixed-graphs``; off by default) and ``decode_config`` (``--decode-launch``:
+    every decode row on that launch; the burst has no rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 
     return TritonBackend(shape.attention_spec(config.compute_dtype, config.cache.dtype), **knobs)

@@ -143,22 +143,30 @@ def _note_direct(plan, seen: list[bool]):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("graphs", "decompress_from", "direct", "subset"),
-    [(False, None, False, False), (False, None, True, False), (False, 16, False, False), (False, 16, True, True),
-     (True, 16, False, False), (True, 16, True, False)],
-    ids=["eager", "eager-direct", "eager-decompressed", "eager-absorbed-subset", "cuda-graphs-decompressed",
-         "cuda-graphs-direct"],
+    ("graphs", "decompress_from", "direct", "subset", "mixed_graphs"),
+    [(False, None, False, False, False), (False, None, True, False, False), (False, 16, False, False, False),
+     (False, 16, True, True, False), (False, 16, False, False, True), (True, 16, False, False, False),
+     (True, 16, True, False, False), (True, None, False, False, True)],
+    ids=["eager", "eager-direct", "eager-decompressed", "eager-absorbed-subset", "eager-mixed-buckets",
+         "cuda-graphs-decompressed", "cuda-graphs-direct", "cuda-graphs-mixed"],
 )  # fmt: skip
 @pytest.mark.usefixtures("few_sms")
 def test_latent_attention_on_triton_matches_transformers(
-    graphs: bool, decompress_from: int | None, direct: bool, subset: bool, monkeypatch: pytest.MonkeyPatch
+    graphs: bool,
+    decompress_from: int | None,
+    direct: bool,
+    subset: bool,
+    mixed_graphs: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The triton backend's MLA kernels (absorbed for every token, or decompressed prefill
     rows beside absorbed decode rows; Triton's CPU interpreter without a GPU, and CUDA graphs
     for decode steps on one): transformers' tokens and logits. ``direct``: every step planned
     direct (tokens of one segment stored by their program), as steps of many tokens are.
     ``subset``: steps with decompressed rows run the absorbed products on the other tokens
-    only, and the boundary kernel leaves the decompressed tokens' absorbed query unset."""
+    only, and the boundary kernel leaves the decompressed tokens' absorbed query unset.
+    ``mixed_graphs`` (``TritonBackend(latent_mixed_graphs=True)``): steps with prefill rows are
+    padded to the mixed buckets and, on a GPU, replayed from graphs, every row absorbed."""
     if subset:
         monkeypatch.setattr(latent_attention, "ABSORBED_SUBSET_MIN_TOKENS", 1)
     pytest.importorskip("triton")
@@ -178,6 +186,8 @@ def test_latent_attention_on_triton_matches_transformers(
     config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=7, device=device,
                               prefix_caching=True)  # fmt: skip
     triton = get_backend("triton", model.shape.attention_spec("float32"))
+    triton.latent_mixed_graphs = mixed_graphs  # type: ignore[attr-defined]
+    assert triton.info.mixed_cuda_graphs == mixed_graphs
     engine = engine_for(config, model.shape, backend=triton, fill=float("nan"))
     assert engine.backend.name == "triton" and engine.spec.latent_rank == 32
     engine.backend.latent_prefill_min_tokens = decompress_from
@@ -194,7 +204,9 @@ def test_latent_attention_on_triton_matches_transformers(
     )  # fmt: skip
     if graphs:
         assert report.graph_replays.get("decode", 0) > 0, report.graph_replays
-    assert (decompressed[0] > 0) == (decompress_from is not None), decompressed
+        assert (report.graph_replays.get("mixed", 0) > 0) == mixed_graphs, report.graph_replays
+    # With mixed buckets every step here (48 tokens at most) is planned as its graph: absorbed.
+    assert (decompressed[0] > 0) == (decompress_from is not None and not mixed_graphs), decompressed
     assert directs and set(directs) == {direct}, "the steps were planned as asked"
     for prompt, req in zip(prompts, requests, strict=True):
         tokens, logits = _hf_generate(hf, prompt, NEW_TOKENS)
