@@ -381,3 +381,21 @@ def test_profile_prefill_is_a_cuda_option_printed_without_a_weight_rate() -> Non
     prefill_line = next(line for line in text.splitlines() if line.startswith("prefill profile ("))
     assert "GEMMs at 0.70 of copy bandwidth" in decode_line
     assert "GPU 70.00 = gemm 60.00, attention 4.00" in prefill_line and "GEMMs at" not in prefill_line
+
+
+def test_host_profile_serves_a_workload_timed_then_under_cprofile(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks/host_profile.py``: the tiny latent model's Poisson workload on CPU, its
+    medians, then the two cProfile tables, the serving loop's ``serve`` among the top
+    cumulative entries."""
+    host_profile = load_bench("host_profile")
+    threads = torch.get_num_threads()
+    try:
+        host_profile.main(["--requests", "4", "--top", "8", "--", "--device", "cpu", "--tiny", "--model",
+                           "deepseek-v2-lite", "--workloads", "poisson"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert "poisson: tokens_per_s" in printed and "mixed_host_median_ms" in printed
+    assert printed.count("function calls") == 2 and "Ordered by: cumulative time" in printed
+    cumulative = printed.split("Ordered by: cumulative time")[1]
+    assert "bench_e2e.py" in cumulative and "(serve)" in cumulative

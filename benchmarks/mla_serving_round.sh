@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for latent-attention (MLA) serving, what the H100 run of
+# benchmarks/results/e2e-mla-subset-h100-2026-12-06.md left to measure. From the project root,
+# after ../shared/device/stage.sh here, with carry [".device-extras"]:
+#   bash benchmarks/mla_serving_round.sh
+# 1. the MLA tests on the GPU (the absorbed-subset, mixed-graph and boundary cases among them);
+# 2. bench_e2e's DeepSeek-V2-Lite burst and Poisson runs, mixed steps eager (the default) and
+#    captured (--latent-mixed-graphs), alternating, $RUNS times each (default 1);
+# 3. host_profile.py on the Poisson workload's eager mixed steps;
+# 4. on an H200 only: the MLA decode kernels over bf16 and fp8 latents (issue 24's 85%).
+# Writes logs and JSON under $OUT (default /tmp/mla-round). Not yet run: budget a whole call
+# (each bench_e2e run about a minute and a half, the tests and the host profile a few minutes).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source .device-extras/activate.sh
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/mla-round}
+mkdir -p "$out"
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "device: $name"
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -n 8 \
+    tests/test_latent_attention.py tests/test_latent_boundary.py 2>&1 | tee "$out/tests.log" | tail -5
+e2e() {  # tag, extra arguments
+    timeout 150 python3 benchmarks/bench_e2e.py --skip-transformers --model deepseek-v2-lite \
+        --workloads burst,poisson "${@:2}" --out "$out/e2e-$1.json" > "$out/e2e-$1.log" 2>&1
+    echo "e2e $1: rc=$?"
+    grep -E "^(profile|prefill profile)|tokens/s|inter-token|mixed iteration" "$out/e2e-$1.log" | cut -c1-220
+}
+for run in $(seq "${RUNS:-1}"); do
+    e2e "eager-$run" --profile-prefill
+    e2e "graphs-$run" --latent-mixed-graphs
+done
+timeout 150 python3 benchmarks/host_profile.py --top 30 2>&1 | tee "$out/host-profile.log" | cut -c1-200 | tail -80
+if echo "$name" | grep -q H200; then
+    timeout 150 python3 benchmarks/bench_mla_decode.py --plan-only --fp8 --batches 64x4096,lognormal-128,512x512 \
+        --rep-ms 40 --out "$out/mla-decode-h200.json" 2>&1 | tee "$out/mla-decode.log" | tail -30
+fi
