@@ -456,5 +456,18 @@ def _write_tokens(path: str, report: RunReport) -> None:
         json.dump(data, f)
 
 
+def _exit(code: int) -> None:
+    """Leave the process with ``code``. A torchrun rank (``WORLD_SIZE`` > 1; its group already
+    left) skips the interpreter's shutdown: gloo's worker threads may still drop their last
+    references to a collective's tensors then, and a rank that had finished its work aborted
+    ("terminate called without an active exception", exit status -6) under CPU load (once in
+    CI's torchrun test, 2026-12-06, after the fixes of f411323 and 69f796a)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
