@@ -38,7 +38,7 @@ from attention.errors import RankDivergenceError
 from kvcache import KVCacheConfig, KVCacheError, load_config, resolve_device
 from kvcache.config.sizes import parse_bytes
 
-from .engine.distributed import ParallelRun, start_parallel, stop_parallel
+from .engine.distributed import ParallelRun, exit_process, start_parallel, stop_parallel
 from .engine.loop import RunReport, format_summary, run_requests
 from .engine.parts import engine_for
 from .engine.scheduler import Scheduler, make_preemption
@@ -456,18 +456,5 @@ def _write_tokens(path: str, report: RunReport) -> None:
         json.dump(data, f)
 
 
-def _exit(code: int) -> None:
-    """Leave the process with ``code``. A torchrun rank (``WORLD_SIZE`` > 1; its group already
-    left) skips the interpreter's shutdown: gloo's worker threads may still drop their last
-    references to a collective's tensors then, and a rank that had finished its work aborted
-    ("terminate called without an active exception", exit status -6) under CPU load (once in
-    CI's torchrun test, 2026-12-06, after the fixes of f411323 and 69f796a)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    exit_process(main())

@@ -17,7 +17,7 @@ import torch
 from attention.errors import RankDivergenceError
 from examples.decode_loop import DEFAULT_CONFIG, VOCAB_SIZE
 from examples.engine import engine_for
-from examples.engine.distributed import start_parallel, stop_parallel
+from examples.engine.distributed import exit_process, start_parallel, stop_parallel
 from examples.engine.loop import run_requests
 from examples.engine.scheduler import Scheduler, make_preemption
 from examples.engine.workload import make_workload
@@ -68,4 +68,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    exit_process(main(sys.argv[1]))

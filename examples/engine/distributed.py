@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -22,7 +24,7 @@ from attention.errors import InvalidArgumentError
 from kvcache.parallel.collective import Collective, SingleProcess, TorchDistributed
 from kvcache.parallel.heads import TensorParallel
 
-__all__ = ["ParallelRun", "start_parallel", "stop_parallel"]
+__all__ = ["ParallelRun", "exit_process", "start_parallel", "stop_parallel"]
 
 #: How long a collective may wait for the other ranks before failing (a rank that crashed).
 DEFAULT_TIMEOUT_S = 300
@@ -95,3 +97,17 @@ def stop_parallel(run: ParallelRun, *, synchronize: bool = False) -> None:
             if synchronize:
                 dist.barrier()
             dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """A program's last call: leave the process with ``code``. A torchrun rank
+    (``WORLD_SIZE`` > 1; its group already left with :func:`stop_parallel`) skips the
+    interpreter's shutdown: gloo's worker threads may still drop their last references to a
+    collective's tensors then, and a rank that had finished its work aborted ("terminate called
+    without an active exception", exit status -6) under CPU load (once in CI's torchrun test,
+    2026-12-06, after the fixes of f411323 and 69f796a)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(code)
+    sys.exit(code)
