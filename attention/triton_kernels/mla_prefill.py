@@ -27,6 +27,7 @@ SDPA on the decompressed K/V on the H200, where this kernel reaches 0.60-0.70x:
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from attention.errors import InvalidArgumentError
+from attention.staging import DirectStaging
 from attention.triton_kernels.mla_prefill_hopper import MLA_HOPPER_BLOCK_M, mla_hopper_applies, mla_prefill_hopper
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 from attention.triton_kernels.prefill import prefill_tile_index
@@ -282,10 +284,9 @@ def mla_prefill(
     for b, (q, k) in enumerate(zip(query_lens, key_lens, strict=True)):
         starts[b + 1] = starts[b] + q
         starts[cut + b + 1] = starts[cut + b] + k
-    host = torch.tensor(starts + [x for pair in tiles for x in pair], dtype=torch.int32)
-    if query.device.type == "cuda":  # from pageable memory the copy would wait for the stream
-        host = host.pin_memory()
-    staged = host.to(query.device, non_blocking=True)
+    # From pinned memory (DirectStaging): a copy from pageable memory waits for the stream.
+    flat = array("i", starts + [x for pair in tiles for x in pair])
+    staged = DirectStaging(query.device).stage("mla_prefill_index", flat)
     q_start, k_start, tile_index = staged[: rows + 1], staged[cut : cut + rows + 1], staged[2 * cut :]
     if on_hopper:
         return mla_prefill_hopper(
