@@ -84,7 +84,12 @@ from attention.triton_kernels.mla_decode import (
     mla_attention,
 )
 from attention.triton_kernels.mla_decode_hopper import mla_decode_hopper_dtypes_ok, mla_decode_hopper_shape_ok
-from attention.triton_kernels.mla_prefill import mla_prefill
+from attention.triton_kernels.mla_prefill import (
+    MLAPrefillIndex,
+    mla_prefill,
+    mla_prefill_block_m,
+    stage_mla_prefill_index,
+)
 from attention.triton_kernels.prefill import PAD_TILE
 from attention.triton_kernels.prefill_hopper import (
     HOPPER_PREFILL_BLOCK_M,
@@ -458,6 +463,8 @@ class TritonBackend(AttentionBackend):
         self.graph_dequant_prefill = graph_dequant_prefill
         self.value_runs = value_runs
         self.latent_mixed_graphs = latent_mixed_graphs
+        #: The last plan whose decompressed rows' prefill index was staged, and that index.
+        self._prefill_index: tuple[StepPlan, MLAPrefillIndex] | None = None
 
     def graph_variants(self) -> tuple[str | None, ...]:
         """("combine", "direct") with ``direct_decode_graphs`` (not for latent attention,
@@ -636,15 +643,25 @@ class TritonBackend(AttentionBackend):
         two >= 16 (the kernel's dot width) runs the torch form instead."""
         if nope < 16 or nope & (nope - 1):
             return super()._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        key_pe = key_pe if key_pe.stride(-1) == 1 else key_pe.contiguous()
+        # The rows' offsets and tile index: staged at the step's first layer, reused by the rest.
+        block_m = mla_prefill_block_m(query, kv, key_pe, nope, hopper=self.hopper_prefill)
+        index = self._prefill_index[1] if self._prefill_index is not None and self._prefill_index[0] is plan else None
+        if index is None or index.block_m != block_m or index.tile_index.device != query.device:
+            index = stage_mla_prefill_index(prefill.query_lens, prefill.key_lens, block_m, query.device)
+            self._prefill_index = (plan, index)
         return mla_prefill(
-            query if query.stride(-1) == 1 else query.contiguous(),
-            kv if kv.stride(-1) == 1 else kv.contiguous(),
-            key_pe if key_pe.stride(-1) == 1 else key_pe.contiguous(),
+            query,
+            kv,
+            key_pe,
             prefill.query_lens,
             prefill.key_lens,
             qk_nope_head_dim=nope,
             scale=self.spec.scale,
             hopper=self.hopper_prefill,
+            index=index,
         )
 
     def _plan_prefill(

@@ -171,3 +171,70 @@ def test_the_row_and_tile_arrays_start_on_16_bytes_whatever_the_row_count(
     (q_start, k_start, tiles), = seen
     assert all(t.data_ptr() % 16 == 0 for t in (q_start, k_start, tiles))
     assert q_start.tolist() == k_start.tolist() == [sum(lens[:i]) for i in range(rows + 1)]
+
+
+def test_a_staged_index_serves_every_call_of_its_lengths_and_no_other() -> None:
+    """``stage_mla_prefill_index``: the offsets and tile index a step's layers share give the
+    result of a call that stages its own; an index of other lengths, another tile height or
+    another device is refused by name before the kernel runs."""
+    from attention.triton_kernels.mla_prefill import mla_prefill_block_m, stage_mla_prefill_index
+
+    q_lens, k_lens = [5, 3], [9, 3]
+    query, kv, latents = _case(q_lens, k_lens, 2, 16, 8, 16, seed=3)
+    q, k, pe = (t.float().to(DEVICE) for t in (query, kv[:12], latents[:12, 32:]))
+    cfg = MLAPrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    args = {"qk_nope_head_dim": 16, "scale": 0.2, "config": cfg}
+    assert mla_prefill_block_m(q, k, pe, 16, cfg) == 16
+    index = stage_mla_prefill_index(q_lens, k_lens, 16, q.device)
+    assert index.q_start.tolist() == [0, 5, 8] and index.k_start.tolist() == [0, 9, 12]
+    assert index.tile_index.shape == (2, 2)
+    want = mla_prefill(q, k, pe, q_lens, k_lens, **args)
+    for _ in range(2):
+        assert torch.equal(mla_prefill(q, k, pe, q_lens, k_lens, index=index, **args), want)
+    other_height = stage_mla_prefill_index(q_lens, k_lens, 32, q.device)
+    with pytest.raises(InvalidArgumentError, match=r"index: staged for 2 rows at tiles of 32 on .*this call .* of 16"):
+        mla_prefill(q, k, pe, q_lens, k_lens, index=other_height, **args)
+    with pytest.raises(InvalidArgumentError, match="index: staged for 2 rows"):
+        mla_prefill(q, k, pe, [4, 4], [8, 4], index=index, **args)
+    with pytest.raises(InvalidArgumentError, match=r"query_lens\[1\], key_lens\[1\]: 4 new tokens over 3 keys"):
+        stage_mla_prefill_index([5, 4], [9, 3], 16, q.device)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not kernels_interpreted(), reason="needs CUDA or the Triton interpreter")
+def test_the_triton_backend_stages_a_steps_prefill_index_once_for_all_its_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer of a step attends the same decompressed rows: the backend stages their
+    offsets and tile index at the first layer and reuses them (one host-to-device copy a step,
+    not one a layer); the next step's plan stages its own."""
+    import attention.triton_backend as triton_backend
+    from attention import AttentionSpec, get_backend
+
+    staged: list[tuple[int, ...]] = []
+    stage = triton_backend.stage_mla_prefill_index
+
+    def counting(query_lens, key_lens, block_m, device):  # type: ignore[no-untyped-def]
+        staged.append(tuple(query_lens))
+        return stage(query_lens, key_lens, block_m, device)
+
+    monkeypatch.setattr(triton_backend, "stage_mla_prefill_index", counting)
+    spec = AttentionSpec(2, 1, 40, dtype="float32", softmax_scale=24**-0.5, latent_rank=32)
+    backend = get_backend("triton", spec)
+    backend.latent_prefill_min_tokens = 8
+    device = torch.device(DEVICE)
+    results = []
+    for rows in ([(12, 12), (5, 1)], [(20, 9)]):
+        plan = backend.plan(synthetic_metadata(rows, 32, device))
+        prefill = plan.latent_prefill
+        assert prefill is not None
+        gen = torch.Generator().manual_seed(len(rows))
+        q = torch.randn(prefill.num_tokens, 2, 24, generator=gen).to(device)
+        kv = torch.randn(prefill.num_keys, 2, 32, generator=gen).to(device)
+        pe = torch.randn(prefill.num_keys, 8, generator=gen).to(device)
+        outs = [backend.attend_latent_prefill(q, kv, pe, plan) for _layer in range(3)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        want = _reference(q.double().cpu(), kv.double().cpu(), pe.double().cpu(), prefill.query_lens,
+                          prefill.key_lens, 16, 24**-0.5)  # fmt: skip
+        assert (outs[0].double().cpu() - want).abs().max().item() < 2e-3
+        results.append(prefill.query_lens)
+    assert staged == results == [(12,), (9,)]

@@ -41,7 +41,14 @@ from attention.triton_kernels.mla_prefill_hopper import MLA_HOPPER_BLOCK_M, mla_
 from attention.triton_kernels.paging import dot_precision_for, next_power_of_2, upcast_for
 from attention.triton_kernels.prefill import prefill_tile_index
 
-__all__ = ["MLAPrefillConfig", "default_mla_prefill_config", "mla_prefill"]
+__all__ = [
+    "MLAPrefillConfig",
+    "MLAPrefillIndex",
+    "default_mla_prefill_config",
+    "mla_prefill",
+    "mla_prefill_block_m",
+    "stage_mla_prefill_index",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -188,6 +195,63 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
+@dataclass(frozen=True)
+class MLAPrefillIndex:
+    """One step's row offsets and tile index for :func:`mla_prefill`, staged on the device once
+    and passed to each layer's call (the layers of a step share their rows).
+
+    query_lens, key_lens: the host lengths it was made from; block_m: the tile height.
+    q_start, k_start: int32 [B + 1] row offsets of the query tokens and keys;
+    tile_index: int32 [tiles, 2] (:func:`attention.triton_kernels.prefill.prefill_tile_index`).
+    """
+
+    query_lens: tuple[int, ...]
+    key_lens: tuple[int, ...]
+    block_m: int
+    q_start: torch.Tensor
+    k_start: torch.Tensor
+    tile_index: torch.Tensor
+
+
+def stage_mla_prefill_index(
+    query_lens: Sequence[int], key_lens: Sequence[int], block_m: int, device: torch.device
+) -> MLAPrefillIndex:
+    """The offsets and tile index of rows of ``query_lens`` new tokens over ``key_lens`` keys
+    at tiles of ``block_m``, in one non-blocking copy (from pinned memory on CUDA: a copy from
+    pageable memory would wait for the stream). Raises InvalidArgumentError for lengths that
+    are not ``0 <= query_lens[b] <= key_lens[b]``."""
+    q_lens, k_lens = tuple(query_lens), tuple(key_lens)
+    _check_lengths(q_lens, k_lens, sum(q_lens), sum(k_lens))
+    tiles = prefill_tile_index(list(k_lens), list(q_lens), block_m)
+    # Query starts, key starts and the tile index in one staged array, each part starting on
+    # 16 bytes: Triton compiles a kernel per alignment of its pointers, and the row count
+    # would otherwise pick one of four while serving.
+    rows = len(q_lens)
+    cut = -(-(rows + 1) // 4) * 4
+    starts = [0] * (2 * cut)
+    for b, (q, k) in enumerate(zip(q_lens, k_lens, strict=True)):
+        starts[b + 1] = starts[b] + q
+        starts[cut + b + 1] = starts[cut + b] + k
+    staged = DirectStaging(device).stage("mla_prefill_index", array("i", starts + [x for pair in tiles for x in pair]))
+    tile_index = staged[2 * cut :].view(-1, 2)
+    return MLAPrefillIndex(q_lens, k_lens, block_m, staged[: rows + 1], staged[cut : cut + rows + 1], tile_index)
+
+
+def mla_prefill_block_m(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    key_pe: torch.Tensor,
+    qk_nope_head_dim: int,
+    config: MLAPrefillConfig | None = None,
+    hopper: bool = True,
+) -> int:
+    """The tile height :func:`mla_prefill` runs these tensors at (what its ``index`` must be
+    staged with): the Gluon kernel's on an sm_90 GPU where it applies, else the config's."""
+    if hopper and config is None and mla_hopper_applies(query, kv, key_pe, qk_nope_head_dim):
+        return MLA_HOPPER_BLOCK_M
+    return (config or default_mla_prefill_config(query.dtype)).block_m
+
+
 def _check_lengths(query_lens: Sequence[int], key_lens: Sequence[int], tokens: int, keys: int) -> None:
     if len(query_lens) != len(key_lens):
         raise InvalidArgumentError(
@@ -217,6 +281,7 @@ def mla_prefill(
     out: torch.Tensor | None = None,
     config: MLAPrefillConfig | None = None,
     hopper: bool = True,
+    index: MLAPrefillIndex | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of decompressed MLA heads.
 
@@ -234,9 +299,13 @@ def mla_prefill(
     hopper:     without a ``config``, run DeepSeek-shaped heads on an sm_90 GPU on the Gluon
                 kernel (:mod:`.mla_prefill_hopper`, :func:`~.mla_prefill_hopper.mla_hopper_applies`);
                 False keeps the Triton kernel.
+    index:      the rows' offsets and tile index, staged once for the step's layers
+                (:func:`stage_mla_prefill_index` over the same lengths at
+                :func:`mla_prefill_block_m`'s tile height); default: staged here, per call.
     Returns ``out``. Raises InvalidArgumentError for tensors of the wrong shape, dtype or
-    device, widths the kernel does not take (``n`` a power of two >= 16), or lengths that do
-    not add up. Eager only: it stages the row offsets and tile index from the host lengths.
+    device, widths the kernel does not take (``n`` a power of two >= 16), lengths that do not
+    add up, or an ``index`` made for other lengths, tile height or device. Eager only: the
+    row offsets and tile index come from the host lengths.
     """
     if query.dim() != 3 or kv.dim() != 3 or key_pe.dim() != 2:
         raise InvalidArgumentError(
@@ -272,29 +341,31 @@ def mla_prefill(
         )
     cfg = config or default_mla_prefill_config(query.dtype)
     on_hopper = hopper and config is None and mla_hopper_applies(query, kv, key_pe, nope)
-    tiles = prefill_tile_index(list(key_lens), list(query_lens), MLA_HOPPER_BLOCK_M if on_hopper else cfg.block_m)
+    block_m = MLA_HOPPER_BLOCK_M if on_hopper else cfg.block_m
+    if index is None:
+        index = stage_mla_prefill_index(query_lens, key_lens, block_m, query.device)
+    elif (
+        index.block_m != block_m
+        or index.query_lens != tuple(query_lens)
+        or index.key_lens != tuple(key_lens)
+        or index.tile_index.device != query.device
+    ):
+        raise InvalidArgumentError(
+            f"index: staged for {len(index.query_lens)} rows at tiles of {index.block_m} on "
+            f"{index.tile_index.device}; this call has {len(query_lens)} rows at tiles of {block_m} on {query.device}; "
+            "stage it with stage_mla_prefill_index over these lengths at mla_prefill_block_m's height"
+        )
+    tiles = index.tile_index.shape[0]
     if not tiles or not heads:
         return out
-    # Query starts, key starts and the tile index in one staged array, each part starting on
-    # 16 bytes: Triton compiles a kernel per alignment of its pointers, and the row count
-    # would otherwise pick one of four while serving.
-    rows = len(query_lens)
-    cut = -(-(rows + 1) // 4) * 4
-    starts = [0] * (2 * cut)
-    for b, (q, k) in enumerate(zip(query_lens, key_lens, strict=True)):
-        starts[b + 1] = starts[b] + q
-        starts[cut + b + 1] = starts[cut + b] + k
-    # From pinned memory (DirectStaging): a copy from pageable memory waits for the stream.
-    flat = array("i", starts + [x for pair in tiles for x in pair])
-    staged = DirectStaging(query.device).stage("mla_prefill_index", flat)
-    q_start, k_start, tile_index = staged[: rows + 1], staged[cut : cut + rows + 1], staged[2 * cut :]
+    q_start, k_start, tile_index = index.q_start, index.k_start, index.tile_index
     if on_hopper:
         return mla_prefill_hopper(
-            query, kv, key_pe, q_start, k_start, tile_index.view(-1, 2), nope=nope, scale=scale, out=out,
+            query, kv, key_pe, q_start, k_start, tile_index, nope=nope, scale=scale, out=out,
             programs=_sm_count(query.device),
         )  # fmt: skip
     upcast = upcast_for(query.dtype)
-    _mla_prefill_kernel[(heads, len(tiles))](
+    _mla_prefill_kernel[(heads, tiles)](
         query, kv, key_pe, out, q_start, k_start, tile_index, scale * _LOG2E,
         query.stride(0), query.stride(1), kv.stride(0), kv.stride(1), key_pe.stride(0), out.stride(0), out.stride(1),
         N=nope, E=rope, V=value_dim, BLOCK_E=next_power_of_2(max(rope, 16)),
