@@ -3,7 +3,7 @@
 # benchmarks/results/e2e-mla-subset-h100-2026-12-06.md left to measure. From the project root,
 # after ../shared/device/stage.sh here, with carry [".device-extras"]:
 #   bash benchmarks/mla_serving_round.sh
-# 1. the MLA tests on the GPU (the absorbed-subset, mixed-graph and boundary cases among them);
+# 1. the MLA tests on the GPU (the absorbed-subset, mixed-graph, boundary and prefill-index cases among them);
 # 2. bench_e2e's DeepSeek-V2-Lite burst and Poisson runs, mixed steps eager (the default) and
 #    captured (--latent-mixed-graphs), alternating, $RUNS times each (default 1);
 # 3. host_profile.py on the Poisson workload's eager mixed steps;
@@ -19,7 +19,7 @@ mkdir -p "$out"
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $name"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -n 8 \
-    tests/test_latent_attention.py tests/test_latent_boundary.py 2>&1 | tee "$out/tests.log" | tail -5
+    tests/test_latent_attention.py tests/test_latent_boundary.py tests/test_mla_prefill.py tests/test_mla_prefill_hopper.py 2>&1 | tee "$out/tests.log" | tail -5
 e2e() {  # tag, extra arguments
     timeout 150 python3 benchmarks/bench_e2e.py --skip-transformers --model deepseek-v2-lite \
         --workloads burst,poisson "${@:2}" --out "$out/e2e-$1.json" > "$out/e2e-$1.log" 2>&1
