@@ -19,7 +19,8 @@ mkdir -p "$out"
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $name"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -n 8 \
-    tests/test_latent_attention.py tests/test_latent_boundary.py tests/test_mla_prefill.py tests/test_mla_prefill_hopper.py 2>&1 | tee "$out/tests.log" | tail -5
+    tests/test_latent_attention.py tests/test_latent_boundary.py tests/test_mla_prefill.py \
+    tests/test_mla_prefill_hopper.py 2>&1 | tee "$out/tests.log" | tail -5
 e2e() {  # tag, extra arguments
     timeout 150 python3 benchmarks/bench_e2e.py --skip-transformers --model deepseek-v2-lite \
         --workloads burst,poisson "${@:2}" --out "$out/e2e-$1.json" > "$out/e2e-$1.log" 2>&1
