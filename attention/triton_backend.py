@@ -380,12 +380,15 @@ class TritonBackend(AttentionBackend):
                         (``info.mixed_cuda_graphs``; the buckets' token limit,
                         ``kvcache.step.buckets.MAX_GRAPH_TOKENS``, applies): such a step then
                         attends every row absorbed, and only larger steps run eagerly with long
-                        rows decompressed. Off by default, not yet timed on a GPU: the eager
-                        mixed steps of DeepSeek-V2-Lite's sizes under the Poisson workload
-                        (token budget 256) took 37.5 ms for 5.3 ms of GPU work on an H100
-                        (benchmarks/results/e2e-mla-subset-h100-2026-12-06.md), while the
-                        absorbed kernel costs more GPU time than the decompressed path on rows
-                        of 64 new tokens or more.
+                        rows decompressed. On by default: eager, a mixed step of
+                        DeepSeek-V2-Lite's sizes under the Poisson workload (token budget 256)
+                        took 36.6 ms, host work, for 5.3 ms of GPU work on an H100; captured,
+                        4.40 ms, and the inter-token latency median went from 36.4 to 3.64 ms,
+                        time to first token from 14.3 s to 20 ms
+                        (benchmarks/results/e2e-mla-graphs-h100-2026-12-06.md). False: every
+                        step with prefill rows eager (the absorbed kernel costs more GPU time
+                        than the decompressed path on rows of 64 new tokens or more, which
+                        pays only where the host is not the bound).
     """
 
     name = "triton"
@@ -409,7 +412,7 @@ class TritonBackend(AttentionBackend):
         direct_decode_graphs: bool = True,
         graph_dequant_prefill: bool = False,
         value_runs: bool = True,
-        latent_mixed_graphs: bool = False,
+        latent_mixed_graphs: bool = True,
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
@@ -477,12 +480,12 @@ class TritonBackend(AttentionBackend):
 
     @property
     def info(self) -> BackendInfo:
-        """The table's entry; with latent attention, steps with prefill rows are not captured
-        (``mixed_cuda_graphs`` off) unless ``latent_mixed_graphs``: they run eagerly, where long
+        """The table's entry; with latent attention and ``latent_mixed_graphs`` off, steps with
+        prefill rows are not captured (``mixed_cuda_graphs`` off): they run eagerly, where long
         rows attend decompressed."""
         info = backend_info(self.name)
         spec = getattr(self, "spec", None)  # None while AttentionBackend.__init__ checks the spec
-        if spec is None or not spec.latent_attention or getattr(self, "latent_mixed_graphs", False):
+        if spec is None or not spec.latent_attention or getattr(self, "latent_mixed_graphs", True):
             return info
         return replace(info, mixed_cuda_graphs=False)
 

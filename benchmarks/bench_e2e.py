@@ -563,7 +563,8 @@ BACKEND_SWITCHES: dict[str, str] = {
     "value_runs": "with an fp8 cache: prefill rows' token-major V written in coalesced runs (default: the "
     "backend's, on)",
     "latent_mixed_graphs": "with latent attention (--model deepseek-v2-lite): steps with prefill rows up to the "
-    "graph token limit captured too, every row absorbed (default: the backend's, off: eager, long rows decompressed)",
+    "graph token limit captured too, every row absorbed (default: the backend's, on; off: eager, long rows "
+    "decompressed)",
 }
 
 
@@ -575,7 +576,7 @@ def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     by default), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
     ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default),
     ``value_runs`` (``--[no-]value-runs``; on by default), ``latent_mixed_graphs``
-    (``--[no-]latent-mixed-graphs``; off by default) and ``decode_config`` (``--decode-launch``:
+    (``--[no-]latent-mixed-graphs``; on by default) and ``decode_config`` (``--decode-launch``:
     every decode row on that launch; the burst has no rows of several new tokens)."""
     from attention.triton_backend import TritonBackend
 

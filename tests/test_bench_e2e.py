@@ -243,12 +243,12 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
 @pytest.mark.parametrize(
     ("name", "default"),
     [("graph_dequant_prefill", False), ("value_runs", True), ("hopper_decode_overlap", False),
-     ("latent_mixed_graphs", False)],
+     ("latent_mixed_graphs", True)],
 )  # fmt: skip
 def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> None:
     """``--[no-]graph-dequant-prefill``, ``--[no-]value-runs``, ``--[no-]hopper-decode-overlap``
     and ``--[no-]latent-mixed-graphs`` reach the triton backend (left out: the backend's
-    default, off, on, off and off); refused with another backend."""
+    default, off, on, off and on); refused with another backend."""
     bench = _bench()
     from examples.engine import cache_config_for
 

@@ -214,6 +214,46 @@ def test_latent_attention_on_triton_matches_transformers(
         torch.testing.assert_close(torch.stack(report.logits[req.req_id]).cpu(), logits, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.usefixtures("few_sms")
+def test_latent_attention_on_triton_verifies_drafts_with_transformers_tokens(graphs: bool) -> None:
+    """Prompt-lookup drafts on a latent model over the triton backend (its default: steps with
+    prefill rows, verification steps among them, in the mixed buckets; on a GPU with CUDA
+    graphs, verification steps replay their own graphs, every row absorbed): the tokens are
+    transformers' greedy tokens, drafts were proposed, and on the GPU verified in graphs."""
+    pytest.importorskip("triton")
+    from attention.triton_kernels import kernels_interpreted
+
+    if not kernels_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton kernels are compiled for CUDA in this process and there is no GPU")
+    device = "cpu" if kernels_interpreted() else "cuda"
+    if graphs and device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    hf = _deepseek(None)
+    model = from_transformers(hf, share=False, device=device)
+    config = cache_config_for(model.shape, block_size=32, dtype="float32", num_blocks=12, device=device,
+                              prefix_caching=True)  # fmt: skip
+    triton = get_backend("triton", model.shape.attention_spec("float32"))
+    assert triton.info.mixed_cuda_graphs, "the default captures steps with prefill rows"
+    engine = engine_for(config, model.shape, backend=triton, fill=float("nan"))
+    gen = torch.Generator().manual_seed(11)
+    # Phrases repeated: each prompt ends on an n-gram seen earlier in it, so drafts are proposed.
+    prompts = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist() * 9)[:length]
+               for n, length in ((3, 40), (5, 61), (7, 33))]  # fmt: skip
+    requests = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
+    report = run_requests(
+        model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
+        preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=48, max_running=3,
+        draft_tokens=4, use_graphs=graphs,
+    )  # fmt: skip
+    assert report.drafted > 0, "the repeated phrases give drafts"
+    if graphs:
+        assert report.graph_replays.get("verify", 0) > 0, report.graph_replays
+    for prompt, req in zip(prompts, requests, strict=True):
+        tokens, _ = _hf_generate(hf, prompt, NEW_TOKENS)
+        assert req.output == tokens, f"prompt of {len(prompt)}"
+
+
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 @pytest.mark.usefixtures("few_sms")
 def test_an_fp8_latent_with_calibrated_scales_tracks_the_bf16_latent(backend_name: str) -> None:
