@@ -3,8 +3,9 @@ then once more under cProfile, and the functions with the most own and cumulativ
 
 For steps whose wall time the GPU does not cover (``bench_e2e``'s "no kernel running" and host
 work per iteration): on an H100, a latent-attention model's eager mixed steps under the Poisson
-workload took 37.5 ms of host work for 5.3 ms of GPU work
-(``benchmarks/results/e2e-mla-subset-h100-2026-12-06.md``). Usage, from the project root::
+workload took 36.6 ms of host work for 5.3 ms of GPU work (``bench_e2e.py
+--no-latent-mixed-graphs``; captured, the default, 4.40 ms:
+``benchmarks/results/e2e-mla-graphs-h100-2026-12-06.md``). Usage, from the project root::
 
     python3 benchmarks/host_profile.py [--requests N] [--top K] -- [bench_e2e arguments]
 

@@ -5,11 +5,11 @@
 #   bash benchmarks/mla_serving_round.sh
 # 1. on an H200 only: the MLA decode kernels over bf16 and fp8 latents (issue 24's 85%);
 # 2. the MLA tests on the GPU (the absorbed-subset, mixed-graph, boundary and prefill-index cases among them);
-# 3. bench_e2e's DeepSeek-V2-Lite burst and Poisson runs, mixed steps eager (the default) and
-#    captured (--latent-mixed-graphs), alternating, $RUNS times each (default 1);
+# 3. bench_e2e's DeepSeek-V2-Lite burst and Poisson runs, mixed steps eager (--no-latent-mixed-graphs)
+#    and captured (the default since e42fa09), alternating, $RUNS times each (default 1);
 # 4. host_profile.py on the Poisson workload's eager mixed steps.
-# Writes logs and JSON under $OUT (default /tmp/mla-round). Not yet run: budget a whole call
-# (each bench_e2e run about a minute and a half, the tests and the host profile a few minutes).
+# Writes logs and JSON under $OUT (default /tmp/mla-round). Its lean form ran on an H100 in 150 s
+# (benchmarks/results/e2e-mla-graphs-h100-2026-12-06.sh.txt: about a minute a bench_e2e run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source .device-extras/activate.sh
@@ -32,7 +32,8 @@ e2e() {  # tag, extra arguments
     grep -E "^(profile|prefill profile)|tokens/s|inter-token|mixed iteration" "$out/e2e-$1.log" | cut -c1-220
 }
 for run in $(seq "${RUNS:-1}"); do
-    e2e "eager-$run" --profile-prefill
-    e2e "graphs-$run" --latent-mixed-graphs
+    e2e "eager-$run" --profile-prefill --no-latent-mixed-graphs
+    e2e "graphs-$run"
 done
-timeout 150 python3 benchmarks/host_profile.py --top 30 2>&1 | tee "$out/host-profile.log" | cut -c1-200 | tail -80
+timeout 150 python3 benchmarks/host_profile.py --top 30 -- --model deepseek-v2-lite --workloads poisson \
+    --no-latent-mixed-graphs 2>&1 | tee "$out/host-profile.log" | cut -c1-200 | tail -80
