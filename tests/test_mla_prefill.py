@@ -175,8 +175,8 @@ def test_the_row_and_tile_arrays_start_on_16_bytes_whatever_the_row_count(
 
 def test_a_staged_index_serves_every_call_of_its_lengths_and_no_other() -> None:
     """``stage_mla_prefill_index``: the offsets and tile index a step's layers share give the
-    result of a call that stages its own; an index of other lengths, another tile height or
-    another device is refused by name before the kernel runs."""
+    result of a call that stages its own; an index of other lengths or another tile height is
+    refused by name before the kernel runs, and lengths that do not fit are refused at staging."""
     from attention.triton_kernels.mla_prefill import mla_prefill_block_m, stage_mla_prefill_index
 
     q_lens, k_lens = [5, 3], [9, 3]
