@@ -651,10 +651,10 @@ class TritonBackend(AttentionBackend):
         key_pe = key_pe if key_pe.stride(-1) == 1 else key_pe.contiguous()
         # The rows' offsets and tile index: staged at the step's first layer, reused by the rest.
         block_m = mla_prefill_block_m(query, kv, key_pe, nope, hopper=self.hopper_prefill)
-        index = self._prefill_index[1] if self._prefill_index is not None and self._prefill_index[0] is plan else None
-        if index is None or index.block_m != block_m or index.tile_index.device != query.device:
+        cached = self._prefill_index
+        if cached is None or cached[0] is not plan or cached[1].block_m != block_m:
             index = stage_mla_prefill_index(prefill.query_lens, prefill.key_lens, block_m, query.device)
-            self._prefill_index = (plan, index)
+            cached = self._prefill_index = (plan, index)
         return mla_prefill(
             query,
             kv,
@@ -664,7 +664,7 @@ class TritonBackend(AttentionBackend):
             qk_nope_head_dim=nope,
             scale=self.spec.scale,
             hopper=self.hopper_prefill,
-            index=index,
+            index=cached[1],
         )
 
     def _plan_prefill(

@@ -247,9 +247,21 @@ def mla_prefill_block_m(
 ) -> int:
     """The tile height :func:`mla_prefill` runs these tensors at (what its ``index`` must be
     staged with): the Gluon kernel's on an sm_90 GPU where it applies, else the config's."""
-    if hopper and config is None and mla_hopper_applies(query, kv, key_pe, qk_nope_head_dim):
+    if _runs_on_hopper(query, kv, key_pe, qk_nope_head_dim, config, hopper):
         return MLA_HOPPER_BLOCK_M
     return (config or default_mla_prefill_config(query.dtype)).block_m
+
+
+def _runs_on_hopper(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    key_pe: torch.Tensor,
+    nope: int,
+    config: MLAPrefillConfig | None,
+    hopper: bool,
+) -> bool:
+    """Whether :func:`mla_prefill` takes the Gluon kernel for these tensors."""
+    return hopper and config is None and mla_hopper_applies(query, kv, key_pe, nope)
 
 
 def _check_lengths(query_lens: Sequence[int], key_lens: Sequence[int], tokens: int, keys: int) -> None:
@@ -340,7 +352,7 @@ def mla_prefill(
             f"{list(out.shape)} {out.dtype}"
         )
     cfg = config or default_mla_prefill_config(query.dtype)
-    on_hopper = hopper and config is None and mla_hopper_applies(query, kv, key_pe, nope)
+    on_hopper = _runs_on_hopper(query, kv, key_pe, nope, config, hopper)
     block_m = MLA_HOPPER_BLOCK_M if on_hopper else cfg.block_m
     if index is None:
         index = stage_mla_prefill_index(query_lens, key_lens, block_m, query.device)
