@@ -235,7 +235,9 @@ class AttentionBackend(ABC):
         sinks: float32 [num_heads], this layer's learned sink logits (finite), given exactly
                when the spec has ``attention_sinks``: head h's softmax denominator gains
                ``exp(sinks[h])`` (in the units of the scaled scores).
-        Returns [num_tokens, num_heads, head_dim]. Rows of padding tokens are unspecified.
+        Returns [num_tokens, num_heads, head_dim]. Rows of padding tokens are unspecified, and
+        so are those of tokens that attend decompressed (``plan.latent_prefill``: their output
+        comes from :meth:`attend_latent_prefill`).
         """
         meta = self._check_step(layer, plan)
         shape = (meta.num_tokens, self.spec.num_heads, self.spec.head_dim)
@@ -277,16 +279,24 @@ class AttentionBackend(ABC):
         return dequantize(gathered, layer.k_scale, self.compute_dtype)[:, 0]
 
     def attend_latent_prefill(
-        self, query: torch.Tensor, kv: torch.Tensor, key_pe: torch.Tensor, plan: StepPlan
+        self,
+        query: torch.Tensor,
+        kv: torch.Tensor,
+        key_pe: torch.Tensor,
+        plan: StepPlan,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``plan.latent_prefill``'s new tokens over their decompressed keys.
 
         query:  [P, H, n + e]: those tokens' ``q_nope`` and rotated ``q_pe`` per head (P =
-                ``latent_prefill.num_tokens``; the compute dtype).
+                ``latent_prefill.num_tokens``; the compute dtype; channels contiguous, any
+                token and head strides, e.g. a view of the query projection's output).
         kv:     [K, H, n + v]: per key (``gather_latent_keys``' order) and head, ``k_nope`` then
                 the value (``kv_b_proj`` of the key's latent).
         key_pe: [K, e]: the keys' rotated shared part (the latents' last ``e`` channels).
-        Returns [P, H, v]. ``e`` is the spec's ``head_dim - latent_rank``.
+        out:    [P, H, v] to write (channels contiguous; e.g. the rows of the layer's value
+                buffer, ``latent_prefill.token_span``), else a new tensor.
+        Returns ``out`` [P, H, v]. ``e`` is the spec's ``head_dim - latent_rank``.
         """
         prefill = self._latent_prefill_of(plan)
         rank = self.spec.latent_rank or 0
@@ -301,7 +311,11 @@ class AttentionBackend(ABC):
         if kv.shape[2] <= nope:
             raise InvalidArgumentError(f"kv: {kv.shape[2]} channels, not above qk_nope_head_dim {nope}")
         check_tensor("key_pe", key_pe, shape=(keys, rope), dtype=self.compute_dtype, device=device)
-        return self._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
+        if out is not None:
+            check_tensor("out", out, shape=(tokens, heads, kv.shape[2] - nope), dtype=self.compute_dtype, device=device)
+            if out.stride(-1) != 1:
+                raise InvalidArgumentError(f"out: strides {tuple(out.stride())}; its channels must be contiguous")
+        return self._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope, out)
 
     def _attend_latent_prefill(
         self,
@@ -311,11 +325,13 @@ class AttentionBackend(ABC):
         plan: StepPlan,
         prefill: LatentPrefill,
         nope: int,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """Torch, in :attr:`torch_math_dtype`; a backend with a kernel overrides it."""
         return reference_latent_prefill(
-            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=self.torch_math_dtype
-        )
+            query, kv, key_pe, prefill, qk_nope_head_dim=nope, scale=self.spec.scale, math_dtype=self.torch_math_dtype,
+            out=out,
+        )  # fmt: skip
 
     @property
     def torch_math_dtype(self) -> torch.dtype:

@@ -38,6 +38,10 @@ class LatentPrefill:
                  tokens' indices (the rows attending absorbed, then any padding), in order.
     key_rows, key_positions: int32 [sum(key_lens)] on the device: per key (row by row, position
                  0 first), its batch row and position; :func:`latent_key_slots` makes slots.
+    token_span, absorbed_span: ``(start, stop)`` where ``token_index`` / ``absorbed_index`` is
+                 exactly ``range(start, stop)`` (the usual step: rows continuing in the front,
+                 new prompts behind them), else None. Where set, a caller takes and puts
+                 those tokens' rows as slices, without a gather or a scatter.
     """
 
     rows: tuple[int, ...]
@@ -47,6 +51,8 @@ class LatentPrefill:
     key_rows: torch.Tensor
     key_positions: torch.Tensor
     absorbed_index: torch.Tensor
+    token_span: tuple[int, int] | None = None
+    absorbed_span: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +96,17 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
         staging.stage("latent_prefill_key_rows", key_rows),
         staging.stage("latent_prefill_key_positions", key_positions),
         staging.stage("latent_prefill_absorbed", absorbed).long(),
+        token_span=_span(tokens),
+        absorbed_span=_span(absorbed),
     )
+
+
+def _span(indices: array[int]) -> tuple[int, int] | None:
+    """``(start, stop)`` if the increasing ``indices`` are exactly ``range(start, stop)``."""
+    if not indices:
+        return None
+    start = indices[0]
+    return (start, start + len(indices)) if indices[-1] - start + 1 == len(indices) else None
 
 
 def latent_key_slots(prefill: LatentPrefill, meta: AttentionMetadata, num_blocks: int) -> torch.Tensor:
@@ -115,11 +131,14 @@ def reference_latent_prefill(
     qk_nope_head_dim: int,
     scale: float,
     math_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decompressed causal attention in torch (shapes as in
-    :meth:`AttentionBackend.attend_latent_prefill`); math in ``math_dtype``."""
+    :meth:`AttentionBackend.attend_latent_prefill`); math in ``math_dtype``; written into
+    ``out`` [P, H, v] when given."""
     heads, nope = query.shape[1], qk_nope_head_dim
-    out = torch.empty(query.shape[0], heads, kv.shape[2] - nope, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape[0], heads, kv.shape[2] - nope, dtype=query.dtype, device=query.device)
     q0 = k0 = 0
     for q_len, k_len in zip(prefill.query_lens, prefill.key_lens, strict=True):
         q = query[q0 : q0 + q_len].to(math_dtype)

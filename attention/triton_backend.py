@@ -640,12 +640,13 @@ class TritonBackend(AttentionBackend):
         plan: StepPlan,
         prefill: LatentPrefill,
         nope: int,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """The decompressed prefill kernel (on an sm_90 GPU the Gluon kernel for DeepSeek-shaped
         heads unless ``hopper_prefill`` is off); a ``qk_nope_head_dim`` that is not a power of
         two >= 16 (the kernel's dot width) runs the torch form instead."""
         if nope < 16 or nope & (nope - 1):
-            return super()._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope)
+            return super()._attend_latent_prefill(query, kv, key_pe, plan, prefill, nope, out)
         query = query if query.stride(-1) == 1 else query.contiguous()
         kv = kv if kv.stride(-1) == 1 else kv.contiguous()
         key_pe = key_pe if key_pe.stride(-1) == 1 else key_pe.contiguous()
@@ -665,6 +666,7 @@ class TritonBackend(AttentionBackend):
             scale=self.spec.scale,
             hopper=self.hopper_prefill,
             index=cached[1],
+            out=out,
         )
 
     def _plan_prefill(
@@ -1001,6 +1003,8 @@ class TritonBackend(AttentionBackend):
                 hopper_ring=plan.latent.launch.hopper_ring,
                 hopper_split=plan.latent.launch.hopper_split,
                 zero_rest=in_place,
+                # Tokens attending decompressed: their rows are left unset (attend's contract).
+                skip_unseen=plan.latent_prefill is not None,
             )
             if not in_place:
                 result[..., :rank] = values

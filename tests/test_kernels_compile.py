@@ -114,14 +114,14 @@ def mla(dtype, cache, balanced, block_size=64, block_n=32, unrolled=0, direct=Fa
         consts.update(UNROLLED=unrolled, DIRECT=direct)
     return source(_mla_balanced_kernel if balanced else _mla_decode_kernel, sig, consts)
 
-def mla_merge(balanced, direct=False, hopper=False, partials="*fp16"):
+def mla_merge(balanced, direct=False, hopper=False, partials="*fp16", skip_unseen=False):
     if balanced:  # hopper: as the Hopper kernel's launch takes it (a dependent launch)
         sig = {"acc_ptr": partials, "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16",
                "num_tokens": "i32",
                "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
                "tail": "i32"}
         return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64, DIRECT=direct,
-                                                             AFTER_PDL=hopper))
+                                                             AFTER_PDL=hopper, SKIP_UNSEEN=skip_unseen))
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",
            "out_ptr": "*bf16", "num_rows": "i32", "num_heads": "i32", "table_width": "i32", "splits": "i32",
            "stride_ot": "i32", "stride_oh": "i32", "tail": "i32"}
@@ -154,6 +154,8 @@ kernels = {
     "mla-merge-balanced": mla_merge(True, partials="*fp32"),  # (float32 queries)
     "mla-merge-balanced-direct": mla_merge(True, direct=True),
     "mla-merge-hopper": mla_merge(True, hopper=True),
+    "mla-merge-hopper-skip-unseen": mla_merge(True, hopper=True, skip_unseen=True),  # (eager decompressed steps)
+    "mla-merge-balanced-direct-skip-unseen": mla_merge(True, direct=True, skip_unseen=True),
     "mla-merge-hopper-fp32": mla_merge(True, hopper=True, partials="*fp32"),  # (fp8 latents, the split form)
     "rotary-bf16": rotary("*bf16", "*bf16", False),
     "rotary-fp16": rotary("*fp16", "*fp16", False),
@@ -201,7 +203,7 @@ print(json.dumps(report))
 def test_boundary_and_model_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     report = compile_report(_SCRIPT)
-    assert len(report) == 46, report
+    assert len(report) == 48, report
     # Only the merge the Hopper kernels launch dependent on them waits for that kernel.
     waiting = {name for name, r in report.items() if r["gdc_waits"]}
-    assert waiting == {"mla-merge-hopper", "mla-merge-hopper-fp32"}, report
+    assert waiting == {"mla-merge-hopper", "mla-merge-hopper-fp32", "mla-merge-hopper-skip-unseen"}, report

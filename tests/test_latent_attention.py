@@ -83,27 +83,39 @@ def _count_decompressed(backend: Any) -> list[int]:
     seen = [0]
     inner = backend.attend_latent_prefill
 
-    def counted(query: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         seen[0] += query.shape[0]
-        return inner(query, *args)
+        return inner(query, *args, **kwargs)
 
     backend.attend_latent_prefill = counted
     return seen
 
 
 @pytest.mark.parametrize(
-    ("q_lora_rank", "decompress_from", "subset"),
-    [(None, None, False), (24, None, False), (None, 16, False), (24, 2, False), (24, 2, True)],
-    ids=["q-proj", "q-lora", "q-proj-decompressed", "q-lora-decompressed", "q-lora-absorbed-subset"],
-)
+    ("q_lora_rank", "decompress_from", "subset", "gathered"),
+    [(None, None, False, False), (24, None, False, False), (None, 16, False, False), (24, 2, False, False),
+     (24, 2, True, False), (None, 16, False, True), (24, 2, True, True)],
+    ids=["q-proj", "q-lora", "q-proj-decompressed", "q-lora-decompressed", "q-lora-absorbed-subset",
+         "q-proj-decompressed-gathered", "q-lora-absorbed-subset-gathered"],
+)  # fmt: skip
 def test_latent_attention_serves_transformers_tokens(
-    q_lora_rank: int | None, decompress_from: int | None, subset: bool, monkeypatch: pytest.MonkeyPatch
+    q_lora_rank: int | None,
+    decompress_from: int | None,
+    subset: bool,
+    gathered: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Absorbed for every row, or decompressed for rows of at least ``decompress_from`` new
     tokens (``latent_prefill_min_tokens``): transformers' tokens either way. ``subset``: every
-    step with decompressed rows runs the absorbed products on its other tokens only."""
+    step with decompressed rows runs the absorbed products on its other tokens only.
+    ``gathered``: the plan gives no spans, so the model gathers and scatters every token set
+    by index (as for decompressed rows that are not adjacent in the batch)."""
     if subset:
         monkeypatch.setattr(latent_attention, "ABSORBED_SUBSET_MIN_TOKENS", 1)
+    if gathered:
+        import attention.latent_prefill
+
+        monkeypatch.setattr(attention.latent_prefill, "_span", lambda indices: None)
     hf = _deepseek(q_lora_rank)
     model = from_transformers(hf)
     assert model.shape.mla is not None and model.shape.mla.q_lora_rank == q_lora_rank
@@ -391,6 +403,10 @@ def test_a_latent_config_naming_triton_gets_the_triton_backend() -> None:
 
 #: DeepSeek-V3's latent: kv_lora_rank 512 + 64 rotary values (576, past per-head K/V's 256).
 WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+#: A greedy token of bf16 logits may part from the reference's only where the reference's top two
+#: are closer than this: bf16 steps 1/64 between 2 and 4, where these models' top logits lie,
+#: and two paths that round the latent's products differently move a logit by a few steps.
+LATENT_TIE_TOLERANCE = 0.1
 
 
 @pytest.mark.usefixtures("few_sms")
@@ -432,7 +448,11 @@ def test_sixteen_heads_over_a_wide_latent_serve_as_the_reference_does(
 ) -> None:
     """DeepSeek-V3's latent at 16 heads (its share of a rank at 8-way tensor parallelism), bf16,
     blocks of 64, CUDA graphs: the triton backend (on an sm_90 GPU the Gluon Hopper kernels,
-    fp8 included) gives the reference backend's greedy tokens over the same cache dtype."""
+    fp8 included) gives the reference backend's greedy tokens over the same cache dtype, up to
+    near-ties. The reference runs eagerly, where the 96-token prompt attends decompressed; the
+    graphs attend it absorbed (over an fp8 latent with the query split into e4m3 hi + lo), so the
+    two round differently: on the H100 the fp8 case's first token parted at a top-two gap of a
+    few bf16 steps (the reference's 330 against 185, its logits 2.42 / 2.38 on the CPU)."""
     import attention.triton_kernels.mla_decode as mla_decode_module
     from attention.triton_kernels.prefill_hopper import hopper_prefill_possible
 
@@ -454,13 +474,29 @@ def test_sixteen_heads_over_a_wide_latent_serve_as_the_reference_does(
         engine = engine_for(config, model.shape, backend=backend, fill=float("nan"))
         prompts = [_prompts()[i] for i in (0, 1, 4)]
         requests = [Request(i, p, 6) for i, p in enumerate(prompts)]
-        run_requests(
+        report = run_requests(
             model, requests, manager=engine.manager, cache=engine.cache, backend=engine.backend,
             preemption=make_preemption("recompute", engine.manager, engine.cache), token_budget=256, max_running=3,
-            use_graphs=name == "triton",
+            use_graphs=name == "triton", record_logits=True,
         )  # fmt: skip
         outputs[name] = [r.output for r in requests]
-    assert outputs["triton"] == outputs["reference"]
+        if name == "reference":
+            reference_logits = report.logits
+        else:
+            assert report.graph_replays, "the triton run is meant to replay CUDA graphs"
+    identical = 0
+    for req_id, (ref, ours) in enumerate(zip(outputs["reference"], outputs["triton"], strict=True)):
+        part = next((j for j, (a, b) in enumerate(zip(ref, ours, strict=True)) if a != b), None)
+        if part is None:
+            identical += 1
+            continue
+        logits = reference_logits[req_id][part].float()
+        gap = float(logits[ref[part]] - logits[ours[part]])
+        assert gap < LATENT_TIE_TOLERANCE, (
+            f"request {req_id}: token {part} is {ours[part]} on triton, {ref[part]} on the reference, "
+            f"whose logits differ by {gap:.3g} (a near-tie is under {LATENT_TIE_TOLERANCE})"
+        )
+    assert identical >= len(outputs["reference"]) - 1, (outputs, "more than one near-tie in 3 requests")
     assert (hopper_calls[0] > 0) == hopper_prefill_possible(torch.device("cuda")), hopper_calls
 
 

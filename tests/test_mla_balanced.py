@@ -250,6 +250,34 @@ def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
     assert err < 3e-2, err
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
+def test_tokens_that_see_nothing_keep_their_rows_when_asked(direct: bool) -> None:
+    """``skip_unseen`` (a step's tokens attending decompressed, whose output comes from
+    elsewhere): a token without latents (row -1 or length 0) keeps every channel of its rows
+    of ``out``; the others get their attention and zeroed rotary channels as without it. The
+    split schedule, which stores every token, refuses it by name."""
+    lens, rank, rope, heads = [70, 5, 33, 0, 40], 32, 16, 4
+    rows = [0, 1, -1, 3, 4]
+    target = torch.full((len(lens), heads, rank + rope), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    _, query, latents = _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=1, seed=8,
+                             rows=rows, out=target, zero_rest=True, direct=direct, skip_unseen=True)  # fmt: skip
+    want = _reference(query.to(torch.bfloat16).double(), [lat.to(torch.bfloat16).double() for lat in latents], rank,
+                      0.2)  # fmt: skip
+    seen = [0, 1, 4]
+    err = (target[seen, :, :rank].double().cpu() - want[seen]).abs().max().item() / want.abs().max().item()
+    assert err < 2e-2, err
+    assert not target[seen, :, rank:].any(), "zero_rest still zeroes the rotary channels of tokens it stores"
+    assert (target[[2, 3]] == 7.0).all(), "tokens without latents are not stored"
+    _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=1, seed=8, rows=rows,
+         out=target, zero_rest=True, direct=direct)  # fmt: skip
+    assert not target[[2, 3]].any(), "without skip_unseen they get zeros"
+    query, cache, tables, _ = _case(lens, heads, rank, rope, 16, torch.float32)
+    ints = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match="skip_unseen"):
+        mla_attention(query.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE), ints, ints,
+                      kv_lora_rank=rank, scale=0.2, skip_unseen=True)  # fmt: skip
+
+
 def test_causal_rows_on_the_balanced_schedule() -> None:
     """Rows of several new tokens (each sees its prefix), as the backend plans them."""
     lens, new, rank, rope, heads = [70, 33, 9], [6, 1, 9], 32, 16, 4

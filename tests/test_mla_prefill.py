@@ -106,6 +106,14 @@ def test_plan_latent_prefill_picks_long_rows_and_finds_their_key_slots() -> None
     assert prefill is not None and prefill.rows == (0, 2)
     assert prefill.query_lens == (40, 20) and prefill.key_lens == (40, 50)
     assert prefill.token_index.tolist() == [*range(40), *range(41, 61)]
+    assert prefill.token_span is None and prefill.absorbed_span == (40, 41), "rows 0 and 2 are not one span"
+    assert prefill.absorbed_index.tolist() == [40]
+    behind = plan_latent_prefill(synthetic_metadata([(9, 1), (4, 1), (40, 40), (50, 20)], 16, torch.device("cpu")), 20)
+    assert behind is not None and behind.token_span == (2, 62) and behind.absorbed_span == (0, 2)
+    assert behind.token_index.tolist() == list(range(2, 62))
+    alone = plan_latent_prefill(synthetic_metadata([(40, 40)], 16, torch.device("cpu")), 20)
+    assert alone is not None and alone.token_span == (0, 40) and alone.absorbed_span is None
+    assert alone.absorbed_index.numel() == 0
     slots = latent_key_slots(prefill, meta, num_blocks=8).tolist()
     tables = meta.block_tables.tolist()
     want = [tables[r][p // 16] * 16 + p % 16 for r, n in ((0, 40), (2, 50)) for p in range(n)]
@@ -129,7 +137,17 @@ def test_the_backend_refuses_bad_decompressed_inputs_by_name() -> None:
     plan = backend.plan(meta)
     assert plan.latent_prefill is not None and plan.latent_prefill.rows == (0,)
     q, kv, pe = torch.randn(20, 4, 24), torch.randn(20, 4, 32), torch.randn(20, 8)
-    assert backend.attend_latent_prefill(q, kv, pe, plan).shape == (20, 4, 16)
+    got = backend.attend_latent_prefill(q, kv, pe, plan)
+    assert got.shape == (20, 4, 16)
+    rows = torch.full((30, 4, 16), 7.0)  # a larger buffer whose rows 5..24 take the output
+    written = backend.attend_latent_prefill(q, kv, pe, plan, out=rows[5:25])
+    assert written.data_ptr() == rows[5:25].data_ptr() and torch.equal(rows[5:25], got)
+    assert (rows[:5] == 7.0).all() and (rows[25:] == 7.0).all()
+    view = torch.cat((q, torch.randn(20, 4, 3)), dim=-1)[..., :24]  # a strided view of the query
+    torch.testing.assert_close(backend.attend_latent_prefill(view, kv, pe, plan), got, rtol=0, atol=0)
+    for bad in (torch.empty(20, 4, 15), torch.empty(20, 4, 16, dtype=torch.float64), torch.empty(20, 16, 4).mT):
+        with pytest.raises(InvalidArgumentError, match="out"):
+            backend.attend_latent_prefill(q, kv, pe, plan, out=bad)
     with pytest.raises(InvalidArgumentError, match="query"):
         backend.attend_latent_prefill(q[:19], kv, pe, plan)
     with pytest.raises(InvalidArgumentError, match="kv"):

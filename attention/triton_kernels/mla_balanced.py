@@ -430,17 +430,21 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     BLOCK_TAIL: tl.constexpr,
     DIRECT: tl.constexpr,  # tokens of one segment were stored by the attention kernel
     AFTER_PDL: tl.constexpr = False,  # launched dependent on the attention kernel: wait for it first
+    SKIP_UNSEEN: tl.constexpr = False,  # a token without latents: store nothing
 ):
-    """One (token, head): the log-sum-exp merge of its slots (a token without latents: zeros;
-    under ``DIRECT`` a token of one segment, already stored: its tail only). ``AFTER_PDL``: the
-    launch was programmatic-dependent (``launch_pdl``) on the attention kernel, so it may start
-    before that kernel ends; it waits for it (and its stores) before anything else."""
+    """One (token, head): the log-sum-exp merge of its slots (a token without latents: zeros,
+    or nothing under ``SKIP_UNSEEN``; under ``DIRECT`` a token of one segment, already stored:
+    its tail only). ``AFTER_PDL``: the launch was programmatic-dependent (``launch_pdl``) on the
+    attention kernel, so it may start before that kernel ends; it waits for it (and its stores)
+    before anything else."""
     if AFTER_PDL:
         gdc_wait()
     token = tl.program_id(0)
     head = tl.program_id(1)
     entry = work_ptr + num_tokens + 1 + 5 * num_programs + 2 * token
     count = tl.load(entry + 1)
+    if SKIP_UNSEEN and count <= 0:
+        return
     if DIRECT and count == 1:
         store_tail(out_ptr, token, head, stride_ot, stride_oh, tail, R, BLOCK_TAIL)
     else:
@@ -472,10 +476,12 @@ def launch_mla_balanced(
     unrolled: int,
     num_warps: int,
     num_stages: int,
+    skip_unseen: bool = False,
 ) -> None:
     """Both kernels on arguments :func:`attention.triton_kernels.mla_decode.mla_attention` has
     checked; ``consts``: the attention kernel's compile-time arguments but ``UNROLLED``;
-    ``tail``: channels of ``out`` after the first R the merge zeroes."""
+    ``tail``: channels of ``out`` after the first R the merge zeroes; ``skip_unseen``: tokens
+    without latents keep their rows of ``out`` (else zeros)."""
     tokens, heads, _ = query.shape
     rank = consts["R"]
     slots = mla_work_slots(work.programs, tokens, work.direct)
@@ -489,5 +495,6 @@ def launch_mla_balanced(
     )  # fmt: skip
     _mla_balanced_merge_kernel[(tokens, heads)](
         acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=rank,
-        BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, num_warps=4,
+        BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct,
+        SKIP_UNSEEN=skip_unseen, num_warps=4,
     )  # fmt: skip

@@ -314,6 +314,7 @@ def mla_attention(
     hopper: bool = False,
     hopper_ring: bool = False,
     hopper_split: bool = False,
+    skip_unseen: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -356,9 +357,12 @@ def mla_attention(
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same result).
     hopper_split: with ``hopper``, the Hopper kernel's split-warpgroup form
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_split`; same result).
+    skip_unseen:  with ``work``, a token that sees nothing is not stored: its rows of ``out``
+                  keep what they held (a step's tokens attending decompressed: their output
+                  comes from elsewhere, and zeros for them cost a write of the whole row).
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
-    token that sees nothing gives zeros). Raises InvalidArgumentError for tensors of the wrong
-    shape, dtype or device, or sizes outside what the kernel takes.
+    token that sees nothing gives zeros, unless ``skip_unseen``). Raises InvalidArgumentError
+    for tensors of the wrong shape, dtype or device, or sizes outside what the kernel takes.
     """
     if query.dim() != 3 or cache.dim() != 4 or cache.shape[2] != 1:
         raise InvalidArgumentError(
@@ -427,6 +431,8 @@ def mla_attention(
         )
     if work is not None:
         _check_work(work, tokens, query.device, num_splits, split_len, unrolled)
+    elif skip_unseen:
+        raise InvalidArgumentError("skip_unseen: takes the balanced schedule (work); the split one stores every token")
     rank, rope = kv_lora_rank, dim - kv_lora_rank
     tables = block_tables.contiguous()
     width_cols = tables.shape[1]
@@ -445,10 +451,11 @@ def mla_attention(
         on_hopper = hopper and block_n == MLA_HOPPER_BLOCK_N and mla_decode_hopper_applies(query, cache, kv_lora_rank)
         if tokens and heads and on_hopper:
             launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, kv_scale=kv_scale,
-                              ring=hopper_ring, split=hopper_split)  # fmt: skip
+                              ring=hopper_ring, split=hopper_split, skip_unseen=skip_unseen)  # fmt: skip
         elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
-                                tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                                tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages,
+                                skip_unseen=skip_unseen)  # fmt: skip
         return out[..., :rank]
     if split_len is None:
         per_split = -(-width_cols * block_size // num_splits)

@@ -274,6 +274,7 @@ def launch_mla_hopper(
     ring: bool = False,
     split: bool = False,
     fp8_one_warpgroup: bool = False,
+    skip_unseen: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
@@ -286,7 +287,8 @@ def launch_mla_hopper(
     so not the default); ``split``: the split-warpgroup kernel of :mod:`.mla_decode_hopper_split`
     (same results) for a plan of partial slots (a ``direct`` plan runs this kernel). The partial
     outputs are :func:`.mla_balanced.partial_dtype`'s (float32 for the split kernel) and the
-    merge is launched dependent on the kernel."""
+    merge is launched dependent on the kernel; ``skip_unseen``: tokens without latents keep
+    their rows of ``out`` (else zeros)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     fp8 = cache.dtype == torch.float8_e4m3fn
@@ -323,5 +325,5 @@ def launch_mla_hopper(
     _mla_balanced_merge_kernel[(tokens, heads)](
         acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=_RANK,
         BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, AFTER_PDL=True,
-        num_warps=4, launch_pdl=True,
+        SKIP_UNSEEN=skip_unseen, num_warps=4, launch_pdl=True,
     )  # fmt: skip

@@ -95,12 +95,13 @@ class LatentAttention(nn.Module):
         prefill = plan.latent_prefill
         # With many tokens attending decompressed, the absorbed products run on the others
         # only (the boundary leaves the absorbed channels of the skipped ones unset).
-        subset = None if prefill is None or prefill.num_tokens < ABSORBED_SUBSET_MIN_TOKENS else prefill.absorbed_index
+        subset = None if prefill is None or prefill.num_tokens < ABSORBED_SUBSET_MIN_TOKENS else prefill
         if subset is None:
             q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         else:
             q_latent = q_nope.new_empty(t, heads, rank)  # the decompressed tokens' rows: unset, unused
-            q_latent.index_copy_(0, subset, torch.einsum("thn,hnr->thr", q_nope.index_select(0, subset), w_uk))
+            index, span = subset.absorbed_index, subset.absorbed_span
+            _put_rows(q_latent, index, span, torch.einsum("thn,hnr->thr", _rows(q_nope, index, span), w_uk))
         # Rotary on q_pe and k_pe, the latent [c, k_pe] into the cache, and the query
         # [q_latent, q_pe] (rotary channels as halves) in one backend call.
         query = backend.rotary_write_latent(
@@ -113,15 +114,35 @@ class LatentAttention(nn.Module):
         if subset is None:
             torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2), out=values.transpose(0, 1))
         else:
-            absorbed = out.index_select(0, subset)[..., :rank].transpose(0, 1)  # [H, D, r]
-            values.index_copy_(0, subset, torch.bmm(absorbed, w_uv.transpose(1, 2)).transpose(0, 1))
+            index, span = subset.absorbed_index, subset.absorbed_span
+            absorbed = _rows(out, index, span)[..., :rank].transpose(0, 1)  # [H, D, r]
+            _put_rows(values, index, span, torch.bmm(absorbed, w_uv.transpose(1, 2)).transpose(0, 1))
         if prefill is not None:
             # Long rows attend decompressed (attention.latent_prefill): every key's latent
             # through kv_b_proj gives each head its k_nope and value.
             keys = backend.gather_latent_keys(layer, plan)  # [K, r + e]
             kv = self.kv_b_proj(keys[:, :rank]).view(keys.shape[0], heads, nope + m.v_head_dim)
-            rows = prefill.token_index
-            q_rows = torch.cat((q_nope, query[..., rank:]), dim=-1).index_select(0, rows)  # [P, H, n + e]
-            decompressed = backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan)  # [P, H, v]
-            values.index_copy_(0, rows, decompressed.to(values.dtype))
+            # Their queries [q_nope, rotated q_pe]: the rotated part into q's own (q_pe is
+            # spent), so the rows of q are the query, a view where the tokens are one span.
+            q_pe.copy_(query[..., rank:])
+            q_rows = _rows(q.view(t, heads, nope + rope), prefill.token_index, prefill.token_span)  # [P, H, n + e]
+            span = prefill.token_span
+            if span is not None:  # written in place
+                backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan, out=values[span[0] : span[1]])
+            else:
+                decompressed = backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan)  # [P, H, v]
+                values.index_copy_(0, prefill.token_index, decompressed.to(values.dtype))
         return self.wo(values.reshape(t, heads * m.v_head_dim))
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """Rows ``index`` of ``x`` (dim 0): a view where they are the span ``[start, stop)``."""
+    return x[span[0] : span[1]] if span is not None else x.index_select(0, index)
+
+
+def _put_rows(x: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None, rows: torch.Tensor) -> None:
+    """``x[index] = rows`` (dim 0), as a slice copy where the rows are the span."""
+    if span is not None:
+        x[span[0] : span[1]].copy_(rows)
+    else:
+        x.index_copy_(0, index, rows)
