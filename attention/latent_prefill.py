@@ -42,6 +42,8 @@ class LatentPrefill:
                  exactly ``range(start, stop)`` (the usual step: rows continuing in the front,
                  new prompts behind them), else None. Where set, a caller takes and puts
                  those tokens' rows as slices, without a gather or a scatter.
+    absorbed_bounds: ``(first, last + 1)`` of ``absorbed_index`` (``(0, 0)`` if empty): the
+                 absorbed kernel's merge need not run on the tokens outside it.
     """
 
     rows: tuple[int, ...]
@@ -53,6 +55,7 @@ class LatentPrefill:
     absorbed_index: torch.Tensor
     token_span: tuple[int, int] | None = None
     absorbed_span: tuple[int, int] | None = None
+    absorbed_bounds: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +101,7 @@ def plan_latent_prefill(meta: AttentionMetadata, min_tokens: int | None) -> Late
         staging.stage("latent_prefill_absorbed", absorbed).long(),
         token_span=_span(tokens),
         absorbed_span=_span(absorbed),
+        absorbed_bounds=(absorbed[0], absorbed[-1] + 1) if absorbed else (0, 0),
     )
 
 

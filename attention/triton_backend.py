@@ -1003,8 +1003,10 @@ class TritonBackend(AttentionBackend):
                 hopper_ring=plan.latent.launch.hopper_ring,
                 hopper_split=plan.latent.launch.hopper_split,
                 zero_rest=in_place,
-                # Tokens attending decompressed: their rows are left unset (attend's contract).
+                # Tokens attending decompressed: their rows are left unset (attend's contract),
+                # and no merge program runs for those outside the absorbed tokens' bounds.
                 skip_unseen=plan.latent_prefill is not None,
+                merge_tokens=plan.latent_prefill.absorbed_bounds if plan.latent_prefill is not None else None,
             )
             if not in_place:
                 result[..., :rank] = values

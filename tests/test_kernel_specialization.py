@@ -42,7 +42,7 @@ PER_STEP: dict[tuple[str, str], set[str]] = {
     ("attention.triton_kernels.mla_balanced", "_mla_balanced_kernel"): {
         "num_tokens", "num_slots", "num_rows", "table_width",
     },
-    ("attention.triton_kernels.mla_balanced", "_mla_balanced_merge_kernel"): {"num_tokens", "num_slots"},
+    ("attention.triton_kernels.mla_balanced", "_mla_balanced_merge_kernel"): {"num_tokens", "num_slots", "token_base"},
     ("attention.triton_kernels.mla_decode_hopper", "_mla_hopper_kernel"): {
         "num_tokens", "num_slots", "num_rows", "table_width",
     },

@@ -119,7 +119,7 @@ def mla_merge(balanced, direct=False, hopper=False, partials="*fp16", skip_unsee
         sig = {"acc_ptr": partials, "ml_ptr": "*fp32", "work_ptr": "*i32", "out_ptr": "*bf16",
                "num_tokens": "i32",
                "num_programs": "i32", "num_slots": "i32", "num_heads": "i32", "stride_ot": "i32", "stride_oh": "i32",
-               "tail": "i32"}
+               "tail": "i32", "token_base": "i32"}
         return source(_mla_balanced_merge_kernel, sig, dict(R=512, BLOCK_R=512, BLOCK_TAIL=64, DIRECT=direct,
                                                              AFTER_PDL=hopper, SKIP_UNSEEN=skip_unseen))
     sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "lens_ptr": "*i32", "rows_ptr": "*i32", "chunk_ptr": "*i32",

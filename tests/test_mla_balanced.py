@@ -254,8 +254,10 @@ def test_an_fp8_latent_and_an_output_in_place(f16_dots: bool) -> None:
 def test_tokens_that_see_nothing_keep_their_rows_when_asked(direct: bool) -> None:
     """``skip_unseen`` (a step's tokens attending decompressed, whose output comes from
     elsewhere): a token without latents (row -1 or length 0) keeps every channel of its rows
-    of ``out``; the others get their attention and zeroed rotary channels as without it. The
-    split schedule, which stores every token, refuses it by name."""
+    of ``out``; the others get their attention and zeroed rotary channels as without it.
+    ``merge_tokens`` bounds the merge's launch: tokens outside keep their rows. The split
+    schedule, which stores every token, refuses both by name, and a range outside the tokens
+    is refused."""
     lens, rank, rope, heads = [70, 5, 33, 0, 40], 32, 16, 4
     rows = [0, 1, -1, 3, 4]
     target = torch.full((len(lens), heads, rank + rope), 7.0, dtype=torch.bfloat16, device=DEVICE)
@@ -271,11 +273,25 @@ def test_tokens_that_see_nothing_keep_their_rows_when_asked(direct: bool) -> Non
     _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=1, seed=8, rows=rows,
          out=target, zero_rest=True, direct=direct)  # fmt: skip
     assert not target[[2, 3]].any(), "without skip_unseen they get zeros"
+    # merge_tokens: the merge runs on tokens 0 and 1 only; 2, 3 and 4 see nothing and keep
+    # their rows whole, skip_unseen or not.
+    target.fill_(7.0)
+    _run(lens, heads, rank, rope, 16, torch.bfloat16, block_n=32, programs=3, unrolled=1, seed=8,
+         rows=[0, 1, -1, 3, -1], out=target, zero_rest=True, direct=direct, merge_tokens=(0, 2))  # fmt: skip
+    err = (target[:2, :, :rank].double().cpu() - want[:2]).abs().max().item() / want.abs().max().item()
+    assert err < 2e-2, err
+    assert not target[:2, :, rank:].any() and (target[2:] == 7.0).all()
     query, cache, tables, _ = _case(lens, heads, rank, rope, 16, torch.float32)
     ints = torch.zeros(len(lens), dtype=torch.int32, device=DEVICE)
+    args = (query.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE), ints, ints)
     with pytest.raises(InvalidArgumentError, match="skip_unseen"):
-        mla_attention(query.float().to(DEVICE), cache.float().to(DEVICE), tables.to(DEVICE), ints, ints,
-                      kv_lora_rank=rank, scale=0.2, skip_unseen=True)  # fmt: skip
+        mla_attention(*args, kv_lora_rank=rank, scale=0.2, skip_unseen=True)
+    with pytest.raises(InvalidArgumentError, match="merge_tokens"):
+        mla_attention(*args, kv_lora_rank=rank, scale=0.2, merge_tokens=(0, 2))
+    work = MLAWork(torch.tensor(plan_mla_work([0] * len(lens), 3, 32, 16), dtype=torch.int32, device=DEVICE), 3)
+    for bad in ((3, 2), (0, len(lens) + 1), (-1, 2), (0.0, 2)):
+        with pytest.raises(InvalidArgumentError, match="merge_tokens"):
+            mla_attention(*args, kv_lora_rank=rank, scale=0.2, work=work, block_n=32, merge_tokens=bad)  # type: ignore[arg-type]
 
 
 def test_causal_rows_on_the_balanced_schedule() -> None:

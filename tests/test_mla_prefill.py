@@ -107,12 +107,15 @@ def test_plan_latent_prefill_picks_long_rows_and_finds_their_key_slots() -> None
     assert prefill.query_lens == (40, 20) and prefill.key_lens == (40, 50)
     assert prefill.token_index.tolist() == [*range(40), *range(41, 61)]
     assert prefill.token_span is None and prefill.absorbed_span == (40, 41), "rows 0 and 2 are not one span"
+    assert prefill.absorbed_bounds == (40, 41)
     assert prefill.absorbed_index.tolist() == [40]
     behind = plan_latent_prefill(synthetic_metadata([(9, 1), (4, 1), (40, 40), (50, 20)], 16, torch.device("cpu")), 20)
     assert behind is not None and behind.token_span == (2, 62) and behind.absorbed_span == (0, 2)
+    assert behind.absorbed_bounds == (0, 2)
     assert behind.token_index.tolist() == list(range(2, 62))
     alone = plan_latent_prefill(synthetic_metadata([(40, 40)], 16, torch.device("cpu")), 20)
     assert alone is not None and alone.token_span == (0, 40) and alone.absorbed_span is None
+    assert alone.absorbed_bounds == (0, 0)
     assert alone.absorbed_index.numel() == 0
     slots = latent_key_slots(prefill, meta, num_blocks=8).tolist()
     tables = meta.block_tables.tolist()

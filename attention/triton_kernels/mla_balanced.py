@@ -412,7 +412,7 @@ def _mla_balanced_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip (t + 0 * t0: a tensor under the interpreter too)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+@triton.jit(do_not_specialize=["num_tokens", "num_slots", "token_base"])
 def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     acc_ptr,  # fp32 [num_slots, H, R] (or fp16, scaled with its max and sum)
     ml_ptr,  # fp32 [num_slots, H, 2]
@@ -425,6 +425,7 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     stride_ot,
     stride_oh,
     tail,  # channels after the first R to zero
+    token_base,  # the token of program (0, h): a launch may cover a range of the tokens
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
@@ -439,7 +440,7 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
     before anything else."""
     if AFTER_PDL:
         gdc_wait()
-    token = tl.program_id(0)
+    token = token_base + tl.program_id(0)
     head = tl.program_id(1)
     entry = work_ptr + num_tokens + 1 + 5 * num_programs + 2 * token
     count = tl.load(entry + 1)
@@ -460,6 +461,12 @@ def _mla_balanced_merge_kernel(  # type: ignore[no-untyped-def]
         store_merged(out_ptr, token, head, stride_ot, stride_oh, acc, tail, R, BLOCK_R, BLOCK_TAIL)
 
 
+def merge_range(tokens: int, merge_tokens: tuple[int, int] | None) -> tuple[int, int]:
+    """The tokens a merge launch covers: ``merge_tokens`` (checked by the caller to lie in
+    ``[0, tokens]``), or all."""
+    return (0, tokens) if merge_tokens is None else merge_tokens
+
+
 def launch_mla_balanced(
     query: torch.Tensor,
     cache: torch.Tensor,
@@ -477,11 +484,13 @@ def launch_mla_balanced(
     num_warps: int,
     num_stages: int,
     skip_unseen: bool = False,
+    merge_tokens: tuple[int, int] | None = None,
 ) -> None:
     """Both kernels on arguments :func:`attention.triton_kernels.mla_decode.mla_attention` has
     checked; ``consts``: the attention kernel's compile-time arguments but ``UNROLLED``;
     ``tail``: channels of ``out`` after the first R the merge zeroes; ``skip_unseen``: tokens
-    without latents keep their rows of ``out`` (else zeros)."""
+    without latents keep their rows of ``out`` (else zeros); ``merge_tokens``: the merge runs
+    on these tokens only (:func:`merge_range`)."""
     tokens, heads, _ = query.shape
     rank = consts["R"]
     slots = mla_work_slots(work.programs, tokens, work.direct)
@@ -493,8 +502,11 @@ def launch_mla_balanced(
         query.stride(1), out.stride(0), out.stride(1), **consts, UNROLLED=unrolled, DIRECT=work.direct,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _mla_balanced_merge_kernel[(tokens, heads)](
-        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=rank,
+    first, stop = merge_range(tokens, merge_tokens)
+    if stop <= first:
+        return
+    _mla_balanced_merge_kernel[(stop - first, heads)](
+        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, first, R=rank,
         BLOCK_R=consts["BLOCK_R"], BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct,
         SKIP_UNSEEN=skip_unseen, num_warps=4,
     )  # fmt: skip

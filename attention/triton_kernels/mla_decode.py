@@ -315,6 +315,7 @@ def mla_attention(
     hopper_ring: bool = False,
     hopper_split: bool = False,
     skip_unseen: bool = False,
+    merge_tokens: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -360,6 +361,10 @@ def mla_attention(
     skip_unseen:  with ``work``, a token that sees nothing is not stored: its rows of ``out``
                   keep what they held (a step's tokens attending decompressed: their output
                   comes from elsewhere, and zeros for them cost a write of the whole row).
+    merge_tokens: with ``work``, ``(start, stop)``: the merge runs on these tokens only, and
+                  the rows of ``out`` of the tokens outside are left as they were: give it
+                  where those tokens see nothing (the decompressed rows of a prefill step:
+                  a program for each of their (token, head) pairs cost more than their zeros).
     Returns ``out[..., :R]``: ``softmax(q . latent * scale) @ latent[:, :R]`` per head (a
     token that sees nothing gives zeros, unless ``skip_unseen``). Raises InvalidArgumentError
     for tensors of the wrong shape, dtype or device, or sizes outside what the kernel takes.
@@ -431,8 +436,18 @@ def mla_attention(
         )
     if work is not None:
         _check_work(work, tokens, query.device, num_splits, split_len, unrolled)
-    elif skip_unseen:
-        raise InvalidArgumentError("skip_unseen: takes the balanced schedule (work); the split one stores every token")
+    elif skip_unseen or merge_tokens is not None:
+        raise InvalidArgumentError(
+            "skip_unseen, merge_tokens: take the balanced schedule (work); the split one stores every token"
+        )
+    if merge_tokens is not None and not (
+        len(merge_tokens) == 2
+        and all(isinstance(v, int) for v in merge_tokens)
+        and 0 <= merge_tokens[0] <= merge_tokens[1] <= tokens
+    ):
+        raise InvalidArgumentError(
+            f"merge_tokens: {merge_tokens!r}; expected (start, stop) with 0 <= start <= stop <= {tokens}"
+        )
     rank, rope = kv_lora_rank, dim - kv_lora_rank
     tables = block_tables.contiguous()
     width_cols = tables.shape[1]
@@ -451,11 +466,12 @@ def mla_attention(
         on_hopper = hopper and block_n == MLA_HOPPER_BLOCK_N and mla_decode_hopper_applies(query, cache, kv_lora_rank)
         if tokens and heads and on_hopper:
             launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, kv_scale=kv_scale,
-                              ring=hopper_ring, split=hopper_split, skip_unseen=skip_unseen)  # fmt: skip
+                              ring=hopper_ring, split=hopper_split, skip_unseen=skip_unseen,
+                              merge_tokens=merge_tokens)  # fmt: skip
         elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
                                 tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages,
-                                skip_unseen=skip_unseen)  # fmt: skip
+                                skip_unseen=skip_unseen, merge_tokens=merge_tokens)  # fmt: skip
         return out[..., :rank]
     if split_len is None:
         per_split = -(-width_cols * block_size // num_splits)

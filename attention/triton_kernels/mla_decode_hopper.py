@@ -60,6 +60,7 @@ from attention.errors import InvalidArgumentError
 from attention.triton_kernels.mla_balanced import (
     MLAWork,
     _mla_balanced_merge_kernel,
+    merge_range,
     mla_work_slots,
     partial_dtype,
     program_work,
@@ -275,6 +276,7 @@ def launch_mla_hopper(
     split: bool = False,
     fp8_one_warpgroup: bool = False,
     skip_unseen: bool = False,
+    merge_tokens: tuple[int, int] | None = None,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
@@ -288,7 +290,8 @@ def launch_mla_hopper(
     (same results) for a plan of partial slots (a ``direct`` plan runs this kernel). The partial
     outputs are :func:`.mla_balanced.partial_dtype`'s (float32 for the split kernel) and the
     merge is launched dependent on the kernel; ``skip_unseen``: tokens without latents keep
-    their rows of ``out`` (else zeros)."""
+    their rows of ``out`` (else zeros); ``merge_tokens``: the merge runs on these tokens only
+    (:func:`.mla_balanced.merge_range`)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     fp8 = cache.dtype == torch.float8_e4m3fn
@@ -322,8 +325,11 @@ def launch_mla_hopper(
             _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
     # start while the kernel's last ones run and wait in gdc_wait for its stores.
-    _mla_balanced_merge_kernel[(tokens, heads)](
-        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, R=_RANK,
-        BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, AFTER_PDL=True,
+    first, stop = merge_range(tokens, merge_tokens)
+    if stop <= first:
+        return
+    _mla_balanced_merge_kernel[(stop - first, heads)](
+        acc, ml, work.data, out, tokens, work.programs, slots, heads, out.stride(0), out.stride(1), tail, first,
+        R=_RANK, BLOCK_R=_RANK, BLOCK_TAIL=next_power_of_2(tail) if tail else 0, DIRECT=work.direct, AFTER_PDL=True,
         SKIP_UNSEEN=skip_unseen, num_warps=4, launch_pdl=True,
     )  # fmt: skip
