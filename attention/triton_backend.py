@@ -1002,6 +1002,7 @@ class TritonBackend(AttentionBackend):
                 hopper=plan.latent.launch.hopper,
                 hopper_ring=plan.latent.launch.hopper_ring,
                 hopper_split=plan.latent.launch.hopper_split,
+                hopper_fused_merge=plan.latent.launch.hopper_fused_merge,
                 zero_rest=in_place,
                 # Tokens attending decompressed: their rows are left unset (attend's contract),
                 # and no merge program runs for those outside the absorbed tokens' bounds.

@@ -165,9 +165,10 @@ def measure_batch(
         h_work = MLAWork(torch.tensor(plan_mla_work(lens, h_programs, hopper.block_n, min_program_latents(heads),
                                                     direct=h_direct), dtype=torch.int32, device="cuda"),
                          h_programs, h_direct)  # fmt: skip
-        if heads <= hopper.block_h:  # the kernel, then its deeper-ring and split-warpgroup forms
+        if heads <= hopper.block_h:  # the kernel, then its deeper-ring, split-warpgroup and fused-merge forms
             todo += [(hopper, h_programs, 0, True, "hopper"), (hopper_mla_launch(True), h_programs, 0, True, "hopper"),
-                     (hopper_mla_launch(split=True), h_programs, 0, True, "hopper")]  # fmt: skip
+                     (hopper_mla_launch(split=True), h_programs, 0, True, "hopper"),
+                     (hopper_mla_launch(fused_merge=True), h_programs, 0, True, "hopper")]  # fmt: skip
         if fp8:
             todo += [(default, programs, 0, True, name) for name in ("fp8", "fp8 bf16 dots")]
             if heads <= hopper.block_h:  # the Hopper kernel's fp8 form (what the backend runs)
@@ -230,6 +231,8 @@ def _plan_label(row: dict[str, Any]) -> str:
     if row["latent"] != "bf16":
         return "fp8 hop" if row.get("hopper") else str(row["latent"])[:7]
     if row.get("hopper"):
+        if row.get("hopper_fused_merge"):
+            return "fused"
         return "ring" if row.get("hopper_ring") else "split" if row.get("hopper_split") else "hopper"
     if row["as_backend"]:
         return "plan"
@@ -281,8 +284,8 @@ def main() -> None:
                 )
     for kind in batches:  # the other forms against the two-tile kernel
         hop = [r for r in rows_out if r["batch"] == kind and r.get("hopper") and "ms" in r and r["latent"] == "bf16"]
-        pair = [r for r in hop if not r["hopper_ring"] and not r["hopper_split"]]
-        for form in ("ring", "split"):
+        pair = [r for r in hop if not r["hopper_ring"] and not r["hopper_split"] and not r["hopper_fused_merge"]]
+        for form in ("ring", "split", "fused_merge"):
             other = [r for r in hop if r[f"hopper_{form}"]]
             if pair and other:
                 a, b = pair[0], other[0]
@@ -293,7 +296,8 @@ def main() -> None:
         fp8_rows = {r["latent"]: r for r in rows_out if r["batch"] == kind and r["heads"] == 16 and "layers_ms" in r
                     and r["latent"] != "bf16"}  # fmt: skip
         base = [r for r in rows_out if r["batch"] == kind and r["heads"] == 16 and "layers_ms" in r
-                and r.get("hopper") and r["latent"] == "bf16" and not r["hopper_ring"] and not r["hopper_split"]]
+                and r.get("hopper") and r["latent"] == "bf16" and not r["hopper_ring"] and not r["hopper_split"]
+                and not r["hopper_fused_merge"]]
         if base and "fp8 hopper" in fp8_rows:  # speed over the bf16 latent's, among layers
             b8, on_hopper, on_triton = (base[0]["layers_ms"], fp8_rows["fp8 hopper"]["layers_ms"],
                                         fp8_rows["fp8"]["layers_ms"])  # fmt: skip

@@ -6,8 +6,9 @@ an sm_90 GPU and the Triton balanced kernel elsewhere (the interpreter included)
 float64 checks below hold for both, on DeepSeek-V3's latent (512 + 64) with partial tiles and
 blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and direct plans. On
 an sm_90 GPU they also assert that the Gluon kernel ran, and run again on its deeper-ring
-form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py) and its
-split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py).
+form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py), its
+split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py)
+and with the merge in the kernel (``hopper_fused_merge``).
 An fp8 latent under bf16 queries runs the fp8 kernels (mla_decode_hopper_fp8_ws.py, the
 backend's, and the opt-in mla_decode_hopper_fp8.py) against float64 over the dequantized latents.
 The backend's choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py,
@@ -35,7 +36,7 @@ from tests.test_mla_decode import DEVICE, _case, _reference
 RANK, ROPE = 512, 64
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
 #: The Hopper kernel's forms a test runs (without one, all run the same Triton fallback).
-FORMS = ["pair", "ring", "split"] if ON_HOPPER else ["pair"]
+FORMS = ["pair", "ring", "split", "fused"] if ON_HOPPER else ["pair"]
 #: The fp8 kernels a test runs: the partitioned one (what the backend launches) and the opt-in
 #: one-warpgroup one (``launch_mla_hopper(..., fp8_one_warpgroup=True)``).
 FP8_KERNELS = ["partitioned", "one-warpgroup"] if ON_HOPPER else ["partitioned"]
@@ -55,7 +56,8 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real = mla_decode_module.launch_mla_hopper
 
     def counted(*args: object, **kw: object) -> None:
-        calls.append("ring" if kw.get("ring") else "split" if kw.get("split") else "pair")
+        calls.append("ring" if kw.get("ring") else "split" if kw.get("split") else "fused" if kw.get("fused_merge")
+                     else "pair")  # fmt: skip
         real(*args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mla_decode_module, "launch_mla_hopper", counted)
@@ -84,7 +86,7 @@ def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *,
         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         kv_lora_rank=RANK, scale=0.05, work=work, kv_scale=kv_scale,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True, out=out, zero_rest=out is not None,
-        hopper_ring=form == "ring", hopper_split=form == "split",
+        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=form == "fused",
     )  # fmt: skip
     return result, query, latents
 
@@ -216,7 +218,7 @@ def test_any_work_array_stays_inside_the_buffers(monkeypatch: pytest.MonkeyPatch
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=RANK, scale=0.05,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
         work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
-        hopper_ring=form == "ring", hopper_split=form == "split",
+        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=form == "fused",
         kv_scale=torch.tensor([0.5], device=DEVICE) if fp8 else None,
     )  # fmt: skip
     if DEVICE == "cuda":
@@ -224,6 +226,35 @@ def test_any_work_array_stays_inside_the_buffers(monkeypatch: pytest.MonkeyPatch
     after = c.float()
     assert torch.equal(after.isnan(), before.isnan()) and torch.equal(after.nan_to_num(), before.nan_to_num())
     assert (outer[0] == 3.0).all() and (outer[4] == 3.0).all() and (outer[1:4, :, RANK:] == 3.0).all()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
+def test_the_merge_in_the_kernel_matches_the_merge_launch_layer_after_layer(direct: bool) -> None:
+    """``hopper_fused_merge`` (on an sm_90 GPU the last program to finish a split token merges
+    it; elsewhere the Triton fallback): the same output as the merge launch, into a bf16 output
+    in place with its rotary channels zeroed, padding tokens (row -1) and an empty row zeroed
+    too; three launches over one work array, as a step's layers run, each giving the same
+    result and leaving the work array as staged (its counters back at zero)."""
+    lens, heads = [300, 0, 1000, 65, 130, 7], 16
+    query, cache, tables, _ = _case(lens, heads, RANK, ROPE, 64, torch.float64, seed=4)
+    rows = [0, 1, -1, 2, 3, 4, 5, -1]  # two padding tokens
+    token_lens = [lens[r] if r >= 0 else 0 for r in rows]
+    q = torch.cat([query, query[:2]]).to(DEVICE, torch.bfloat16)
+    plan = plan_mla_work(token_lens, 5, MLA_HOPPER_BLOCK_N, 64, direct=direct)
+    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), 5, direct)
+    staged = work.data.clone()
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
+    args = (q, cache.to(DEVICE, torch.bfloat16), tables.to(DEVICE), ints(rows), ints(token_lens))
+    kw = dict(kv_lora_rank=RANK, scale=0.05, work=work, block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
+              zero_rest=True)  # fmt: skip
+    want = torch.full((len(rows), heads, RANK + ROPE), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    mla_attention(*args, out=want, **kw)  # type: ignore[arg-type]
+    assert not want[[1, 2, 7]].any() and not want[..., RANK:].any()
+    for _ in range(3):
+        got = torch.full_like(want, 3.0)
+        mla_attention(*args, out=got, hopper_fused_merge=True, **kw)  # type: ignore[arg-type]
+        assert torch.equal(work.data, staged), "the counters are back at zero"
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
 
 
 def _latent_spec(heads: int = 16, **kw: object) -> AttentionSpec:

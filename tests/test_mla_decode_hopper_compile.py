@@ -32,19 +32,42 @@ for dtype in (torch.bfloat16, torch.float16):
             q = torch.empty(8, 16, 576, dtype=dtype)
             cache = torch.empty(4, bs, 1, 576, dtype=dtype)
             descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
-            consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct)
+            consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct,
+                          FUSED=False, BLOCK_TAIL=0)
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-            k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem, types={"acc_ptr": "*fp16", "ml_ptr": "*fp32"})
+            k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem,
+                             types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
             r = kernel_report(k, "/tmp/mla_decode_hopper_check")
             r["early_dependents"] = k.asm["ptx"].count("griddepcontrol.launch_dependents")
             report[f"{dtype}-{bs}-{direct}"] = r
+# The merge in the kernel (fused_merge), as the backend would launch it: slots, a 64-channel tail.
+for direct in (False, True):
+    q = torch.empty(8, 16, 576, dtype=torch.bfloat16)
+    cache = torch.empty(4, 64, 1, 576, dtype=torch.bfloat16)
+    descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
+    consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=64, STAGES=mh._STAGES, DIRECT=direct,
+                  FUSED=True, BLOCK_TAIL=64)
+    k = compile_sm90(mh._mla_hopper_kernel, descs, consts, "*bf16",
+                     types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
+    r = kernel_report(k, "/tmp/mla_decode_hopper_fused_check")
+    ptx = k.asm["ptx"]
+    r["atomics"] = ptx.count("atom.")
+    r["atomics_acq_rel"] = ptx.count("atom.global.gpu.acq_rel.add.u32")
+    r["cg_loads"] = ptx.count("ld.global.cg")
+    report[f"fused-{direct}"] = r
 print(json.dumps(report))
 """
 
 
 def test_mla_decode_hopper_compiles_for_sm90() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 8, report
+    assert len(report) == 10, report
+    fused = {name: report.pop(name) for name in ("fused-False", "fused-True")}
+    for name, r in fused.items():  # the merge in the kernel: a counter a (split token, head), merged past L1
+        assert 0 < r["shared"] <= 232448 and r["wgmma"] == 36 + 32 and r["tma_load"] == 3 + 3 * 3, (name, r)
+        # Two tokens (a program's first and last) x 32 elements a thread of the counting tensor.
+        assert r["atomics"] == r["atomics_acq_rel"] == 64 and r["cg_loads"] >= 3, (name, r)
+        assert r["loop_spill_ops"] <= 0 and r["spills"] <= 64, (name, r)
     for name, r in report.items():
         assert 0 < r["shared"] <= 232448, (name, r)
         # S: 2 x 16 + 4 k-steps of m64n16k16; P V: 2 accumulators x 4 m64 blocks x 4 k-steps.

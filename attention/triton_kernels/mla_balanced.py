@@ -34,7 +34,10 @@ device as one int32 array (:class:`MLAWork`), so a CUDA graph captured for a fix
 - then ``2 T``: per token, its first slot and its segment count. A token's slots are
   consecutive, one per segment in program order; a token without latents (count 0), and with
   ``direct`` a token of one segment, has first slot -1. A program's later tokens start in it,
-  so their segment takes the token's first slot.
+  so their segment takes the token's first slot;
+- then ``16 T`` zeros: per token, a counter of its finished segments for each of 16 heads, for
+  the Hopper kernel's merge in the kernel (:mod:`.mla_decode_hopper`, ``fused_merge``), which
+  sets each back to zero, so every launch of a step's layers finds zeros.
 
 Memory safety holds for any array: tokens are clamped to ``[0, T)`` (a direct store stays in
 the output), slots outside the partial buffer are neither stored nor read, and a segment's
@@ -81,6 +84,9 @@ __all__ = [
 
 #: Fields per program in the work array.
 PROGRAM_FIELDS = 5
+#: Counters per token at the work array's end (the Hopper kernel's merge in the kernel counts
+#: each head's finished segments apart: its 16 heads).
+FUSED_COUNTERS = 16
 #: Latents per program, at least (below that the partial outputs cost more than they spread).
 MIN_PROGRAM_LATENTS = 256
 #: Partial outputs of one launch (bytes) above which tokens of one segment are stored directly.
@@ -123,7 +129,7 @@ def partial_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.d
 
 def mla_work_len(tokens: int, programs: int) -> int:
     """Length of the work array for ``tokens`` query tokens and ``programs`` programs."""
-    return 3 * tokens + 1 + PROGRAM_FIELDS * programs
+    return (3 + FUSED_COUNTERS) * tokens + 1 + PROGRAM_FIELDS * programs
 
 
 def mla_work_slots(programs: int, tokens: int, direct: bool) -> int:
@@ -266,6 +272,7 @@ def plan_mla_work(
     work = array("i", cu + prog)
     work.extend(_IDLE_PROGRAM * (programs - used))
     work.extend(array("i", slots))
+    work.extend(array("i", bytes(4 * FUSED_COUNTERS * tokens)))  # the counters
     return work
 
 

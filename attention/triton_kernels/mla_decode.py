@@ -87,7 +87,8 @@ class MLALaunch:
     runs on the Gluon kernel of :mod:`attention.triton_kernels.mla_decode_hopper` where it
     applies (else on the Triton kernel with this launch); ``hopper_ring``: that kernel's
     deeper-ring form (:mod:`attention.triton_kernels.mla_decode_hopper_ring`);
-    ``hopper_split``: its split-warpgroup form (:mod:`attention.triton_kernels.mla_decode_hopper_split`)."""
+    ``hopper_split``: its split-warpgroup form (:mod:`attention.triton_kernels.mla_decode_hopper_split`);
+    ``hopper_fused_merge``: the two-tile kernel merges split tokens itself, no merge launch."""
 
     block_h: int = 16
     block_n: int = 32
@@ -99,12 +100,14 @@ class MLALaunch:
     hopper: bool = False
     hopper_ring: bool = False
     hopper_split: bool = False
+    hopper_fused_merge: bool = False
 
     def kernel_args(self) -> dict[str, int | bool]:
         """The keyword arguments :func:`mla_attention` takes from this launch."""
         return dict(block_h=self.block_h, block_n=self.block_n, num_warps=self.num_warps,
                     num_stages=self.num_stages, unrolled=self.unrolled, f16_fp8_dots=self.f16_fp8_dots,
-                    hopper=self.hopper, hopper_ring=self.hopper_ring, hopper_split=self.hopper_split)  # fmt: skip
+                    hopper=self.hopper, hopper_ring=self.hopper_ring, hopper_split=self.hopper_split,
+                    hopper_fused_merge=self.hopper_fused_merge)  # fmt: skip
 
 
 def default_mla_launch(heads: int) -> MLALaunch:
@@ -121,13 +124,14 @@ def default_mla_launch(heads: int) -> MLALaunch:
     return MLALaunch(64, 64, 8, 2, programs_per_sm=1, unrolled=0, f16_fp8_dots=False)
 
 
-def hopper_mla_launch(ring: bool = False, split: bool = False) -> MLALaunch:
+def hopper_mla_launch(ring: bool = False, split: bool = False, fused_merge: bool = False) -> MLALaunch:
     """The launch of the Hopper MLA decode kernel (up to 16 heads, 64-latent tiles, one
     program an SM; :mod:`attention.triton_kernels.mla_decode_hopper`; ``ring``: its
-    deeper-ring form; ``split``: its split-warpgroup form). Where that kernel does not apply to
-    a call, the Triton balanced kernel runs the same schedule with 64-latent tiles and 2 stages."""
+    deeper-ring form; ``split``: its split-warpgroup form; ``fused_merge``: the merge in the
+    two-tile kernel). Where that kernel does not apply to a call, the Triton balanced kernel
+    runs the same schedule with 64-latent tiles and 2 stages."""
     return MLALaunch(MLA_HOPPER_HEADS, MLA_HOPPER_BLOCK_N, 4, 2, programs_per_sm=1, unrolled=0, hopper=True,
-                     hopper_ring=ring, hopper_split=split)  # fmt: skip
+                     hopper_ring=ring, hopper_split=split, hopper_fused_merge=fused_merge)  # fmt: skip
 
 
 def mla_split_count(num_tokens: int, heads: int, rank: int, block_h: int, table_len: int, num_sms: int) -> int:
@@ -316,6 +320,7 @@ def mla_attention(
     hopper_split: bool = False,
     skip_unseen: bool = False,
     merge_tokens: tuple[int, int] | None = None,
+    hopper_fused_merge: bool = False,
 ) -> torch.Tensor:
     """Absorbed MLA attention of query tokens over a paged latent cache.
 
@@ -358,6 +363,10 @@ def mla_attention(
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_ring`; same result).
     hopper_split: with ``hopper``, the Hopper kernel's split-warpgroup form
                   (:mod:`~attention.triton_kernels.mla_decode_hopper_split`; same result).
+    hopper_fused_merge: with ``hopper``, the two-tile kernel over a 16-bit latent merges the
+                  tokens split across programs itself (the last program to finish one merges
+                  its slots), so no merge kernel is launched (same result; ignored with
+                  ``skip_unseen`` or ``merge_tokens``, the ring and split forms, fp8).
     skip_unseen:  with ``work``, a token that sees nothing is not stored: its rows of ``out``
                   keep what they held (a step's tokens attending decompressed: their output
                   comes from elsewhere, and zeros for them cost a write of the whole row).
@@ -467,7 +476,7 @@ def mla_attention(
         if tokens and heads and on_hopper:
             launch_mla_hopper(query, cache, tables, rows, lens, work, out, scale * _LOG2E, tail=tail, kv_scale=kv_scale,
                               ring=hopper_ring, split=hopper_split, skip_unseen=skip_unseen,
-                              merge_tokens=merge_tokens)  # fmt: skip
+                              merge_tokens=merge_tokens, fused_merge=hopper_fused_merge)  # fmt: skip
         elif tokens and heads:
             launch_mla_balanced(query, cache, tables, rows, lens, work, kv_scale, out, scale * _LOG2E, consts,
                                 tail=tail, unrolled=unrolled, num_warps=num_warps, num_stages=num_stages,

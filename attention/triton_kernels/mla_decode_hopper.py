@@ -75,7 +75,15 @@ if _GLUON:
     from attention.triton_kernels.mla_decode_hopper_fp8_ws import FP8_WS_STAGES, _mla_hopper_fp8_ws_kernel
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
     from attention.triton_kernels.mla_decode_hopper_split import SPLIT_STAGES, _mla_hopper_split_kernel
-    from attention.triton_kernels.mla_hopper_stores import load_tile, store_segment, tile_softmax, zero_latents_from
+    from attention.triton_kernels.mla_hopper_stores import (
+        finish_segment,
+        load_tile,
+        merge_split_tokens,
+        store_segment,
+        tile_softmax,
+        zero_latents_from,
+        zero_unseen_tokens,
+    )
     from attention.triton_kernels.prefill_hopper import (
         TensorDescriptor,
         _partition_barrier,
@@ -143,12 +151,18 @@ if _GLUON:
         q_desc, qe_desc, c_desc, e_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
         num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
         HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, tail=0, FUSED: gl.constexpr = False,
+        BLOCK_TAIL: gl.constexpr = 0,
     ):  # fmt: skip
         """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
         each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
         ``out``), as :func:`.mla_balanced._mla_balanced_kernel`. A programmatic-dependent launch
-        after it (the merge) may start at once (without one, the trigger does nothing)."""
+        after it (the merge) may start at once (without one, the trigger does nothing).
+        ``FUSED``: no merge launch follows; the kernel stores every token's output itself
+        (:func:`.mla_hopper_stores.finish_segment`: a token of one segment directly;
+        :func:`.mla_hopper_stores.merge_split_tokens`: the last program to count a split
+        token's segment merges its slots) and zeros the rows of tokens without latents, each
+        with its ``tail`` channels after the first 512 zeroed."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
         R: gl.constexpr = 2 * HALF
@@ -238,8 +252,18 @@ if _GLUON:
 
                 l_i = gl.sum(l_part, 0)
                 slot_id = gl.where(seg_start == g0, first_slot, gl.load(token_slots + 2 * t))
-                store_segment(acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot,
-                              stride_oh, offs_h, head_ok, o_a, o_b, m_i, l_i, out_layout, HALF, DIRECT)  # fmt: skip
+                if FUSED:
+                    finish_segment(acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot,
+                                   stride_oh, tail, offs_h, head_ok, o_a, o_b, m_i, l_i, out_layout, HALF, BLOCK_H,
+                                   BLOCK_TAIL)  # fmt: skip
+                else:
+                    store_segment(acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot,
+                                  stride_oh, offs_h, head_ok, o_a, o_b, m_i, l_i, out_layout, HALF, DIRECT)  # fmt: skip
+        if FUSED:
+            merge_split_tokens(acc_ptr, ml_ptr, out_ptr, token_slots, t0, t_stop, num_slots, num_tokens, num_heads,
+                               stride_ot, stride_oh, tail, BLOCK_H, 2 * HALF, BLOCK_TAIL)  # fmt: skip
+            zero_unseen_tokens(out_ptr, token_slots, num_tokens, num_heads, stride_ot, stride_oh, tail,
+                               gl.program_id(0), gl.num_programs(0), BLOCK_H, 2 * HALF, BLOCK_TAIL)  # fmt: skip
 
 
 def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, Any, Any]:
@@ -277,6 +301,7 @@ def launch_mla_hopper(
     fp8_one_warpgroup: bool = False,
     skip_unseen: bool = False,
     merge_tokens: tuple[int, int] | None = None,
+    fused_merge: bool = False,
 ) -> None:
     """The kernel and :mod:`.mla_balanced`'s merge on arguments :func:`.mla_decode.mla_attention`
     has checked and :func:`mla_decode_hopper_applies` accepted; ``work`` planned with
@@ -291,12 +316,16 @@ def launch_mla_hopper(
     outputs are :func:`.mla_balanced.partial_dtype`'s (float32 for the split kernel) and the
     merge is launched dependent on the kernel; ``skip_unseen``: tokens without latents keep
     their rows of ``out`` (else zeros); ``merge_tokens``: the merge runs on these tokens only
-    (:func:`.mla_balanced.merge_range`)."""
+    (:func:`.mla_balanced.merge_range`); ``fused_merge``: the two-tile kernel over a 16-bit
+    latent merges in the kernel (``FUSED``, the work array's token counters) and no merge is
+    launched (same results; not with ``skip_unseen`` or ``merge_tokens``, which keep the
+    merge launch)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     fp8 = cache.dtype == torch.float8_e4m3fn
     split = split and not work.direct and not fp8  # (a direct plan runs the two-tile kernel)
     ring = ring and not fp8
+    fused = fused_merge and not (fp8 or split or ring or skip_unseen or merge_tokens is not None)
     # The split kernel's warpgroups each hold half the channels: no common scale, float32.
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else partial_dtype(query.dtype, cache.dtype),
                       device=query.device)  # fmt: skip
@@ -321,6 +350,10 @@ def launch_mla_hopper(
             _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
         elif ring:
             _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
+        elif fused:
+            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, tail=tail, FUSED=True,
+                                                 BLOCK_TAIL=next_power_of_2(tail) if tail else 0, num_warps=4)
+            return
         else:
             _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs

@@ -10,17 +10,20 @@ from __future__ import annotations
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
-    from attention.triton_kernels.prefill_hopper import _tma_load, gl, gluon, mbarrier
+    from attention.triton_kernels.prefill_hopper import _partition_barrier, _tma_load, gl, gluon, mbarrier
 
 __all__ = [
+    "finish_segment",
     "load_tile",
     "load_tile_at",
+    "merge_split_tokens",
     "store_half",
     "store_segment",
     "store_slot_halves",
     "table_page",
     "tile_softmax",
     "zero_latents_from",
+    "zero_unseen_tokens",
 ]
 
 
@@ -138,3 +141,141 @@ if _GLUON:
         else:
             store_slot_halves(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
                               out_layout, HALF)  # fmt: skip
+
+    @gluon.jit
+    def finish_segment(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, out_ptr, token_slots, t, slot_id, num_slots, num_heads, stride_ot, stride_oh, tail, offs_h,
+        head_ok, o_a, o_b, m_i, l_i, out_layout: gl.constexpr, HALF: gl.constexpr, BLOCK_H: gl.constexpr,
+        BLOCK_TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """Token ``t``'s segment's result with the merge in the kernel (``FUSED``): a token of
+        one segment normalized into its row of ``out`` with its ``tail`` channels after the
+        first ``2 * HALF`` zeroed; else the partial output into slot ``slot_id``, which
+        :func:`merge_split_tokens` counts after the program's loop."""
+        if gl.load(token_slots + 2 * t + 1) == 1:
+            inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+            out_row = out_ptr + t.to(gl.int64) * stride_ot + offs_h.to(gl.int64) * stride_oh
+            store_half(o_a * inv[None, :], out_row, head_ok, 0, out_layout, HALF)
+            store_half(o_b * inv[None, :], out_row, head_ok, HALF, out_layout, HALF)
+            store_tails(out_ptr, t, num_heads, stride_ot, stride_oh, tail, 2 * HALF, BLOCK_H, BLOCK_TAIL)
+        else:
+            store_slot_halves(acc_ptr, ml_ptr, slot_id, num_slots, num_heads, offs_h, head_ok, o_a, o_b, m_i, l_i,
+                              out_layout, HALF)  # fmt: skip
+
+    @gluon.jit
+    def merge_split_tokens(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, out_ptr, token_slots, t0, t_stop, num_slots, num_tokens, num_heads, stride_ot, stride_oh,
+        tail, BLOCK_H: gl.constexpr, R: gl.constexpr, BLOCK_TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """After a program's loop (``FUSED``): only its first and last tokens (``t0``,
+        ``t_stop - 1``) can be split across programs. For each that is, each head's row counts
+        the program's segment on a counter of its own (``token_slots + 2 * num_tokens +
+        BLOCK_H * t + head``, zero before the launch), and where the count is the token's last
+        the row merges the token's slots for that head into ``out`` and sets its counter back
+        to zero for the next launch. Per head, as a head's row lies in one warp, so that no
+        value crosses warps: a count shared through shared memory made ptxas spill 172-184
+        bytes in the tile loop (Triton 3.6). A barrier first orders every warp's partial stores
+        (and the maxima and sums, which one warp may store for all) before any count."""
+        _partition_barrier()
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # a head's row in one warp
+        CHUNK: gl.constexpr = 256
+        offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        first_of_row = (offs_c == 0)[None, :] & (offs_h >= 0)[:, None]  # one element a row
+        for k in gl.static_range(2):
+            t = t0 if k == 0 else t_stop - 1
+            if (t_stop > t0) and (k == 0 or t_stop - 1 > t0):
+                count = gl.load(token_slots + 2 * t + 1)
+                if count >= 2:
+                    counters = token_slots + 2 * num_tokens + BLOCK_H * t + offs_h  # [BLOCK_H]
+                    old = row_count(counters[:, None] + offs_c[None, :] * 0, first_of_row)
+                    last = gl.max(old, 1) == count - 1  # the row's count, in each of its lanes
+                    gl.store(counters, gl.zeros_like(offs_h), mask=last)
+                    last = last & (offs_h < num_heads)
+                    merge_slots(acc_ptr, ml_ptr, out_ptr, gl.load(token_slots + 2 * t), count, num_slots, num_heads,
+                                t, stride_ot, stride_oh, tail, last, offs_h, offs_c, layout, BLOCK_H, R, CHUNK,
+                                BLOCK_TAIL)  # fmt: skip
+
+    @gluon.jit
+    def row_count(counters, first_of_row):  # type: ignore[no-untyped-def]
+        """``atomicAdd(counter, 1)`` (acquire-release, GPU scope) where ``first_of_row`` is set
+        (one element a row), between syncs of the warp's lanes; other elements give 0, so a
+        maximum over a row's elements gives its lanes the count's old value."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; bar.warp.sync -1; "
+            "@p atom.global.gpu.acq_rel.add.u32 $0, [$1], 1; bar.warp.sync -1; }",
+            "=r,l,r", [counters, first_of_row.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def merge_slots(  # type: ignore[no-untyped-def]
+        acc_ptr, ml_ptr, out_ptr, first, count, num_slots, num_heads, t, stride_ot, stride_oh, tail, rows_ok,
+        offs_h, offs_c, layout: gl.constexpr, BLOCK_H: gl.constexpr, R: gl.constexpr, CHUNK: gl.constexpr,
+        BLOCK_TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """The log-sum-exp merge of token ``t``'s slots ``[first, first + count)`` (clamped to
+        the buffer; loaded past L1: other programs stored them) for the heads where ``rows_ok``,
+        ``CHUNK`` channels at a time, into its row of ``out`` with its tail zeroed: what
+        :func:`.mla_balanced._mla_balanced_merge_kernel` does per (token, head)."""
+        first = gl.minimum(gl.maximum(first, 0), num_slots)
+        stop = gl.minimum(first + gl.maximum(count, 0), num_slots)
+        rows = out_ptr + t.to(gl.int64) * stride_ot + offs_h.to(gl.int64) * stride_oh
+        for c0 in gl.static_range(0, R, CHUNK):
+            m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+            l_run = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, layout))
+            acc = gl.zeros([BLOCK_H, CHUNK], gl.float32, layout)
+            for s in range(first, stop):
+                base = (s + 0 * first).to(gl.int64) * num_heads + offs_h.to(gl.int64)  # (a tensor, as typed)
+                m_s = gl.load(ml_ptr + base * 2, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
+                l_s = gl.load(ml_ptr + base * 2 + 1, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                a_s = gl.load(acc_ptr + base[:, None] * R + (c0 + offs_c)[None, :], mask=rows_ok[:, None], other=0.0,
+                              cache_modifier=".cg").to(gl.float32)  # fmt: skip
+                m_new = gl.maximum(m_run, m_s)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                w_run = gl.exp2(m_run - m_safe)
+                w_s = gl.exp2(m_s - m_safe)
+                l_run = l_run * w_run + l_s * w_s
+                acc = acc * w_run[:, None] + a_s * w_s[:, None]
+                m_run = m_new
+            acc = acc / gl.where(l_run > 0, l_run, 1.0)[:, None]
+            gl.store(rows[:, None] + (c0 + offs_c)[None, :], acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
+        if BLOCK_TAIL > 0:
+            tail_c = gl.arange(0, BLOCK_TAIL, layout=gl.SliceLayout(0, layout))
+            zeros = gl.zeros([BLOCK_H, BLOCK_TAIL], gl.float32, layout).to(out_ptr.dtype.element_ty)
+            gl.store(rows[:, None] + R + tail_c[None, :], zeros, mask=rows_ok[:, None] & (tail_c < tail)[None, :])
+
+    @gluon.jit
+    def store_tails(  # type: ignore[no-untyped-def]
+        out_ptr, t, num_heads, stride_ot, stride_oh, tail, R: gl.constexpr, BLOCK_H: gl.constexpr,
+        BLOCK_TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """Zeros into token ``t``'s ``tail`` channels after the first ``R`` of every head
+        (``BLOCK_TAIL``: a power of two >= tail, 0 for none)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        if BLOCK_TAIL > 0:
+            offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+            offs_c = gl.arange(0, BLOCK_TAIL, layout=gl.SliceLayout(0, layout))
+            rows = out_ptr + t.to(gl.int64) * stride_ot + offs_h.to(gl.int64) * stride_oh + R
+            zeros = gl.zeros([BLOCK_H, BLOCK_TAIL], gl.float32, layout)
+            keep = (offs_h < num_heads)[:, None] & (offs_c < tail)[None, :]
+            gl.store(rows[:, None] + offs_c[None, :], zeros.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @gluon.jit
+    def zero_unseen_tokens(  # type: ignore[no-untyped-def]
+        out_ptr, token_slots, num_tokens, num_heads, stride_ot, stride_oh, tail, pid, num_programs,
+        BLOCK_H: gl.constexpr, R: gl.constexpr, BLOCK_TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """Zeros into the rows of the tokens without latents (segment count 0: padding, or no
+        visible latent), every ``num_programs``-th from ``pid``: with the merge in the kernel
+        no other program writes them."""
+        CHUNK: gl.constexpr = 128
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        zeros = gl.zeros([BLOCK_H, CHUNK], gl.float32, layout).to(out_ptr.dtype.element_ty)
+        for t in range(pid, num_tokens, num_programs):
+            if gl.load(token_slots + 2 * t + 1) <= 0:
+                rows = out_ptr + (t + 0 * pid).to(gl.int64) * stride_ot + offs_h.to(gl.int64) * stride_oh
+                for c0 in gl.static_range(0, R, CHUNK):
+                    gl.store(rows[:, None] + (c0 + offs_c)[None, :], zeros, mask=(offs_h < num_heads)[:, None])
+                store_tails(out_ptr, t, num_heads, stride_ot, stride_oh, tail, R, BLOCK_H, BLOCK_TAIL)
