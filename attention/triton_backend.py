@@ -358,6 +358,10 @@ class TritonBackend(AttentionBackend):
                         channels halved between two warpgroups, loads in a producer partition;
                         same results). Off by default: 1.00x the two-tile kernel's speed on an
                         H100 (benchmarks/results/mla-decode-split-h100-2026-12-06.md).
+      hopper_mla_fused_merge: that Gluon kernel (two-tile form, 16-bit latent) merges the tokens
+                        split across its programs itself (the last program to finish one merges
+                        its slots) instead of a merge launch after it; eager steps with
+                        decompressed rows keep the merge launch (same results).
       direct_decode_graphs: capture each CUDA-graph bucket twice (:meth:`graph_variants`):
                         with the decode combine kernel and without it; a step none of whose
                         rows splits replays the one without (default). The combine launch of
@@ -409,6 +413,7 @@ class TritonBackend(AttentionBackend):
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         hopper_mla_split: bool = False,
+        hopper_mla_fused_merge: bool = False,
         direct_decode_graphs: bool = True,
         graph_dequant_prefill: bool = False,
         value_runs: bool = True,
@@ -418,6 +423,7 @@ class TritonBackend(AttentionBackend):
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
                  ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("hopper_mla_split", hopper_mla_split),
+                 ("hopper_mla_fused_merge", hopper_mla_fused_merge),
                  ("direct_decode_graphs", direct_decode_graphs),
                  ("graph_dequant_prefill", graph_dequant_prefill), ("value_runs", value_runs),
                  ("latent_mixed_graphs", latent_mixed_graphs))  # fmt: skip
@@ -462,6 +468,7 @@ class TritonBackend(AttentionBackend):
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
         self.hopper_mla_split = hopper_mla_split
+        self.hopper_mla_fused_merge = hopper_mla_fused_merge
         self.direct_decode_graphs = direct_decode_graphs
         self.graph_dequant_prefill = graph_dequant_prefill
         self.value_runs = value_runs
@@ -563,7 +570,7 @@ class TritonBackend(AttentionBackend):
             and mla_decode_hopper_shape_ok(spec.num_heads, rank, spec.head_dim - rank, block_size)
             and hopper_prefill_possible(device)
         ):
-            return hopper_mla_launch(self.hopper_mla_ring, self.hopper_mla_split)
+            return hopper_mla_launch(self.hopper_mla_ring, self.hopper_mla_split, self.hopper_mla_fused_merge)
         return default_mla_launch(spec.num_heads)
 
     def _mla_programs(self, launch: MLALaunch, device: torch.device | None) -> int:

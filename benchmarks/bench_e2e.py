@@ -199,6 +199,7 @@ class Settings:
     graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
     value_runs: bool | None = None  # token-major V of prefill rows written in coalesced runs (None: default)
     latent_mixed_graphs: bool | None = None  # latent attention: steps with prefill rows captured too (None: default)
+    hopper_mla_fused_merge: bool | None = None  # the Hopper MLA decode kernel merges split tokens (None: default)
     model: str = "llama3-8b"  # a key of MODELS
 
     @property
@@ -565,6 +566,8 @@ BACKEND_SWITCHES: dict[str, str] = {
     "latent_mixed_graphs": "with latent attention (--model deepseek-v2-lite): steps with prefill rows up to the "
     "graph token limit captured too, every row absorbed (default: the backend's, on; off: eager, long rows "
     "decompressed)",
+    "hopper_mla_fused_merge": "with latent attention on an sm_90 GPU: the Hopper MLA decode kernel merges the tokens "
+    "split across its programs itself, no merge launch (default: the backend's, off)",
 }
 
 

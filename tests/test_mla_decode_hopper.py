@@ -294,6 +294,9 @@ def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: 
     split = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_split=True)._mla_launch(cuda, 64)
     assert split.hopper and split.hopper_split and split.kernel_args()["hopper_split"]
     assert split.programs_per_sm == 1  # one program an SM, as the two-tile kernel
+    assert not backend._mla_launch(cuda, 64).hopper_fused_merge
+    fused = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_fused_merge=True)._mla_launch(cuda, 64)
+    assert fused.hopper and fused.hopper_fused_merge and fused.kernel_args()["hopper_fused_merge"]
     # The work buffer holds the larger plan of the two launches (the default's 2 programs an SM).
     assert backend._most_mla_programs() == 264
     monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: False)

@@ -716,6 +716,7 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
         ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
         ({"hopper_mla_ring": None}, "hopper_mla_ring"),
         ({"hopper_mla_split": 1}, "hopper_mla_split"),
+        ({"hopper_mla_fused_merge": "on"}, "hopper_mla_fused_merge"),
         ({"direct_decode_graphs": "yes"}, "direct_decode_graphs"),
         ({"num_sms": 0}, "num_sms"),
         ({"num_sms": 13.5}, "num_sms"),
