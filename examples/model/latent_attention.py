@@ -124,9 +124,10 @@ class LatentAttention(nn.Module):
             kv = self.kv_b_proj(keys[:, :rank]).view(keys.shape[0], heads, nope + m.v_head_dim)
             # Their queries [q_nope, rotated q_pe]: the rotated part into q's own (q_pe is
             # spent), so the rows of q are the query, a view where the tokens are one span.
-            q_pe.copy_(query[..., rank:])
-            q_rows = _rows(q.view(t, heads, nope + rope), prefill.token_index, prefill.token_span)  # [P, H, n + e]
             span = prefill.token_span
+            lo, hi = span if span is not None else (0, t)
+            q_pe[lo:hi].copy_(query[lo:hi, :, rank:])
+            q_rows = _rows(q.view(t, heads, nope + rope), prefill.token_index, span)  # [P, H, n + e]
             if span is not None:  # written in place
                 backend.attend_latent_prefill(q_rows, kv, keys[:, rank:], plan, out=values[span[0] : span[1]])
             else:
