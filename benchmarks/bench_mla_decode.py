@@ -26,8 +26,9 @@ backend runs ("plan": ``default_mla_launch`` on the length-balanced schedule,
 ``direct`` when the backend would; at up to 16 heads on an sm_90 GPU the backend runs "hopper"
 instead: ``hopper_mla_launch``, the Gluon kernel of ``attention.triton_kernels.mla_decode_hopper``
 on its own plan of 64-latent tiles, one program an SM; "ring": the same kernel's deeper-ring form,
-``attention.triton_kernels.mla_decode_hopper_ring``, and "split": its split-warpgroup form,
-``attention.triton_kernels.mla_decode_hopper_split``, both opt-in until these rows show one faster),
+``attention.triton_kernels.mla_decode_hopper_ring``, "split": its split-warpgroup form,
+``attention.triton_kernels.mla_decode_hopper_split``, and "fused": the two-tile kernel merging split
+tokens itself (``hopper_fused_merge``, no merge launch), all opt-in until these rows show one faster),
 and that schedule planned the other way ("direct": tokens of one segment stored by their
 program, or "slots": a partial output for every token); all are in the JSON.
 
