@@ -513,13 +513,17 @@ class TritonBackend(AttentionBackend):
         (as many tokens as rows), else ``max_decode_query_len`` (rows verifying drafts)."""
         return 1 if num_tokens <= padded_batch else self.max_decode_query_len
 
+    def _latent_work_len(self, max_tokens: int) -> int:
+        """The MLA work buffer's length: the larger plan of the two launches, with the fused
+        merge's counters where that merge is on (any launch may then plan them)."""
+        return mla_work_len(max_tokens, self._most_mla_programs(), self.hopper_mla_fused_merge)
+
     def buffer_requests(self, capacity: StepCapacity) -> list[BufferRequest]:
         if self.spec.latent_attention:
             return [
                 BufferRequest("latent_rows", torch.int32, capacity.max_tokens, staged=True),
                 BufferRequest("latent_lens", torch.int32, capacity.max_tokens, staged=True),
-                BufferRequest("latent_work", torch.int32, mla_work_len(capacity.max_tokens, self._most_mla_programs()),
-                              staged=True),
+                BufferRequest("latent_work", torch.int32, self._latent_work_len(capacity.max_tokens), staged=True),
             ]
         rows = capacity.max_rows
         sms = self._sms(None)
@@ -634,8 +638,10 @@ class TritonBackend(AttentionBackend):
         heads, tokens = self.spec.num_heads, meta.num_tokens
         # Fixed by the token count (the bucket's, padded, in a graph), not by the lengths.
         direct = mla_direct_store(tokens, programs, heads, self.spec.latent_rank or 0)
-        work = plan_mla_work(lens + [0] * pad, programs, launch.block_n, min_program_latents(heads), direct=direct)
-        staged = MLAWork(staging.stage("latent_work", work), programs, direct)
+        counters = launch.hopper_fused_merge  # (the zeros the merge in the kernel counts on)
+        work = plan_mla_work(lens + [0] * pad, programs, launch.block_n, min_program_latents(heads), direct=direct,
+                             counters=counters)  # fmt: skip
+        staged = MLAWork(staging.stage("latent_work", work), programs, direct, counters)
         latent = LatentLaunch(token_rows, token_lens, staged, launch)
         return TritonStepPlan(meta, self.spec, self.name, (), (), (), None, None, latent, latent_prefill=prefill)
 

@@ -163,9 +163,12 @@ def measure_batch(
         hopper = hopper_mla_launch()
         h_programs = mla_work_programs(heads, hopper.block_h, hopper.programs_per_sm, sms)
         h_direct = mla_direct_store(len(lens), h_programs, heads, RANK)
-        h_work = MLAWork(torch.tensor(plan_mla_work(lens, h_programs, hopper.block_n, min_program_latents(heads),
-                                                    direct=h_direct), dtype=torch.int32, device="cuda"),
-                         h_programs, h_direct)  # fmt: skip
+        h_works = {
+            counters: MLAWork(torch.tensor(plan_mla_work(lens, h_programs, hopper.block_n, min_program_latents(heads),
+                                                         direct=h_direct, counters=counters),
+                                           dtype=torch.int32, device="cuda"), h_programs, h_direct, counters)
+            for counters in (False, True)  # (the fused merge's plan carries its counters)
+        }  # fmt: skip
         if heads <= hopper.block_h:  # the kernel, then its deeper-ring, split-warpgroup and fused-merge forms
             todo += [(hopper, h_programs, 0, True, "hopper"), (hopper_mla_launch(True), h_programs, 0, True, "hopper"),
                      (hopper_mla_launch(split=True), h_programs, 0, True, "hopper"),
@@ -187,7 +190,7 @@ def measure_batch(
                                    "hopper": on_hopper,
                                    "schedule": "balanced" if planned else "split"}  # fmt: skip
             chunk = torch.tensor([split_len], dtype=torch.int32, device="cuda")
-            work = h_work if on_hopper else works[direct]
+            work = h_works[launch.hopper_fused_merge] if on_hopper else works[direct]
             schedule: dict[str, Any] = {"work": work} if planned else {"num_splits": splits, "split_len": chunk}
             extra: dict[str, Any] = {}
             source, expect, nbytes, sources = cache, want, latent_bytes, caches

@@ -344,6 +344,16 @@ def test_any_work_array_stays_inside_the_buffers(seed: int) -> None:
     assert (outer[0] == 3.0).all() and (outer[4] == 3.0).all() and (outer[1:4, :, 32:] == 3.0).all()
 
 
+def test_a_plan_with_counters_ends_in_zeros_for_each_token_and_head() -> None:
+    """``counters=True`` (the Hopper kernel's merge in the kernel): the same plan followed by
+    16 zeros a token, and :func:`mla_work_len` counts them; without, a plan carries none."""
+    lens = [70, 0, 33, 200]
+    bare = list(plan_mla_work(lens, 3, 32, 16))
+    counted = list(plan_mla_work(lens, 3, 32, 16, counters=True))
+    assert counted == bare + [0] * 16 * len(lens)
+    assert len(bare) == mla_work_len(len(lens), 3) and len(counted) == mla_work_len(len(lens), 3, counters=True)
+
+
 def test_bad_work_is_refused_naming_it() -> None:
     query, cache, tables, _ = _case([8], 4, 32, 16, 32, torch.float32)
     q, c = query.float(), cache.float()

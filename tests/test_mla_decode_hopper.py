@@ -25,6 +25,7 @@ import torch
 
 import attention.triton_backend as triton_backend
 import attention.triton_kernels.mla_decode as mla_decode_module
+from attention.errors import InvalidArgumentError
 from attention.spec import AttentionSpec
 from attention.triton_backend import TritonBackend
 from attention.triton_kernels.mla_balanced import MLAWork, mla_work_len, plan_mla_work
@@ -79,14 +80,15 @@ def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *,
         stored = (cache / fp8_scale).to(torch.float8_e4m3fn).to(DEVICE)  # (NaN slots stay NaN)
         latents = [(lat / fp8_scale).to(torch.float8_e4m3fn).double() * fp8_scale for lat in latents]
         kv_scale = torch.tensor([fp8_scale], device=DEVICE)
-    plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct)
-    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct)
+    fused = form == "fused"  # (its plan carries the counters it merges on)
+    plan = plan_mla_work(lens, programs, MLA_HOPPER_BLOCK_N, 64, direct=direct, counters=fused)
+    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), programs, direct, fused)
     result = mla_attention(
         query.to(DEVICE, dtype), stored, (case_tables if tables is None else tables).to(DEVICE),
         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         kv_lora_rank=RANK, scale=0.05, work=work, kv_scale=kv_scale,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True, out=out, zero_rest=out is not None,
-        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=form == "fused",
+        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=fused,
     )  # fmt: skip
     return result, query, latents
 
@@ -205,7 +207,8 @@ def test_any_work_array_stays_inside_the_buffers(monkeypatch: pytest.MonkeyPatch
     query, cache, tables, _ = _case(lens, 16, RANK, ROPE, 64, torch.float64, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     programs = 3
-    junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs),), generator=gen, dtype=torch.int64)
+    fused = form == "fused"
+    junk = torch.randint(-(2**31), 2**31 - 1, (mla_work_len(3, programs, fused),), generator=gen, dtype=torch.int64)
     junk[torch.rand(junk.shape, generator=gen) < 0.5] %= 50
     fp8 = form.startswith("fp8-")
     if fp8:
@@ -217,8 +220,8 @@ def test_any_work_array_stays_inside_the_buffers(monkeypatch: pytest.MonkeyPatch
         query.to(DEVICE, torch.bfloat16), c, tables.to(DEVICE), torch.arange(3, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), kv_lora_rank=RANK, scale=0.05,
         block_n=MLA_HOPPER_BLOCK_N, num_stages=2, hopper=True,
-        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0), out=outer[1:4],
-        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=form == "fused",
+        work=MLAWork(junk.to(torch.int32).to(DEVICE), programs, direct=seed > 0, counters=fused), out=outer[1:4],
+        hopper_ring=form == "ring", hopper_split=form == "split", hopper_fused_merge=fused,
         kv_scale=torch.tensor([0.5], device=DEVICE) if fp8 else None,
     )  # fmt: skip
     if DEVICE == "cuda":
@@ -240,8 +243,8 @@ def test_the_merge_in_the_kernel_matches_the_merge_launch_layer_after_layer(dire
     rows = [0, 1, -1, 2, 3, 4, 5, -1]  # two padding tokens
     token_lens = [lens[r] if r >= 0 else 0 for r in rows]
     q = torch.cat([query, query[:2]]).to(DEVICE, torch.bfloat16)
-    plan = plan_mla_work(token_lens, 5, MLA_HOPPER_BLOCK_N, 64, direct=direct)
-    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), 5, direct)
+    plan = plan_mla_work(token_lens, 5, MLA_HOPPER_BLOCK_N, 64, direct=direct, counters=True)
+    work = MLAWork(torch.tensor(plan, dtype=torch.int32, device=DEVICE), 5, direct, counters=True)
     staged = work.data.clone()
     ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
     args = (q, cache.to(DEVICE, torch.bfloat16), tables.to(DEVICE), ints(rows), ints(token_lens))
@@ -255,6 +258,10 @@ def test_the_merge_in_the_kernel_matches_the_merge_launch_layer_after_layer(dire
         mla_attention(*args, out=got, hopper_fused_merge=True, **kw)  # type: ignore[arg-type]
         assert torch.equal(work.data, staged), "the counters are back at zero"
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
+    bare = MLAWork(torch.tensor(plan_mla_work(token_lens, 5, MLA_HOPPER_BLOCK_N, 64, direct=direct),
+                                dtype=torch.int32, device=DEVICE), 5, direct)  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="hopper_fused_merge: the work array has no counters"):
+        mla_attention(*args, out=got, hopper_fused_merge=True, **{**kw, "work": bare})  # type: ignore[arg-type]
 
 
 def _latent_spec(heads: int = 16, **kw: object) -> AttentionSpec:
@@ -295,8 +302,11 @@ def test_the_backend_takes_the_hopper_launch_only_where_it_applies(monkeypatch: 
     assert split.hopper and split.hopper_split and split.kernel_args()["hopper_split"]
     assert split.programs_per_sm == 1  # one program an SM, as the two-tile kernel
     assert not backend._mla_launch(cuda, 64).hopper_fused_merge
-    fused = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_fused_merge=True)._mla_launch(cuda, 64)
+    fused_backend = TritonBackend(_latent_spec(), num_sms=132, hopper_mla_fused_merge=True)
+    fused = fused_backend._mla_launch(cuda, 64)
     assert fused.hopper and fused.hopper_fused_merge and fused.kernel_args()["hopper_fused_merge"]
+    # Only a backend with the fused merge stages its counters (16 a token).
+    assert fused_backend._latent_work_len(100) == backend._latent_work_len(100) + 16 * 100
     # The work buffer holds the larger plan of the two launches (the default's 2 programs an SM).
     assert backend._most_mla_programs() == 264
     monkeypatch.setattr(triton_backend, "hopper_prefill_possible", lambda device: False)

@@ -35,9 +35,10 @@ device as one int32 array (:class:`MLAWork`), so a CUDA graph captured for a fix
   consecutive, one per segment in program order; a token without latents (count 0), and with
   ``direct`` a token of one segment, has first slot -1. A program's later tokens start in it,
   so their segment takes the token's first slot;
-- then ``16 T`` zeros: per token, a counter of its finished segments for each of 16 heads, for
-  the Hopper kernel's merge in the kernel (:mod:`.mla_decode_hopper`, ``fused_merge``), which
-  sets each back to zero, so every launch of a step's layers finds zeros.
+- with ``counters`` (planned for the Hopper kernel's merge in the kernel,
+  :mod:`.mla_decode_hopper`'s ``fused_merge``), then ``16 T`` zeros: per token, a counter of
+  its finished segments for each of 16 heads, which the kernel sets back to zero, so every
+  launch of a step's layers finds zeros. Without, a plan carries none (nothing to stage).
 
 Memory safety holds for any array: tokens are clamped to ``[0, T)`` (a direct store stays in
 the output), slots outside the partial buffer are neither stored nor read, and a segment's
@@ -109,12 +110,14 @@ class MLAWork:
     """A step's balanced schedule on the device: ``data`` int32 [:func:`mla_work_len`] as laid
     out in the module docstring, for ``programs`` programs per head tile (the grid);
     ``direct``: planned so (``plan_mla_work(..., direct=True)``), tokens of one segment are
-    stored by their program. It must match the plan: a mismatch stays memory-safe but gives
-    wrong outputs."""
+    stored by their program; ``counters``: planned with the fused merge's counters
+    (``plan_mla_work(..., counters=True)``). It must match the plan: a mismatch stays
+    memory-safe but gives wrong outputs."""
 
     data: torch.Tensor
     programs: int
     direct: bool = False
+    counters: bool = False
 
 
 def partial_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
@@ -127,9 +130,10 @@ def partial_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.d
     return PARTIAL_DTYPE_16BIT if query_dtype in sixteen and cache_dtype in sixteen else torch.float32
 
 
-def mla_work_len(tokens: int, programs: int) -> int:
-    """Length of the work array for ``tokens`` query tokens and ``programs`` programs."""
-    return (3 + FUSED_COUNTERS) * tokens + 1 + PROGRAM_FIELDS * programs
+def mla_work_len(tokens: int, programs: int, counters: bool = False) -> int:
+    """Length of the work array for ``tokens`` query tokens and ``programs`` programs (with the
+    fused merge's ``counters``)."""
+    return (3 + (FUSED_COUNTERS if counters else 0)) * tokens + 1 + PROGRAM_FIELDS * programs
 
 
 def mla_work_slots(programs: int, tokens: int, direct: bool) -> int:
@@ -186,12 +190,18 @@ def _fill_programs(starts: list[int], cost_starts: list[int], programs: int, mos
 
 
 def plan_mla_work(
-    token_lens: Sequence[int], programs: int, block_n: int, min_latents: int, *, direct: bool = False
+    token_lens: Sequence[int],
+    programs: int,
+    block_n: int,
+    min_latents: int,
+    *,
+    direct: bool = False,
+    counters: bool = False,
 ) -> array:
     """The work array (``array('i')``, :func:`mla_work_len` long) sharing the tiles of
     ``token_lens`` (latents per query token; negative counts as 0) among at most ``programs``
-    programs; ``direct``: slots only for tokens split across programs (see the module
-    docstring).
+    programs; ``direct``: slots only for tokens split across programs; ``counters``: the zeros
+    the Hopper kernel's merge in the kernel counts on (see the module docstring).
 
     The ranges keep the busiest program's cost least: tiles, plus
     :data:`SEGMENT_COST_LATENTS` (in tiles) for each token after a program's first. A program
@@ -272,7 +282,8 @@ def plan_mla_work(
     work = array("i", cu + prog)
     work.extend(_IDLE_PROGRAM * (programs - used))
     work.extend(array("i", slots))
-    work.extend(array("i", bytes(4 * FUSED_COUNTERS * tokens)))  # the counters
+    if counters:
+        work.extend(array("i", bytes(4 * FUSED_COUNTERS * tokens)))
     return work
 
 

@@ -366,7 +366,8 @@ def mla_attention(
     hopper_fused_merge: with ``hopper``, the two-tile kernel over a 16-bit latent merges the
                   tokens split across programs itself (the last program to finish one merges
                   its slots), so no merge kernel is launched (same result; ignored with
-                  ``skip_unseen`` or ``merge_tokens``, the ring and split forms, fp8).
+                  ``skip_unseen`` or ``merge_tokens``, the ring and split forms, fp8). Takes a
+                  ``work`` planned with its counters (``plan_mla_work(..., counters=True)``).
     skip_unseen:  with ``work``, a token that sees nothing is not stored: its rows of ``out``
                   keep what they held (a step's tokens attending decompressed: their output
                   comes from elsewhere, and zeros for them cost a write of the whole row).
@@ -449,6 +450,11 @@ def mla_attention(
         raise InvalidArgumentError(
             "skip_unseen, merge_tokens: take the balanced schedule (work); the split one stores every token"
         )
+    if hopper_fused_merge and work is not None and not work.counters:
+        raise InvalidArgumentError(
+            "hopper_fused_merge: the work array has no counters; plan it with plan_mla_work(..., counters=True) "
+            "and stage it as MLAWork(..., counters=True)"
+        )
     if merge_tokens is not None and not (
         len(merge_tokens) == 2
         and all(isinstance(v, int) for v in merge_tokens)
@@ -519,10 +525,11 @@ def _check_work(
         raise InvalidArgumentError(
             f"work.programs, unrolled: {work.programs} and {unrolled}; expected [1, 65535] and [0, 4]"
         )
-    want = mla_work_len(tokens, work.programs)
+    want = mla_work_len(tokens, work.programs, work.counters)
     data = work.data
     if data.dtype != torch.int32 or data.device != device or tuple(data.shape) != (want,):
         raise InvalidArgumentError(
-            f"work.data: expected an int32 [{want}] tensor on {device} (mla_work_len({tokens}, {work.programs})), "
-            f"got {data.dtype} {list(data.shape)} on {data.device}; plan it with plan_mla_work for these tokens"
+            f"work.data: expected an int32 [{want}] tensor on {device} (mla_work_len({tokens}, {work.programs}, "
+            f"counters={work.counters})), got {data.dtype} {list(data.shape)} on {data.device}; plan it with "
+            "plan_mla_work for these tokens"
         )

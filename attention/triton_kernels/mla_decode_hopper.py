@@ -317,15 +317,15 @@ def launch_mla_hopper(
     merge is launched dependent on the kernel; ``skip_unseen``: tokens without latents keep
     their rows of ``out`` (else zeros); ``merge_tokens``: the merge runs on these tokens only
     (:func:`.mla_balanced.merge_range`); ``fused_merge``: the two-tile kernel over a 16-bit
-    latent merges in the kernel (``FUSED``, the work array's token counters) and no merge is
-    launched (same results; not with ``skip_unseen`` or ``merge_tokens``, which keep the
-    merge launch)."""
+    latent merges in the kernel (``FUSED``, on the counters of a plan made with them) and no
+    merge is launched (same results; not with ``skip_unseen`` or ``merge_tokens``, which keep
+    the merge launch)."""
     tokens, heads, _ = query.shape
     slots = mla_work_slots(work.programs, tokens, work.direct)
     fp8 = cache.dtype == torch.float8_e4m3fn
     split = split and not work.direct and not fp8  # (a direct plan runs the two-tile kernel)
     ring = ring and not fp8
-    fused = fused_merge and not (fp8 or split or ring or skip_unseen or merge_tokens is not None)
+    fused = fused_merge and work.counters and not (fp8 or split or ring or skip_unseen or merge_tokens is not None)
     # The split kernel's warpgroups each hold half the channels: no common scale, float32.
     acc = torch.empty(slots, heads, _RANK, dtype=torch.float32 if split else partial_dtype(query.dtype, cache.dtype),
                       device=query.device)  # fmt: skip
