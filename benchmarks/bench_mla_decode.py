@@ -28,7 +28,8 @@ instead: ``hopper_mla_launch``, the Gluon kernel of ``attention.triton_kernels.m
 on its own plan of 64-latent tiles, one program an SM; "ring": the same kernel's deeper-ring form,
 ``attention.triton_kernels.mla_decode_hopper_ring``, "split": its split-warpgroup form,
 ``attention.triton_kernels.mla_decode_hopper_split``, and "fused": the two-tile kernel merging split
-tokens itself (``hopper_fused_merge``, no merge launch), all opt-in until these rows show one faster),
+tokens itself (``hopper_fused_merge``, no merge launch), all opt-in: on an H100 0.98x, 1.00x and
+0.94-0.97x the default, ``benchmarks/results/mla-fused-merge-h100-2026-12-06.md``),
 and that schedule planned the other way ("direct": tokens of one segment stored by their
 program, or "slots": a partial output for every token); all are in the JSON.
 

@@ -368,6 +368,8 @@ def mla_attention(
                   its slots), so no merge kernel is launched (same result; ignored with
                   ``skip_unseen`` or ``merge_tokens``, the ring and split forms, fp8). Takes a
                   ``work`` planned with its counters (``plan_mla_work(..., counters=True)``).
+                  Slower than the merge launch on an H100 (0.94-0.97x,
+                  benchmarks/results/mla-fused-merge-h100-2026-12-06.md), so opt-in.
     skip_unseen:  with ``work``, a token that sees nothing is not stored: its rows of ``out``
                   keep what they held (a step's tokens attending decompressed: their output
                   comes from elsewhere, and zeros for them cost a write of the whole row).
