@@ -89,6 +89,9 @@ __all__ = [
 ]
 
 _HEAD_DIMS = (64, 128)
+#: The loop in turn reads no box that holds only tokens past a chunk's end (a row's last tile
+#: is on average half past it: ~9% of an fp8 row's bytes at 650 tokens). A switch for A/B runs.
+TRIM_TILES = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -154,14 +157,19 @@ if _GLUON:
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
 
         @gluon.jit
-        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
-            return buf.reinterpret(gl.int32, shape, layout)
+        def _as_type(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf.reinterpret(dtype, shape, layout)
 
     else:
 
         @gluon.jit
-        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
-            return buf._reinterpret(gl.int32, shape, layout)
+        def _as_type(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf._reinterpret(dtype, shape, layout)
+
+    @gluon.jit
+    def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """A shared-memory buffer viewed as int32 of ``shape`` in ``layout``."""
+        return _as_type(buf, gl.int32, shape, layout)
 
     @gluon.constexpr_function
     def _query_layout(block_h, head_dim):  # type: ignore[no-untyped-def]
@@ -180,11 +188,20 @@ if _GLUON:
         return gl.where(ok, page, 0), ok
 
     @gluon.jit
+    def _half_v(v_tile, HEAD_DIM: gl.constexpr, HALF: gl.constexpr):  # type: ignore[no-untyped-def]
+        """The first ``HEAD_DIM * HALF`` bytes of a [HEAD_DIM, 2 * HALF] fp8 V^T buffer as a
+        [HEAD_DIM, HALF] buffer in the default layout of that shape, the layout of
+        :func:`_descriptors`' half boxes (a trimmed tile's V)."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, HALF], v_tile.dtype)
+        return _as_type(v_tile, v_tile.dtype, [HEAD_DIM, HALF], layout)
+
+    @gluon.jit
     def _load_tile(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_bufs, v_bufs, ready, j, first, table_row, row_ok, table_width, num_blocks, kvh,
+        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j, first, kv_end, table_row, row_ok,
+        table_width, num_blocks, kvh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr,
-        LOAD_V: gl.constexpr, V_BAR: gl.constexpr,
+        LOAD_V: gl.constexpr, V_BAR: gl.constexpr, TRIM: gl.constexpr,
     ):  # fmt: skip
         """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
         STAGES``: its K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
@@ -195,12 +212,39 @@ if _GLUON:
         into the part's rows of the slot's K tile; V likewise into the V tile (16-bit), or (fp8,
         token-major) V^T rows ``(page * kv_heads + kvh) * HEAD_DIM ..`` at columns ``t %
         BLOCK_SIZE`` of V's memory viewed ``[num_blocks * kv_heads * HEAD_DIM, BLOCK_SIZE]``,
-        into the part's own V^T buffer."""
+        into the part's own V^T buffer.
+
+        ``TRIM`` (one barrier for K and V): the tokens from ``kv_end`` on are not read where
+        whole boxes hold only them: parts starting at or past ``kv_end`` are not loaded, and a
+        one-part tile ending at most half a tile past its first token loads the half boxes
+        (``k_half_desc``, ``v_half_desc``: fp8 V^T into the first bytes of its buffer,
+        :func:`_half_v`). The rows left unloaded keep stale data, which the tile's softmax masks
+        (K) and :func:`_stage_tile` zeroes or leaves out of the P V MMAs (V)."""
         PARTS: gl.constexpr = BLOCK_N // PART
         slot = j % STAGES
         n0 = first + j * BLOCK_N
         k_bar = ready.index(slot)
         v_bar = ready.index(V_BAR + slot)
+        if TRIM:
+            if PARTS == 1:
+                if n0 + BLOCK_N // 2 >= kv_end:  # the second half holds no token to attend
+                    mbarrier.expect(k_bar, k_half_desc.block_type.nbytes + v_half_desc.block_type.nbytes)
+                    page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                    row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+                    _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
+                    if FP8:
+                        v_dst = _half_v(v_bufs.index(slot), HEAD_DIM, BLOCK_N // 2)
+                        _tma_load(v_half_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, n0 % BLOCK_SIZE], k_bar, v_dst)
+                    else:
+                        _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
+                else:
+                    _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, slot, n0, kv_end, table_row, row_ok,
+                                table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART,
+                                FP8, False)  # fmt: skip
+            else:
+                _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, slot, n0, kv_end, table_row, row_ok, table_width,
+                            num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True)  # fmt: skip
+            return
         if V_BAR == 0:
             mbarrier.expect(k_bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         else:
@@ -222,6 +266,54 @@ if _GLUON:
                 else:
                     v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
                     _tma_load(v_desc, [row, kvh * HEAD_DIM], v_bar, v_dst)
+
+    @gluon.jit
+    def _load_parts(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, bar, slot, n0, kv_end, table_row, row_ok, table_width, num_blocks, kvh,
+        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+        PART: gl.constexpr, FP8: gl.constexpr, SKIP_PAST_END: gl.constexpr,
+    ):  # fmt: skip
+        """K and V of the tile at token ``n0`` into ring slot ``slot`` on one barrier, one box
+        each a part (as :func:`_load_tile`); ``SKIP_PAST_END``: not the parts that start at or
+        past ``kv_end``."""
+        PARTS: gl.constexpr = BLOCK_N // PART
+        PART_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+        if SKIP_PAST_END:  # (the byte count is a compile-time operand: a branch for each)
+            loaded = gl.minimum(gl.maximum(gl.cdiv(kv_end - n0, PART), 1), PARTS)
+            for count in gl.static_range(1, PARTS + 1):
+                if loaded == count:
+                    mbarrier.expect(bar, count * PART_BYTES)
+        else:
+            mbarrier.expect(bar, PARTS * PART_BYTES)
+        for part in gl.static_range(PARTS):
+            t = n0 + part * PART
+            if SKIP_PAST_END and part > 0:
+                if t < kv_end:
+                    _load_part(k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width,
+                               num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+            else:
+                _load_part(k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width,
+                           num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+
+    @gluon.jit
+    def _load_part(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width, num_blocks, kvh,
+        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+        PART: gl.constexpr, FP8: gl.constexpr,
+    ):  # fmt: skip
+        """One part's K and V boxes (tokens ``t ..``, part ``part`` of the tile in ring slot
+        ``slot``) on ``bar``."""
+        PARTS: gl.constexpr = BLOCK_N // PART
+        page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
+        row = page * BLOCK_SIZE + t % BLOCK_SIZE
+        k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
+        _tma_load(k_desc, [row, kvh * HEAD_DIM], bar, k_dst)
+        if FP8:
+            v_dst = v_bufs.index(slot * PARTS + part)
+            _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], bar, v_dst)
+        else:
+            v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
+            _tma_load(v_desc, [row, kvh * HEAD_DIM], bar, v_dst)
 
     @gluon.jit
     def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, PART: gl.constexpr):  # type: ignore[no-untyped-def]
@@ -286,16 +378,17 @@ if _GLUON:
 
     @gluon.jit
     def _stage_tile(  # type: ignore[no-untyped-def]
-        p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr,
-        PART: gl.constexpr, FP8: gl.constexpr,
+        p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
+        table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+        PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, TRIM: gl.constexpr,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
         ``p_index`` and ``p_index + 1``), and zero the V tokens of ring slot ``s_slot`` the tile
         (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does not attend (past the
         chunk, before it, or of a bad block: stale slots may hold NaN, which would survive
-        p = 0), in the parts that hold any. The caller fences and synchronises the warps before
-        the MMAs read them."""
+        p = 0), in the parts that hold any (``TRIM``, fp8, one part: of a half-loaded tile, its
+        half, :func:`_half_v`, the only V its P V MMAs read). The caller fences and synchronises
+        the warps before the MMAs read them."""
         if FP8:
             p_hi = p.to(p_bufs.dtype)
             p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))
@@ -303,7 +396,14 @@ if _GLUON:
         else:
             p_bufs.index(p_index).store(p.to(p_bufs.dtype))
         if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):
-            if FP8:
+            if FP8 and TRIM and PARTS == 1:
+                hi = gl.where(tile_ok, kv_end - n0, 0)
+                if n0 + BLOCK_N // 2 >= kv_end:
+                    half = _half_v(v_bufs.index(s_slot), HEAD_DIM, BLOCK_N // 2)
+                    _zero_tokens(half, kv_start - n0, hi, HEAD_DIM, BLOCK_N // 2)
+                else:
+                    _zero_tokens(v_bufs.index(s_slot), kv_start - n0, hi, HEAD_DIM, BLOCK_N)
+            elif FP8:
                 for part in gl.static_range(PARTS):  # only the parts that hold such tokens
                     t = n0 + part * PART
                     _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
@@ -322,6 +422,16 @@ if _GLUON:
         if FP8:
             s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
         return s
+
+    @gluon.jit
+    def _pv_half(o, p_bufs, p_index, v_bufs, s_slot, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):  # type: ignore[no-untyped-def]
+        """O^T += V^T P^T over the first half of an fp8 tile (its half-loaded V,
+        :func:`_half_v`, and P^T's first BLOCK_N / 2 columns, hi and lo), waited for."""
+        half = _half_v(v_bufs.index(s_slot), HEAD_DIM, BLOCK_N // 2)
+        for hl in gl.static_range(2):
+            p_part = p_bufs.index(p_index + hl).slice(0, BLOCK_N // 2, 1)
+            o = warpgroup_mma(half, p_part.permute((1, 0)), o, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(o,))
 
     @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
@@ -347,12 +457,12 @@ if _GLUON:
         ]
     )  # fmt: skip
     def _decode_hopper_kernel(  # type: ignore[no-untyped-def]
-        q_ptr, k_desc, v_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr, out_ptr, part_o_ptr,
-        part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks, num_q_tokens,
-        num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+        q_ptr, k_desc, v_desc, k_half_desc, v_half_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr,
+        out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks,
+        num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr, OVERLAP: gl.constexpr,
+        PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -363,7 +473,10 @@ if _GLUON:
         else in the query's dtype. A tile is BLOCK_N / PART parts of PART tokens, each in one
         block: one K box into the part's rows of the tile; one V box into the part's rows of
         the V tile (16-bit), or (fp8) one V^T box into a buffer of its own (a [HEAD_DIM, PART]
-        box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P."""
+        box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P.
+        ``TRIM`` (the loop in turn only): a tile's boxes that hold only tokens past the chunk's
+        end are not read (:func:`_load_tile`; ``k_half_desc`` / ``v_half_desc`` the half boxes
+        of a one-part tile)."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -404,6 +517,7 @@ if _GLUON:
         # In turn: one barrier a slot for its K and V. Overlapped: K's (0 .. STAGES-1) and V's
         # (STAGES ..), since a slot's K is free once S is done, its V only after P V.
         V_BAR: gl.constexpr = STAGES if OVERLAP else 0
+        TRIM_TILES: gl.constexpr = TRIM and not OVERLAP
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -412,9 +526,9 @@ if _GLUON:
         n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
         for st in gl.static_range(STAGES):
             if st < n_tiles:
-                _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, st, first, table_row, row_ok, table_width,
-                           num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True,
-                           V_BAR)  # fmt: skip
+                _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first, kv_end,
+                           table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                           NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_TILES)  # fmt: skip
 
         # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -461,8 +575,9 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR), 0)
-                _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok,
+                            table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8,
+                            False)  # fmt: skip
             for j in range(1, n_tiles):
                 fence_async_shared()
                 _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs; S(j-1) done
@@ -470,9 +585,9 @@ if _GLUON:
                 prev_slot = (j - 1) % STAGES
                 refill = j - 1 + STAGES < n_tiles
                 if refill:
-                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, first, table_row, row_ok,
-                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
-                               PART, FP8, True, False, V_BAR)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
+                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
+                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, False, V_BAR, False)  # fmt: skip
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
                 s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
@@ -484,16 +599,16 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
-                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
-                            table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
-                            FP8)  # fmt: skip
+                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok,
+                            kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM,
+                            BLOCK_SIZE, PARTS, PART, FP8, False)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 o = o * alpha[None, :]
                 _partition_barrier()  # every warp is done with tile j-1's V
                 if refill:
-                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j - 1 + STAGES, first, table_row, row_ok,
-                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
-                               PART, FP8, False, True, V_BAR)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
+                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
+                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, False, True, V_BAR, False)  # fmt: skip
             if n_tiles > 0:
                 fence_async_shared()
                 _partition_barrier()
@@ -511,18 +626,26 @@ if _GLUON:
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
-                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row,
+                            row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8,
+                            TRIM_TILES)  # fmt: skip
                 fence_async_shared()
                 _partition_barrier()
                 o = o * alpha[None, :]
-                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
-                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                if FP8 and TRIM_TILES and PARTS == 1:
+                    if n0 + BLOCK_N // 2 >= kv_end:  # a half-loaded tile (_load_tile)
+                        o = _pv_half(o, p_bufs, 0, v_bufs, s_slot, HEAD_DIM, BLOCK_N)
+                    else:
+                        o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
+                        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                else:
+                    o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
-                    _load_tile(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES, first, table_row, row_ok,
-                               table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
-                               PART, FP8, True, True, 0)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
+                               kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
+                               HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_TILES)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -553,7 +676,8 @@ if _GLUON:
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
     """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``
     in boxes of [part, head_dim]; a token-major fp8 V's memory as ``[num_blocks * kv_heads *
-    head_dim, block_size]`` in boxes of [head_dim, part]."""
+    head_dim, block_size]`` in boxes of [head_dim, part]. (Boxes of half a tile: ``part`` the
+    tile's half.)"""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[k_cache.dtype]
 
@@ -597,12 +721,14 @@ def launch_decode_hopper(
     block_n = hopper_block_n(k_cache.dtype)
     part = tile_part(block_size, block_n)
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
+    trim = TRIM_TILES and not overlap
+    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if trim and part == block_n else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
     _decode_hopper_kernel[(kv_heads, grid_items)](
-        query, k_desc, v_desc, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
+        query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
         items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-        num_warps=4,
+        TRIM=trim, num_warps=4,
     )  # fmt: skip
