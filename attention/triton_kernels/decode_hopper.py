@@ -51,12 +51,13 @@ of 32 or 64 tokens or a multiple of the tile (a tile is 1, 2 or 4 block-sized pa
 TMA box of K and one of V). Everything else runs the Triton kernel.
 
 Trimmed tiles (:data:`TRIM_TILES`, the loop in turn): a chunk's last tile is on average half
-past its end, and those tokens' bytes are read for nothing (64 of a 650-token row's ~5 fp8
-tiles: ~9% of its bytes; ~5% over a 16-bit cache's 64-token tiles). So a tile's parts that
-start at or past the chunk's end are not loaded, and a one-part tile whose tokens end in its
-first half loads half boxes (K into the tile's first rows; fp8 V^T into its buffer's first
-bytes viewed as a [head_dim, tile / 2] buffer, whose P V MMAs then cover that half). Rows not
-loaded keep stale data: masked in the softmax (K), zeroed by the V guard or outside the MMAs (V).
+past its end, and those tokens' bytes are read for nothing (32 of a 650-token row's ~11 16-bit
+tiles: ~5% of its bytes). So a tile's parts that start at or past the chunk's end are not
+loaded (blocks of 32 or 64 tokens), and a one-part 16-bit tile whose tokens end in its first
+half loads half boxes into its first rows. Rows not loaded keep stale data: masked in the
+softmax (K), zeroed by the V guard (V). A one-part fp8 tile (blocks of 128 tokens or more) is
+read whole: its V^T half needs a buffer of half the row pitch, and the form that viewed the
+ring's buffers so gave wrong sums on the GPU (``benchmarks/results/decode-trim-2026-12-06.md``).
 
 Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
 slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
@@ -98,7 +99,7 @@ __all__ = [
 
 _HEAD_DIMS = (64, 128)
 #: The loop in turn reads no box that holds only tokens past a chunk's end (a row's last tile
-#: is on average half past it: ~9% of an fp8 row's bytes at 650 tokens). A switch for A/B runs.
+#: is on average half past it), except in one-part fp8 tiles. A switch for A/B runs.
 TRIM_TILES = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
@@ -196,16 +197,6 @@ if _GLUON:
         return gl.where(ok, page, 0), ok
 
     @gluon.jit
-    def _half_v(v_bufs, slot, HEAD_DIM: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr):  # type: ignore[no-untyped-def]
-        """The first ``HEAD_DIM * HALF`` bytes of ring slot ``slot``'s [HEAD_DIM, 2 * HALF] fp8
-        V^T buffer as a [HEAD_DIM, HALF] buffer in the default layout of that shape, the layout
-        of :func:`_descriptors`' half boxes (a trimmed tile's V): the whole ring viewed as
-        [2 * STAGES, HEAD_DIM, HALF] buffers, its buffer ``2 * slot`` (a view of the slot's
-        buffer alone would keep its row pitch)."""
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, HALF], v_bufs.dtype)
-        return _as_type(v_bufs, v_bufs.dtype, [2 * STAGES, HEAD_DIM, HALF], layout).index(2 * slot)
-
-    @gluon.jit
     def _load_tile(  # type: ignore[no-untyped-def]
         k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j, first, kv_end, table_row, row_ok,
         table_width, num_blocks, kvh,
@@ -224,12 +215,12 @@ if _GLUON:
         BLOCK_SIZE`` of V's memory viewed ``[num_blocks * kv_heads * HEAD_DIM, BLOCK_SIZE]``,
         into the part's own V^T buffer.
 
-        ``TRIM`` (one barrier for K and V): the tokens from ``kv_end`` on are not read where
-        whole boxes hold only them: parts starting at or past ``kv_end`` are not loaded, and a
-        one-part tile ending at most half a tile past its first token loads the half boxes
-        (``k_half_desc``, ``v_half_desc``: fp8 V^T into the first bytes of its buffer,
-        :func:`_half_v`). The rows left unloaded keep stale data, which the tile's softmax masks
-        (K) and :func:`_stage_tile` zeroes or leaves out of the P V MMAs (V)."""
+        ``TRIM`` (one barrier for K and V; not for a one-part fp8 tile): the tokens from
+        ``kv_end`` on are not read where whole boxes hold only them: parts starting at or past
+        ``kv_end`` are not loaded, and a one-part 16-bit tile ending at most half a tile past its
+        first token loads the half boxes (``k_half_desc``, ``v_half_desc``) into its first rows.
+        The rows left unloaded keep stale data, which the tile's softmax masks (K) and
+        :func:`_stage_tile` zeroes (V)."""
         PARTS: gl.constexpr = BLOCK_N // PART
         slot = j % STAGES
         n0 = first + j * BLOCK_N
@@ -242,11 +233,7 @@ if _GLUON:
                     page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
                     row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
                     _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
-                    if FP8:
-                        v_dst = _half_v(v_bufs, slot, HEAD_DIM, BLOCK_N // 2, STAGES)
-                        _tma_load(v_half_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, n0 % BLOCK_SIZE], k_bar, v_dst)
-                    else:
-                        _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
+                    _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
                 else:
                     _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, slot, n0, kv_end, table_row, row_ok,
                                 table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART,
@@ -390,15 +377,14 @@ if _GLUON:
     def _stage_tile(  # type: ignore[no-untyped-def]
         p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, TRIM: gl.constexpr, STAGES: gl.constexpr,
+        PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
         ``p_index`` and ``p_index + 1``), and zero the V tokens of ring slot ``s_slot`` the tile
         (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does not attend (past the
         chunk, before it, or of a bad block: stale slots may hold NaN, which would survive
-        p = 0), in the parts that hold any (``TRIM``, fp8, one part: of a half-loaded tile, its
-        half, :func:`_half_v`, the only V its P V MMAs read). The caller fences and synchronises
-        the warps before the MMAs read them."""
+        p = 0), in the parts that hold any (and those :func:`_load_tile` left unloaded). The
+        caller fences and synchronises the warps before the MMAs read them."""
         if FP8:
             p_hi = p.to(p_bufs.dtype)
             p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))
@@ -406,14 +392,7 @@ if _GLUON:
         else:
             p_bufs.index(p_index).store(p.to(p_bufs.dtype))
         if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):
-            if FP8 and TRIM and PARTS == 1:
-                hi = gl.where(tile_ok, kv_end - n0, 0)
-                if n0 + BLOCK_N // 2 >= kv_end:
-                    half = _half_v(v_bufs, s_slot, HEAD_DIM, BLOCK_N // 2, STAGES)
-                    _zero_tokens(half, kv_start - n0, hi, HEAD_DIM, BLOCK_N // 2)
-                else:
-                    _zero_tokens(v_bufs.index(s_slot), kv_start - n0, hi, HEAD_DIM, BLOCK_N)
-            elif FP8:
+            if FP8:
                 for part in gl.static_range(PARTS):  # only the parts that hold such tokens
                     t = n0 + part * PART
                     _page, part_ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
@@ -432,18 +411,6 @@ if _GLUON:
         if FP8:
             s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
         return s
-
-    @gluon.jit
-    def _pv_half(  # type: ignore[no-untyped-def]
-        o, p_bufs, p_index, v_bufs, s_slot, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
-    ):
-        """O^T += V^T P^T over the first half of an fp8 tile (its half-loaded V,
-        :func:`_half_v`, and P^T's first BLOCK_N / 2 columns, hi and lo), waited for."""
-        half = _half_v(v_bufs, s_slot, HEAD_DIM, BLOCK_N // 2, STAGES)
-        for hl in gl.static_range(2):
-            p_part = p_bufs.index(p_index + hl).slice(0, BLOCK_N // 2, 1)
-            o = warpgroup_mma(half, p_part.permute((1, 0)), o, is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(o,))
 
     @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
@@ -529,7 +496,9 @@ if _GLUON:
         # In turn: one barrier a slot for its K and V. Overlapped: K's (0 .. STAGES-1) and V's
         # (STAGES ..), since a slot's K is free once S is done, its V only after P V.
         V_BAR: gl.constexpr = STAGES if OVERLAP else 0
-        TRIM_TILES: gl.constexpr = TRIM and not OVERLAP
+        # (A one-part fp8 tile is not trimmed: its V^T half as a [HEAD_DIM, BLOCK_N / 2] view of
+        # the ring gave wrong sums on the GPU, benchmarks/results/decode-trim-2026-12-06.md.)
+        TRIM_TILES: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -587,9 +556,8 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR), 0)
-                _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok,
-                            table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8,
-                            False, STAGES)  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
             for j in range(1, n_tiles):
                 fence_async_shared()
                 _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs; S(j-1) done
@@ -611,9 +579,9 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
-                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok,
-                            kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM,
-                            BLOCK_SIZE, PARTS, PART, FP8, False, STAGES)  # fmt: skip
+                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
+                            table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
+                            FP8)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 o = o * alpha[None, :]
                 _partition_barrier()  # every warp is done with tile j-1's V
@@ -638,21 +606,13 @@ if _GLUON:
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
-                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row,
-                            row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8,
-                            TRIM_TILES, STAGES)  # fmt: skip
+                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
                 fence_async_shared()
                 _partition_barrier()
                 o = o * alpha[None, :]
-                if FP8 and TRIM_TILES and PARTS == 1:
-                    if n0 + BLOCK_N // 2 >= kv_end:  # a half-loaded tile (_load_tile)
-                        o = _pv_half(o, p_bufs, 0, v_bufs, s_slot, HEAD_DIM, BLOCK_N, STAGES)
-                    else:
-                        o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
-                        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-                else:
-                    o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
-                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
                     _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
@@ -734,7 +694,8 @@ def launch_decode_hopper(
     part = tile_part(block_size, block_n)
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
     trim = TRIM_TILES and not overlap
-    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if trim and part == block_n else (k_desc, v_desc)
+    halves = trim and part == block_n and k_cache.dtype != torch.float8_e4m3fn  # (see TRIM_TILES in the kernel)
+    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
     _decode_hopper_kernel[(kv_heads, grid_items)](
         query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
