@@ -53,11 +53,12 @@ TMA box of K and one of V). Everything else runs the Triton kernel.
 Trimmed tiles (:data:`TRIM_TILES`, the loop in turn): a chunk's last tile is on average half
 past its end, and those tokens' bytes are read for nothing (32 of a 650-token row's ~11 16-bit
 tiles: ~5% of its bytes). So a tile's parts that start at or past the chunk's end are not
-loaded (blocks of 32 or 64 tokens), and a one-part 16-bit tile whose tokens end in its first
-half loads half boxes into its first rows. Rows not loaded keep stale data: masked in the
-softmax (K), zeroed by the V guard (V). A one-part fp8 tile (blocks of 128 tokens or more) is
-read whole: its V^T half needs a buffer of half the row pitch, and the form that viewed the
-ring's buffers so gave wrong sums on the GPU (``benchmarks/results/decode-trim-2026-12-06.md``).
+loaded (blocks of 32 or 64 tokens), and, with :data:`HALF_BOXES` (off), a one-part 16-bit tile
+whose tokens end in its first half loads half boxes into its first rows. Rows not loaded keep
+stale data: masked in the softmax (K), zeroed by the V guard (V). A one-part fp8 tile (blocks
+of 128 tokens or more) is read whole: its V^T half needs a buffer of half the row pitch, and
+the forms that viewed the ring's buffers so gave wrong sums on the GPU
+(``benchmarks/results/decode-trim-2026-12-06.md``).
 
 Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
 slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
@@ -98,9 +99,13 @@ __all__ = [
 ]
 
 _HEAD_DIMS = (64, 128)
-#: The loop in turn reads no box that holds only tokens past a chunk's end (a row's last tile
-#: is on average half past it), except in one-part fp8 tiles. A switch for A/B runs.
+#: The loop in turn does not load a tile's block-sized parts (blocks of 32 / 64 tokens) that
+#: start at or past its chunk's end.
 TRIM_TILES = True
+#: With TRIM_TILES, a one-part 16-bit tile ending in its first half loads half boxes. Off: no gain
+#: measured on the H200 (bf16 burst attention 2.81 ms either way, one run), and an eager launch
+#: builds two more TMA descriptors (~30 us on a 2-core host). A switch for A/B runs.
+HALF_BOXES = False
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -693,9 +698,10 @@ def launch_decode_hopper(
     block_n = hopper_block_n(k_cache.dtype)
     part = tile_part(block_size, block_n)
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
-    trim = TRIM_TILES and not overlap
-    halves = trim and part == block_n and k_cache.dtype != torch.float8_e4m3fn  # (see TRIM_TILES in the kernel)
-    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
+    one_part = part == block_n
+    halves = HALF_BOXES and one_part and k_cache.dtype != torch.float8_e4m3fn  # (see TRIM_TILES in the kernel)
+    trim = TRIM_TILES and not overlap and (halves or not one_part)
+    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if trim and halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
     _decode_hopper_kernel[(kv_heads, grid_items)](
         query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
