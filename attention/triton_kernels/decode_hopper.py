@@ -231,23 +231,38 @@ if _GLUON:
         n0 = first + j * BLOCK_N
         k_bar = ready.index(slot)
         v_bar = ready.index(V_BAR + slot)
-        if TRIM:
-            if PARTS == 1:
-                if n0 + BLOCK_N // 2 >= kv_end:  # the second half holds no token to attend
-                    mbarrier.expect(k_bar, k_half_desc.block_type.nbytes + v_half_desc.block_type.nbytes)
-                    page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
-                    row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
-                    _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
-                    _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
-                else:
-                    _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, slot, n0, kv_end, table_row, row_ok,
-                                table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART,
-                                FP8, False)  # fmt: skip
-            else:
-                _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, slot, n0, kv_end, table_row, row_ok, table_width,
-                            num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True)  # fmt: skip
-            return
-        if V_BAR == 0:
+        half = False
+        if TRIM and PARTS == 1:
+            half = n0 + BLOCK_N // 2 >= kv_end  # the second half holds no token to attend
+        if half:
+            mbarrier.expect(k_bar, k_half_desc.block_type.nbytes + v_half_desc.block_type.nbytes)
+            page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+            row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+            _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
+            _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
+        else:
+            _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, n0, kv_end, table_row, row_ok,
+                        table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8,
+                        LOAD_K, LOAD_V, V_BAR, TRIM and PARTS > 1)  # fmt: skip
+
+    @gluon.jit
+    def _load_parts(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, n0, kv_end, table_row, row_ok, table_width, num_blocks,
+        kvh, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+        PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, V_BAR: gl.constexpr,
+        SKIP_PAST_END: gl.constexpr,
+    ):  # fmt: skip
+        """The K (``LOAD_K``) and V (``LOAD_V``) boxes of the tile at token ``n0``, one each a
+        part, into ring slot ``slot`` on ``k_bar`` and ``v_bar`` (V_BAR 0: the same barrier),
+        as :func:`_load_tile`; ``SKIP_PAST_END`` (one barrier, both loaded): not the parts that
+        start at or past ``kv_end``."""
+        PARTS: gl.constexpr = BLOCK_N // PART
+        if SKIP_PAST_END:  # (the byte count is a compile-time operand: a branch for each)
+            loaded = gl.minimum(gl.maximum(gl.cdiv(kv_end - n0, PART), 1), PARTS)
+            for count in gl.static_range(1, PARTS + 1):
+                if loaded == count:
+                    mbarrier.expect(k_bar, count * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        elif V_BAR == 0:
             mbarrier.expect(k_bar, PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         else:
             if LOAD_K:
@@ -256,66 +271,37 @@ if _GLUON:
                 mbarrier.expect(v_bar, PARTS * v_desc.block_type.nbytes)
         for part in gl.static_range(PARTS):
             t = n0 + part * PART
-            page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
-            row = page * BLOCK_SIZE + t % BLOCK_SIZE
-            if LOAD_K:
-                k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
-                _tma_load(k_desc, [row, kvh * HEAD_DIM], k_bar, k_dst)
-            if LOAD_V:
-                if FP8:
-                    v_dst = v_bufs.index(slot * PARTS + part)
-                    _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], v_bar, v_dst)
-                else:
-                    v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
-                    _tma_load(v_desc, [row, kvh * HEAD_DIM], v_bar, v_dst)
-
-    @gluon.jit
-    def _load_parts(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_bufs, v_bufs, bar, slot, n0, kv_end, table_row, row_ok, table_width, num_blocks, kvh,
-        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
-        PART: gl.constexpr, FP8: gl.constexpr, SKIP_PAST_END: gl.constexpr,
-    ):  # fmt: skip
-        """K and V of the tile at token ``n0`` into ring slot ``slot`` on one barrier, one box
-        each a part (as :func:`_load_tile`); ``SKIP_PAST_END``: not the parts that start at or
-        past ``kv_end``."""
-        PARTS: gl.constexpr = BLOCK_N // PART
-        PART_BYTES: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-        if SKIP_PAST_END:  # (the byte count is a compile-time operand: a branch for each)
-            loaded = gl.minimum(gl.maximum(gl.cdiv(kv_end - n0, PART), 1), PARTS)
-            for count in gl.static_range(1, PARTS + 1):
-                if loaded == count:
-                    mbarrier.expect(bar, count * PART_BYTES)
-        else:
-            mbarrier.expect(bar, PARTS * PART_BYTES)
-        for part in gl.static_range(PARTS):
-            t = n0 + part * PART
             if SKIP_PAST_END and part > 0:
                 if t < kv_end:
-                    _load_part(k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width,
-                               num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+                    _load_part(k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, part, t, table_row, row_ok,
+                               table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8,
+                               LOAD_K, LOAD_V)  # fmt: skip
             else:
-                _load_part(k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width,
-                           num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8)  # fmt: skip
+                _load_part(k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, part, t, table_row, row_ok,
+                           table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8,
+                           LOAD_K, LOAD_V)  # fmt: skip
 
     @gluon.jit
     def _load_part(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_bufs, v_bufs, bar, slot, part, t, table_row, row_ok, table_width, num_blocks, kvh,
-        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
-        PART: gl.constexpr, FP8: gl.constexpr,
+        k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, part, t, table_row, row_ok, table_width, num_blocks,
+        kvh, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+        PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     ):  # fmt: skip
-        """One part's K and V boxes (tokens ``t ..``, part ``part`` of the tile in ring slot
-        ``slot``) on ``bar``."""
+        """One part's K box on ``k_bar`` (``LOAD_K``) and V box on ``v_bar`` (``LOAD_V``):
+        tokens ``t ..``, part ``part`` of the tile in ring slot ``slot``."""
         PARTS: gl.constexpr = BLOCK_N // PART
         page, _ok = _tile_page(table_row, t, row_ok, table_width, num_blocks, BLOCK_SIZE)
         row = page * BLOCK_SIZE + t % BLOCK_SIZE
-        k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
-        _tma_load(k_desc, [row, kvh * HEAD_DIM], bar, k_dst)
-        if FP8:
-            v_dst = v_bufs.index(slot * PARTS + part)
-            _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], bar, v_dst)
-        else:
-            v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
-            _tma_load(v_desc, [row, kvh * HEAD_DIM], bar, v_dst)
+        if LOAD_K:
+            k_dst = k_bufs.index(slot) if PARTS == 1 else k_bufs.index(slot).slice(part * PART, PART)
+            _tma_load(k_desc, [row, kvh * HEAD_DIM], k_bar, k_dst)
+        if LOAD_V:
+            if FP8:
+                v_dst = v_bufs.index(slot * PARTS + part)
+                _tma_load(v_desc, [(page * NUM_KV_HEADS + kvh) * HEAD_DIM, t % BLOCK_SIZE], v_bar, v_dst)
+            else:
+                v_dst = v_bufs.index(slot) if PARTS == 1 else v_bufs.index(slot).slice(part * PART, PART)
+                _tma_load(v_desc, [row, kvh * HEAD_DIM], v_bar, v_dst)
 
     @gluon.jit
     def _zero_tokens(v_tile, lo, hi, HEAD_DIM: gl.constexpr, PART: gl.constexpr):  # type: ignore[no-untyped-def]
