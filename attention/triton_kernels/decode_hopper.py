@@ -171,19 +171,14 @@ if _GLUON:
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
 
         @gluon.jit
-        def _as_type(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
-            return buf.reinterpret(dtype, shape, layout)
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf.reinterpret(gl.int32, shape, layout)
 
     else:
 
         @gluon.jit
-        def _as_type(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
-            return buf._reinterpret(dtype, shape, layout)
-
-    @gluon.jit
-    def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
-        """A shared-memory buffer viewed as int32 of ``shape`` in ``layout``."""
-        return _as_type(buf, gl.int32, shape, layout)
+        def _as_words(buf, shape: gl.constexpr, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+            return buf._reinterpret(gl.int32, shape, layout)
 
     @gluon.constexpr_function
     def _query_layout(block_h, head_dim):  # type: ignore[no-untyped-def]
