@@ -165,6 +165,28 @@ def test_a_16bit_cache_matches_float64_reference(  # type: ignore[no-untyped-def
     assert hopper_calls == ([2] if ON_HOPPER else [])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="half boxes are a form of the Gluon kernel: needs an sm_90 GPU with Gluon")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_boxes_match_float64_reference(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """``decode_hopper.HALF_BOXES`` (off by default): one-part 16-bit tiles that end in their
+    first half load half boxes, and the rows left unloaded (stale, NaN in unwritten slots) must
+    not reach the output. Rows end at 1, 63-65 and 513 tokens of 64-token tiles, block 256."""
+    import attention.triton_kernels.decode_hopper as hopper_module
+
+    monkeypatch.setattr(hopper_module, "HALF_BOXES", True)
+    lens = [1, 63, 64, 65, 300, 513]
+    wide, plain = _wide_case(lens, 8, 2, 128, 256, dtype)
+    config = _config(dtype, overlap=False)
+    out = _run(wide, _prepare(wide, config.block_n), config)
+    rows = list(range(len(lens)))
+    ref = _reference(plain, [(0, n) for n in wide.meta.seq_lens_host], rows, rows, 1 / math.sqrt(128))
+    _check(out, ref, dtype)
+    assert hopper_calls == [2]
+
+
 @pytest.mark.parametrize("block_size", [256, 32])
 @pytest.mark.parametrize("overlap", LOOPS)
 def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int, overlap: bool) -> None:
