@@ -226,19 +226,21 @@ if _GLUON:
         n0 = first + j * BLOCK_N
         k_bar = ready.index(slot)
         v_bar = ready.index(V_BAR + slot)
-        half = False
-        if TRIM and PARTS == 1:
-            half = n0 + BLOCK_N // 2 >= kv_end  # the second half holds no token to attend
-        if half:
-            mbarrier.expect(k_bar, k_half_desc.block_type.nbytes + v_half_desc.block_type.nbytes)
-            page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
-            row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
-            _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
-            _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
+        if TRIM and PARTS == 1:  # (a compile-time branch: the half boxes exist only here)
+            if n0 + BLOCK_N // 2 >= kv_end:  # the second half holds no token to attend
+                mbarrier.expect(k_bar, k_half_desc.block_type.nbytes + v_half_desc.block_type.nbytes)
+                page, _ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
+                row = page * BLOCK_SIZE + n0 % BLOCK_SIZE
+                _tma_load(k_half_desc, [row, kvh * HEAD_DIM], k_bar, k_bufs.index(slot).slice(0, BLOCK_N // 2))
+                _tma_load(v_half_desc, [row, kvh * HEAD_DIM], k_bar, v_bufs.index(slot).slice(0, BLOCK_N // 2))
+            else:
+                _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, n0, kv_end, table_row, row_ok,
+                            table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8,
+                            LOAD_K, LOAD_V, V_BAR, False)  # fmt: skip
         else:
             _load_parts(k_desc, v_desc, k_bufs, v_bufs, k_bar, v_bar, slot, n0, kv_end, table_row, row_ok,
                         table_width, num_blocks, kvh, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8,
-                        LOAD_K, LOAD_V, V_BAR, TRIM and PARTS > 1)  # fmt: skip
+                        LOAD_K, LOAD_V, V_BAR, TRIM)  # fmt: skip
 
     @gluon.jit
     def _load_parts(  # type: ignore[no-untyped-def]
