@@ -11,7 +11,8 @@ to 16, blocks of 32, 64, 128 and 256, rings of 2 to 4 tiles), and compiles to wh
   remainders: K and V reach the tensor cores as stored (the Triton kernel converts 136 pairs a
   128-token tile);
 - its TMA loads (a K and a V box for each block-sized part of a tile: the ring's prologue and
-  the loop's refill; and half boxes for a one-part 16-bit tile that ends in its first half), shared
+  the loop's refill; and half boxes for a one-part 16-bit tile that ends in its first half; an fp8
+  tile split in two parts of 64 tokens in long blocks, ``SPLIT_FP8_TILES``), shared
   memory within the H200's 227 KiB, and no register spills.
 
 Skipped where this Triton has no Gluon."""
@@ -39,12 +40,14 @@ cases = [("fp8", 128, 4, 256, 2, False), ("fp8", 128, 4, 256, 3, False), ("fp8",
          ("fp8", 64, 4, 32, 2, False), ("bf16", 128, 4, 256, 2, False), ("bf16", 128, 4, 32, 3, False),
          ("fp16", 64, 16, 64, 2, False), ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True),
          ("fp8", 64, 16, 64, 2, True), ("bf16", 128, 4, 256, 3, True), ("fp16", 64, 8, 32, 2, True)]
+cases = [case + (False,) for case in cases]
+cases += [("fp8", 128, 4, 256, 3, False, True), ("fp8", 64, 8, 128, 2, False, True)]  # SPLIT_FP8_TILES
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap in cases:
+for kind, head_dim, group, block_size, stages, overlap, split in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
-    part = H.tile_part(block_size, block_n)
+    part = H.tile_part(block_size, block_n, split)
     k_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     if kind == "fp8":  # V token-major, as kvcache allocates an 8-bit cache
         v_cache = torch.empty(4, 2, head_dim, block_size, dtype=dtype).permute(0, 3, 1, 2)
@@ -72,14 +75,15 @@ for kind, head_dim, group, block_size, stages, overlap in cases:
              head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
              commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
-    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")] = r
+    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
+           + ("-split" if split else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 15, report
+    assert len(report) == 17, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,

@@ -106,6 +106,10 @@ TRIM_TILES = True
 #: measured on the H200 (bf16 burst attention 2.81 ms either way, one run), and an eager launch
 #: builds two more TMA descriptors (~30 us on a 2-core host). A switch for A/B runs.
 HALF_BOXES = False
+#: With TRIM_TILES, an fp8 tile in blocks of 128 tokens or more is loaded as two parts of 64
+#: tokens (one K box and one V^T box each, as in blocks of 64), so that its second part is not
+#: read when the chunk ends in its first. A switch for A/B runs.
+SPLIT_FP8_TILES = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -117,10 +121,11 @@ def hopper_block_n(cache_dtype: torch.dtype) -> int:
     return _FP8_BLOCK_N if cache_dtype.itemsize == 1 else _WIDE_BLOCK_N
 
 
-def tile_part(block_size: int, block_n: int) -> int:
+def tile_part(block_size: int, block_n: int, split: bool = False) -> int:
     """Tokens of a tile's part, each in one block: the tile for blocks of a multiple of it, else
-    the block (32 or 64)."""
-    return min(block_size, block_n)
+    the block (32 or 64); ``split``: at most half the tile (:data:`SPLIT_FP8_TILES`)."""
+    part = min(block_size, block_n)
+    return min(part, block_n // 2) if split else part
 
 
 def decode_hopper_shape_ok(head_dim: int, group: int, block_size: int, query_len: int, block_n: int) -> bool:
@@ -679,11 +684,13 @@ def launch_decode_hopper(
     num_heads = query.shape[1]
     group = num_heads // kv_heads
     block_n = hopper_block_n(k_cache.dtype)
-    part = tile_part(block_size, block_n)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    trimming = TRIM_TILES and not overlap
+    part = tile_part(block_size, block_n, split=trimming and fp8 and SPLIT_FP8_TILES)
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
     one_part = part == block_n
-    halves = HALF_BOXES and one_part and k_cache.dtype != torch.float8_e4m3fn  # (see TRIM_TILES in the kernel)
-    trim = TRIM_TILES and not overlap and (halves or not one_part)
+    halves = HALF_BOXES and one_part and not fp8  # (see TRIM_TILES in the kernel)
+    trim = trimming and (halves or not one_part)
     k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if trim and halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
     _decode_hopper_kernel[(kv_heads, grid_items)](
