@@ -86,6 +86,7 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
+        shared_layout,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -648,13 +649,13 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tup
 
     def rows(t: torch.Tensor) -> Any:
         view = t.view(num_blocks * block_size, kv_heads * head_dim)
-        layout = gl.NVMMASharedLayout.get_default_for([part, head_dim], dtype)
+        layout = shared_layout((part, head_dim), dtype)
         return TensorDescriptor(view, list(view.shape), [kv_heads * head_dim, 1], [part, head_dim], layout)
 
     if k_cache.dtype != torch.float8_e4m3fn:
         return rows(k_cache), rows(v_cache)
     v2 = v_cache.permute(0, 2, 3, 1).reshape(num_blocks * kv_heads * head_dim, block_size)  # a view: token-major
-    v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, part], dtype)
+    v_layout = shared_layout((head_dim, part), dtype)
     return rows(k_cache), TensorDescriptor(v2, list(v2.shape), [block_size, 1], [head_dim, part], v_layout)
 
 

@@ -92,6 +92,7 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
+        shared_layout,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -275,7 +276,7 @@ def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, An
     half, n, h = _RANK // 2, MLA_HOPPER_BLOCK_N, MLA_HOPPER_HEADS
 
     def desc(t: torch.Tensor, rows: int, box: list[int]) -> Any:
-        layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+        layout = shared_layout(tuple(box), dtype)
         return TensorDescriptor(t, [rows, dim], [dim, 1], box, layout)
 
     q_rows, c_rows = max(tokens * heads, 1), num_blocks * block_size

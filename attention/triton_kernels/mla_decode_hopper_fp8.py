@@ -60,6 +60,7 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
+        shared_layout,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -277,7 +278,7 @@ def fp8_descriptors(cache: torch.Tensor, rank: int, block_n: int) -> tuple[Any, 
     rows = num_blocks * block_size
 
     def desc(box: list[int]) -> Any:
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+        layout = shared_layout(tuple(box), gl.float8e4nv)
         return TensorDescriptor(cache, [rows, dim], [dim, 1], box, layout)
 
     return desc([block_n, rank // 2]), desc([block_n, dim - rank])

@@ -48,6 +48,7 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
+        shared_layout,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -311,7 +312,7 @@ if _GLUON:
 
 
 def _layout(block: list[int], dtype: torch.dtype) -> Any:
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return shared_layout(tuple(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def _mla_descriptors(
