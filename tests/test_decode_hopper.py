@@ -187,6 +187,30 @@ def test_half_boxes_match_float64_reference(  # type: ignore[no-untyped-def]
     assert hopper_calls == [2]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="split fp8 tiles: a form of the Gluon kernel, needs an sm_90 GPU with Gluon")
+@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("chunk", [None, 128], ids=["whole-rows", "split-rows"])
+def test_split_fp8_tiles_match_float64_reference(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, block_size: int, chunk: int | None
+) -> None:
+    """``decode_hopper.SPLIT_FP8_TILES`` (off by default): an fp8 tile in long blocks loads as two
+    parts of 64 tokens and skips the second past a chunk's end; its rows (stale, NaN in unwritten
+    slots) must not reach the output. Rows end at 1, 63-65, 127-129 and 513 tokens, GQA 4."""
+    import attention.triton_kernels.decode_hopper as hopper_module
+
+    monkeypatch.setattr(hopper_module, "SPLIT_FP8_TILES", True)
+    lens = [1, 63, 64, 65, 127, 128, 129, 513]
+    fp8, plain, scales = _fp8_case(lens, 8, 2, 128, block_size, torch.bfloat16)
+    config = _config(torch.float8_e4m3fn, stages=2)
+    launch = _prepare(fp8, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
+    out = _run(fp8, launch, config, scales=scales)
+    rows = list(range(len(lens)))
+    ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], rows, rows, 1 / math.sqrt(128), scales)
+    _check(out, ref, torch.bfloat16)
+    assert hopper_calls == [2]
+
+
 @pytest.mark.parametrize("block_size", [256, 32])
 @pytest.mark.parametrize("overlap", LOOPS)
 def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int, overlap: bool) -> None:

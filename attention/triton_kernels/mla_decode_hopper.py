@@ -31,9 +31,10 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
   (``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``);
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
   64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
-  one is computed. One program per SM (the ring, the query and P take 180 KiB). A tile whose
-  latents end in its first half loads half boxes (:data:`TRIM_TAIL`): a row's last tile is on
-  average half past its end, ~1% of a LogNormal(2048) row's bytes.
+  one is computed. One program per SM (the ring, the query and P take 180 KiB). With
+  :data:`TRIM_TAIL` (off: not yet run on a GPU) a tile whose latents end in its first half
+  loads half boxes: a row's last tile is on average half past its end, ~1% of a
+  LogNormal(2048) row's bytes.
 
 H200, 16 heads (``benchmarks/results/mla-decode-hopper-2026-12-04.json``): 1.02-1.03x the
 Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% timed among
@@ -116,8 +117,10 @@ MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
 #: The two-tile kernel loads a tile whose latents end in its first half as half boxes (32 rows);
-#: the rows left unloaded are masked and zeroed as any past a row's end. A switch for A/B runs.
-TRIM_TAIL = True
+#: the rows left unloaded are masked and zeroed as any past a row's end. Off until timed and run
+#: on a GPU (compiled for sm_90 in tests/test_mla_decode_hopper_compile.py; a gpu-marked test in
+#: tests/test_mla_decode_hopper.py).
+TRIM_TAIL = False
 
 
 def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
