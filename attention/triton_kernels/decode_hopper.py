@@ -58,10 +58,11 @@ whose tokens end in its first half loads half boxes into its first rows. Rows no
 stale data: masked in the softmax (K), zeroed by the V guard (V). A one-part fp8 tile (blocks
 of 128 tokens or more) is read whole: its V^T half needs a buffer of half the row pitch, and
 the forms that viewed the ring's buffers so gave wrong sums on the GPU
-(``benchmarks/results/decode-trim-2026-12-06.md``). With :data:`SPLIT_FP8_TILES` (off: not yet
-run on a GPU) such a tile is loaded as two parts of 64 tokens instead, the form of blocks of 64,
-so its second part is skipped past a chunk's end (~9% of the fp8 bytes of the end-to-end
-burst's decode step, LogNormal(550) rows).
+(``benchmarks/results/decode-trim-2026-12-06.md``). With :data:`SPLIT_FP8_TILES` (off) such a
+tile is loaded as two parts of 64 tokens instead, the form of blocks of 64, so its second part
+is skipped past a chunk's end (~9% of the fp8 bytes of the end-to-end burst's decode step,
+LogNormal(550) rows): correct on an H100, but 1.011x on that shape and 0.984-0.994x on rows
+ending on a tile boundary (``benchmarks/results/decode-split-fp8-h100-2026-12-07.md``).
 
 Safety as in :mod:`.decode_kernels`: item indices, table rows, query tokens and partial
 slots are range-checked; block ids outside ``[0, num_blocks)`` read block 0 and mask their
@@ -112,8 +113,9 @@ TRIM_TILES = True
 HALF_BOXES = False
 #: With TRIM_TILES, an fp8 tile in blocks of 128 tokens or more is loaded as two parts of 64
 #: tokens (one K box and one V^T box each, as in blocks of 64), so that its second part is not
-#: read when the chunk ends in its first. Off until timed and run on a GPU (compiled for sm_90 in
-#: tests/test_decode_hopper_compile.py; tests/test_decode_hopper.py has a gpu-marked test of it).
+#: read when the chunk ends in its first. Off: correct on an H100 but 1.011x on the burst's decode
+#: shape and 0.984-0.994x on uniform rows (benchmarks/results/decode-split-fp8-h100-2026-12-07.md).
+#: A switch for A/B runs (tests/test_decode_hopper.py has a gpu-marked test of it).
 SPLIT_FP8_TILES = False
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128

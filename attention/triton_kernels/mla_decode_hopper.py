@@ -32,9 +32,10 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
   64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
   one is computed. One program per SM (the ring, the query and P take 180 KiB). With
-  :data:`TRIM_TAIL` (off: not yet run on a GPU) a tile whose latents end in its first half
-  loads half boxes: a row's last tile is on average half past its end, ~1% of a
-  LogNormal(2048) row's bytes.
+  :data:`TRIM_TAIL` (off) a tile whose latents end in its first half loads half boxes (a row's
+  last tile is on average half past its end, ~1% of a LogNormal(2048) row's bytes): correct on
+  an H100 but 0.99x on 64 x 4096 and LogNormal-128 (its loads spill 20-40 bytes outside the tile
+  loop; ``benchmarks/results/decode-split-fp8-h100-2026-12-07.md``).
 
 H200, 16 heads (``benchmarks/results/mla-decode-hopper-2026-12-04.json``): 1.02-1.03x the
 Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% timed among
@@ -117,9 +118,9 @@ MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
 #: The two-tile kernel loads a tile whose latents end in its first half as half boxes (32 rows);
-#: the rows left unloaded are masked and zeroed as any past a row's end. Off until timed and run
-#: on a GPU (compiled for sm_90 in tests/test_mla_decode_hopper_compile.py; a gpu-marked test in
-#: tests/test_mla_decode_hopper.py).
+#: the rows left unloaded are masked and zeroed as any past a row's end. Off: 0.99x on an H100
+#: (benchmarks/results/decode-split-fp8-h100-2026-12-07.md). A switch for A/B runs (a gpu-marked
+#: test in tests/test_mla_decode_hopper.py).
 TRIM_TAIL = False
 
 
