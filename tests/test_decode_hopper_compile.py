@@ -58,7 +58,7 @@ for kind, head_dim, group, block_size, stages, overlap, split in cases:
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-                  TRIM=not overlap)
+                  TRIM=not overlap, P_LO=True)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}

@@ -117,6 +117,9 @@ HALF_BOXES = False
 #: shape and 0.984-0.994x on uniform rows (benchmarks/results/decode-split-fp8-h100-2026-12-07.md).
 #: A switch for A/B runs (tests/test_decode_hopper.py has a gpu-marked test of it).
 SPLIT_FP8_TILES = False
+#: fp8: P enters the P V MMAs as e4m3 hi + lo (~8 significant bits, a bf16's). Off: hi only (3
+#: bits, FlashAttention-3's fp8 P), half the P V MMAs and no lo conversion. A switch for A/B runs.
+FP8_P_LO = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -377,10 +380,10 @@ if _GLUON:
     def _stage_tile(  # type: ignore[no-untyped-def]
         p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-        PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
+        PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
-        ``p_index`` and ``p_index + 1``), and zero the V tokens of ring slot ``s_slot`` the tile
+        ``p_index`` and ``p_index + 1``; not ``P_LO``: hi only), and zero the V tokens of ring slot ``s_slot`` the tile
         (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does not attend (past the
         chunk, before it, or of a bad block: stale slots may hold NaN, which would survive
         p = 0), in the parts that hold any (and those :func:`_load_tile` left unloaded). The
@@ -388,7 +391,8 @@ if _GLUON:
         if FP8:
             p_hi = p.to(p_bufs.dtype)
             p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))
-            p_bufs.index(p_index + 1).store(gl.permute((p - p_hi.to(gl.float32)).to(p_bufs.dtype), (1, 0)))
+            if P_LO:
+                p_bufs.index(p_index + 1).store(gl.permute((p - p_hi.to(gl.float32)).to(p_bufs.dtype), (1, 0)))
         else:
             p_bufs.index(p_index).store(p.to(p_bufs.dtype))
         if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):
@@ -414,13 +418,14 @@ if _GLUON:
 
     @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
-        o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr
-    ):
+        o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
+        P_LO: gl.constexpr,
+    ):  # fmt: skip
         """O^T += V^T P^T for the tile in ring slot ``s_slot`` with P at ``p_bufs[p_index]``
-        (fp8: hi and lo, and one MMA a part each), issued asynchronously: 2 * PARTS commit
-        groups (fp8) or 1; the caller waits."""
+        (fp8: hi and lo, or hi only without ``P_LO``, and one MMA a part each), issued
+        asynchronously: (2 or 1) * PARTS commit groups (fp8) or 1; the caller waits."""
         if FP8:
-            for hl in gl.static_range(2):  # P's hi and lo parts
+            for hl in gl.static_range(2 if P_LO else 1):  # P's hi and lo parts
                 for part in gl.static_range(PARTS):
                     p_all = p_bufs.index(p_index + hl)
                     p_part = p_all if PARTS == 1 else p_all.slice(part * PART, PART, 1)
@@ -441,7 +446,7 @@ if _GLUON:
         num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr,
+        PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -557,7 +562,7 @@ if _GLUON:
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR), 0)
                 _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
             for j in range(1, n_tiles):
                 fence_async_shared()
                 _partition_barrier()  # tile j-1's P and guarded V are visible to the MMAs; S(j-1) done
@@ -571,8 +576,8 @@ if _GLUON:
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
                 s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
-                o = _issue_pv(o, p_bufs, ((j - 1) % 2) * (2 if FP8 else 1), v_bufs, prev_slot, PARTS, PART, FP8)
-                s = warpgroup_mma_wait(num_outstanding=2 * PARTS if FP8 else 1, deps=(s,))
+                o = _issue_pv(o, p_bufs, ((j - 1) % 2) * (2 if FP8 else 1), v_bufs, prev_slot, PARTS, PART, FP8, P_LO)
+                s = warpgroup_mma_wait(num_outstanding=(2 if P_LO else 1) * PARTS if FP8 else 1, deps=(s,))
                 n0 = first + j * BLOCK_N
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
@@ -581,7 +586,7 @@ if _GLUON:
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
                 _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
                             table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
-                            FP8)  # fmt: skip
+                            FP8, P_LO)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 o = o * alpha[None, :]
                 _partition_barrier()  # every warp is done with tile j-1's V
@@ -593,7 +598,8 @@ if _GLUON:
                 fence_async_shared()
                 _partition_barrier()
                 last = n_tiles - 1
-                o = _issue_pv(o, p_bufs, (last % 2) * (2 if FP8 else 1), v_bufs, last % STAGES, PARTS, PART, FP8)
+                o = _issue_pv(o, p_bufs, (last % 2) * (2 if FP8 else 1), v_bufs, last % STAGES, PARTS, PART, FP8,
+                              P_LO)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         else:
             for j in range(n_tiles):
@@ -607,11 +613,11 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8)  # fmt: skip
+                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
                 fence_async_shared()
                 _partition_barrier()
                 o = o * alpha[None, :]
-                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8)
+                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO)
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
@@ -706,5 +712,5 @@ def launch_decode_hopper(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-        TRIM=trim, num_warps=4,
+        TRIM=trim, P_LO=FP8_P_LO, num_warps=4,
     )  # fmt: skip
