@@ -211,6 +211,31 @@ def test_split_fp8_tiles_match_float64_reference(  # type: ignore[no-untyped-def
     assert hopper_calls == [2]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="P's hi part only: a form of the Gluon kernel, needs an sm_90 GPU with Gluon")
+@pytest.mark.parametrize("block_size", [256, 32])
+@pytest.mark.parametrize("overlap", LOOPS)
+def test_p_hi_only_stays_near_the_float64_reference(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, block_size: int, overlap: bool
+) -> None:
+    """``decode_hopper.FP8_P_LO`` off (on by default): P enters the P V MMAs as its e4m3 hi part
+    only (3 significant bits, as FlashAttention-3's fp8 P), in one commit group a part fewer.
+    The output stays within a few percent of float64 (the hi + lo form: bf16's tolerance), with
+    no NaN from the stale slots; split rows merged by the combine kernel."""
+    import attention.triton_kernels.decode_hopper as hopper_module
+
+    monkeypatch.setattr(hopper_module, "FP8_P_LO", False)
+    lens = [1, 127, 128, 129, 300, 513, 2000]
+    fp8, plain, scales = _fp8_case(lens, 8, 2, 128, block_size, torch.bfloat16)
+    config = _config(torch.float8_e4m3fn, stages=2, overlap=overlap)
+    out = _run(fp8, _prepare(fp8, config.block_n, chunk_len=256), config, scales=scales)
+    rows = list(range(len(lens)))
+    ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], rows, rows, 1 / math.sqrt(128), scales)
+    assert not out.isnan().any(), "NaN in the output: a read outside the written slots"
+    torch.testing.assert_close(out.double(), ref, atol=5e-2, rtol=5e-2)
+    assert hopper_calls == [2]
+
+
 @pytest.mark.parametrize("block_size", [256, 32])
 @pytest.mark.parametrize("overlap", LOOPS)
 def test_a_sliding_window_starts_inside_a_tile(hopper_calls: list[int], block_size: int, overlap: bool) -> None:

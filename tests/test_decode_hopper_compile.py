@@ -12,7 +12,8 @@ to 16, blocks of 32, 64, 128 and 256, rings of 2 to 4 tiles), and compiles to wh
   128-token tile);
 - its TMA loads (a K and a V box for each block-sized part of a tile: the ring's prologue and
   the loop's refill; and half boxes for a one-part 16-bit tile that ends in its first half; an fp8
-  tile split in two parts of 64 tokens in long blocks, ``SPLIT_FP8_TILES``), shared
+  tile split in two parts of 64 tokens in long blocks, ``SPLIT_FP8_TILES``), and with P's hi part
+  only (``FP8_P_LO`` off) half the fp8 P V MMAs and no conversion of P back; shared
   memory within the H200's 227 KiB, and no register spills.
 
 Skipped where this Triton has no Gluon."""
@@ -40,11 +41,12 @@ cases = [("fp8", 128, 4, 256, 2, False), ("fp8", 128, 4, 256, 3, False), ("fp8",
          ("fp8", 64, 4, 32, 2, False), ("bf16", 128, 4, 256, 2, False), ("bf16", 128, 4, 32, 3, False),
          ("fp16", 64, 16, 64, 2, False), ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True),
          ("fp8", 64, 16, 64, 2, True), ("bf16", 128, 4, 256, 3, True), ("fp16", 64, 8, 32, 2, True)]
-cases = [case + (False,) for case in cases]
-cases += [("fp8", 128, 4, 256, 3, False, True), ("fp8", 64, 8, 128, 2, False, True)]  # SPLIT_FP8_TILES
+cases = [case + (False, True) for case in cases]  # (split, P lo): SPLIT_FP8_TILES, FP8_P_LO
+cases += [("fp8", 128, 4, 256, 3, False, True, True), ("fp8", 64, 8, 128, 2, False, True, True),
+          ("fp8", 128, 4, 256, 3, False, False, False), ("fp8", 128, 8, 32, 2, True, False, False)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap, split in cases:
+for kind, head_dim, group, block_size, stages, overlap, split, p_lo in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
     part = H.tile_part(block_size, block_n, split)
@@ -58,7 +60,7 @@ for kind, head_dim, group, block_size, stages, overlap, split in cases:
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-                  TRIM=not overlap, P_LO=True)
+                  TRIM=not overlap, P_LO=p_lo)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -73,17 +75,18 @@ for kind, head_dim, group, block_size, stages, overlap, split in cases:
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
              head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
+             p_lo=p_lo,
              commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
-           + ("-split" if split else "")] = r
+           + ("-split" if split else "") + ("" if p_lo else "-hi-only")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 17, report
+    assert len(report) == 19, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
@@ -93,9 +96,11 @@ def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -
         # form of its loads (half boxes of K and V).
         trimmed = not r["overlap"] and r["parts"] == 1 and not r["fp8"]
         if r["fp8"]:
-            s_calls, pv_calls = 2, 2 * r["parts"]  # warpgroup_mma calls a tile: one commit group each
-            mmas = 2 * 2 * (d // 32) + 2 * (d // 64) * 4
-            query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128  # values a thread converts back
+            p_splits = 2 if r["p_lo"] else 1  # P's hi and lo parts (FP8_P_LO), or hi only
+            s_calls, pv_calls = 2, p_splits * r["parts"]  # warpgroup_mma calls a tile: one commit group each
+            mmas = 2 * 2 * (d // 32) + p_splits * (d // 64) * 4
+            # Values a thread converts back: the query's hi (once) and, for P's lo, P's hi (each tile).
+            query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128 if r["p_lo"] else 0
             assert r["f16_from_e4m3"] == (query_hi + copies * p_hi) // 2, (name, r)
         else:
             s_calls, pv_calls = 1, 1

@@ -118,7 +118,8 @@ HALF_BOXES = False
 #: A switch for A/B runs (tests/test_decode_hopper.py has a gpu-marked test of it).
 SPLIT_FP8_TILES = False
 #: fp8: P enters the P V MMAs as e4m3 hi + lo (~8 significant bits, a bf16's). Off: hi only (3
-#: bits, FlashAttention-3's fp8 P), half the P V MMAs and no lo conversion. A switch for A/B runs.
+#: bits, as FlashAttention-3's fp8 P), half the P V MMAs and no lo conversion: a switch for an A/B
+#: of the fp8 loop's per-tile work (compiled for sm_90 in tests; not yet run on a GPU).
 FP8_P_LO = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
