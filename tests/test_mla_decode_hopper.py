@@ -116,31 +116,6 @@ def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
     assert hopper_calls == ([form] if ON_HOPPER else [])  # (the split form runs a direct plan on the pair)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="half tail tiles: a form of the Gluon kernel, needs an sm_90 GPU with Gluon")
-@pytest.mark.parametrize(
-    ("lens", "block_size", "programs"),
-    [([1, 31, 32, 33, 64, 95, 96, 97, 200, 0, 300], 64, 5), ([65, 500, 3, 160], 128, 3), ([40, 1000, 33], 64, 2)],
-)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
-def test_half_tail_tiles_match_float64(  # type: ignore[no-untyped-def]
-    hopper_calls, monkeypatch: pytest.MonkeyPatch, lens, block_size, programs, dtype, direct
-) -> None:
-    """``mla_decode_hopper.TRIM_TAIL`` (off by default): a segment's last tile whose latents end in
-    its first half loads half boxes; the rows left unloaded (stale, NaN in unwritten slots) must
-    not reach the output. Rows end 1 latent, 31-33 and 95-97 latents into 64-latent tiles."""
-    import attention.triton_kernels.mla_decode_hopper as hopper_module
-
-    monkeypatch.setattr(hopper_module, "TRIM_TAIL", True)
-    out, query, latents = _attend(lens, 16, block_size, dtype, programs=programs, direct=direct)
-    want = _reference(query.to(dtype).double(), [lat.to(dtype).double() for lat in latents], RANK, 0.05)
-    assert torch.isfinite(out).all(), "read a stale (NaN) slot"
-    err = (out.double().cpu() - want).abs().max().item() / want.abs().max().item()
-    assert err < 1e-2, err
-    assert hopper_calls == ["pair"]
-
-
 @pytest.mark.parametrize("magnitude", [2.0**14, 2.0**-20], ids=["large", "small"])
 @pytest.mark.parametrize("form", FORMS)
 def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form: str, magnitude: float) -> None:

@@ -384,11 +384,11 @@ if _GLUON:
         PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
-        ``p_index`` and ``p_index + 1``; not ``P_LO``: hi only), and zero the V tokens of ring slot ``s_slot`` the tile
-        (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does not attend (past the
-        chunk, before it, or of a bad block: stale slots may hold NaN, which would survive
-        p = 0), in the parts that hold any (and those :func:`_load_tile` left unloaded). The
-        caller fences and synchronises the warps before the MMAs read them."""
+        ``p_index`` and ``p_index + 1``; not ``P_LO``: hi only), and zero the V tokens of ring
+        slot ``s_slot`` the tile (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does
+        not attend (past the chunk, before it, or of a bad block: stale slots may hold NaN, which
+        would survive p = 0), in the parts that hold any (and those :func:`_load_tile` left
+        unloaded). The caller fences and synchronises the warps before the MMAs read them."""
         if FP8:
             p_hi = p.to(p_bufs.dtype)
             p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))

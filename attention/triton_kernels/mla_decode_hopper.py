@@ -31,11 +31,7 @@ M side of Hopper's warpgroup MMA and the heads its N (= 16):
   (``benchmarks/results/mla-decode-partials-h100-2026-12-06.md``);
 - each tile is three TMA boxes of the cache viewed as ``[num_blocks * block_size, 576]`` (a
   64-latent tile lies in one block), in a ring of two tiles: the next tile streams while this
-  one is computed. One program per SM (the ring, the query and P take 180 KiB). With
-  :data:`TRIM_TAIL` (off) a tile whose latents end in its first half loads half boxes (a row's
-  last tile is on average half past its end, ~1% of a LogNormal(2048) row's bytes): correct on
-  an H100 but 0.99x on 64 x 4096 and LogNormal-128 (its loads spill 20-40 bytes outside the tile
-  loop; ``benchmarks/results/decode-split-fp8-h100-2026-12-07.md``).
+  one is computed. One program per SM (the ring, the query and P take 180 KiB).
 
 H200, 16 heads (``benchmarks/results/mla-decode-hopper-2026-12-04.json``): 1.02-1.03x the
 Triton kernel, 78% / 76% of the copy rate at 64x4096 / LogNormal-128 (83% / 79% timed among
@@ -84,7 +80,6 @@ if _GLUON:
         load_tile,
         merge_split_tokens,
         store_segment,
-        table_page,
         tile_softmax,
         zero_latents_from,
         zero_unseen_tokens,
@@ -117,11 +112,6 @@ MLA_HOPPER_BLOCK_N = 64
 MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
-#: The two-tile kernel loads a tile whose latents end in its first half as half boxes (32 rows);
-#: the rows left unloaded are masked and zeroed as any past a row's end. Off: 0.99x on an H100
-#: (benchmarks/results/decode-split-fp8-h100-2026-12-07.md). A switch for A/B runs (a gpu-marked
-#: test in tests/test_mla_decode_hopper.py).
-TRIM_TAIL = False
 
 
 def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
@@ -159,11 +149,11 @@ if _GLUON:
 
     @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_rows", "num_blocks", "table_width"])
     def _mla_hopper_kernel(  # type: ignore[no-untyped-def]
-        q_desc, qe_desc, c_desc, e_desc, c_half_desc, e_half_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr,
-        ml_ptr, out_ptr, num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot,
-        stride_oh, HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+        q_desc, qe_desc, c_desc, e_desc, table_ptr, rows_ptr, lens_ptr, work_ptr, acc_ptr, ml_ptr, out_ptr,
+        num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
+        HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, tail=0, FUSED: gl.constexpr = False,
-        BLOCK_TAIL: gl.constexpr = 0, TRIM: gl.constexpr = False,
+        BLOCK_TAIL: gl.constexpr = 0,
     ):  # fmt: skip
         """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
         each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
@@ -173,8 +163,7 @@ if _GLUON:
         (:func:`.mla_hopper_stores.finish_segment`: a token of one segment directly;
         :func:`.mla_hopper_stores.merge_split_tokens`: the last program to count a split
         token's segment merges its slots) and zeros the rows of tokens without latents, each
-        with its ``tail`` channels after the first 512 zeroed. ``TRIM``: a tile whose latents
-        end in its first half loads the half boxes ``c_half_desc`` / ``e_half_desc`` (32 rows)."""
+        with its ``tail`` channels after the first 512 zeroed."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
         R: gl.constexpr = 2 * HALF
@@ -222,9 +211,8 @@ if _GLUON:
                 _tma_load(qe_desc, [q_row, R], q_bar, qe_buf)
                 for i in gl.static_range(STAGES):
                     if i < n_tiles:
-                        _load_latents(c_desc, e_desc, c_half_desc, e_half_desc, c_bufs, e_bufs, ready, c + i,
-                                      table_row, start + i * BLOCK_N, end, table_width, num_blocks, HALF, STAGES,
-                                      BLOCK_SIZE, BLOCK_N, TRIM)  # fmt: skip
+                        load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, c + i, table_row, start + i * BLOCK_N,
+                                   table_width, num_blocks, HALF, STAGES, BLOCK_SIZE)  # fmt: skip
                 mbarrier.wait(q_bar, segs & 1)
                 m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
                 l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
@@ -256,9 +244,10 @@ if _GLUON:
                     o_a, o_b = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b))
                     _partition_barrier()  # every warp is done with the slot (and with p_buf)
                     if j + STAGES < n_tiles:
-                        _load_latents(c_desc, e_desc, c_half_desc, e_half_desc, c_bufs, e_bufs, ready, pos + STAGES,
-                                      table_row, n0 + STAGES * BLOCK_N, end, table_width, num_blocks, HALF, STAGES,
-                                      BLOCK_SIZE, BLOCK_N, TRIM)  # fmt: skip
+                        load_tile(
+                            c_desc, e_desc, c_bufs, e_bufs, ready, pos + STAGES, table_row, n0 + STAGES * BLOCK_N,
+                            table_width, num_blocks, HALF, STAGES, BLOCK_SIZE,
+                        )  # fmt: skip
                 c += n_tiles
                 segs += 1
 
@@ -277,35 +266,6 @@ if _GLUON:
             zero_unseen_tokens(out_ptr, token_slots, num_tokens, num_heads, stride_ot, stride_oh, tail,
                                gl.program_id(0), gl.num_programs(0), BLOCK_H, 2 * HALF, BLOCK_TAIL)  # fmt: skip
 
-    @gluon.jit
-    def _load_latents(  # type: ignore[no-untyped-def]
-        c_desc, e_desc, c_half_desc, e_half_desc, c_bufs, e_bufs, ready, pos, table_row, n0, end, table_width,
-        num_blocks, HALF: gl.constexpr, STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        TRIM: gl.constexpr,
-    ):  # fmt: skip
-        """:func:`.mla_hopper_stores.load_tile` of the tile at latent ``n0``; ``TRIM`` and the
-        segment's latents ending at ``end`` within the tile's first half: the half boxes into the
-        first rows of the ring position (the rest keep stale data, which the tile's softmax masks
-        and :func:`.mla_hopper_stores.zero_latents_from` zeroes, as for any latent past ``end``)."""
-        if TRIM:
-            if end - n0 <= BLOCK_N // 2:
-                slot = pos % STAGES
-                page = table_page(table_row, n0, table_width, BLOCK_SIZE)
-                page = gl.where((page >= 0) & (page < num_blocks), page, 0)
-                first = page * BLOCK_SIZE + n0 % BLOCK_SIZE
-                bar = ready.index(slot)
-                mbarrier.expect(bar, 2 * c_half_desc.block_type.nbytes + e_half_desc.block_type.nbytes)
-                rows: gl.constexpr = BLOCK_N // 2
-                _tma_load(c_half_desc, [first, 0], bar, c_bufs.index(2 * slot).slice(0, rows))
-                _tma_load(c_half_desc, [first, HALF], bar, c_bufs.index(2 * slot + 1).slice(0, rows))
-                _tma_load(e_half_desc, [first, 2 * HALF], bar, e_bufs.index(slot).slice(0, rows))
-            else:
-                load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, pos, table_row, n0, table_width, num_blocks, HALF,
-                          STAGES, BLOCK_SIZE)  # fmt: skip
-        else:
-            load_tile(c_desc, e_desc, c_bufs, e_bufs, ready, pos, table_row, n0, table_width, num_blocks, HALF,
-                      STAGES, BLOCK_SIZE)  # fmt: skip
-
 
 def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, Any, Any]:
     """TMA descriptors: the query as [tokens * heads, 576] rows in boxes of 16 rows (256 and 64
@@ -323,18 +283,6 @@ def _descriptors(query: torch.Tensor, cache: torch.Tensor) -> tuple[Any, Any, An
     return desc(query, q_rows, [h, half]), desc(query, q_rows, [h, _ROPE]), desc(cache, c_rows, [n, half]), desc(
         cache, c_rows, [n, _ROPE]
     )
-
-
-def _half_descriptors(cache: torch.Tensor) -> tuple[Any, Any]:
-    """The cache's TMA descriptors in boxes of half a tile (32 rows): channel halves, rotary part."""
-    num_blocks, block_size, _, dim = cache.shape
-    dtype = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
-    rows, n = num_blocks * block_size, MLA_HOPPER_BLOCK_N // 2
-
-    def desc(box: list[int]) -> Any:
-        return TensorDescriptor(cache, [rows, dim], [dim, 1], box, shared_layout(tuple(box), dtype))
-
-    return desc([n, _RANK // 2]), desc([n, _ROPE])
 
 
 def launch_mla_hopper(
@@ -398,22 +346,17 @@ def launch_mla_hopper(
             _mla_hopper_fp8_ws_kernel[(work.programs,)](query, c_desc, e_desc, kv_scale, *rest, **shape,
                                                         STAGES=FP8_WS_STAGES, num_warps=4)  # fmt: skip
     else:
-        descs = _descriptors(query, cache)
-        args = (*descs, *rest)
-        trim = TRIM_TAIL and not (split or ring)
-        halves = _half_descriptors(cache) if trim else descs[2:]
-        two_tile = (*descs, *halves, *rest)
+        args = (*_descriptors(query, cache), *rest)
         if split:
             _mla_hopper_split_kernel[(work.programs,)](*args, **shape, STAGES=SPLIT_STAGES, num_warps=4)
         elif ring:
             _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
         elif fused:
-            _mla_hopper_kernel[(work.programs,)](*two_tile, **shape, STAGES=_STAGES, tail=tail, FUSED=True,
-                                                 BLOCK_TAIL=next_power_of_2(tail) if tail else 0, TRIM=trim,
-                                                 num_warps=4)  # fmt: skip
+            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, tail=tail, FUSED=True,
+                                                 BLOCK_TAIL=next_power_of_2(tail) if tail else 0, num_warps=4)
             return
         else:
-            _mla_hopper_kernel[(work.programs,)](*two_tile, **shape, STAGES=_STAGES, TRIM=trim, num_warps=4)
+            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
     # start while the kernel's last ones run and wait in gdc_wait for its stores.
     first, stop = merge_range(tokens, merge_tokens)
