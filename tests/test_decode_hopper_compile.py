@@ -41,26 +41,28 @@ cases = [("fp8", 128, 4, 256, 2, False), ("fp8", 128, 4, 256, 3, False), ("fp8",
          ("fp8", 64, 4, 32, 2, False), ("bf16", 128, 4, 256, 2, False), ("bf16", 128, 4, 32, 3, False),
          ("fp16", 64, 16, 64, 2, False), ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True),
          ("fp8", 64, 16, 64, 2, True), ("bf16", 128, 4, 256, 3, True), ("fp16", 64, 8, 32, 2, True)]
-cases = [case + (False, True) for case in cases]  # (split, P lo): SPLIT_FP8_TILES, FP8_P_LO
-cases += [("fp8", 128, 4, 256, 3, False, True, True), ("fp8", 64, 8, 128, 2, False, True, True),
-          ("fp8", 128, 4, 256, 3, False, False, False), ("fp8", 128, 8, 32, 2, True, False, False)]
+# (split, P lo, half boxes): the switches SPLIT_FP8_TILES, FP8_P_LO, HALF_BOXES in their default
+# positions, then in the others.
+cases = [case + (False, True, False) for case in cases]
+cases += [("fp8", 128, 4, 256, 3, False, True, True, False), ("fp8", 64, 8, 128, 2, False, True, True, False),
+          ("fp8", 128, 4, 256, 3, False, False, False, False), ("fp8", 128, 8, 32, 2, True, False, False, False),
+          ("bf16", 128, 4, 256, 3, False, False, True, True), ("fp16", 64, 8, 128, 2, False, False, True, True)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap, split, p_lo in cases:
+for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
-    part = H.tile_part(block_size, block_n, split)
+    part, trim, halves = H.launch_form(block_size, dtype, overlap, split=split, half_boxes=half)
     k_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     if kind == "fp8":  # V token-major, as kvcache allocates an 8-bit cache
         v_cache = torch.empty(4, 2, head_dim, block_size, dtype=dtype).permute(0, 3, 1, 2)
     else:
         v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
-    halves = part == block_n and kind != "fp8"
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-                  TRIM=not overlap, P_LO=p_lo)
+                  TRIM=trim, P_LO=p_lo)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -75,26 +77,23 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo in cases:
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
              head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
-             p_lo=p_lo,
+             p_lo=p_lo, half_boxes=halves,
              commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
-           + ("-split" if split else "") + ("" if p_lo else "-hi-only")] = r
+           + ("-split" if split else "") + ("" if p_lo else "-hi-only") + ("-half-boxes" if halves else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 19, report
+    assert len(report) == 21, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
         # P V in the loop and the epilogue.
         copies = 2 if r["overlap"] else 1
-        # The loop in turn trims tiles past a chunk's end: a one-part 16-bit tile has a second
-        # form of its loads (half boxes of K and V).
-        trimmed = not r["overlap"] and r["parts"] == 1 and not r["fp8"]
         if r["fp8"]:
             p_splits = 2 if r["p_lo"] else 1  # P's hi and lo parts (FP8_P_LO), or hi only
             s_calls, pv_calls = 2, p_splits * r["parts"]  # warpgroup_mma calls a tile: one commit group each
@@ -112,7 +111,8 @@ def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -
         # loop's wait for S that leaves P V's groups running, then for P V, the epilogue's P V.
         assert r["waits"] == ([0, 0, 0, pv_calls] if r["overlap"] else [0, 0]), (name, r)
         assert r["mma_sync"] == 0, (name, r)
-        boxes = 2 * r["parts"] + (2 if trimmed else 0)  # a load site's K and V boxes, both forms
+        # A load site's K and V boxes (with half boxes: a second form of a one-part tile's loads).
+        boxes = 2 * r["parts"] + (2 if r["half_boxes"] else 0)
         assert r["tma_load"] == boxes * (r["stages"] + 1), (name, r)
         assert 0 < r["shared"] <= 232448, (name, r)
         assert r["spills"] <= 0 and r["loop_spill_ops"] <= 0, (name, r)

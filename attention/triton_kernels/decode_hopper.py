@@ -139,6 +139,25 @@ def tile_part(block_size: int, block_n: int, split: bool = False) -> int:
     return min(part, block_n // 2) if split else part
 
 
+def launch_form(
+    block_size: int, cache_dtype: torch.dtype, overlap: bool, *, split: bool | None = None,
+    half_boxes: bool | None = None,
+) -> tuple[int, bool, bool]:
+    """(tokens of a tile's part, the kernel's ``TRIM``, whether it loads half boxes) of
+    :func:`launch_decode_hopper` over a cache of ``cache_dtype`` in blocks of ``block_size``:
+    the loop in turn trims (:data:`TRIM_TILES`) a tile of several parts, an fp8 tile split in two
+    (:data:`SPLIT_FP8_TILES`) included, and a one-part 16-bit tile with half boxes
+    (:data:`HALF_BOXES`). ``split`` / ``half_boxes``: those switches' values (None: the module's)."""
+    block_n = hopper_block_n(cache_dtype)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    trimming = TRIM_TILES and not overlap
+    split = SPLIT_FP8_TILES if split is None else split
+    part = tile_part(block_size, block_n, split=trimming and fp8 and split)
+    one_part = part == block_n
+    halves = trimming and one_part and not fp8 and (HALF_BOXES if half_boxes is None else half_boxes)
+    return part, trimming and (halves or not one_part), halves
+
+
 def decode_hopper_shape_ok(head_dim: int, group: int, block_size: int, query_len: int, block_n: int) -> bool:
     """Whether the kernel takes this shape with tiles of ``block_n`` tokens: head_dim 64 or
     128, 1-16 query heads per KV head, blocks of 32 or 64 tokens or a positive multiple of the
@@ -504,7 +523,7 @@ if _GLUON:
         V_BAR: gl.constexpr = STAGES if OVERLAP else 0
         # (A one-part fp8 tile is not trimmed: its V^T half as a [HEAD_DIM, BLOCK_N / 2] view of
         # the ring gave wrong sums on the GPU, benchmarks/results/decode-trim-2026-12-06.md.)
-        TRIM_TILES: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
+        TRIM_LOADS: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -515,7 +534,7 @@ if _GLUON:
             if st < n_tiles:
                 _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first, kv_end,
                            table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                           NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_TILES)  # fmt: skip
+                           NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -624,7 +643,7 @@ if _GLUON:
                 if j + STAGES < n_tiles:
                     _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
                                kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
-                               HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_TILES)  # fmt: skip
+                               HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -698,14 +717,9 @@ def launch_decode_hopper(
     num_heads = query.shape[1]
     group = num_heads // kv_heads
     block_n = hopper_block_n(k_cache.dtype)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    trimming = TRIM_TILES and not overlap
-    part = tile_part(block_size, block_n, split=trimming and fp8 and SPLIT_FP8_TILES)
+    part, trim, halves = launch_form(block_size, k_cache.dtype, overlap)
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
-    one_part = part == block_n
-    halves = HALF_BOXES and one_part and not fp8  # (see TRIM_TILES in the kernel)
-    trim = trimming and (halves or not one_part)
-    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if trim and halves else (k_desc, v_desc)
+    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
     _decode_hopper_kernel[(kv_heads, grid_items)](
         query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
