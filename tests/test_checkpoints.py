@@ -40,6 +40,8 @@ from examples.model import (  # noqa: E402
     shape_from_config,
 )
 
+pytestmark = pytest.mark.kernel
+
 VOCAB = 384
 HIDDEN = 64
 WINDOW = 48

@@ -25,6 +25,8 @@ from attention.value_layout import token_major_view
 from tests.paged_case import PagedCase
 from tests.test_decode_kernel import DEVICE, _canaried, _case, _check, _prepare, _reference, _run
 
+pytestmark = pytest.mark.kernel
+
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
 
 

@@ -43,6 +43,8 @@ from tests.paged_case import (
     tree_reference,
 )
 
+pytestmark = pytest.mark.kernel
+
 #: Where the kernels run: the CPU interpreter without a GPU, else the GPU.
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 

@@ -13,6 +13,8 @@ from attention.triton_kernels import kernels_interpreted
 from attention.triton_kernels.dequantize_blocks import counted_programs, dequantize_blocks, plan_block_dequant
 from attention.value_layout import token_major_view
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -15,6 +15,8 @@ from attention.errors import MetadataError, UnsupportedSettingError
 from attention.triton_backend import TritonBackend, TritonStepPlan
 from tests.paged_case import PagedCase, ancestor_masks, make_case, make_spec, tree_reference
 
+pytestmark = pytest.mark.kernel
+
 #: Row 0's tree (7 new tokens): 0 the verified root; 1, 2 and 6 its children; 3 under 1;
 #: 4 under 2; 5 under 3. Row 1: a chain of 3 (plain causal).
 PARENTS: list[int | None] = [None, 0, 0, 1, 2, 3, 0]

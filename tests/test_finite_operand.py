@@ -12,6 +12,8 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import finite_e4m3_operand, finite_operand, kernels_interpreted
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 

@@ -20,6 +20,8 @@ from attention.staging import StepCapacity
 from attention.triton_backend import TritonBackend, TritonStepPlan
 from tests.paged_case import make_case, make_spec, reference_output, rel_err
 
+pytestmark = pytest.mark.kernel
+
 # (context, new tokens) per row; rows of more than 8 new tokens are prefill rows.
 STEPS = [
     [(3, 1), (0, 37), (90, 1)],

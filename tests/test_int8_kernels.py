@@ -27,6 +27,8 @@ from attention.triton_backend import TritonBackend, TritonStepPlan
 from attention.triton_kernels import DecodeConfig, default_decode_config, rotary_write_kv, write_kv_cache
 from tests.paged_case import TOLERANCE, PagedCase, int8_layer, int8_output_dtype, int8_views, make_case, make_spec
 
+pytestmark = pytest.mark.kernel
+
 #: (heads, kv_heads, head_dim, block_size, dtype): GQA 2 and 3, padded lanes, tiles inside a
 #: block and tiles across blocks, every compute dtype.
 SHAPES = [

@@ -29,6 +29,8 @@ from kvcache import KVCacheConfig, allocate_kv_cache
 from kvcache.memory.calibration import key_centres_from_cache
 from tests.paged_case import BACKENDS_UNDER_TEST, UnderTest, int8_layer, int8_views, make_case, make_spec
 
+pytestmark = pytest.mark.kernel
+
 
 def _biased_keys(tokens: int, kv_heads: int, head_dim: int, seed: int, bias: float = 8.0) -> torch.Tensor:
     """Keys with a large per-(head, channel) offset, as a trained model's keys have."""

@@ -27,6 +27,8 @@ from examples.model import from_transformers, latent_attention, shape_for_cache,
 from kvcache import ConfigError, allocate_kv_cache, parse_config  # noqa: E402
 from tests.test_checkpoints import LOGITS_ATOL, VOCAB, _hf_generate  # noqa: E402
 
+pytestmark = pytest.mark.kernel
+
 NEW_TOKENS = 8
 
 

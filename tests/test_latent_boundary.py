@@ -20,6 +20,8 @@ from attention.triton_kernels import kernels_interpreted
 from kvcache import MetadataBuilder, ScheduledRow
 from tests.paged_case import BACKENDS_UNDER_TEST, ODD, UnderTest, scrambled_manager
 
+pytestmark = pytest.mark.kernel
+
 RANK, ROPE, HEADS = 48, 16, 5
 
 #: One rounding of the output to its dtype (float32 math), the table's angle error on top.

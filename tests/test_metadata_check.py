@@ -23,6 +23,8 @@ from attention.metadata_check import VIOLATIONS, DeviceCheck
 from tests.hostile_metadata import WINDOW, Step, corrupt, hostile_case, steps
 from tests.paged_case import PagedCase, UnderTest
 
+pytestmark = pytest.mark.kernel
+
 DEVICE_FIELDS = ("block_tables", "seq_lens", "query_start_loc", "slot_mapping", "positions")
 
 

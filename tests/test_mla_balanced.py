@@ -24,6 +24,8 @@ from attention.triton_kernels.mla_balanced import (
 from attention.triton_kernels.mla_decode import causal_queries, mla_attention
 from tests.test_mla_decode import DEVICE, _case, _reference
 
+pytestmark = pytest.mark.kernel
+
 
 def _decode(work: list[int], tokens: int, programs: int):  # type: ignore[no-untyped-def]
     """(cu, programs as (first tile, end tile, first token, last token, first slot), token slots)."""

@@ -15,6 +15,8 @@ from attention.errors import InvalidArgumentError
 from attention.triton_kernels.mla_decode import causal_queries, mla_attention, mla_decode
 from attention.triton_kernels.paging import kernels_interpreted
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 

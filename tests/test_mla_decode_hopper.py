@@ -34,6 +34,8 @@ from attention.triton_kernels.mla_decode_hopper import MLA_HOPPER_BLOCK_N, mla_d
 from attention.triton_kernels.prefill_hopper import gluon_available
 from tests.test_mla_decode import DEVICE, _case, _reference
 
+pytestmark = pytest.mark.kernel
+
 RANK, ROPE = 512, 64
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_available()
 #: The Hopper kernel's forms a test runs (without one, all run the same Triton fallback).

@@ -17,6 +17,8 @@ from attention.synthetic import synthetic_metadata
 from attention.triton_kernels.mla_prefill import MLAPrefillConfig, mla_prefill
 from attention.triton_kernels.paging import kernels_interpreted
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 

@@ -11,6 +11,8 @@ pytest.importorskip("triton")
 
 from examples.model import ops, triton_ops
 
+pytestmark = pytest.mark.kernel
+
 #: The kernels round at the same points as the torch forms; what is left is the order of the
 #: mean's summation and rsqrt vs 1/sqrt in float32, which can move a result by one unit in
 #: the last place of the dtype (2^-23 / 2^-10 / 2^-7 relative).

@@ -13,6 +13,8 @@ import triton.language as tl
 
 from attention.triton_kernels.paging import in_block_positions, kernels_interpreted, tile_columns
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 

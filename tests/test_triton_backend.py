@@ -44,6 +44,8 @@ from tests.paged_case import (
     rel_err,
 )
 
+pytestmark = pytest.mark.kernel
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

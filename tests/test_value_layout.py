@@ -18,6 +18,8 @@ from examples.engine.parts import cache_config_for
 from examples.model import LlamaShape
 from kvcache import BlockManager, KVCacheTensors, SwapSpace, allocate_kv_cache
 
+pytestmark = pytest.mark.kernel
+
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 SHAPE = LlamaShape(
     vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16

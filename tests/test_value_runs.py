@@ -20,6 +20,8 @@ from attention.triton_kernels.value_runs import value_run_length, value_runs_for
 from attention.value_layout import token_major_view
 from tests.paged_case import int8_layer
 
+pytestmark = pytest.mark.kernel
+
 FP8 = torch.float8_e4m3fn
 
 
