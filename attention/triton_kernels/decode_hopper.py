@@ -120,7 +120,7 @@ SPLIT_FP8_TILES = False
 #: fp8: P enters the P V MMAs as e4m3 hi + lo (~8 significant bits, a bf16's). Off: hi only (3
 #: bits, as FlashAttention-3's fp8 P), half the P V MMAs and no lo conversion: on an H100 1.006x
 #: on the burst's decode shape, 1.035-1.048x on 32 x 512, at 2.3% RMS output difference and a
-#: small loss on a real model (benchmarks/results/decode-fp8-p-hi-only-h100-2026-12-07.md), so on.
+#: small loss on a real model (benchmarks/results/decode-fp8-p-hi-only-h100-2026-12-07.md): stays on.
 FP8_P_LO = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
