@@ -271,9 +271,11 @@ def test_latent_attention_on_triton_verifies_drafts_with_transformers_tokens(gra
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 @pytest.mark.usefixtures("few_sms")
 def test_an_fp8_latent_with_calibrated_scales_tracks_the_bf16_latent(backend_name: str) -> None:
-    """An fp8 latent cache (one scale per layer, calibrated on two prompts), teacher-forced on
-    the bf16 cache's greedy tokens: its logits stay close to the bf16 cache's, decompressed
-    prefill rows and absorbed decode rows alike."""
+    """An fp8 latent cache (one scale per layer, calibrated on two prompts) on ``backend_name``,
+    teacher-forced on the bf16 cache's greedy tokens: its logits stay close to the bf16 cache's,
+    decompressed prefill rows and absorbed decode rows alike. The bf16 run is the reference
+    backend's (the triton backend's bf16 latent path is held to transformers' logits above), so
+    the triton case compares its fp8 path with the exact one and interprets half the steps."""
     device = "cpu"
     if backend_name == "triton":
         pytest.importorskip("triton")
@@ -288,7 +290,8 @@ def test_an_fp8_latent_with_calibrated_scales_tracks_the_bf16_latent(backend_nam
     def serve(cache_dtype: str, forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor], Any]:
         config = cache_config_for(model.shape, block_size=32, dtype=cache_dtype, num_blocks=16, device=device,
                                   backend="reference", compute_dtype="bfloat16")  # fmt: skip
-        backend = get_backend(backend_name, config.attention_spec()) if backend_name == "triton" else None
+        on_triton = backend_name == "triton" and cache_dtype == "float8_e4m3"
+        backend = get_backend(backend_name, config.attention_spec()) if on_triton else None
         engine = engine_for(config, model.shape, backend=backend, fill=0.0)
         engine.backend.latent_prefill_min_tokens = 16
         if cache_dtype == "float8_e4m3":
