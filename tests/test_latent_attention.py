@@ -275,7 +275,8 @@ def test_an_fp8_latent_with_calibrated_scales_tracks_the_bf16_latent(backend_nam
     teacher-forced on the bf16 cache's greedy tokens: its logits stay close to the bf16 cache's,
     decompressed prefill rows and absorbed decode rows alike. The bf16 run is the reference
     backend's (the triton backend's bf16 latent path is held to transformers' logits above), so
-    the triton case compares its fp8 path with the exact one and interprets half the steps."""
+    the triton case compares its fp8 path with the exact one (and in the CPU interpreter runs
+    its kernels for one of the two runs only)."""
     device = "cpu"
     if backend_name == "triton":
         pytest.importorskip("triton")
