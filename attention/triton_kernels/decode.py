@@ -245,8 +245,9 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> Decode
     memory at head_dim 128) and two programs an SM; ``overlap``: its overlapped loop
     (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer).
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
-    (an sm_90 GPU) for a 16-bit cache, and for an fp8 one in blocks shorter than the tile under
-    bf16 queries; elsewhere :func:`paged_decode` runs the Triton kernel with the same tiles.
+    (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries in blocks shorter
+    than the tile or on an HBM3e part (``triton_backend.hbm3e_class``, the H200); elsewhere
+    :func:`paged_decode` runs the Triton kernel with the same tiles.
 
     On the H200 (benchmarks/results/decode-hopper-h200-2026-12-05.md) this launch ran
     bench_decode.py's shapes at 0.99-1.20x the speed of the Triton launches (bf16 32x512 at
