@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention.triton_kernels.decode_schedule import (
+    ITEM_FIELDS,
     PAD_ITEM,
     PAD_ROW,
     WAVE_FILL_SPLITS,
     DecodePolicy,
     DecodeSchedule,
+    _choose_chunk_len,
     max_decode_items,
     max_decode_partials,
     schedule_decode,
@@ -81,7 +83,16 @@ lengths = st.lists(
     kv_heads=st.sampled_from([1, 2, 8, 16]),
     sms=st.sampled_from([1, 16, 132]),
     block_n=st.sampled_from([16, 32, 64, 128]),
-    policy=st.sampled_from([DecodePolicy(), DecodePolicy(4, 1.0, 128, 32), DecodePolicy(1, 0.3, 512, 512)]),
+    policy=st.sampled_from(
+        [
+            DecodePolicy(),
+            DecodePolicy(4, 1.0, 128, 32),
+            DecodePolicy(1, 0.3, 512, 512),
+            DecodePolicy(2, slot_share=1.0),
+            DecodePolicy(2, slot_share=0.25, wave_fill=0.9),
+            DecodePolicy(3, slot_share=4.0),
+        ]
+    ),
     windowed=st.booleans(),
     queries=st.lists(st.integers(1, 8), min_size=40, max_size=40),
     multi=st.booleans(),
@@ -125,6 +136,9 @@ def test_schedule_invariants_and_fixed_grid_bounds(
     if not multi:
         assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, policy)
     assert free.num_items <= max_decode_items(len(ranges), kv_heads, sms, policy)
+    if ranges and not windowed:  # rows from 0: the bounds never bind, the policy's chunk stands
+        unbounded = _choose_chunk_len([0] * len(lens), lens, True, 1 << 40, kv_heads, sms, block_n, policy)
+        assert free.chunk_len == fixed.chunk_len == unbounded
     # A tight grid (one item per row) never splits; the chunk grows until the items fit.
     tight = schedule_decode(
         ranges, num_kv_heads=kv_heads, num_sms=sms, block_n=block_n, max_items=len(ranges), **common
@@ -158,7 +172,33 @@ def test_fixed_grid_sizes_depend_only_on_rows() -> None:
     assert max_decode_items(1, 8, H200_SMS) == 50  # 3 programs per SM x 132 SMs / 8 KV heads
     assert max_decode_items(64, 8, H200_SMS) == 116  # 64 rows + 64 / balance 1.25
     assert max_decode_items(0, 8, H200_SMS) == 0
+    # A slot share s caps the splits at programs_per_sm x SMs / (KV heads x s): 2 x 132 / 8 = 33.
+    assert max_decode_items(128, 8, H200_SMS, DecodePolicy(2)) == 128 + 103  # 128 / 1.25, no share
+    assert max_decode_items(128, 8, H200_SMS, DecodePolicy(2, slot_share=1.0)) == 128 + 33
+    assert max_decode_items(128, 8, H200_SMS, DecodePolicy(2, slot_share=0.75)) == 128 + 44
+    assert max_decode_items(16, 8, H200_SMS, DecodePolicy(2, slot_share=1.0)) == 33  # the target: one wave
+    assert max_decode_items(20, 8, H200_SMS, DecodePolicy(2, slot_share=4.0)) == 33  # 20 + 9 < the target
     assert max_decode_partials(1, 8, H200_SMS) == 50 and max_decode_partials(0, 8, H200_SMS) == 0
+
+
+def test_a_slot_share_grid_holds_the_burst_with_fewer_padding_programs() -> None:
+    """The end-to-end burst's decode step (128 rows of LogNormal(550) tokens, 8 KV heads, 2 x 132
+    places) on its bucket's grid: every item fits the slot-share bound, which pads 33 slots a KV
+    head past the rows where the share-blind bound padded 103, and the schedule is the one made
+    without a fixed grid."""
+    lens = _lognormal(128, 550, 0.6, 2048)
+    ranges = [(0, n) for n in lens]
+    for share, grid in ((1.0, 161), (0.75, 172)):
+        policy = DecodePolicy(2, slot_share=share)
+        assert max_decode_items(len(lens), 8, H200_SMS, policy) == grid
+        free = schedule_decode(ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=policy)
+        fixed = schedule_decode(
+            ranges, num_kv_heads=8, num_sms=H200_SMS, block_n=128, policy=policy, max_items=grid, max_rows=128
+        )
+        _check_invariants(fixed, ranges, policy)
+        assert fixed.grid_items == grid and fixed.chunk_len == free.chunk_len
+        assert fixed.num_items == free.num_items <= grid
+        assert fixed.items[: free.num_items * ITEM_FIELDS] == free.items
 
 
 @pytest.mark.parametrize(
@@ -307,6 +347,7 @@ def test_slot_share_keeps_rows_within_a_slots_share_whole() -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     lens=st.lists(st.integers(1, 30_000), min_size=1, max_size=200),
+    long=st.one_of(st.just(0), st.integers(100_000, 3_000_000)),
     start=st.integers(0, 3000),
     kv_heads=st.sampled_from([1, 8]),
     sms=st.sampled_from([4, 132]),
@@ -314,25 +355,32 @@ def test_slot_share_keeps_rows_within_a_slots_share_whole() -> None:
     spare=st.integers(0, 40),
 )
 def test_slot_share_keeps_the_invariants_and_the_graph_bounds(
-    lens: list[int], start: int, kv_heads: int, sms: int, share: float, spare: int
+    lens: list[int], long: int, start: int, kv_heads: int, sms: int, share: float, spare: int
 ) -> None:
-    """Longer chunks only lower the item count: a bucket's fixed grid and partial slots,
-    sized without looking at the share, hold every schedule it makes (windowed rows too)."""
+    """Longer chunks only lower the item count: a bucket's fixed grid and partial slots, sized
+    without the share or with it, hold every schedule it makes (windowed rows too); for rows
+    from 0 the share's tighter grid never binds (the chunk is the policy's own). One row far
+    longer than the rest (``long``) splits into about a wave of items: the bound's worst case."""
     policy = DecodePolicy(slot_share=share)
+    lens = [*lens, long] if long else lens
     for s0 in (0, start):
         ranges = [(s0, s0 + n) for n in lens]
         bucket = len(ranges) + spare
-        fixed = schedule_decode(
-            ranges,
-            num_kv_heads=kv_heads,
-            num_sms=sms,
-            block_n=64,
-            policy=policy,
-            max_items=max_decode_items(bucket, kv_heads, sms, DecodePolicy()),
-            max_rows=bucket,
-        )
-        _check_invariants(fixed, ranges, policy)
-        assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, DecodePolicy())
+        for sizing in (DecodePolicy(), policy):
+            fixed = schedule_decode(
+                ranges,
+                num_kv_heads=kv_heads,
+                num_sms=sms,
+                block_n=64,
+                policy=policy,
+                max_items=max_decode_items(bucket, kv_heads, sms, sizing),
+                max_rows=bucket,
+            )
+            _check_invariants(fixed, ranges, policy)
+            assert fixed.num_partials <= max_decode_partials(bucket, kv_heads, sms, sizing)
+            if s0 == 0:
+                unbounded = _choose_chunk_len([0] * len(lens), lens, True, 1 << 40, kv_heads, sms, 64, policy)
+                assert fixed.chunk_len == unbounded
 
 
 @pytest.mark.parametrize("share", [-0.1, 4.5, float("nan")])
