@@ -41,7 +41,7 @@ so :class:`~attention.triton_backend.TritonBackend` runs it by default on sm_90 
 cache, and for fp8 under bf16 queries in blocks shorter than its tile or, in longer blocks, on an
 HBM3e part (``triton_backend.hbm3e_class``; launch :func:`.decode.hopper_decode_config`): in long
 blocks the end-to-end burst's attention was 1.80 ms against 1.95 on the H200 but 2.36 against 2.32
-on an H100 (``benchmarks/results/stall-e2e-h100-2026-12-05.md``), where the Triton kernel keeps them.
+on an H100 (``benchmarks/results/stall-e2e-h100-2026-12-05.md``), so there an H100 runs the Triton kernel.
 
 Scope (:func:`decode_hopper_applies`): a bf16 or fp16 query with one new token per row,
 head_dim 64 or 128, GQA groups of up to 16 heads, no cap, sinks or draft tree; a float8_e4m3fn

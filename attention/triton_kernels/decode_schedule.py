@@ -212,10 +212,10 @@ def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: Dec
     the fixed grid (programs per KV head) of a CUDA graph captured for that bucket.
 
     Rows starting at 0 make fewer than ``R + T / c`` items of ``c`` tokens (T tokens in all).
-    The balance keeps ``c >= balance * T / R``; a slot share ``s`` keeps ``c >= s * T * kv_heads
-    / (programs_per_sm * SMs)``, so at most ``R + programs_per_sm * SMs / (kv_heads * s)`` items
-    whatever the lengths: with a slot share a large bucket's grid is the rows plus about one
-    wave, not 1.8x the rows (128 rows on 132 SMs, 8 KV heads, 2 programs an SM, share 1.0: 161
+    The balance keeps ``c >= balance * T / R``; a slot share ``s`` keeps ``c >= s * T / target``
+    (``target`` = programs_per_sm * SMs / kv_heads, a wave of items), so at most ``R + target /
+    s`` items whatever the lengths: with a slot share a large bucket's grid is the rows plus
+    about one wave, not 1.8x the rows (128 rows on 132 SMs, 8 KV heads, 2 programs an SM, share 1.0: 161
     items a KV head, not 231). A graph replays every slot of the grid, and a slot past the step's
     items is a program that starts, reads its item and exits. Windowed rows (starts past 0) may
     need more; their chunks then grow until the items fit (:func:`schedule_decode`)."""
@@ -223,11 +223,11 @@ def max_decode_items(num_rows: int, num_kv_heads: int, num_sms: int, policy: Dec
     _check_positive(num_kv_heads=num_kv_heads, num_sms=num_sms)
     if num_rows < 0:
         raise ValueError(f"num_rows: {num_rows} must be >= 0")
+    target = _target_items(num_kv_heads, num_sms, policy)
     split = math.ceil(num_rows / policy.balance)
     if policy.slot_share:
-        split = min(split, math.ceil(policy.programs_per_sm * num_sms / (num_kv_heads * policy.slot_share)))
+        split = min(split, math.ceil(target / policy.slot_share))
     balanced = num_rows + split
-    target = _target_items(num_kv_heads, num_sms, policy)
     # Wave fill cuts only batches of [target, 2 x target) rows (one to two waves: _fill_waves).
     filled = WAVE_FILL_SPLITS * min(num_rows, 2 * target) if policy.wave_fill and num_rows >= target else 0
     return max(balanced, target, filled) if num_rows else 0
