@@ -234,14 +234,14 @@ if _GLUON:
 
     @gluon.jit
     def _load_tile(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j, first, kv_end, table_row, row_ok,
+        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, slot, n0, kv_end, table_row, row_ok,
         table_width, num_blocks, kvh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr,
         LOAD_V: gl.constexpr, V_BAR: gl.constexpr, TRIM: gl.constexpr,
     ):  # fmt: skip
-        """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
-        STAGES``: its K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
+        """TMA of the tile of tokens ``n0 ..`` (a multiple of BLOCK_N) into ring slot ``slot``: its
+        K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
         ``ready[V_BAR + slot]`` (V; V_BAR 0: one barrier for both, which must then both load),
         one K box and one V box per part of PART tokens (a part lies in one block):
         K rows ``[page * BLOCK_SIZE + t % BLOCK_SIZE, +PART)`` (``t`` the part's first token) at
@@ -258,8 +258,6 @@ if _GLUON:
         The rows left unloaded keep stale data, which the tile's softmax masks (K) and
         :func:`_stage_tile` zeroes (V)."""
         PARTS: gl.constexpr = BLOCK_N // PART
-        slot = j % STAGES
-        n0 = first + j * BLOCK_N
         k_bar = ready.index(slot)
         v_bar = ready.index(V_BAR + slot)
         if TRIM and PARTS == 1:  # (a compile-time branch: the half boxes exist only here)
@@ -533,9 +531,9 @@ if _GLUON:
         n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
         for st in gl.static_range(STAGES):
             if st < n_tiles:
-                _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first, kv_end,
-                           table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                           NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
+                _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first + st * BLOCK_N,
+                           kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
+                           HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -591,9 +589,10 @@ if _GLUON:
                 prev_slot = (j - 1) % STAGES
                 refill = j - 1 + STAGES < n_tiles
                 if refill:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
-                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
-                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, False, V_BAR, False)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, (j - 1) % STAGES,
+                               first + (j - 1 + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks,
+                               kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, False, V_BAR,
+                               False)  # fmt: skip
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
                 s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
@@ -612,9 +611,10 @@ if _GLUON:
                 o = o * alpha[None, :]
                 _partition_barrier()  # every warp is done with tile j-1's V
                 if refill:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
-                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
-                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, False, True, V_BAR, False)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, (j - 1) % STAGES,
+                               first + (j - 1 + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks,
+                               kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, False, True, V_BAR,
+                               False)  # fmt: skip
             if n_tiles > 0:
                 fence_async_shared()
                 _partition_barrier()
@@ -642,9 +642,10 @@ if _GLUON:
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
-                               kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
-                               HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, s_slot,
+                               first + (j + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks, kvh,
+                               STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0,
+                               TRIM_LOADS)  # fmt: skip
 
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
