@@ -461,3 +461,35 @@ def test_persistent_kernel_replays_later_steps_on_a_fixed_grid(
         ref = _reference(plain, [(0, lens[r]) for r in table_rows], table_rows, list(range(n)), scale, scales)
         _check(out[:n], ref, torch.bfloat16)
         assert not out[n:].any(), "a token no row names was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the fused hi / lo MMAs: a form of the Gluon kernel, needs an sm_90 GPU")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES)
+@pytest.mark.parametrize("p_lo", [True, False], ids=["p-hi-lo", "p-hi"])
+@pytest.mark.parametrize("loop", [False, "persistent"], ids=["in-turn", "persistent"])
+def test_fused_hi_lo_matches_the_separate_mmas(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, p_lo, loop
+) -> None:
+    """``decode_hopper.FUSED_HI_LO``: the query's (and P's) hi and lo rows as one MMA operand of
+    twice the heads, the accumulator's halves added in registers. The output matches the float64
+    reference as the separate MMAs' does, and the separate MMAs' own output to fp32 rounding
+    (the same products, summed in another order), over rows ending inside tiles and blocks,
+    split rows, GQA groups of 3 to 16, head_dim 64 and 128, blocks of 32 to 256."""
+    import attention.triton_kernels.decode_hopper as hopper_module
+
+    monkeypatch.setattr(hopper_module, "FP8_P_LO", p_lo)
+    fp8, plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16)
+    config = _config(torch.float8_e4m3fn, 3, loop)
+    launch = _prepare(fp8, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
+    separate = _run(fp8, launch, config, scales=scales).clone()
+    monkeypatch.setattr(hopper_module, "FUSED_HI_LO", True)
+    fused = _run(fp8, launch, config, scales=scales)
+    rows = list(range(len(lens)))
+    ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], rows, rows, 1 / math.sqrt(head_dim), scales)
+    assert not fused.isnan().any(), "NaN in the output: a read outside the written slots"
+    tolerance = 5e-3 if p_lo else 5e-2  # P's hi part alone: 3 significant bits (FP8_P_LO)
+    torch.testing.assert_close(fused.double(), ref, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(fused.float(), separate.float(), atol=2e-2, rtol=2e-2)
+    assert (fused.float() - separate.float()).abs().max() <= 4 * (separate.float() - ref).abs().max() + 1e-6
+    assert hopper_calls == [3, 3]

@@ -41,15 +41,21 @@ cases = [("fp8", 128, 4, 256, 2, False), ("fp8", 128, 4, 256, 3, False), ("fp8",
          ("fp8", 64, 4, 32, 2, False), ("bf16", 128, 4, 256, 2, False), ("bf16", 128, 4, 32, 3, False),
          ("fp16", 64, 16, 64, 2, False), ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True),
          ("fp8", 64, 16, 64, 2, True), ("bf16", 128, 4, 256, 3, True), ("fp16", 64, 8, 32, 2, True)]
-# (split, P lo, half boxes): the switches SPLIT_FP8_TILES, FP8_P_LO, HALF_BOXES in their default
-# positions, then in the others.
-cases = [case + (False, True, False) for case in cases]
-cases += [("fp8", 128, 4, 256, 3, False, True, True, False), ("fp8", 64, 8, 128, 2, False, True, True, False),
-          ("fp8", 128, 4, 256, 3, False, False, False, False), ("fp8", 128, 8, 32, 2, True, False, False, False),
-          ("bf16", 128, 4, 256, 3, False, False, True, True), ("fp16", 64, 8, 128, 2, False, False, True, True)]
+# (split, P lo, half boxes, fused): the switches SPLIT_FP8_TILES, FP8_P_LO, HALF_BOXES and
+# FUSED_HI_LO in their default positions, then in the others.
+cases = [case + (False, True, False, False) for case in cases]
+cases += [
+    ("fp8", 128, 4, 256, 3, False, True, True, False, False), ("fp8", 64, 8, 128, 2, False, True, True, False, False),
+    ("fp8", 128, 4, 256, 3, False, False, False, False, False),
+    ("fp8", 128, 8, 32, 2, True, False, False, False, False),
+    ("bf16", 128, 4, 256, 3, False, False, True, True, False), ("fp16", 64, 8, 128, 2, False, False, True, True, False),
+    ("fp8", 128, 4, 256, 3, False, False, True, False, True), ("fp8", 128, 4, 32, 3, False, False, True, False, True),
+    ("fp8", 64, 16, 64, 2, False, False, True, False, True), ("fp8", 128, 8, 256, 3, False, False, False, False, True),
+    ("fp8", 128, 4, 256, 3, True, False, True, False, True),
+]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half in cases:
+for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
     part, trim, halves = H.launch_form(block_size, dtype, overlap, split=split, half_boxes=half)
@@ -62,7 +68,7 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half in cas
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-                  TRIM=trim, P_LO=p_lo)
+                  TRIM=trim, P_LO=p_lo, FUSE=fuse)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -77,18 +83,19 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half in cas
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
              head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
-             p_lo=p_lo, half_boxes=halves,
+             p_lo=p_lo, half_boxes=halves, fused=fuse and kind == "fp8" and not overlap,
              commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
-           + ("-split" if split else "") + ("" if p_lo else "-hi-only") + ("-half-boxes" if halves else "")] = r
+           + ("-split" if split else "") + ("" if p_lo else "-hi-only") + ("-half-boxes" if halves else "")
+           + ("-fused" if fuse else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 21, report
+    assert len(report) == 26, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
@@ -98,6 +105,9 @@ def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -
             p_splits = 2 if r["p_lo"] else 1  # P's hi and lo parts (FP8_P_LO), or hi only
             s_calls, pv_calls = 2, p_splits * r["parts"]  # warpgroup_mma calls a tile: one commit group each
             mmas = 2 * 2 * (d // 32) + p_splits * (d // 64) * 4
+            if r["fused"]:  # hi and lo rows as one operand: one chain of MMAs each for S and P V
+                s_calls, pv_calls = 1, r["parts"]
+                mmas = 2 * (d // 32) + (d // 64) * 4
             # Values a thread converts back: the query's hi (once) and, for P's lo, P's hi (each tile).
             query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128 if r["p_lo"] else 0
             assert r["f16_from_e4m3"] == (query_hi + copies * p_hi) // 2, (name, r)
@@ -125,11 +135,12 @@ from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import decode_hopper as H
 from attention.triton_kernels import decode_hopper_persistent as HP
 
-cases = [("fp8", 128, 4, 256, 3), ("fp8", 128, 4, 32, 3), ("fp8", 64, 16, 64, 2), ("bf16", 128, 4, 256, 3),
-         ("bf16", 128, 8, 32, 2), ("fp16", 64, 16, 128, 4)]
+cases = [("fp8", 128, 4, 256, 3, False), ("fp8", 128, 4, 32, 3, False), ("fp8", 64, 16, 64, 2, False),
+         ("bf16", 128, 4, 256, 3, False), ("bf16", 128, 8, 32, 2, False), ("fp16", 64, 16, 128, 4, False),
+         ("fp8", 128, 4, 256, 3, True), ("fp8", 128, 4, 32, 3, True)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages in cases:
+for kind, head_dim, group, block_size, stages, fuse in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
     part, trim, halves = H.launch_form(block_size, dtype, False)
@@ -140,7 +151,8 @@ for kind, head_dim, group, block_size, stages in cases:
         v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
-                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim, P_LO=True)
+                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim, P_LO=True,
+                  FUSE=fuse)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -151,9 +163,9 @@ for kind, head_dim, group, block_size, stages in cases:
     operand = {"fp8": "e4m3.e4m3", "bf16": "bf16.bf16", "fp16": "f16.f16"}[kind]
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), stages=stages, head_dim=head_dim, parts=block_n // part,
-             fp8=kind == "fp8", commits=ptx.count("wgmma.commit_group"),
+             fp8=kind == "fp8", fused=fuse, commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
-    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}"] = r
+    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-fused" if fuse else "")] = r
 print(json.dumps(report))
 """
 
@@ -165,10 +177,12 @@ def test_the_persistent_form_compiles_for_sm90_as_the_loop_in_turn() -> None:
     now may load a later unit's tile); shared memory for two programs an SM at three stages
     (within half the H200's 227 KiB), and no register spills."""
     report = compile_report(_PERSISTENT_SCRIPT)
-    assert len(report) == 6, report
+    assert len(report) == 8, report
     for name, r in report.items():
         d = r["head_dim"]
-        if r["fp8"]:
+        if r["fp8"] and r["fused"]:
+            mmas, calls = 2 * (d // 32) + (d // 64) * 4, 1 + r["parts"]
+        elif r["fp8"]:
             mmas, calls = 2 * 2 * (d // 32) + 2 * (d // 64) * 4, 2 + 2 * r["parts"]
         else:
             mmas, calls = d // 16 + (d // 64) * 4, 2

@@ -122,6 +122,10 @@ SPLIT_FP8_TILES = False
 #: on the burst's decode shape, 1.035-1.048x on 32 x 512, at 2.3% RMS output difference and a
 #: small loss on a real model (benchmarks/results/decode-fp8-p-hi-only-h100-2026-12-07.md): stays on.
 FP8_P_LO = True
+#: fp8: the hi and lo halves of the query (and of P) stacked as one MMA operand of twice the N
+#: (2 x the group's padded heads), so each K (and V) tile is read by one chain of MMAs instead
+#: of two; the halves of the accumulator are added in registers. A switch for A/B runs.
+FUSED_HI_LO = False
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -401,17 +405,19 @@ if _GLUON:
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
     ):  # fmt: skip
-        """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, at
-        ``p_index`` and ``p_index + 1``; not ``P_LO``: hi only), and zero the V tokens of ring
+        """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, in
+        its first and second BLOCK_H rows; not ``P_LO``: hi only), and zero the V tokens of ring
         slot ``s_slot`` the tile (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does
         not attend (past the chunk, before it, or of a bad block: stale slots may hold NaN, which
         would survive p = 0), in the parts that hold any (and those :func:`_load_tile` left
         unloaded). The caller fences and synchronises the warps before the MMAs read them."""
         if FP8:
+            heads: gl.constexpr = p.shape[1]
+            pair = p_bufs.index(p_index)
             p_hi = p.to(p_bufs.dtype)
-            p_bufs.index(p_index).store(gl.permute(p_hi, (1, 0)))
+            pair.slice(0, heads).store(gl.permute(p_hi, (1, 0)))
             if P_LO:
-                p_bufs.index(p_index + 1).store(gl.permute((p - p_hi.to(gl.float32)).to(p_bufs.dtype), (1, 0)))
+                pair.slice(heads, heads).store(gl.permute((p - p_hi.to(gl.float32)).to(p_bufs.dtype), (1, 0)))
         else:
             p_bufs.index(p_index).store(p.to(p_bufs.dtype))
         if (n0 < kv_start) | (n0 + BLOCK_N > kv_end) | (tile_ok == 0):
@@ -427,26 +433,52 @@ if _GLUON:
                            BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
 
     @gluon.jit
-    def _issue_scores(k_tile, q_bufs, s_zero, FP8: gl.constexpr):  # type: ignore[no-untyped-def]
+    def _issue_scores(k_tile, q_bufs, s_zero, FP8: gl.constexpr, FUSE: gl.constexpr = False):  # type: ignore[no-untyped-def]
         """S^T = K Q^T for a K tile (fp8: the query's hi and lo parts into one accumulator),
-        issued asynchronously: 2 commit groups (fp8) or 1; the caller waits."""
-        s = warpgroup_mma(k_tile, q_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if FP8:
-            s = warpgroup_mma(k_tile, q_bufs.index(1).permute((1, 0)), s, is_async=True)
+        issued asynchronously: 2 commit groups (fp8) or 1; the caller waits. ``FUSE`` (fp8):
+        one group, the hi and lo parts stacked as one operand of twice the heads: ``s_zero`` is
+        then [BLOCK_N, 2 * BLOCK_H] and the result's halves are the hi and lo products
+        (:func:`_fold` adds them)."""
+        if FP8 and not FUSE:
+            heads: gl.constexpr = q_bufs.shape[0] // 2
+            s = warpgroup_mma(k_tile, q_bufs.slice(0, heads).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(k_tile, q_bufs.slice(heads, heads).permute((1, 0)), s, is_async=True)
+        else:  # a 16-bit query, or fp8's hi and lo rows as one operand
+            s = warpgroup_mma(k_tile, q_bufs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         return s
+
+    @gluon.jit
+    def _fold(x, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """[R, 2H] -> [R, H] in ``layout``: the sum of ``x``'s two halves of columns."""
+        halves = gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
+        return gl.convert_layout(gl.sum(halves, 1), layout)
+
+    @gluon.jit
+    def _twice(v, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """[H] -> [2H] in ``layout``: ``v`` then ``v`` again."""
+        pairs = gl.permute(gl.join(v, v), (1, 0))  # [2, H]
+        return gl.convert_layout(gl.reshape(pairs, [2 * v.shape[0]]), layout)
 
     @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
         o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
-        P_LO: gl.constexpr,
+        P_LO: gl.constexpr, FUSE: gl.constexpr = False,
     ):  # fmt: skip
         """O^T += V^T P^T for the tile in ring slot ``s_slot`` with P at ``p_bufs[p_index]``
         (fp8: hi and lo, or hi only without ``P_LO``, and one MMA a part each), issued
-        asynchronously: (2 or 1) * PARTS commit groups (fp8) or 1; the caller waits."""
-        if FP8:
+        asynchronously: (2 or 1) * PARTS commit groups (fp8) or 1; the caller waits. ``FUSE``
+        (fp8 with ``P_LO``): hi and lo rows as one operand, PARTS groups,
+        ``o`` [HEAD_DIM, 2 * BLOCK_H] with the hi products in its first half, lo in its second."""
+        if FP8 and FUSE and P_LO:  # hi and lo rows as one operand: one MMA a part into o's two halves
+            for part in gl.static_range(PARTS):
+                p_all = p_bufs.index(p_index)
+                p_part = p_all if PARTS == 1 else p_all.slice(part * PART, PART, 1)
+                o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o, is_async=True)
+        elif FP8:
+            heads: gl.constexpr = p_bufs.shape[1] // 2
             for hl in gl.static_range(2 if P_LO else 1):  # P's hi and lo parts
                 for part in gl.static_range(PARTS):
-                    p_all = p_bufs.index(p_index + hl)
+                    p_all = p_bufs.index(p_index).slice(hl * heads, heads)
                     p_part = p_all if PARTS == 1 else p_all.slice(part * PART, PART, 1)
                     o = warpgroup_mma(v_bufs.index(s_slot * PARTS + part), p_part.permute((1, 0)), o, is_async=True)
         else:
@@ -465,7 +497,7 @@ if _GLUON:
         num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr,
+        PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -479,7 +511,7 @@ if _GLUON:
         box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P.
         ``TRIM`` (the loop in turn only): a tile's boxes that hold only tokens past the chunk's
         end are not read (:func:`_load_tile`; ``k_half_desc`` / ``v_half_desc`` the half boxes
-        of a one-part tile)."""
+        of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -506,12 +538,13 @@ if _GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
         )
         q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], kv_dtype)
-        q_bufs = gl.allocate_shared_memory(kv_dtype, [2 if FP8 else 1, BLOCK_H, HEAD_DIM], q_smem)
+        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
+        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
         k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        if FP8:  # P^T (K-major, as 8-bit operands must be), hi and lo; V^T per part
-            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [4 if OVERLAP else 2, BLOCK_H, BLOCK_N], p_smem)
+        if FP8:  # P^T (K-major, as 8-bit operands must be), hi rows then lo rows; V^T per part
+            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [2 if OVERLAP else 1, 2 * BLOCK_H, BLOCK_N], p_smem)
             v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
         else:  # P as computed; V tiles as K's
             p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
@@ -549,21 +582,32 @@ if _GLUON:
             q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
             q = q * q_mul[:, None]
             q_hi = q.to(kv_dtype)
-            q_bufs.index(0).store(q_hi)
-            q_bufs.index(1).store((q - q_hi.to(gl.float32)).to(kv_dtype))
+            q_bufs.slice(0, BLOCK_H).store(q_hi)
+            q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(kv_dtype))
             score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
             col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
         else:
-            q_bufs.index(0).store(q)
+            q_bufs.store(q)
             col_scale = gl.full([BLOCK_H], score_scale, gl.float32, gl.SliceLayout(0, s_layout))
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
+        FUSED_PV: gl.constexpr = FUSED and P_LO
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+        )
+        if FUSED:  # the scores' hi and lo products side by side
+            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
         l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-        o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        if FUSED_PV:  # O's hi and lo products side by side
+            o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
             # buffers by tile parity. Prologue: tile 0's S and softmax; each step j = 1 ..
@@ -596,7 +640,7 @@ if _GLUON:
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
                 s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
-                o = _issue_pv(o, p_bufs, ((j - 1) % 2) * (2 if FP8 else 1), v_bufs, prev_slot, PARTS, PART, FP8, P_LO)
+                o = _issue_pv(o, p_bufs, (j - 1) % 2, v_bufs, prev_slot, PARTS, PART, FP8, P_LO)
                 s = warpgroup_mma_wait(num_outstanding=(2 if P_LO else 1) * PARTS if FP8 else 1, deps=(s,))
                 n0 = first + j * BLOCK_N
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
@@ -604,7 +648,7 @@ if _GLUON:
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
-                _stage_tile(p, p_bufs, (j % 2) * (2 if FP8 else 1), v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
+                _stage_tile(p, p_bufs, j % 2, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
                             table_row, row_ok, table_width, num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART,
                             FP8, P_LO)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -619,7 +663,7 @@ if _GLUON:
                 fence_async_shared()
                 _partition_barrier()
                 last = n_tiles - 1
-                o = _issue_pv(o, p_bufs, (last % 2) * (2 if FP8 else 1), v_bufs, last % STAGES, PARTS, PART, FP8,
+                o = _issue_pv(o, p_bufs, last % 2, v_bufs, last % STAGES, PARTS, PART, FP8,
                               P_LO)  # fmt: skip
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         else:
@@ -627,8 +671,10 @@ if _GLUON:
                 s_slot = j % STAGES
                 n0 = first + j * BLOCK_N
                 mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
-                s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
+                s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if FUSED:
+                    s = _fold(s, s_layout)
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
@@ -637,8 +683,11 @@ if _GLUON:
                             num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
                 fence_async_shared()
                 _partition_barrier()
-                o = o * alpha[None, :]
-                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO)
+                if FUSED_PV:  # noqa: SIM108 (a compile-time branch)
+                    o = o * _twice(alpha, gl.SliceLayout(0, wide_layout))[None, :]
+                else:
+                    o = o * alpha[None, :]
+                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
@@ -647,6 +696,8 @@ if _GLUON:
                                STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0,
                                TRIM_LOADS)  # fmt: skip
 
+        if FUSED_PV:
+            o = _fold(o, s_layout)
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         if FP8:  # noqa: SIM108 (a compile-time branch)
@@ -729,5 +780,5 @@ def launch_decode_hopper(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-        TRIM=trim, P_LO=FP8_P_LO, num_warps=4,
+        TRIM=trim, P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4,
     )  # fmt: skip

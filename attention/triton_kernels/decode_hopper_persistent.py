@@ -33,18 +33,21 @@ import functools
 
 import torch
 
+from attention.triton_kernels import decode_hopper
 from attention.triton_kernels.decode_hopper import _descriptors, hopper_block_n, launch_form
 from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
     from attention.triton_kernels.decode_hopper import (
+        _fold,
         _issue_pv,
         _issue_scores,
         _load_tile,
         _query_layout,
         _stage_tile,
         _tile_softmax,
+        _twice,
     )
     from attention.triton_kernels.prefill_hopper import (
         _partition_barrier,
@@ -115,7 +118,7 @@ if _GLUON:
         num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr,
+        PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
     ):  # fmt: skip
         """Program ``p`` of a 1-D grid: the units of :func:`_unit` in turn, each as
         :func:`.decode_hopper._decode_hopper_kernel`'s program (KV head, item) with its loop in
@@ -133,12 +136,13 @@ if _GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
         )
         q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HEAD_DIM], kv_dtype)
-        q_bufs = gl.allocate_shared_memory(kv_dtype, [2 if FP8 else 1, BLOCK_H, HEAD_DIM], q_smem)
+        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
+        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
         k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        if FP8:  # P^T (K-major, as 8-bit operands must be), hi and lo; V^T per part
-            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_H, BLOCK_N], p_smem)
+        if FP8:  # P^T (K-major, as 8-bit operands must be), hi rows then lo rows; V^T per part
+            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, 2 * BLOCK_H, BLOCK_N], p_smem)
             v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
         else:  # P as computed; V tiles as K's
             p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
@@ -174,7 +178,15 @@ if _GLUON:
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
         dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        FUSED: gl.constexpr = FUSE and FP8
+        FUSED_PV: gl.constexpr = FUSED and P_LO
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+        )
+        if FUSED:  # the scores' hi and lo products side by side
+            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
         out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
         ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
@@ -202,25 +214,30 @@ if _GLUON:
                     q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
                     q = q * q_mul[:, None]
                     q_hi = q.to(kv_dtype)
-                    q_bufs.index(0).store(q_hi)
-                    q_bufs.index(1).store((q - q_hi.to(gl.float32)).to(kv_dtype))
+                    q_bufs.slice(0, BLOCK_H).store(q_hi)
+                    q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(kv_dtype))
                     score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
                     col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
                 else:
-                    q_bufs.index(0).store(q)
+                    q_bufs.store(q)
                     col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
                 fence_async_shared()
                 _partition_barrier()
 
                 m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
                 l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-                o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+                if FUSED_PV:  # O's hi and lo products side by side
+                    o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
+                else:
+                    o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
                 for j in range(n_tiles):
                     s_slot = c % STAGES
                     n0 = first + j * BLOCK_N
                     mbarrier.wait(ready.index(s_slot), (c // STAGES) & 1)
-                    s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
+                    s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                    if FUSED:
+                        s = _fold(s, s_layout)
                     p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                         s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
                         num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
@@ -230,8 +247,11 @@ if _GLUON:
                                 P_LO)  # fmt: skip
                     fence_async_shared()
                     _partition_barrier()
-                    o = o * alpha[None, :]
-                    o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO)
+                    if FUSED_PV:  # noqa: SIM108 (a compile-time branch)
+                        o = o * _twice(alpha, gl.SliceLayout(0, wide_layout))[None, :]
+                    else:
+                        o = o * alpha[None, :]
+                    o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
                     o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                     _partition_barrier()  # every warp is done with the slot and with P
                     if pr < rounds:  # the slot takes the producer's next tile (this unit's or a later one's)
@@ -246,6 +266,8 @@ if _GLUON:
                         )  # fmt: skip
                     c += 1
 
+                if FUSED_PV:
+                    o = _fold(o, s_layout)
                 l_i = gl.sum(l_part, 0)
                 l_safe = gl.where(l_i > 0.0, l_i, 1.0)
                 if FP8:  # noqa: SIM108 (a compile-time branch)
@@ -321,13 +343,16 @@ def launch_decode_hopper_persistent(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-        P_LO=_p_lo(), num_warps=4,
+        P_LO=_p_lo(), FUSE=_fused(), num_warps=4,
     )  # fmt: skip
 
 
 def _p_lo() -> bool:
     """:data:`.decode_hopper.FP8_P_LO` at launch time (a switch A/B runs may flip)."""
-    from attention.triton_kernels import decode_hopper
-
     return bool(decode_hopper.FP8_P_LO)
+
+
+def _fused() -> bool:
+    """:data:`.decode_hopper.FUSED_HI_LO` at launch time (a switch A/B runs may flip)."""
+    return bool(decode_hopper.FUSED_HI_LO)
 
