@@ -332,10 +332,6 @@ class TritonBackend(AttentionBackend):
                         the previous tile's P V MMAs run). Off by default: correct on an
                         H100 and within 1% of the loop in turn
                         (benchmarks/results/decode-overlap-h100-2026-12-06.md).
-      hopper_decode_persistent: where one-token rows take that Gluon kernel, its resident-program
-                        form (``DecodeConfig.hopper_persistent``: a program per place streams
-                        its units through one ring). Not with hopper_decode_overlap. Off by
-                        default.
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a latent of 512 + 64
                         channels in blocks of a multiple of 64, 16-bit or fp8 under bf16 queries,
                         run on the Gluon decode kernel
@@ -418,7 +414,6 @@ class TritonBackend(AttentionBackend):
         hopper_prefill: bool = True,
         hopper_decode: bool | None = None,
         hopper_decode_overlap: bool = False,
-        hopper_decode_persistent: bool = False,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         hopper_mla_split: bool = False,
@@ -430,7 +425,7 @@ class TritonBackend(AttentionBackend):
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
-                 ("hopper_decode_persistent", hopper_decode_persistent), ("hopper_mla_decode", hopper_mla_decode),
+                 ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("hopper_mla_split", hopper_mla_split),
                  ("hopper_mla_fused_merge", hopper_mla_fused_merge),
                  ("direct_decode_graphs", direct_decode_graphs),
@@ -439,11 +434,6 @@ class TritonBackend(AttentionBackend):
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise UnsupportedSettingError(f"{name}: {flag!r} must be True or False")
-        if hopper_decode_overlap and hopper_decode_persistent:
-            raise UnsupportedSettingError(
-                "hopper_decode_persistent: True with hopper_decode_overlap: True; the persistent kernel runs the loop "
-                "in turn: set one of them False"
-            )
         if hopper_decode is not None and not isinstance(hopper_decode, bool):
             raise UnsupportedSettingError(
                 f"hopper_decode: {hopper_decode!r} must be True, False or None (the default: where measured faster)"
@@ -479,7 +469,6 @@ class TritonBackend(AttentionBackend):
         self.hopper_prefill = hopper_prefill
         self.hopper_decode = hopper_decode
         self.hopper_decode_overlap = hopper_decode_overlap
-        self.hopper_decode_persistent = hopper_decode_persistent
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
         self.hopper_mla_split = hopper_mla_split
@@ -826,9 +815,7 @@ class TritonBackend(AttentionBackend):
         elif self._given_decode_config:
             config = self.decode_config
         elif device is not None and self._hopper_decode_applies(block_size, device):
-            config = hopper_decode_config(
-                self.cache_dtype, overlap=self.hopper_decode_overlap, persistent=self.hopper_decode_persistent
-            )
+            config = hopper_decode_config(self.cache_dtype, overlap=self.hopper_decode_overlap)
         else:
             kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
             config = default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)

@@ -243,7 +243,7 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
 @pytest.mark.parametrize(
     ("name", "default"),
     [("graph_dequant_prefill", False), ("value_runs", True), ("hopper_decode_overlap", False),
-     ("hopper_decode_persistent", False), ("latent_mixed_graphs", True)],
+     ("latent_mixed_graphs", True)],
 )  # fmt: skip
 def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> None:
     """``--[no-]graph-dequant-prefill``, ``--[no-]value-runs``, ``--[no-]hopper-decode-overlap``
@@ -297,9 +297,6 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
     overlapped = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_overlap=True)
     launch, _ = overlapped._decode_launch(1, 256, cuda)
     assert launch.hopper_wgmma and launch.hopper_overlap
-    persistent = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_persistent=True)
-    launch, _ = persistent._decode_launch(1, 256, cuda)
-    assert launch.hopper_wgmma and launch.hopper_persistent and not launch.hopper_overlap
 
 
 def test_decode_launch_words_make_the_backends_launch() -> None:

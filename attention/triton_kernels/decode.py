@@ -34,11 +34,6 @@ import torch
 from attention.checks import same_device
 from attention.token_scales import layout_problem
 from attention.triton_kernels.decode_hopper import decode_hopper_applies, hopper_block_n, launch_decode_hopper
-from attention.triton_kernels.decode_hopper_persistent import (
-    device_sm_count,
-    launch_decode_hopper_persistent,
-    persistent_programs,
-)
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import (
@@ -113,11 +108,6 @@ class DecodeConfig:
                 Off by default: correct on an H100 and within 1% of the loop in turn on
                 every shape (benchmarks/results/decode-overlap-h100-2026-12-06.md; GPU tests
                 in tests/test_decode_hopper.py, variants in ``bench_decode.py --hopper-wgmma``).
-    hopper_persistent: with hopper_wgmma (its loop in turn, not hopper_overlap), the kernel of
-                :mod:`.decode_hopper_persistent`: one resident program per place (the SMs
-                times ``programs_per_sm``, 2 when None), each streaming its share of the
-                (item, KV head) units through one ring, so the next unit's first tiles load
-                while this one's last ones compute. Same items, partials and combine.
     """
 
     block_n: int = 64
@@ -132,7 +122,6 @@ class DecodeConfig:
     hopper_wgmma: bool = False
     slot_share: float | None = None
     hopper_overlap: bool = False
-    hopper_persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -156,11 +145,6 @@ class DecodeConfig:
             )
         if self.hopper_wgmma and not 2 <= self.num_stages <= 4:
             raise ValueError(f"DecodeConfig.num_stages: {self.num_stages} with hopper_wgmma must be 2, 3 or 4")
-        if self.hopper_persistent and (self.hopper_overlap or not self.hopper_wgmma):
-            raise ValueError(
-                "DecodeConfig.hopper_persistent: True needs hopper_wgmma=True and hopper_overlap=False (the "
-                "persistent kernel runs the Hopper kernel's loop in turn)"
-            )
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -254,13 +238,12 @@ def one_token_slot_share(kv_dtype: torch.dtype | None) -> float:
     return 1.0 if kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES else 0.75
 
 
-def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, persistent: bool = False) -> DecodeConfig:
+def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> DecodeConfig:
     """The launch of one-token rows on the Hopper kernel (:mod:`.decode_hopper`) over a cache
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
     memory at head_dim 128) and two programs an SM; ``overlap``: its overlapped loop
-    (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer);
-    ``persistent``: its resident-program form (``DecodeConfig.hopper_persistent``).
+    (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer).
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
     (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries in blocks shorter
     than the tile or on an HBM3e part (``triton_backend.hbm3e_class``, the H200); elsewhere
@@ -294,7 +277,7 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, persisten
     """
     return DecodeConfig(
         block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True,
-        slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap, hopper_persistent=persistent,
+        slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap,
     )  # fmt: skip
 
 
@@ -623,20 +606,11 @@ def paged_decode(
         query, k_cache, v_cache, schedule.query_len, block_n=config.block_n, fused_combine=config.fused_combine,
         extras=extras,
     ):  # fmt: skip
-        fp8_scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
-        if config.hopper_persistent:
-            programs = persistent_programs(
-                kv_heads * schedule.grid_items, device_sm_count(query.device), config.programs_per_sm or 2
-            )
-            launch_decode_hopper_persistent(
-                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
-                ws.part_lse, softmax_scale * _LOG2E, config.num_stages, programs,
-            )  # fmt: skip
-        else:
-            launch_decode_hopper(
-                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
-                ws.part_lse, softmax_scale * _LOG2E, config.num_stages, overlap=config.hopper_overlap,
-            )  # fmt: skip
+        launch_decode_hopper(
+            query, k_cache, v_cache, (k_scale, v_scale) if k_scale is not None and v_scale is not None else None,
+            block_tables, items, schedule.grid_items, out, ws.part_o, ws.part_lse, softmax_scale * _LOG2E,
+            config.num_stages, overlap=config.hopper_overlap,
+        )  # fmt: skip
     else:
         decode_items_kernel[(kv_heads, schedule.grid_items)](
             query,

@@ -18,8 +18,10 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
 - O^T += V^T P^T ([head_dim, BLOCK_H]): the V tile as stored is the A operand (a token-major
   fp8 V, :mod:`attention.value_layout`, has the reduction, the tokens, contiguous, as 8-bit
   operands must; a 16-bit V is read transposed);
-- fp8: the query and P are split into ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)`` and both dots
-  run twice (into one accumulator): ~8 significant bits, a bf16 query's. The query is scaled
+- fp8: the query and P are split into ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)``, stored as
+  the first and second half of one operand's rows (twice the heads), and each dot runs once
+  over both, its accumulator's halves added after (:data:`FUSED_HI_LO`; or twice, hi and lo
+  into one accumulator): ~8 significant bits, a bf16 query's. The query is scaled
   per head so its largest element is 224 (e4m3's largest is 448), P by 2^8 (its largest is
   1); both factors come out again exactly (the scores' scale, and the lse minus 8). An 8-bit
   B operand must be K-major too, so P is stored transposed;
@@ -122,10 +124,14 @@ SPLIT_FP8_TILES = False
 #: on the burst's decode shape, 1.035-1.048x on 32 x 512, at 2.3% RMS output difference and a
 #: small loss on a real model (benchmarks/results/decode-fp8-p-hi-only-h100-2026-12-07.md): stays on.
 FP8_P_LO = True
-#: fp8: the hi and lo halves of the query (and of P) stacked as one MMA operand of twice the N
-#: (2 x the group's padded heads), so each K (and V) tile is read by one chain of MMAs instead
-#: of two; the halves of the accumulator are added in registers. A switch for A/B runs.
-FUSED_HI_LO = False
+#: fp8, the loop in turn: the query's (and P's) hi and lo parts stacked as one MMA operand of
+#: twice the N (2 x the group's padded heads), so each K (and V) tile is read by one chain of
+#: MMAs instead of two; the accumulator's two halves are added in registers (in fp32, where the
+#: separate MMAs added the lo products inside the fp8 MMA's accumulator). On an H100: the
+#: kernel's own floor (every table entry on one L2-resident block) 1.14-1.27x faster, from HBM
+#: 1.008-1.054x (benchmarks/results/decode-fused-hi-lo-h100-2026-12-07.md). Off: hi and lo
+#: apart (the overlapped loop always runs them apart).
+FUSED_HI_LO = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -238,14 +244,14 @@ if _GLUON:
 
     @gluon.jit
     def _load_tile(  # type: ignore[no-untyped-def]
-        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, slot, n0, kv_end, table_row, row_ok,
+        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j, first, kv_end, table_row, row_ok,
         table_width, num_blocks, kvh,
         STAGES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, LOAD_K: gl.constexpr,
         LOAD_V: gl.constexpr, V_BAR: gl.constexpr, TRIM: gl.constexpr,
     ):  # fmt: skip
-        """TMA of the tile of tokens ``n0 ..`` (a multiple of BLOCK_N) into ring slot ``slot``: its
-        K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
+        """TMA of tile ``j`` (tokens ``n0 = first + j * BLOCK_N ..``) into ring slot ``j %
+        STAGES``: its K (``LOAD_K``) and its V (``LOAD_V``), signalling ``ready[slot]`` (K) and
         ``ready[V_BAR + slot]`` (V; V_BAR 0: one barrier for both, which must then both load),
         one K box and one V box per part of PART tokens (a part lies in one block):
         K rows ``[page * BLOCK_SIZE + t % BLOCK_SIZE, +PART)`` (``t`` the part's first token) at
@@ -262,6 +268,8 @@ if _GLUON:
         The rows left unloaded keep stale data, which the tile's softmax masks (K) and
         :func:`_stage_tile` zeroes (V)."""
         PARTS: gl.constexpr = BLOCK_N // PART
+        slot = j % STAGES
+        n0 = first + j * BLOCK_N
         k_bar = ready.index(slot)
         v_bar = ready.index(V_BAR + slot)
         if TRIM and PARTS == 1:  # (a compile-time branch: the half boxes exist only here)
@@ -433,7 +441,9 @@ if _GLUON:
                            BLOCK_N, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
 
     @gluon.jit
-    def _issue_scores(k_tile, q_bufs, s_zero, FP8: gl.constexpr, FUSE: gl.constexpr = False):  # type: ignore[no-untyped-def]
+    def _issue_scores(  # type: ignore[no-untyped-def]
+        k_tile, q_bufs, s_zero, FP8: gl.constexpr, FUSE: gl.constexpr = False
+    ):
         """S^T = K Q^T for a K tile (fp8: the query's hi and lo parts into one accumulator),
         issued asynchronously: 2 commit groups (fp8) or 1; the caller waits. ``FUSE`` (fp8):
         one group, the hi and lo parts stacked as one operand of twice the heads: ``s_zero`` is
@@ -564,9 +574,9 @@ if _GLUON:
         n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
         for st in gl.static_range(STAGES):
             if st < n_tiles:
-                _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first + st * BLOCK_N,
-                           kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
-                           HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
+                _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first, kv_end,
+                           table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                           NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
         h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
@@ -633,10 +643,9 @@ if _GLUON:
                 prev_slot = (j - 1) % STAGES
                 refill = j - 1 + STAGES < n_tiles
                 if refill:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, (j - 1) % STAGES,
-                               first + (j - 1 + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks,
-                               kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, False, V_BAR,
-                               False)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
+                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
+                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, False, V_BAR, False)  # fmt: skip
                 phase = (j // STAGES) & 1
                 mbarrier.wait(ready.index(s_slot), phase)
                 s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8)
@@ -655,10 +664,9 @@ if _GLUON:
                 o = o * alpha[None, :]
                 _partition_barrier()  # every warp is done with tile j-1's V
                 if refill:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, (j - 1) % STAGES,
-                               first + (j - 1 + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks,
-                               kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, False, True, V_BAR,
-                               False)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j - 1 + STAGES,
+                               first, kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N,
+                               BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, False, True, V_BAR, False)  # fmt: skip
             if n_tiles > 0:
                 fence_async_shared()
                 _partition_barrier()
@@ -691,10 +699,9 @@ if _GLUON:
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
-                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, s_slot,
-                               first + (j + STAGES) * BLOCK_N, kv_end, table_row, row_ok, table_width, num_blocks, kvh,
-                               STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0,
-                               TRIM_LOADS)  # fmt: skip
+                    _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
+                               kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
+                               HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
 
         if FUSED_PV:
             o = _fold(o, s_layout)
