@@ -18,11 +18,13 @@ def compile_sm90(
     elem: str,
     num_warps: int = 4,
     types: dict[str, str] | None = None,
+    maxnreg: int | None = None,
 ) -> Any:
     """Compile the Gluon kernel ``fn`` for sm_90: ``descs`` the host TMA descriptors by argument
     name, ``consts`` the constexpr arguments, ``elem`` the pointer type of ``out_ptr`` (other
     ``*_ptr`` arguments are int32, ``qk_scale`` and ``scale_log2`` fp32, the rest int32 scalars,
-    unless ``types`` names an argument's type)."""
+    unless ``types`` names an argument's type); ``maxnreg``: the launch's register cap per
+    thread (as the launch passes it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,7 +45,10 @@ def compile_sm90(
         else:
             sig[name] = "fp32" if name in ("qk_scale", "scale_log2") else "i32"
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    options: dict[str, int] = {"num_warps": num_warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
 
 
 def kernel_report(kernel: Any, scratch: str = "/tmp/gluon_compile_check") -> dict[str, int]:

@@ -32,7 +32,7 @@ ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0) an
 
 @pytest.fixture
 def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The Gluon kernel's launches (their stage counts)."""
+    """The Gluon kernel's launches, its loader-warp form's included (their stage counts)."""
     calls: list[int] = []
     real = decode_module.launch_decode_hopper
 
@@ -40,7 +40,13 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(int(args[-1]))  # type: ignore[call-overload]
         real(*args, **kw)  # type: ignore[arg-type]
 
+    def counted_ws(*args: object, **kw: object) -> None:
+        calls.append(int(args[-1]))  # type: ignore[call-overload]
+        real_ws(*args, **kw)  # type: ignore[arg-type]
+
+    real_ws = decode_module.launch_decode_hopper_ws
     monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
+    monkeypatch.setattr(decode_module, "launch_decode_hopper_ws", counted_ws)
     return calls
 
 
@@ -81,16 +87,21 @@ def _wide_case(
     return wide, plain
 
 
-def _config(dtype: torch.dtype, stages: int = 2, overlap: bool = False) -> DecodeConfig:
-    return DecodeConfig(block_n=hopper_block_n(dtype), num_stages=stages, hopper_wgmma=True, hopper_overlap=overlap)
+def _config(dtype: torch.dtype, stages: int = 2, overlap: bool | str = False) -> DecodeConfig:
+    """The Hopper launch with the loop ``overlap`` names: False (in turn), True (overlapped) or
+    "ws" (in turn, its loads in a warp of their own)."""
+    return DecodeConfig(
+        block_n=hopper_block_n(dtype), num_stages=stages, hopper_wgmma=True, hopper_overlap=overlap is True,
+        hopper_ws_loader=overlap == "ws",
+    )  # fmt: skip
 
 
-#: The kernel's two loops: each tile's steps in turn, and S MMAs + softmax of a tile while the
-#: previous tile's P V MMAs run.
-LOOPS = [pytest.param(False, id="in-turn"), pytest.param(True, id="overlap")]
+#: The kernel's loops: each tile's steps in turn, S MMAs + softmax of a tile while the previous
+#: tile's P V MMAs run, and the loop in turn with its TMA loads in a loader warp.
+LOOPS = [pytest.param(False, id="in-turn"), pytest.param(True, id="overlap"), pytest.param("ws", id="ws-loader")]
 
 
-def _skip_repeat_on_cpu(overlap: bool) -> None:
+def _skip_repeat_on_cpu(overlap: bool | str) -> None:
     if DEVICE == "cpu" and overlap:
         pytest.skip("the interpreter runs the Triton fallback, which has one loop: the in-turn case covers it")
 
@@ -352,8 +363,9 @@ def test_other_launches_run_the_triton_kernel(hopper_calls: list[int]) -> None:
 @pytest.mark.skipif(not ON_HOPPER, reason="the fused hi / lo MMAs: a form of the Gluon kernel, needs an sm_90 GPU")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES)
 @pytest.mark.parametrize("p_lo", [True, False], ids=["p-hi-lo", "p-hi"])
+@pytest.mark.parametrize("loop", [False, "ws"], ids=["in-turn", "ws-loader"])
 def test_fused_hi_lo_matches_the_separate_mmas(  # type: ignore[no-untyped-def]
-    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, p_lo
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, p_lo, loop
 ) -> None:
     """``decode_hopper.FUSED_HI_LO`` (on by default): the query's (and P's) hi and lo rows as one
     MMA operand of twice the heads, the accumulator's halves added in registers. Against the
@@ -365,7 +377,7 @@ def test_fused_hi_lo_matches_the_separate_mmas(  # type: ignore[no-untyped-def]
 
     monkeypatch.setattr(hopper_module, "FP8_P_LO", p_lo)
     fp8, plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16)
-    config = _config(torch.float8_e4m3fn, 3)
+    config = _config(torch.float8_e4m3fn, 3, loop)
     launch = _prepare(fp8, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
     rows = list(range(len(lens)))
     ref = _reference(plain, [(0, n) for n in fp8.meta.seq_lens_host], rows, rows, 1 / math.sqrt(head_dim), scales)
@@ -379,3 +391,12 @@ def test_fused_hi_lo_matches_the_separate_mmas(  # type: ignore[no-untyped-def]
         torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
     assert (outputs[True] - ref).abs().max() <= 2 * (outputs[False] - ref).abs().max()
     assert hopper_calls == [3, 3]
+
+
+def test_the_loader_warp_serves_the_loop_in_turn_only() -> None:
+    """``hopper_ws_loader`` needs the Hopper kernel and its loop in turn: with ``hopper_overlap``
+    or without ``hopper_wgmma`` the config is refused, naming the field."""
+    with pytest.raises(ValueError, match="hopper_ws_loader"):
+        DecodeConfig(block_n=128, hopper_wgmma=True, hopper_overlap=True, hopper_ws_loader=True)
+    with pytest.raises(ValueError, match="hopper_ws_loader"):
+        DecodeConfig(block_n=128, hopper_ws_loader=True)

@@ -34,6 +34,7 @@ import torch
 from attention.checks import same_device
 from attention.token_scales import layout_problem
 from attention.triton_kernels.decode_hopper import decode_hopper_applies, hopper_block_n, launch_decode_hopper
+from attention.triton_kernels.decode_hopper_ws import launch_decode_hopper_ws
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import (
@@ -108,6 +109,10 @@ class DecodeConfig:
                 Off by default: correct on an H100 and within 1% of the loop in turn on
                 every shape (benchmarks/results/decode-overlap-h100-2026-12-06.md; GPU tests
                 in tests/test_decode_hopper.py, variants in ``bench_decode.py --hopper-wgmma``).
+    hopper_ws_loader: with hopper_wgmma (its loop in turn, not hopper_overlap), the chunks'
+                TMA loads in a warp of their own (:mod:`.decode_hopper_ws`): the MMA warps
+                wait for tiles and release slots on barriers, without the refill's block-table
+                reads, loads and synchronisations in their loop.
     """
 
     block_n: int = 64
@@ -122,6 +127,7 @@ class DecodeConfig:
     hopper_wgmma: bool = False
     slot_share: float | None = None
     hopper_overlap: bool = False
+    hopper_ws_loader: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -145,6 +151,11 @@ class DecodeConfig:
             )
         if self.hopper_wgmma and not 2 <= self.num_stages <= 4:
             raise ValueError(f"DecodeConfig.num_stages: {self.num_stages} with hopper_wgmma must be 2, 3 or 4")
+        if self.hopper_ws_loader and (self.hopper_overlap or not self.hopper_wgmma):
+            raise ValueError(
+                "DecodeConfig.hopper_ws_loader: True needs hopper_wgmma=True and hopper_overlap=False (the loader warp "
+                "serves the Hopper kernel's loop in turn)"
+            )
 
 
 @functools.cache  # called on every layer call: keep it off the host's launch path
@@ -606,11 +617,17 @@ def paged_decode(
         query, k_cache, v_cache, schedule.query_len, block_n=config.block_n, fused_combine=config.fused_combine,
         extras=extras,
     ):  # fmt: skip
-        launch_decode_hopper(
-            query, k_cache, v_cache, (k_scale, v_scale) if k_scale is not None and v_scale is not None else None,
-            block_tables, items, schedule.grid_items, out, ws.part_o, ws.part_lse, softmax_scale * _LOG2E,
-            config.num_stages, overlap=config.hopper_overlap,
-        )  # fmt: skip
+        fp8_scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
+        if config.hopper_ws_loader:
+            launch_decode_hopper_ws(
+                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
+                ws.part_lse, softmax_scale * _LOG2E, config.num_stages,
+            )  # fmt: skip
+        else:
+            launch_decode_hopper(
+                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
+                ws.part_lse, softmax_scale * _LOG2E, config.num_stages, overlap=config.hopper_overlap,
+            )  # fmt: skip
     else:
         decode_items_kernel[(kv_heads, schedule.grid_items)](
             query,

@@ -495,6 +495,76 @@ if _GLUON:
             o = warpgroup_mma(v_bufs.index(s_slot).permute((1, 0)), p_bufs.index(p_index), o, is_async=True)
         return o
 
+    @gluon.jit
+    def _stage_query(  # type: ignore[no-untyped-def]
+        q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh, GROUP: gl.constexpr,
+        BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
+    ):  # fmt: skip
+        """Store the query heads of KV head ``kvh`` at token ``token`` (zeros where not
+        ``token_ok`` or past the group) into ``q_bufs`` for the score MMAs, and return the scores'
+        per-head scale [BLOCK_H] (log2 units) in ``SliceLayout(0, s_layout)``. fp8 cache (``q_bufs``
+        of 2 x BLOCK_H rows): each head scaled so its largest element is 224, split into e4m3 hi
+        (the first BLOCK_H rows) and lo (the rest); the scale takes the K scale and undoes the
+        head's factor. The caller fences and synchronises before the MMAs read them."""
+        FP8: gl.constexpr = q_bufs.dtype == gl.float8e4nv
+        q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
+        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        heads = kvh * GROUP + h
+        q_rows = token_ok & (h < GROUP)
+        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
+        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
+        if FP8:
+            q = q.to(gl.float32)
+            q_amax = gl.max(gl.abs(q), 1)
+            q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
+            q = q * q_mul[:, None]
+            q_hi = q.to(q_bufs.dtype)
+            q_bufs.slice(0, BLOCK_H).store(q_hi)
+            q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
+            score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+            col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+        else:
+            q_bufs.store(q)
+            col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
+        return col_scale
+
+    @gluon.jit
+    def _store_result(  # type: ignore[no-untyped-def]
+        o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok, q_len,
+        num_partial_slots, stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+        BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr,
+    ):  # fmt: skip
+        """A chunk's result from O^T [HEAD_DIM, BLOCK_H], the running max and the per-thread row
+        sums (``s_layout``): normalised (fp8: times the V scale) into ``out`` at ``token`` when it
+        is its row's only chunk (``slot`` < 0), else into partial slot ``slot`` with its
+        log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel."""
+        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+        l_i = gl.sum(l_part, 0)
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        if FP8:  # noqa: SIM108 (a compile-time branch)
+            o = o * (gl.load(v_scale_ptr + kvh) / l_safe)[None, :]
+        else:
+            o = o / l_safe[None, :]
+        out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        o = gl.convert_layout(o, out_layout)
+        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
+        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
+        head_o = (kvh * GROUP + ho).to(gl.int64)
+        if slot < 0:
+            keep = token_ok & (ho < GROUP)
+            dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
+            gl.store(dst[None, :] + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=keep[None, :])
+        else:
+            slot_ok = (q_len > 0) & (slot < num_partial_slots)
+            part_row = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + head_o
+            keep = slot_ok & (ho < GROUP)
+            gl.store(part_o_ptr + part_row[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
+            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - P_SHIFT, float("-inf"))
+            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
+            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
+
     @gluon.jit(
         do_not_specialize=[
             "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
@@ -547,7 +617,6 @@ if _GLUON:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
         )
-        q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
         Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
         q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
         q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
@@ -578,27 +647,8 @@ if _GLUON:
                            table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
                            NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
-        # The group's queries (fp8: each head scaled so its largest element is 224, split hi + lo).
-        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        heads = kvh * GROUP + h
-        q_rows = token_ok & (h < GROUP)
-        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
-        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
-        score_scale = qk_scale
-        if FP8:
-            q = q.to(gl.float32)
-            q_amax = gl.max(gl.abs(q), 1)
-            q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
-            q = q * q_mul[:, None]
-            q_hi = q.to(kv_dtype)
-            q_bufs.slice(0, BLOCK_H).store(q_hi)
-            q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(kv_dtype))
-            score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
-            col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
-        else:
-            q_bufs.store(q)
-            col_scale = gl.full([BLOCK_H], score_scale, gl.float32, gl.SliceLayout(0, s_layout))
+        col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
@@ -705,31 +755,9 @@ if _GLUON:
 
         if FUSED_PV:
             o = _fold(o, s_layout)
-        l_i = gl.sum(l_part, 0)
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        if FP8:  # noqa: SIM108 (a compile-time branch)
-            o = o * (gl.load(v_scale_ptr + kvh) / l_safe)[None, :]
-        else:
-            o = o / l_safe[None, :]
-        out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
-        o = gl.convert_layout(o, out_layout)
-        dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
-        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
-        head_o = (kvh * GROUP + ho).to(gl.int64)
-        if slot < 0:
-            keep = token_ok & (ho < GROUP)
-            dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
-            gl.store(dst[None, :] + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=keep[None, :])
-        else:
-            slot_ok = (q_len > 0) & (slot < num_partial_slots)
-            part_row = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + head_o
-            keep = slot_ok & (ho < GROUP)
-            gl.store(part_o_ptr + part_row[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
-            lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - P_SHIFT, float("-inf"))
-            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
-            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
-            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
-
+        _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
+                      q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
+                      s_layout)  # fmt: skip
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
     """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``

@@ -1,0 +1,246 @@
+"""The Hopper decode kernel's loop in turn with its TMA loads in a warp of their own.
+
+In :mod:`.decode_hopper`'s loop in turn the four warps that run a tile's MMAs and softmax also
+refill its ring: after each tile's P V MMAs they synchronise, read the next tile's block-table
+entry and issue its TMA, with the barriers the compiler puts around those (five ``BAR.SYNC`` a
+tile in all at block 256). Here (``DecodeConfig.hopper_ws_loader``) a loader warp walks the
+chunk's tiles on its own: it waits until a ring slot is free (an ``empty`` barrier the MMA
+warps arrive on when they are done with it), reads the tile's block id and issues its K and V
+boxes, signalling ``ready``; the MMA warps only wait on ``ready``, compute, and arrive on
+``empty``. Same items, tiles, trims, V guard, outputs and partials as the loop in turn (the
+helpers are :mod:`.decode_hopper`'s), so the combine and the schedules are unchanged.
+
+The loader is a warp of its own (48 registers; Triton pads it to a warpgroup), the MMA warps
+up to 232 registers, and the launch is capped at 128 registers a thread (``maxnreg``): two
+programs an SM, as the loop in turn (106 KiB of shared memory each at three stages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.triton_kernels.decode_hopper import _descriptors, hopper_block_n, launch_form
+from attention.triton_kernels.paging import next_power_of_2
+from attention.triton_kernels.prefill_hopper import _GLUON
+
+if _GLUON:
+    from attention.triton_kernels.decode_hopper import (
+        _fold,
+        _issue_pv,
+        _issue_scores,
+        _load_tile,
+        _stage_query,
+        _stage_tile,
+        _store_result,
+        _tile_softmax,
+        _twice,
+    )
+    from attention.triton_kernels.prefill_hopper import (
+        _partition_barrier,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma_wait,
+    )
+
+__all__ = ["launch_decode_hopper_ws"]
+
+
+if _GLUON:
+
+    @gluon.jit
+    def _loader(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, empty, first, n_tiles, kv_end, table_row,
+        row_ok, table_width, num_blocks, kvh, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_KV_HEADS: gl.constexpr, PART: gl.constexpr,
+        FP8: gl.constexpr, TRIM_LOADS: gl.constexpr,
+    ):  # fmt: skip
+        """Tile ``j`` of the chunk into slot ``j % STAGES`` once the MMA warps freed it (the
+        first STAGES slots pass: a fresh barrier's previous phase counts as done)."""
+        for j in range(n_tiles):
+            mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+            _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j, first, kv_end, table_row,
+                       row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS,
+                       PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
+
+    @gluon.jit
+    def _mma_partition(  # type: ignore[no-untyped-def]
+        q_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, q_bufs, k_bufs, p_bufs, v_bufs, ready,
+        empty, qk_scale, kvh, slot, token, token_ok, q_len, first, n_tiles, kv_start, kv_end, table_row, row_ok,
+        table_width, num_blocks, num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
+        P_LO: gl.constexpr, FUSE: gl.constexpr,
+    ):  # fmt: skip
+        """The query's staging, then per tile: wait for its slot, S MMAs, softmax, P (and the V
+        guard), P V MMAs, release of the slot; then the chunk's result."""
+        kv_dtype: gl.constexpr = k_bufs.dtype
+        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
+        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+        PARTS: gl.constexpr = BLOCK_N // PART
+        FUSED: gl.constexpr = FUSE and FP8
+        FUSED_PV: gl.constexpr = FUSED and P_LO
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
+        )
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+        )
+        col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout)  # fmt: skip
+        fence_async_shared()
+        _partition_barrier()
+
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        if FUSED:  # the scores' hi and lo products side by side
+            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
+        if FUSED_PV:  # O's hi and lo products side by side
+            o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        for j in range(n_tiles):
+            s_slot = j % STAGES
+            n0 = first + j * BLOCK_N
+            mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
+            s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if FUSED:
+                s = _fold(s, s_layout)
+            p, alpha, m_i, l_part, tile_ok = _tile_softmax(
+                s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
+                num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+            )  # fmt: skip
+            _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                        num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
+            fence_async_shared()
+            _partition_barrier()
+            if FUSED_PV:  # noqa: SIM108 (a compile-time branch)
+                o = o * _twice(alpha, gl.SliceLayout(0, wide_layout))[None, :]
+            else:
+                o = o * alpha[None, :]
+            o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _partition_barrier()  # every MMA warp is done with the slot and with P
+            mbarrier.arrive(empty.index(s_slot))
+
+        if FUSED_PV:
+            o = _fold(o, s_layout)
+        _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
+                      q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
+                      s_layout)  # fmt: skip
+
+    @gluon.jit(
+        do_not_specialize=[
+            "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
+            "num_partial_slots", "stride_bt",
+        ]
+    )  # fmt: skip
+    def _decode_hopper_ws_kernel(  # type: ignore[no-untyped-def]
+        q_ptr, k_desc, v_desc, k_half_desc, v_half_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr,
+        out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks,
+        num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+        NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
+        PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
+    ):  # fmt: skip
+        """Program (kv_head, i), arguments and results as
+        :func:`.decode_hopper._decode_hopper_kernel`'s loop in turn, on the partitions of the
+        module docstring."""
+        kvh = gl.program_id(0)
+        i = gl.program_id(1)
+        if i >= num_item_slots:
+            return
+        item = items_ptr + i.to(gl.int64) * 10
+        d = gl.load(item)
+        if d < 0:
+            return  # padding of a fixed (CUDA-graph) grid
+        kv_start = gl.maximum(gl.load(item + 1), 0)
+        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
+        slot = gl.load(item + 3)
+        table_index = gl.load(item + 4)
+        token = gl.load(item + 5)
+        q_len = gl.load(item + 8)
+        row_ok = (table_index >= 0) & (table_index < num_table_rows)
+        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
+        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
+        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
+        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
+
+        kv_dtype: gl.constexpr = k_desc.dtype
+        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
+        PARTS: gl.constexpr = BLOCK_N // PART
+        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
+        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
+        k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        if FP8:  # P^T (K-major, as 8-bit operands must be), hi rows then lo rows; V^T per part
+            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, 2 * BLOCK_H, BLOCK_N], p_smem)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
+        else:  # P as computed; V tiles as K's
+            p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, BLOCK_N, BLOCK_H], p_smem16)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        # (A one-part fp8 tile is not trimmed, as in decode_hopper's loop in turn.)
+        TRIM_LOADS: gl.constexpr = TRIM and not (FP8 and PARTS == 1)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=1)
+
+        gl.warp_specialize(
+            [
+                (_mma_partition, (q_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, q_bufs, k_bufs,
+                                  p_bufs, v_bufs, ready, empty, qk_scale, kvh, slot, token, token_ok, q_len, first,
+                                  n_tiles, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+                                  num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh, NUM_HEADS, GROUP,
+                                  BLOCK_H, HEAD_DIM, BLOCK_N, BLOCK_SIZE, STAGES, PART, P_LO, FUSE)),
+                (_loader, (k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, empty, first, n_tiles,
+                           kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
+                           HEAD_DIM, NUM_KV_HEADS, PART, FP8, TRIM_LOADS)),
+            ],
+            [1],  # the loader (the default partition, the kernel's 4 warps, runs the MMAs)
+            [48],  # registers per loader thread
+        )  # fmt: skip
+
+
+def launch_decode_hopper_ws(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    block_tables: torch.Tensor,
+    items: torch.Tensor,
+    grid_items: int,
+    out: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    qk_scale: float,
+    stages: int,
+) -> None:
+    """:func:`.decode_hopper.launch_decode_hopper`'s loop in turn with the loads in a warp of
+    their own; arguments as there."""
+    from attention.triton_kernels import decode_hopper
+
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // kv_heads
+    block_n = hopper_block_n(k_cache.dtype)
+    part, trim, halves = launch_form(block_size, k_cache.dtype, False)
+    k_desc, v_desc = _descriptors(k_cache, v_cache, part)
+    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
+    k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
+    _decode_hopper_ws_kernel[(kv_heads, grid_items)](
+        query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
+        items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
+        part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
+        P_LO=decode_hopper.FP8_P_LO, FUSE=decode_hopper.FUSED_HI_LO, num_warps=4, maxnreg=128,
+    )  # fmt: skip
