@@ -332,6 +332,9 @@ class TritonBackend(AttentionBackend):
                         the previous tile's P V MMAs run). Off by default: correct on an
                         H100 and within 1% of the loop in turn
                         (benchmarks/results/decode-overlap-h100-2026-12-06.md).
+      hopper_decode_ws_loader: where one-token rows take that Gluon kernel's loop in turn, its TMA
+                        loads in a loader warp of their own (``DecodeConfig.hopper_ws_loader``;
+                        on by default, off under hopper_decode_overlap).
       hopper_mla_decode: on an sm_90 GPU, MLA steps of up to 16 heads over a latent of 512 + 64
                         channels in blocks of a multiple of 64, 16-bit or fp8 under bf16 queries,
                         run on the Gluon decode kernel
@@ -414,6 +417,7 @@ class TritonBackend(AttentionBackend):
         hopper_prefill: bool = True,
         hopper_decode: bool | None = None,
         hopper_decode_overlap: bool = False,
+        hopper_decode_ws_loader: bool = True,
         hopper_mla_decode: bool = True,
         hopper_mla_ring: bool = False,
         hopper_mla_split: bool = False,
@@ -425,7 +429,7 @@ class TritonBackend(AttentionBackend):
     ):
         super().__init__(spec)
         flags = (("hopper_prefill", hopper_prefill), ("hopper_decode_overlap", hopper_decode_overlap),
-                 ("hopper_mla_decode", hopper_mla_decode),
+                 ("hopper_decode_ws_loader", hopper_decode_ws_loader), ("hopper_mla_decode", hopper_mla_decode),
                  ("hopper_mla_ring", hopper_mla_ring), ("hopper_mla_split", hopper_mla_split),
                  ("hopper_mla_fused_merge", hopper_mla_fused_merge),
                  ("direct_decode_graphs", direct_decode_graphs),
@@ -469,6 +473,7 @@ class TritonBackend(AttentionBackend):
         self.hopper_prefill = hopper_prefill
         self.hopper_decode = hopper_decode
         self.hopper_decode_overlap = hopper_decode_overlap
+        self.hopper_decode_ws_loader = hopper_decode_ws_loader
         self.hopper_mla_decode = hopper_mla_decode
         self.hopper_mla_ring = hopper_mla_ring
         self.hopper_mla_split = hopper_mla_split
@@ -815,7 +820,9 @@ class TritonBackend(AttentionBackend):
         elif self._given_decode_config:
             config = self.decode_config
         elif device is not None and self._hopper_decode_applies(block_size, device):
-            config = hopper_decode_config(self.cache_dtype, overlap=self.hopper_decode_overlap)
+            config = hopper_decode_config(
+                self.cache_dtype, overlap=self.hopper_decode_overlap, ws_loader=self.hopper_decode_ws_loader
+            )
         else:
             kv_dtype = self.cache_dtype if self.spec.quantized_cache else None
             config = default_decode_config(self.spec.head_dim, self.compute_dtype, kv_dtype, block_size=block_size)

@@ -195,6 +195,7 @@ class Settings:
     hopper_decode: str | None = None  # one-token rows on the Gluon kernel: HOPPER_DECODE's words; None: the default
     decode_launch: str | None = None  # "n128 w4 s3 p3": a fixed decode launch (parse_decode_launch)
     hopper_decode_overlap: bool | None = None  # the Gluon decode kernel's overlapped loop (None: default)
+    hopper_decode_ws_loader: bool | None = None  # the Gluon decode kernel's loader warp (None: default)
     direct_decode_graphs: bool | None = None  # graph buckets also captured without the decode combine (None: default)
     graph_dequant_prefill: bool | None = None  # graph steps' 8-bit prefill rows over a 16-bit copy (None: default)
     value_runs: bool | None = None  # token-major V of prefill rows written in coalesced runs (None: default)
@@ -558,6 +559,8 @@ HOPPER_DECODE: dict[str, bool | None] = {"always": True, "never": False, "auto":
 BACKEND_SWITCHES: dict[str, str] = {
     "hopper_decode_overlap": "where decode rows take the Gluon kernel, its overlapped loop (a tile's S MMAs and "
     "softmax while the previous tile's P V MMAs run; default: the backend's, off)",
+    "hopper_decode_ws_loader": "where decode rows take the Gluon kernel's loop in turn, its TMA loads in a loader "
+    "warp (default: the backend's, on)",
     "direct_decode_graphs": "graph buckets captured also without the decode combine (default: the backend's, on)",
     "graph_dequant_prefill": "with an 8-bit cache: graph steps' prefill rows on the Hopper kernel over a 16-bit copy "
     "of their blocks (default: the backend's, off)",
@@ -576,7 +579,8 @@ def _triton_backend(shape: LlamaShape, config: Any, **knobs: Any) -> Any:
     (``--hopper-decode [always|never|auto]``: on an sm_90 GPU one-token decode rows
     on the Gluon kernel of ``attention/triton_kernels/decode_hopper.py``),
     ``hopper_decode_overlap`` (``--[no-]hopper-decode-overlap``; that kernel's overlapped loop, off
-    by default), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
+    by default), ``hopper_decode_ws_loader`` (``--[no-]hopper-decode-ws-loader``; its loads in a
+    loader warp, on by default), ``direct_decode_graphs`` (``--[no-]direct-decode-graphs``; on by default),
     ``graph_dequant_prefill`` (``--[no-]graph-dequant-prefill``; off by default),
     ``value_runs`` (``--[no-]value-runs``; on by default), ``latent_mixed_graphs``
     (``--[no-]latent-mixed-graphs``; on by default) and ``decode_config`` (``--decode-launch``:

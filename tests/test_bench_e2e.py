@@ -243,7 +243,7 @@ def test_direct_decode_graphs_is_a_triton_backend_choice() -> None:
 @pytest.mark.parametrize(
     ("name", "default"),
     [("graph_dequant_prefill", False), ("value_runs", True), ("hopper_decode_overlap", False),
-     ("latent_mixed_graphs", True)],
+     ("hopper_decode_ws_loader", True), ("latent_mixed_graphs", True)],
 )  # fmt: skip
 def test_backend_switches_reach_the_triton_backend(name: str, default: bool) -> None:
     """``--[no-]graph-dequant-prefill``, ``--[no-]value-runs``, ``--[no-]hopper-decode-overlap``
@@ -293,10 +293,14 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
         assert launch.hopper_wgmma == gluon, word
         assert not gluon or launch.block_n == tile
         assert not launch.hopper_overlap
+        assert launch.hopper_ws_loader == gluon  # the loader warp: on by default
     assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma == bf16
     overlapped = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_overlap=True)
     launch, _ = overlapped._decode_launch(1, 256, cuda)
-    assert launch.hopper_wgmma and launch.hopper_overlap
+    assert launch.hopper_wgmma and launch.hopper_overlap and not launch.hopper_ws_loader
+    no_loader = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_ws_loader=False)
+    launch, _ = no_loader._decode_launch(1, 256, cuda)
+    assert launch.hopper_wgmma and not launch.hopper_ws_loader
 
 
 def test_decode_launch_words_make_the_backends_launch() -> None:

@@ -715,6 +715,7 @@ def test_attend_checks_before_any_kernel(change: str, triton_device: str) -> Non
         ({"hopper_decode": 1}, "hopper_decode"),
         ({"hopper_decode": "auto"}, "hopper_decode"),
         ({"hopper_decode_overlap": "yes"}, "hopper_decode_overlap"),
+        ({"hopper_decode_ws_loader": 1}, "hopper_decode_ws_loader"),
         ({"hopper_mla_decode": 0}, "hopper_mla_decode"),
         ({"hopper_mla_ring": None}, "hopper_mla_ring"),
         ({"hopper_mla_split": 1}, "hopper_mla_split"),

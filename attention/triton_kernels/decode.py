@@ -249,12 +249,16 @@ def one_token_slot_share(kv_dtype: torch.dtype | None) -> float:
     return 1.0 if kv_dtype in FP8_KV_DTYPES or kv_dtype in TOKEN_SCALED_KV_DTYPES else 0.75
 
 
-def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> DecodeConfig:
+def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, ws_loader: bool = True) -> DecodeConfig:
     """The launch of one-token rows on the Hopper kernel (:mod:`.decode_hopper`) over a cache
     of ``kv_dtype`` (float8_e4m3fn, or bf16 / fp16: the query's): its tile
     (:func:`~.decode_hopper.hopper_block_n`), a ring of three tiles (103 KiB of shared
     memory at head_dim 128) and two programs an SM; ``overlap``: its overlapped loop
-    (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer).
+    (``DecodeConfig.hopper_overlap``; 1-4 KiB more shared memory for the second P buffer);
+    ``ws_loader``: the loop in turn's TMA loads in a loader warp (``DecodeConfig.hopper_ws_loader``;
+    not with ``overlap``). On an H100 (``benchmarks/results/decode-ws-loader-h100-2026-12-07.md``)
+    the loader warp ran the kernel's own floor (every table entry on one L2-resident block)
+    1.05-1.20x faster over fp8 and 1.03-1.23x over bf16, from HBM 0.97-1.03x.
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
     (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries in blocks shorter
     than the tile or on an HBM3e part (``triton_backend.hbm3e_class``, the H200); elsewhere
@@ -288,7 +292,7 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False) -> Decode
     """
     return DecodeConfig(
         block_n=hopper_block_n(kv_dtype), num_warps=4, num_stages=3, programs_per_sm=2, hopper_wgmma=True,
-        slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap,
+        slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap, hopper_ws_loader=ws_loader and not overlap,
     )  # fmt: skip
 
 
