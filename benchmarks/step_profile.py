@@ -41,7 +41,7 @@ __all__ = [
 ATTENTION_PARTS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("mla", re.compile(r"_mla_\w*kernel", re.I)),
     ("combine", re.compile(r"decode_combine", re.I)),
-    ("decode", re.compile(r"decode_items_kernel|_decode_hopper_kernel", re.I)),
+    ("decode", re.compile(r"decode_items_kernel|_decode_hopper_kernel|_decode_hopper_ws_kernel", re.I)),
     ("prefill", re.compile(r"_prefill_kernel|_prefill_hopper_kernel|_dequantize_blocks_kernel", re.I)),
     ("flash-attn", re.compile(r"flash_fwd|flash::|fmha", re.I)),
 )

@@ -62,8 +62,9 @@ def test_kernel_classes() -> None:
     assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert classify("decode_items_kernel") == "attention"
     assert classify("_prefill_kernel") == "attention"
-    for ours in ("_decode_hopper_kernel", "_hopper_prefill_kernel", "_mla_hopper_kernel", "_mla_balanced_merge_kernel",
-                 "_mla_prefill_hopper_kernel", "_dequantize_blocks_kernel", "decode_combine_kernel"):  # fmt: skip
+    for ours in ("_decode_hopper_kernel", "_decode_hopper_ws_kernel", "_hopper_prefill_kernel", "_mla_hopper_kernel",
+                 "_mla_balanced_merge_kernel", "_mla_prefill_hopper_kernel", "_dequantize_blocks_kernel",
+                 "decode_combine_kernel"):  # fmt: skip
         assert classify(ours) == "attention", ours
     assert classify("_rotary_write_kernel") == "boundary" and classify("_value_runs_kernel") == "boundary"
     assert classify("_latent_boundary_kernel") == "boundary"
@@ -78,7 +79,8 @@ def test_profile_splits_attention_into_its_parts() -> None:
     _bench()  # puts benchmarks/ on the import path
     from step_profile import attention_part, breakdown
 
-    parts = {"decode_items_kernel": "decode", "_decode_hopper_kernel": "decode", "decode_combine_kernel": "combine",
+    parts = {"decode_items_kernel": "decode", "_decode_hopper_kernel": "decode", "_decode_hopper_ws_kernel": "decode",
+             "decode_combine_kernel": "combine",
              "_prefill_kernel": "prefill", "_hopper_prefill_kernel": "prefill", "_dequantize_blocks_kernel": "prefill",
              "_mla_prefill_hopper_kernel": "mla", "_mla_balanced_merge_kernel": "mla",
              "flash_fwd_splitkv_kernel": "flash-attn"}  # fmt: skip

@@ -27,6 +27,9 @@ PER_STEP: dict[tuple[str, str], set[str]] = {
     ("attention.triton_kernels.decode_hopper", "_decode_hopper_kernel"): {
         "num_item_slots", "num_table_rows", "table_width", "num_q_tokens", "num_partial_slots", "stride_bt",
     },
+    ("attention.triton_kernels.decode_hopper_ws", "_decode_hopper_ws_kernel"): {
+        "num_item_slots", "num_table_rows", "table_width", "num_q_tokens", "num_partial_slots", "stride_bt",
+    },
     ("attention.triton_kernels.prefill", "_prefill_kernel"): {"num_tokens", "table_width", "stride_bt", "max_tiles"},
     ("attention.triton_kernels.prefill_hopper", "_hopper_prefill_kernel"): {
         "num_tokens", "table_width", "stride_bt", "max_tiles",
