@@ -258,7 +258,7 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, ws_loader
     ``ws_loader``: the loop in turn's TMA loads in a loader warp (``DecodeConfig.hopper_ws_loader``;
     not with ``overlap``). On an H100 (``benchmarks/results/decode-ws-loader-h100-2026-12-07.md``)
     the loader warp ran the kernel's own floor (every table entry on one L2-resident block)
-    1.05-1.20x faster over fp8 and 1.03-1.23x over bf16, from HBM 0.97-1.03x.
+    1.05-1.20x faster over fp8 and 1.01-1.24x over bf16, from HBM 0.97-1.03x.
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
     (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries in blocks shorter
     than the tile or on an HBM3e part (``triton_backend.hbm3e_class``, the H200); elsewhere

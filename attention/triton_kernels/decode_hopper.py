@@ -31,7 +31,9 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
   softmax and P V MMAs in turn (the default), or overlapped: tile j's S MMAs and softmax while
   tile j-1's P V MMAs run, P in two buffers by tile parity, and a slot's K and V on barriers
   of their own (K refilled after S, V after P V). The overlapped loop is correct on an H100
-  and within 1% of the loop in turn (``benchmarks/results/decode-overlap-h100-2026-12-06.md``).
+  and within 1% of the loop in turn (``benchmarks/results/decode-overlap-h100-2026-12-06.md``);
+- the loop in turn with its TMA loads in a loader warp of their own (:mod:`.decode_hopper_ws`,
+  ``DecodeConfig.hopper_ws_loader``, the backend's launch by default), on these helpers.
 
 Compiled off the device for sm_90 (Triton 3.6; ``benchmarks/results/decode-fp8-wgmma-compile-2026-12-05.md``),
 a tile's path through the loop takes 449 instructions (fp8, 128 tokens) and 229 (bf16, 64
