@@ -288,19 +288,21 @@ def hopper_wgmma_variants() -> list[Variant]:
     (70 KiB of shared memory, three programs an SM) and of 3 (103 KiB, two an SM), and for fp8
     the 2-tile ring with wave fill too (the block-32 fp8 default's); each ring also with the
     overlapped loop (``hopper_overlap``: a tile's S MMAs and softmax while the previous tile's
-    P V MMAs run); chunks with the default launches' slot share (1.0 over fp8, 0.75 over bf16).
+    P V MMAs run), and the 3-tile ring's loop in turn with its loads in a loader warp
+    (``hopper_ws_loader``, the backend's default); chunks with the default launches' slot share
+    (1.0 over fp8, 0.75 over bf16).
     First, the bf16 and the fp8 cache with ``TritonBackend(hopper_decode=None)``, the backend's
     default: the Gluon kernel's launch (``hopper_decode_config``) on an sm_90 GPU, the Triton
     kernel's default elsewhere."""
     from attention.triton_kernels import DecodeConfig
     from attention.triton_kernels.decode import one_token_slot_share
 
-    def config(block_n: int, stages: int, fill: float | None = None, overlap: bool = False) -> Any:
+    def config(block_n: int, stages: int, fill: float | None = None, overlap: bool = False, ws: bool = False) -> Any:
         per_sm = {2: 3, 3: 2}[stages]
         kv_dtype = FP8 if block_n == 128 else None  # fp8's tile is 128 tokens, bf16's 64
         return DecodeConfig(
             block_n=block_n, num_warps=4, num_stages=stages, programs_per_sm=per_sm, hopper_wgmma=True, wave_fill=fill,
-            slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap,
+            slot_share=one_token_slot_share(kv_dtype), hopper_overlap=overlap, hopper_ws_loader=ws,
         )  # fmt: skip
 
     return [
@@ -315,6 +317,8 @@ def hopper_wgmma_variants() -> list[Variant]:
         Variant("fp8 cache, hopper wgmma overlapped, 3 stages, 2 an SM", config=config(128, 3, overlap=True), fp8=True),
         Variant("bf16 cache, hopper wgmma overlapped, 2 stages, 3 an SM", config=config(64, 2, overlap=True)),
         Variant("bf16 cache, hopper wgmma overlapped, 3 stages, 2 an SM", config=config(64, 3, overlap=True)),
+        Variant("fp8 cache, hopper wgmma loader warp, 3 stages, 2 an SM", config=config(128, 3, ws=True), fp8=True),
+        Variant("bf16 cache, hopper wgmma loader warp, 3 stages, 2 an SM", config=config(64, 3, ws=True)),
     ]
 
 

@@ -44,13 +44,16 @@ def test_hopper_wgmma_variants_schedule_for_the_programs_their_ring_fits() -> No
     for default in (bf16_default, fp8_default):
         assert default.config is None and default.hopper_decode is None and default.backend(32).hopper_decode is None
     assert all(v.backend(32).hopper_decode is False for v in bench.variants(sweep=True))  # the Triton kernel
-    launches = [(v.fp8, c.block_n, c.num_stages, c.wave_fill, c.hopper_overlap) for v in chosen for c in [v.config]]
+    launches = [(v.fp8, c.block_n, c.num_stages, c.wave_fill, c.hopper_overlap, c.hopper_ws_loader)
+                for v in chosen for c in [v.config]]  # fmt: skip
     assert launches == [
-        (True, 128, 2, None, False), (True, 128, 2, 0.9, False), (True, 128, 3, None, False),
-        (False, 64, 2, None, False), (False, 64, 3, None, False), (True, 128, 2, None, True),
-        (True, 128, 3, None, True), (False, 64, 2, None, True), (False, 64, 3, None, True),
+        (True, 128, 2, None, False, False), (True, 128, 2, 0.9, False, False), (True, 128, 3, None, False, False),
+        (False, 64, 2, None, False, False), (False, 64, 3, None, False, False), (True, 128, 2, None, True, False),
+        (True, 128, 3, None, True, False), (False, 64, 2, None, True, False), (False, 64, 3, None, True, False),
+        (True, 128, 3, None, False, True), (False, 64, 3, None, False, True),
     ]  # fmt: skip
     assert all(("overlapped" in v.name) == v.config.hopper_overlap for v in chosen)
+    assert all(("loader warp" in v.name) == v.config.hopper_ws_loader for v in chosen)
     for variant in chosen:
         for block_size in (32, 256):
             config, policy = variant.backend(block_size)._decode_launch(1, block_size)
