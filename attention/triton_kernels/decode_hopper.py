@@ -567,6 +567,116 @@ if _GLUON:
             part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
             gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
 
+    @gluon.jit
+    def _item_fields(  # type: ignore[no-untyped-def]
+        item, block_tables_ptr, num_table_rows, table_width, num_q_tokens, stride_bt, BLOCK_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """A live item's fields (``item`` points at its row of the schedule's items), range-checked:
+        (kv_start, kv_end clamped to the table, partial slot, table row pointer, table row ok,
+        query token, token ok, q_len, first tile's token, tiles)."""
+        kv_start = gl.maximum(gl.load(item + 1), 0)
+        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
+        slot = gl.load(item + 3)
+        table_index = gl.load(item + 4)
+        token = gl.load(item + 5)
+        q_len = gl.load(item + 8)
+        row_ok = (table_index >= 0) & (table_index < num_table_rows)
+        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
+        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
+        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
+        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
+        return kv_start, kv_end, slot, table_row, row_ok, token, token_ok, q_len, first, n_tiles
+
+    @gluon.jit
+    def _allocate_buffers(  # type: ignore[no-untyped-def]
+        k_desc, v_desc, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        PART: gl.constexpr, P_BUFS: gl.constexpr,
+    ):  # fmt: skip
+        """Shared memory of a program: the query (fp8: hi rows then lo rows), the K ring, ``P_BUFS``
+        P buffers (fp8: P^T, K-major as 8-bit operands must be, hi rows then lo rows; 16-bit: P as
+        computed) and the V ring (fp8: V^T per part; 16-bit: tiles as K's)."""
+        kv_dtype: gl.constexpr = k_desc.dtype
+        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
+        PARTS: gl.constexpr = BLOCK_N // PART
+        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H
+        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
+        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
+        k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        if FP8:
+            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [P_BUFS, 2 * BLOCK_H, BLOCK_N], p_smem)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
+        else:
+            p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
+            p_bufs = gl.allocate_shared_memory(kv_dtype, [P_BUFS, BLOCK_N, BLOCK_H], p_smem16)
+            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        return q_bufs, k_bufs, p_bufs, v_bufs
+
+    @gluon.constexpr_function
+    def _score_layout(block_h, fp8):  # type: ignore[no-untyped-def]
+        """The MMA accumulator layout of S^T [tokens, block_h] (and of O^T [head_dim, block_h])."""
+        instr_k = 32 if fp8 else 16
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, instr_k])
+
+    @gluon.jit
+    def _loop_state(  # type: ignore[no-untyped-def]
+        BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, FUSED: gl.constexpr,
+        P_LO: gl.constexpr,
+    ):  # fmt: skip
+        """(zero scores, running max, per-thread row sums, O^T) before a chunk's first tile: with
+        ``FUSED`` the scores (and, with ``P_LO``, O^T) twice as wide, hi and lo products side by
+        side."""
+        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        wide_layout: gl.constexpr = _score_layout(2 * BLOCK_H, FP8)
+        if FUSED:
+            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+        if FUSED and P_LO:
+            o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
+        else:
+            o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        return s_zero, m_i, l_part, o
+
+    @gluon.jit
+    def _tile_in_turn(  # type: ignore[no-untyped-def]
+        q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, phase, n0, o, m_i, l_part, s_zero, col_scale, offs_n,
+        kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PART: gl.constexpr, P_LO: gl.constexpr,
+        FUSED: gl.constexpr,
+    ):  # fmt: skip
+        """One tile of the loop in turn (tokens ``n0 ..`` in ring slot ``s_slot``): wait for its
+        K and V (``ready``, ``phase``), S MMAs, softmax, P and the V guard, P V MMAs, waited for;
+        returns (o, m_i, l_part). The caller synchronises the warps before the slot is reused."""
+        FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
+        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # fp8: P scaled by 2^8 before its e4m3 split
+        PARTS: gl.constexpr = BLOCK_N // PART
+        BLOCK_H: gl.constexpr = l_part.shape[1]
+        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        mbarrier.wait(ready.index(s_slot), phase)
+        s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if FUSED:
+            s = _fold(s, s_layout)
+        p, alpha, m_i, l_part, tile_ok = _tile_softmax(
+            s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+            BLOCK_SIZE, PARTS, PART, P_SHIFT,
+        )  # fmt: skip
+        _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
+                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
+        fence_async_shared()
+        _partition_barrier()
+        if FUSED and P_LO:
+            o = o * _twice(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
+        else:
+            o = o * alpha[None, :]
+        o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        return o, m_i, l_part
+
     @gluon.jit(
         do_not_specialize=[
             "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
@@ -599,38 +709,20 @@ if _GLUON:
         if i >= num_item_slots:
             return
         item = items_ptr + i.to(gl.int64) * 10
-        d = gl.load(item)
-        if d < 0:
+        if gl.load(item) < 0:
             return  # padding of a fixed (CUDA-graph) grid
-        kv_start = gl.maximum(gl.load(item + 1), 0)
-        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
-        slot = gl.load(item + 3)
-        table_index = gl.load(item + 4)
-        token = gl.load(item + 5)
-        q_len = gl.load(item + 8)
-        row_ok = (table_index >= 0) & (table_index < num_table_rows)
-        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
-        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
+        kv_start, kv_end, slot, table_row, row_ok, token, token_ok, q_len, first, n_tiles = _item_fields(
+            item, block_tables_ptr, num_table_rows, table_width, num_q_tokens, stride_bt, BLOCK_SIZE, BLOCK_N
+        )
 
         kv_dtype: gl.constexpr = k_desc.dtype
         FP8: gl.constexpr = kv_dtype == gl.float8e4nv
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # fp8: P scaled by 2^8 before its e4m3 split
         PARTS: gl.constexpr = BLOCK_N // PART
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
+        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(
+            k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 2 if OVERLAP else 1
         )
-        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
-        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
-        k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        if FP8:  # P^T (K-major, as 8-bit operands must be), hi rows then lo rows; V^T per part
-            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [2 if OVERLAP else 1, 2 * BLOCK_H, BLOCK_N], p_smem)
-            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
-        else:  # P as computed; V tiles as K's
-            p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [2 if OVERLAP else 1, BLOCK_N, BLOCK_H], p_smem16)
-            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         # In turn: one barrier a slot for its K and V. Overlapped: K's (0 .. STAGES-1) and V's
         # (STAGES ..), since a slot's K is free once S is done, its V only after P V.
         V_BAR: gl.constexpr = STAGES if OVERLAP else 0
@@ -641,8 +733,6 @@ if _GLUON:
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
 
-        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
-        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
         for st in gl.static_range(STAGES):
             if st < n_tiles:
                 _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, st, first, kv_end,
@@ -656,20 +746,7 @@ if _GLUON:
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
-        FUSED_PV: gl.constexpr = FUSED and P_LO
-        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
-        )
-        if FUSED:  # the scores' hi and lo products side by side
-            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
-        else:
-            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-        if FUSED_PV:  # O's hi and lo products side by side
-            o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
-        else:
-            o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
             # buffers by tile parity. Prologue: tile 0's S and softmax; each step j = 1 ..
@@ -729,33 +806,18 @@ if _GLUON:
         else:
             for j in range(n_tiles):
                 s_slot = j % STAGES
-                n0 = first + j * BLOCK_N
-                mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
-                s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                if FUSED:
-                    s = _fold(s, s_layout)
-                p, alpha, m_i, l_part, tile_ok = _tile_softmax(
-                    s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                o, m_i, l_part = _tile_in_turn(
+                    q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i,
+                    l_part, s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+                    BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
                 )  # fmt: skip
-                _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                            num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
-                fence_async_shared()
-                _partition_barrier()
-                if FUSED_PV:  # noqa: SIM108 (a compile-time branch)
-                    o = o * _twice(alpha, gl.SliceLayout(0, wide_layout))[None, :]
-                else:
-                    o = o * alpha[None, :]
-                o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
-                o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
                     _load_tile(k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, j + STAGES, first,
                                kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
                                HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
 
-        if FUSED_PV:
+        if FUSED and P_LO:
             o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,

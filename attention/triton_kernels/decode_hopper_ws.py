@@ -25,15 +25,15 @@ from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
     from attention.triton_kernels.decode_hopper import (
+        _allocate_buffers,
         _fold,
-        _issue_pv,
-        _issue_scores,
+        _item_fields,
         _load_tile,
+        _loop_state,
+        _score_layout,
         _stage_query,
-        _stage_tile,
         _store_result,
-        _tile_softmax,
-        _twice,
+        _tile_in_turn,
     )
     from attention.triton_kernels.prefill_hopper import (
         _partition_barrier,
@@ -41,7 +41,6 @@ if _GLUON:
         gl,
         gluon,
         mbarrier,
-        warpgroup_mma_wait,
     )
 
 __all__ = ["launch_decode_hopper_ws"]
@@ -73,62 +72,30 @@ if _GLUON:
         BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
         P_LO: gl.constexpr, FUSE: gl.constexpr,
     ):  # fmt: skip
-        """The query's staging, then per tile: wait for its slot, S MMAs, softmax, P (and the V
-        guard), P V MMAs, release of the slot; then the chunk's result."""
-        kv_dtype: gl.constexpr = k_bufs.dtype
-        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
-        P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
-        PARTS: gl.constexpr = BLOCK_N // PART
+        """The query's staging, then per tile (:func:`.decode_hopper._tile_in_turn`): wait for its
+        slot, S MMAs, softmax, P (and the V guard), P V MMAs, release of the slot; then the chunk's
+        result."""
+        FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
         FUSED: gl.constexpr = FUSE and FP8
-        FUSED_PV: gl.constexpr = FUSED and P_LO
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32 if FP8 else 16]
-        )
-        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_H, 32]
-        )
+        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
                                  GROUP, BLOCK_H, HEAD_DIM, s_layout)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        if FUSED:  # the scores' hi and lo products side by side
-            s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
-        else:
-            s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)  # row sums, per thread
-        if FUSED_PV:  # O's hi and lo products side by side
-            o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
-        else:
-            o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
+        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
         for j in range(n_tiles):
             s_slot = j % STAGES
-            n0 = first + j * BLOCK_N
-            mbarrier.wait(ready.index(s_slot), (j // STAGES) & 1)
-            s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if FUSED:
-                s = _fold(s, s_layout)
-            p, alpha, m_i, l_part, tile_ok = _tile_softmax(
-                s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+            o, m_i, l_part = _tile_in_turn(
+                q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i, l_part,
+                s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N,
+                HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
             )  # fmt: skip
-            _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                        num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
-            fence_async_shared()
-            _partition_barrier()
-            if FUSED_PV:  # noqa: SIM108 (a compile-time branch)
-                o = o * _twice(alpha, gl.SliceLayout(0, wide_layout))[None, :]
-            else:
-                o = o * alpha[None, :]
-            o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             _partition_barrier()  # every MMA warp is done with the slot and with P
             mbarrier.arrive(empty.index(s_slot))
 
-        if FUSED_PV:
+        if FUSED and P_LO:
             o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
@@ -156,36 +123,14 @@ if _GLUON:
         if i >= num_item_slots:
             return
         item = items_ptr + i.to(gl.int64) * 10
-        d = gl.load(item)
-        if d < 0:
+        if gl.load(item) < 0:
             return  # padding of a fixed (CUDA-graph) grid
-        kv_start = gl.maximum(gl.load(item + 1), 0)
-        kv_end = gl.minimum(gl.load(item + 2), table_width * BLOCK_SIZE)
-        slot = gl.load(item + 3)
-        table_index = gl.load(item + 4)
-        token = gl.load(item + 5)
-        q_len = gl.load(item + 8)
-        row_ok = (table_index >= 0) & (table_index < num_table_rows)
-        table_row = block_tables_ptr + gl.where(row_ok, table_index, 0).to(gl.int64) * stride_bt
-        token_ok = (token >= 0) & (token < num_q_tokens) & (q_len > 0)
-        first = (kv_start // BLOCK_N) * BLOCK_N  # tiles stay aligned: each part inside a block
-        n_tiles = gl.cdiv(gl.maximum(kv_end - first, 0), BLOCK_N)
-
-        kv_dtype: gl.constexpr = k_desc.dtype
-        FP8: gl.constexpr = kv_dtype == gl.float8e4nv
+        kv_start, kv_end, slot, table_row, row_ok, token, token_ok, q_len, first, n_tiles = _item_fields(
+            item, block_tables_ptr, num_table_rows, table_width, num_q_tokens, stride_bt, BLOCK_SIZE, BLOCK_N
+        )
+        FP8: gl.constexpr = k_desc.dtype == gl.float8e4nv
         PARTS: gl.constexpr = BLOCK_N // PART
-        Q_ROWS: gl.constexpr = 2 * BLOCK_H if FP8 else BLOCK_H  # fp8: the query's hi part, then its lo part
-        q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], kv_dtype)
-        q_bufs = gl.allocate_shared_memory(kv_dtype, [Q_ROWS, HEAD_DIM], q_smem)
-        k_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        if FP8:  # P^T (K-major, as 8-bit operands must be), hi rows then lo rows; V^T per part
-            p_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, BLOCK_N], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, 2 * BLOCK_H, BLOCK_N], p_smem)
-            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES * PARTS, HEAD_DIM, PART], v_desc.layout)
-        else:  # P as computed; V tiles as K's
-            p_smem16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], kv_dtype)
-            p_bufs = gl.allocate_shared_memory(kv_dtype, [1, BLOCK_N, BLOCK_H], p_smem16)
-            v_bufs = gl.allocate_shared_memory(kv_dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 1)
         # (A one-part fp8 tile is not trimmed, as in decode_hopper's loop in turn.)
         TRIM_LOADS: gl.constexpr = TRIM and not (FP8 and PARTS == 1)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
