@@ -40,13 +40,7 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(int(args[-1]))  # type: ignore[call-overload]
         real(*args, **kw)  # type: ignore[arg-type]
 
-    def counted_ws(*args: object, **kw: object) -> None:
-        calls.append(int(args[-1]))  # type: ignore[call-overload]
-        real_ws(*args, **kw)  # type: ignore[arg-type]
-
-    real_ws = decode_module.launch_decode_hopper_ws
     monkeypatch.setattr(decode_module, "launch_decode_hopper", counted)
-    monkeypatch.setattr(decode_module, "launch_decode_hopper_ws", counted_ws)
     return calls
 
 

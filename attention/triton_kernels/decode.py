@@ -34,7 +34,6 @@ import torch
 from attention.checks import same_device
 from attention.token_scales import layout_problem
 from attention.triton_kernels.decode_hopper import decode_hopper_applies, hopper_block_n, launch_decode_hopper
-from attention.triton_kernels.decode_hopper_ws import launch_decode_hopper_ws
 from attention.triton_kernels.decode_kernels import decode_combine_kernel, decode_items_kernel
 from attention.triton_kernels.decode_schedule import ITEM_FIELDS, ROW_FIELDS, DecodeSchedule
 from attention.triton_kernels.paging import (
@@ -621,17 +620,11 @@ def paged_decode(
         query, k_cache, v_cache, schedule.query_len, block_n=config.block_n, fused_combine=config.fused_combine,
         extras=extras,
     ):  # fmt: skip
-        fp8_scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
-        if config.hopper_ws_loader:
-            launch_decode_hopper_ws(
-                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
-                ws.part_lse, softmax_scale * _LOG2E, config.num_stages,
-            )  # fmt: skip
-        else:
-            launch_decode_hopper(
-                query, k_cache, v_cache, fp8_scales, block_tables, items, schedule.grid_items, out, ws.part_o,
-                ws.part_lse, softmax_scale * _LOG2E, config.num_stages, overlap=config.hopper_overlap,
-            )  # fmt: skip
+        launch_decode_hopper(
+            query, k_cache, v_cache, (k_scale, v_scale) if k_scale is not None and v_scale is not None else None,
+            block_tables, items, schedule.grid_items, out, ws.part_o, ws.part_lse, softmax_scale * _LOG2E,
+            config.num_stages, overlap=config.hopper_overlap, ws_loader=config.hopper_ws_loader,
+        )  # fmt: skip
     else:
         decode_items_kernel[(kv_heads, schedule.grid_items)](
             query,

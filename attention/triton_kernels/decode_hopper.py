@@ -857,14 +857,21 @@ def launch_decode_hopper(
     qk_scale: float,
     stages: int,
     overlap: bool = False,
+    ws_loader: bool = False,
 ) -> None:
     """The chunk kernel on arguments :func:`.decode.paged_decode` has checked and
     :func:`decode_hopper_applies` accepted, items made for :func:`hopper_block_n` of the cache;
     ``scales``: an fp8 cache's (k_scale, v_scale), None for a 16-bit one; ``qk_scale`` is
     softmax_scale * log2(e); ``stages``: K/V tiles in flight per program (32 KiB each at
     head_dim 128); ``overlap``: a tile's score MMAs and softmax run while the previous tile's
-    P V MMAs do (P in two buffers), else each tile's steps in turn. Split rows are left in
-    ``part_o`` / ``part_lse`` for the combine kernel."""
+    P V MMAs do (P in two buffers), else each tile's steps in turn; ``ws_loader`` (not with
+    ``overlap``): the loop in turn with its TMA loads in a loader warp
+    (:mod:`.decode_hopper_ws`). Split rows are left in ``part_o`` / ``part_lse`` for the
+    combine kernel."""
+    if overlap and ws_loader:
+        raise ValueError(
+            "launch_decode_hopper: overlap and ws_loader are both True; the loader warp serves the loop in turn only"
+        )
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
     group = num_heads // kv_heads
@@ -873,11 +880,17 @@ def launch_decode_hopper(
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
     k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
-    _decode_hopper_kernel[(kv_heads, grid_items)](
+    if ws_loader:  # 256 threads capped at 128 registers: two programs an SM
+        from attention.triton_kernels.decode_hopper_ws import _decode_hopper_ws_kernel as kernel
+
+        form: dict[str, Any] = {"maxnreg": 128}
+    else:
+        kernel, form = _decode_hopper_kernel, {"OVERLAP": overlap}
+    kernel[(kv_heads, grid_items)](
         query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
         items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-        TRIM=trim, P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
+        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4, **form,
     )  # fmt: skip

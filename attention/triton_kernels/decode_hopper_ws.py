@@ -11,16 +11,13 @@ boxes, signalling ``ready``; the MMA warps only wait on ``ready``, compute, and 
 helpers are :mod:`.decode_hopper`'s), so the combine and the schedules are unchanged.
 
 The loader is a warp of its own (48 registers; Triton pads it to a warpgroup), the MMA warps
-up to 232 registers, and the launch is capped at 128 registers a thread (``maxnreg``): two
+up to 232 registers, and :func:`.decode_hopper.launch_decode_hopper` caps the launch at 128
+registers a thread (``maxnreg``): two
 programs an SM, as the loop in turn (106 KiB of shared memory each at three stages).
 """
 
 from __future__ import annotations
 
-import torch
-
-from attention.triton_kernels.decode_hopper import _descriptors, hopper_block_n, launch_form
-from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
@@ -43,7 +40,7 @@ if _GLUON:
         mbarrier,
     )
 
-__all__ = ["launch_decode_hopper_ws"]
+__all__: list[str] = []  # launched by decode_hopper.launch_decode_hopper(ws_loader=True)
 
 
 if _GLUON:
@@ -154,38 +151,3 @@ if _GLUON:
             [48],  # registers per loader thread
         )  # fmt: skip
 
-
-def launch_decode_hopper_ws(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scales: tuple[torch.Tensor, torch.Tensor] | None,
-    block_tables: torch.Tensor,
-    items: torch.Tensor,
-    grid_items: int,
-    out: torch.Tensor,
-    part_o: torch.Tensor,
-    part_lse: torch.Tensor,
-    qk_scale: float,
-    stages: int,
-) -> None:
-    """:func:`.decode_hopper.launch_decode_hopper`'s loop in turn with the loads in a warp of
-    their own; arguments as there."""
-    from attention.triton_kernels import decode_hopper
-
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // kv_heads
-    block_n = hopper_block_n(k_cache.dtype)
-    part, trim, halves = launch_form(block_size, k_cache.dtype, False)
-    k_desc, v_desc = _descriptors(k_cache, v_cache, part)
-    k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
-    k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
-    _decode_hopper_ws_kernel[(kv_heads, grid_items)](
-        query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
-        items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
-        part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-        P_LO=decode_hopper.FP8_P_LO, FUSE=decode_hopper.FUSED_HI_LO, num_warps=4, maxnreg=128,
-    )  # fmt: skip
