@@ -11,9 +11,9 @@ boxes, signalling ``ready``; the MMA warps only wait on ``ready``, compute, and 
 helpers are :mod:`.decode_hopper`'s), so the combine and the schedules are unchanged.
 
 The loader is a warp of its own (48 registers; Triton pads it to a warpgroup), the MMA warps
-up to 232 registers, and :func:`.decode_hopper.launch_decode_hopper` caps the launch at 128
-registers a thread (``maxnreg``): two
-programs an SM, as the loop in turn (106 KiB of shared memory each at three stages).
+up to 232 registers, and :func:`.decode_hopper.launch_decode_hopper` (``ws_loader=True``) caps
+the launch at 128 registers a thread (``maxnreg``): two programs an SM, as the loop in turn
+(106 KiB of shared memory each at three stages).
 """
 
 from __future__ import annotations
