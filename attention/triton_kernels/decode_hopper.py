@@ -843,17 +843,6 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tup
     return rows(k_cache), TensorDescriptor(v2, list(v2.shape), [block_size, 1], [head_dim, part], v_layout)
 
 
-def ws_launch_form(stages: int) -> dict[str, int]:
-    """The loader-warp kernel's register split for ``stages`` K/V tiles in flight: 256 threads
-    (the MMA warpgroup and the loader's, padded to a warpgroup) capped at ``maxnreg`` a thread
-    at launch, the loader then down to ``LOADER_REGS`` and the MMA warps up to what that frees.
-    Three stages (106 KiB of shared memory at head_dim 128): 128 and 48, two programs an SM.
-    Two stages (74 KiB): 80 and 24, three programs an SM (the MMA warps get 136 registers)."""
-    if stages == 2:
-        return {"maxnreg": 80, "LOADER_REGS": 24}
-    return {"maxnreg": 128, "LOADER_REGS": 48}
-
-
 def launch_decode_hopper(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -891,10 +880,10 @@ def launch_decode_hopper(
     k_desc, v_desc = _descriptors(k_cache, v_cache, part)
     k_half, v_half = _descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     k_scale, v_scale = scales if scales is not None else (part_lse, part_lse)  # unused for a 16-bit cache
-    if ws_loader:
+    if ws_loader:  # 256 threads capped at 128 registers: two programs an SM
         from attention.triton_kernels.decode_hopper_ws import _decode_hopper_ws_kernel as kernel
 
-        form: dict[str, Any] = ws_launch_form(stages)
+        form: dict[str, Any] = {"maxnreg": 128}
     else:
         kernel, form = _decode_hopper_kernel, {"OVERLAP": overlap}
     kernel[(kv_heads, grid_items)](

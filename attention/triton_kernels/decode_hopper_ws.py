@@ -10,12 +10,10 @@ boxes, signalling ``ready``; the MMA warps only wait on ``ready``, compute, and 
 ``empty``. Same items, tiles, trims, V guard, outputs and partials as the loop in turn (the
 helpers are :mod:`.decode_hopper`'s), so the combine and the schedules are unchanged.
 
-The loader is a warp of its own (Triton pads it to a warpgroup) that lowers its registers to
-``LOADER_REGS`` once it starts, and the MMA warps raise theirs by what that frees;
-:func:`.decode_hopper.launch_decode_hopper` (``ws_loader=True``) caps the launch's registers a
-thread (``maxnreg``) as :func:`.decode_hopper.ws_launch_form` says: at three stages 128 (the
-loader 48): two programs an SM, as the loop in turn (106 KiB of shared memory each); at two
-stages 80 (the loader 24, the MMA warps 136): three programs an SM (74 KiB each).
+The loader is a warp of its own (48 registers; Triton pads it to a warpgroup), the MMA warps
+up to 232 registers, and :func:`.decode_hopper.launch_decode_hopper` (``ws_loader=True``) caps
+the launch at 128 registers a thread (``maxnreg``): two programs an SM, as the loop in turn
+(106 KiB of shared memory each at three stages).
 """
 
 from __future__ import annotations
@@ -112,7 +110,7 @@ if _GLUON:
         num_q_tokens, num_partial_slots, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-        PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr, LOADER_REGS: gl.constexpr,
+        PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i), arguments and results as
         :func:`.decode_hopper._decode_hopper_kernel`'s loop in turn, on the partitions of the
@@ -150,6 +148,6 @@ if _GLUON:
                            HEAD_DIM, NUM_KV_HEADS, PART, FP8, TRIM_LOADS)),
             ],
             [1],  # the loader (the default partition, the kernel's 4 warps, runs the MMAs)
-            [LOADER_REGS],  # registers per loader thread
+            [48],  # registers per loader thread
         )  # fmt: skip
 
