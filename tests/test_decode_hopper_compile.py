@@ -3,7 +3,8 @@ a GPU, in the forms it takes (fp8 and bf16 / fp16 caches, head_dim 64 and 128, G
 to 16, blocks of 32, 64, 128 and 256, rings of 2 to 4 tiles), and compiles to what it is for:
 
 - its dots are warpgroup MMAs on the cache's type (``wgmma ... e4m3.e4m3`` for fp8): for fp8
-  (``FUSED_HI_LO``, the default: the query's and P's hi and lo rows as one operand), 2 blocks
+  (``FUSED_HI_LO``, the default: the query's and P's hi and lo rows as one operand; for groups
+  of up to 4 heads interleaved in 8 rows, ``PAIRED_HI_LO``), 2 blocks
   of 64 tokens x head_dim / 32 k-steps for S and head_dim / 64 x 4 k-steps for P V, and without
   it twice that (hi and lo apart; the overlapped loop always); for 16 bits, head_dim / 16 for
   S and head_dim / 64 x 4 for P V (one block of 64 tokens);
@@ -54,10 +55,14 @@ cases += [
     ("fp8", 128, 8, 256, 3, False, False, False, False, False),
     ("fp8", 128, 4, 256, 3, True, False, True, False, False),
 ]
+# (paired): PAIRED_HI_LO on (groups up to 4 with the fused MMAs in 8 interleaved rows), then off.
+cases = [case + (True,) for case in cases] + [("fp8", 128, 4, 256, 3, False, False, True, False, True, False)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse in cases:
+for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse, paired in cases:
     dtype = dtypes[kind]
+    paired = paired and kind == "fp8" and fuse and not overlap and group <= 4
+    block_h = max(4 if paired else 8, group)
     block_n = H.hopper_block_n(dtype)
     part, trim, halves = H.launch_form(block_size, dtype, overlap, split=split, half_boxes=half)
     k_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
@@ -67,7 +72,7 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse 
         v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
-    consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
+    consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
                   TRIM=trim, P_LO=p_lo, FUSE=fuse)
     q = "*fp16" if kind == "fp16" else "*bf16"
@@ -83,20 +88,21 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse 
     operand = {"fp8": "e4m3.e4m3", "bf16": "bf16.bf16", "fp16": "f16.f16"}[kind]
     r.update(typed_wgmma=sum(1 for line in ptx.splitlines() if "wgmma.mma_async" in line and operand in line),
              mma_sync=ptx.count("mma.sync"), f16_from_e4m3=sass.count("F2FP.F16.E4M3"), stages=stages,
-             head_dim=head_dim, block_h=max(8, group), parts=block_n // part, fp8=kind == "fp8", overlap=overlap,
+             head_dim=head_dim, block_h=block_h, paired=paired, parts=block_n // part, fp8=kind == "fp8",
+             overlap=overlap,
              p_lo=p_lo, half_boxes=halves, fused=fuse and kind == "fp8" and not overlap,
              commits=ptx.count("wgmma.commit_group"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
            + ("-split" if split else "") + ("" if p_lo else "-hi-only") + ("-half-boxes" if halves else "")
-           + ("-fused" if fuse else "")] = r
+           + ("-fused" if fuse else "") + ("-paired" if paired else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 26, report
+    assert len(report) == 27, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
@@ -109,8 +115,10 @@ def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -
             if r["fused"]:  # hi and lo rows as one operand: one chain of MMAs each for S and P V
                 s_calls, pv_calls = 1, r["parts"]
                 mmas = 2 * (d // 32) + (d // 64) * 4
-            # Values a thread converts back: the query's hi (once) and, for P's lo, P's hi (each tile).
-            query_hi, p_hi = r["block_h"] * d // 128, r["block_h"] * 128 // 128 if r["p_lo"] else 0
+            # Values a thread converts back: the query's hi (once; paired: every row's) and, for
+            # P's lo, P's hi (each tile).
+            query_rows = 2 * r["block_h"] if r["paired"] else r["block_h"]
+            query_hi, p_hi = query_rows * d // 128, r["block_h"] * 128 // 128 if r["p_lo"] else 0
             assert r["f16_from_e4m3"] == (query_hi + copies * p_hi) // 2, (name, r)
         else:
             s_calls, pv_calls = 1, 1
@@ -151,8 +159,9 @@ for kind, head_dim, group, block_size, stages in cases:
     else:
         v_cache = torch.empty(4, block_size, 2, head_dim, dtype=dtype)
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
-    consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=max(8, group), HEAD_DIM=head_dim,
-                  BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim, P_LO=True, FUSE=True)
+    consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=H.hopper_block_h(group, dtype),
+                  HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
+                  P_LO=True, FUSE=True)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}

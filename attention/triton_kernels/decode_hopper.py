@@ -134,6 +134,13 @@ FP8_P_LO = True
 #: 1.008-1.054x (benchmarks/results/decode-fused-hi-lo-h100-2026-12-07.md). Off: hi and lo
 #: apart (the overlapped loop always runs them apart).
 FUSED_HI_LO = True
+#: fp8 with FUSED_HI_LO, groups of up to 4 query heads: the query's hi and lo rows of head h
+#: interleaved (rows 2h and 2h + 1) in an operand of 8 rows, so the MMAs' N is 8 rather than
+#: 16 (the group padded to 8 heads, hi then lo), and the softmax runs on the accumulator's
+#: column pairs as they come (:func:`hopper_block_h`). Compiled for sm_90 (fp8, block 256,
+#: group 4) a tile's common path is 243 instructions instead of 285 (8 byte stores of P^T
+#: instead of 16, half the O^T rescale). Off: padded to 8 heads as for larger groups.
+PAIRED_HI_LO = True
 _MAX_GROUP = 16
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
@@ -414,14 +421,23 @@ if _GLUON:
         p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
+        PAIRED: gl.constexpr = False,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, in
-        its first and second BLOCK_H rows; not ``P_LO``: hi only), and zero the V tokens of ring
+        its first and second BLOCK_H rows; ``PAIRED``: ``p`` [BLOCK_N, 2 * BLOCK_H] holds head h
+        in columns 2h and 2h + 1, and P^T's row 2h gets its hi part, 2h + 1 its lo part; not
+        ``P_LO``: hi only, lo rows zero), and zero the V tokens of ring
         slot ``s_slot`` the tile (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does
         not attend (past the chunk, before it, or of a bad block: stale slots may hold NaN, which
         would survive p = 0), in the parts that hold any (and those :func:`_load_tile` left
         unloaded). The caller fences and synchronises the warps before the MMAs read them."""
-        if FP8:
+        if FP8 and PAIRED:
+            even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))  # the same values
+            p_hi = even.to(p_bufs.dtype)
+            p_lo = (odd - p_hi.to(gl.float32)).to(p_bufs.dtype) if P_LO else gl.zeros_like(p_hi)
+            rows = gl.convert_layout(gl.reshape(gl.join(p_hi, p_lo), [p.shape[0], p.shape[1]]), p.type.layout)
+            p_bufs.index(p_index).store(gl.permute(rows, (1, 0)))
+        elif FP8:
             heads: gl.constexpr = p.shape[1]
             pair = p_bufs.index(p_index)
             p_hi = p.to(p_bufs.dtype)
@@ -448,9 +464,10 @@ if _GLUON:
     ):
         """S^T = K Q^T for a K tile (fp8: the query's hi and lo parts into one accumulator),
         issued asynchronously: 2 commit groups (fp8) or 1; the caller waits. ``FUSE`` (fp8):
-        one group, the hi and lo parts stacked as one operand of twice the heads: ``s_zero`` is
+        one group, the hi and lo rows stacked as one operand of twice the heads: ``s_zero`` is
         then [BLOCK_N, 2 * BLOCK_H] and the result's halves are the hi and lo products
-        (:func:`_fold` adds them)."""
+        (:func:`_fold` adds them), or, paired (:func:`_stage_query`), its columns 2h and 2h + 1
+        head h's hi and lo products (:func:`_pair_sum` adds them)."""
         if FP8 and not FUSE:
             heads: gl.constexpr = q_bufs.shape[0] // 2
             s = warpgroup_mma(k_tile, q_bufs.slice(0, heads).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -472,6 +489,14 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(pairs, [2 * v.shape[0]]), layout)
 
     @gluon.jit
+    def _pair_sum(x):  # type: ignore[no-untyped-def]
+        """[R, 2H] -> [R, 2H] in ``x``'s layout: each pair of columns (2h, 2h + 1) replaced by
+        its sum in both (in registers: an MMA accumulator holds a pair in one thread)."""
+        even, odd = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        both = even + odd
+        return gl.convert_layout(gl.reshape(gl.join(both, both), [x.shape[0], x.shape[1]]), x.type.layout)
+
+    @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
         o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
         P_LO: gl.constexpr, FUSE: gl.constexpr = False,
@@ -479,9 +504,9 @@ if _GLUON:
         """O^T += V^T P^T for the tile in ring slot ``s_slot`` with P at ``p_bufs[p_index]``
         (fp8: hi and lo, or hi only without ``P_LO``, and one MMA a part each), issued
         asynchronously: (2 or 1) * PARTS commit groups (fp8) or 1; the caller waits. ``FUSE``
-        (fp8 with ``P_LO``): hi and lo rows as one operand, PARTS groups,
-        ``o`` [HEAD_DIM, 2 * BLOCK_H] with the hi products in its first half, lo in its second."""
-        if FP8 and FUSE and P_LO:  # hi and lo rows as one operand: one MMA a part into o's two halves
+        (fp8): all of P^T's 2 x BLOCK_H rows (:func:`_stage_tile`: hi then lo, or paired) as one
+        operand, PARTS groups, into ``o`` [HEAD_DIM, 2 * BLOCK_H]."""
+        if FP8 and FUSE:  # hi and lo rows as one operand: one MMA a part
             for part in gl.static_range(PARTS):
                 p_all = p_bufs.index(p_index)
                 p_part = p_all if PARTS == 1 else p_all.slice(part * PART, PART, 1)
@@ -500,35 +525,54 @@ if _GLUON:
     @gluon.jit
     def _stage_query(  # type: ignore[no-untyped-def]
         q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh, GROUP: gl.constexpr,
-        BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
+        BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, PAIRED: gl.constexpr = False,
     ):  # fmt: skip
         """Store the query heads of KV head ``kvh`` at token ``token`` (zeros where not
         ``token_ok`` or past the group) into ``q_bufs`` for the score MMAs, and return the scores'
         per-head scale [BLOCK_H] (log2 units) in ``SliceLayout(0, s_layout)``. fp8 cache (``q_bufs``
         of 2 x BLOCK_H rows): each head scaled so its largest element is 224, split into e4m3 hi
         (the first BLOCK_H rows) and lo (the rest); the scale takes the K scale and undoes the
-        head's factor. The caller fences and synchronises before the MMAs read them."""
+        head's factor. ``PAIRED`` (fp8): head h's hi in row 2h and lo in row 2h + 1, and the
+        scale [2 x BLOCK_H] per row (head h's twice). The caller fences and synchronises before
+        the MMAs read them."""
         FP8: gl.constexpr = q_bufs.dtype == gl.float8e4nv
-        q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
-        h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        heads = kvh * GROUP + h
-        q_rows = token_ok & (h < GROUP)
-        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
-        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
-        if FP8:
-            q = q.to(gl.float32)
-            q_amax = gl.max(gl.abs(q), 1)
-            q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
-            q = q * q_mul[:, None]
-            q_hi = q.to(q_bufs.dtype)
-            q_bufs.slice(0, BLOCK_H).store(q_hi)
-            q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
-            score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
-            col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+        if FP8 and PAIRED:
+            ROWS: gl.constexpr = 2 * BLOCK_H
+            r_layout: gl.constexpr = _query_layout(ROWS, HEAD_DIM)
+            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, r_layout))
+            dr = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, r_layout))
+            r_ok = token_ok & (r // 2 < GROUP)
+            r_head = (kvh * GROUP + r // 2).to(gl.int64)
+            r_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + r_head * stride_qh
+            qr = gl.load(q_ptr + r_off[:, None] + dr[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
+            r_amax = gl.max(gl.abs(qr), 1)
+            r_mul = gl.where(r_amax > 0.0, 224.0 / r_amax, 1.0)
+            qr = qr * r_mul[:, None]
+            qr_hi = qr.to(gl.float8e4nv).to(gl.float32)
+            q_bufs.store(gl.where((r % 2 == 1)[:, None], qr - qr_hi, qr_hi).to(q_bufs.dtype))
+            r_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+            col_scale = gl.convert_layout(r_scale / r_mul, gl.SliceLayout(0, s_layout))
         else:
-            q_bufs.store(q)
-            col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
+            q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
+            h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+            dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+            heads = kvh * GROUP + h
+            q_rows = token_ok & (h < GROUP)
+            q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
+            q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
+            if FP8:
+                q = q.to(gl.float32)
+                q_amax = gl.max(gl.abs(q), 1)
+                q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
+                q = q * q_mul[:, None]
+                q_hi = q.to(q_bufs.dtype)
+                q_bufs.slice(0, BLOCK_H).store(q_hi)
+                q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
+                score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+                col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+            else:
+                q_bufs.store(q)
+                col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
         return col_scale
 
     @gluon.jit
@@ -536,11 +580,16 @@ if _GLUON:
         o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok, q_len,
         num_partial_slots, stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
         BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr,
+        PAIRED: gl.constexpr = False,
     ):  # fmt: skip
         """A chunk's result from O^T [HEAD_DIM, BLOCK_H], the running max and the per-thread row
         sums (``s_layout``): normalised (fp8: times the V scale) into ``out`` at ``token`` when it
         is its row's only chunk (``slot`` < 0), else into partial slot ``slot`` with its
-        log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel."""
+        log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel. ``PAIRED``: the
+        columns are 2 x BLOCK_H, head h's in columns 2h and 2h + 1 (equal): the even ones are
+        stored."""
+        COLS: gl.constexpr = 2 * BLOCK_H if PAIRED else BLOCK_H
+        STEP: gl.constexpr = 2 if PAIRED else 1
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -551,21 +600,23 @@ if _GLUON:
         out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         o = gl.convert_layout(o, out_layout)
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
-        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
+        co = gl.arange(0, COLS, layout=gl.SliceLayout(0, out_layout))
+        ho = co // STEP
         head_o = (kvh * GROUP + ho).to(gl.int64)
+        col_ok = (ho < GROUP) & (co % STEP == 0)
         if slot < 0:
-            keep = token_ok & (ho < GROUP)
+            keep = token_ok & col_ok
             dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
             gl.store(dst[None, :] + dd[:, None], o.to(out_ptr.dtype.element_ty), mask=keep[None, :])
         else:
             slot_ok = (q_len > 0) & (slot < num_partial_slots)
             part_row = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + head_o
-            keep = slot_ok & (ho < GROUP)
+            keep = slot_ok & col_ok
             gl.store(part_o_ptr + part_row[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
             lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - P_SHIFT, float("-inf"))
-            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
-            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
-            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
+            c_s = gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
+            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + c_s // STEP
+            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (c_s // STEP < GROUP) & (c_s % STEP == 0))
 
     @gluon.jit
     def _item_fields(  # type: ignore[no-untyped-def]
@@ -619,6 +670,20 @@ if _GLUON:
         instr_k = 32 if fp8 else 16
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_h, instr_k])
 
+    @gluon.constexpr_function
+    def _paired(block_h, fused):  # type: ignore[no-untyped-def]
+        """Whether the fused hi / lo MMAs (``fused``) keep head h's hi and lo in columns 2h and
+        2h + 1 and the softmax on both (under 8 heads, where the MMA's N is then 8, not 16; an
+        accumulator of 4 columns does not exist), rather than hi and lo in halves added into
+        ``block_h`` columns (the softmax then on each head once)."""
+        return bool(fused) and block_h < 8
+
+    @gluon.constexpr_function
+    def _state_layout(block_h, fp8, paired):  # type: ignore[no-untyped-def]
+        """The layout of the loop's softmax state: the MMA accumulator's of ``block_h`` columns,
+        twice as many when ``paired`` (:func:`_paired`)."""
+        return _score_layout(2 * block_h if paired else block_h, fp8)
+
     @gluon.jit
     def _loop_state(  # type: ignore[no-untyped-def]
         BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, FUSED: gl.constexpr,
@@ -626,16 +691,19 @@ if _GLUON:
     ):  # fmt: skip
         """(zero scores, running max, per-thread row sums, O^T) before a chunk's first tile: with
         ``FUSED`` the scores (and, with ``P_LO``, O^T) twice as wide, hi and lo products side by
-        side."""
-        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        side; paired (``FUSED`` under 8 heads, :func:`_paired`) every one twice as wide, head h
+        in columns 2h and 2h + 1."""
+        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED)
+        COLS: gl.constexpr = 2 * BLOCK_H if PAIRED else BLOCK_H
         wide_layout: gl.constexpr = _score_layout(2 * BLOCK_H, FP8)
         if FUSED:
             s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
         else:
             s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        if FUSED and P_LO:
+        m_i = gl.full([COLS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, COLS], gl.float32, s_layout)
+        if FUSED and (P_LO or PAIRED):
             o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
         else:
             o = gl.zeros([HEAD_DIM, BLOCK_H], gl.float32, s_layout)
@@ -654,26 +722,28 @@ if _GLUON:
         FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # fp8: P scaled by 2^8 before its e4m3 split
         PARTS: gl.constexpr = BLOCK_N // PART
-        BLOCK_H: gl.constexpr = l_part.shape[1]
-        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        BLOCK_H: gl.constexpr = q_bufs.shape[0] // 2 if FP8 else q_bufs.shape[0]
+        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
         mbarrier.wait(ready.index(s_slot), phase)
         s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if FUSED:
-            s = _fold(s, s_layout)
+        if PAIRED:
+            s = _pair_sum(s)
+        elif FUSED:
+            s = _fold(s, _score_layout(BLOCK_H, FP8))
         p, alpha, m_i, l_part, tile_ok = _tile_softmax(
             s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
             BLOCK_SIZE, PARTS, PART, P_SHIFT,
         )  # fmt: skip
         _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO)  # fmt: skip
+                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
-        if FUSED and P_LO:
+        if FUSED and P_LO and not PAIRED:
             o = o * _twice(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
         else:
             o = o * alpha[None, :]
-        o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED)
+        o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED and (P_LO or PAIRED))
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         return o, m_i, l_part
 
@@ -719,7 +789,9 @@ if _GLUON:
         FP8: gl.constexpr = kv_dtype == gl.float8e4nv
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0  # fp8: P scaled by 2^8 before its e4m3 split
         PARTS: gl.constexpr = BLOCK_N // PART
-        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
+        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED)
         q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(
             k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 2 if OVERLAP else 1
         )
@@ -740,12 +812,11 @@ if _GLUON:
                            NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
-                                 GROUP, BLOCK_H, HEAD_DIM, s_layout)  # fmt: skip
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
         s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
@@ -817,11 +888,13 @@ if _GLUON:
                                kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
                                HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
 
-        if FUSED and P_LO:
+        if PAIRED:
+            o = _pair_sum(o)
+        elif FUSED and P_LO:
             o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
-                      s_layout)  # fmt: skip
+                      s_layout, PAIRED)  # fmt: skip
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
     """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``
@@ -841,6 +914,15 @@ def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tup
     v2 = v_cache.permute(0, 2, 3, 1).reshape(num_blocks * kv_heads * head_dim, block_size)  # a view: token-major
     v_layout = shared_layout((head_dim, part), dtype)
     return rows(k_cache), TensorDescriptor(v2, list(v2.shape), [block_size, 1], [head_dim, part], v_layout)
+
+
+def hopper_block_h(group: int, kv_dtype: torch.dtype, overlap: bool = False) -> int:
+    """The kernel's padded head count (BLOCK_H) for ``group`` query heads a KV head: the MMA's
+    N is BLOCK_H (16-bit) or 2 x BLOCK_H (fp8: hi and lo rows) and at least 8, so 8 for a
+    16-bit cache or the overlapped loop, 4 for fp8 in the loop in turn with the paired rows
+    (:data:`PAIRED_HI_LO`); the group's next power of two when larger."""
+    paired = kv_dtype == torch.float8_e4m3fn and FUSED_HI_LO and PAIRED_HI_LO and not overlap
+    return max(4 if paired else 8, next_power_of_2(group))
 
 
 def launch_decode_hopper(
@@ -890,7 +972,7 @@ def launch_decode_hopper(
         query, k_desc, v_desc, k_half, v_half, k_scale, v_scale, block_tables, items, out, part_o, part_lse, qk_scale,
         items.shape[0], block_tables.shape[0], block_tables.shape[1], num_blocks, min(query.shape[0], out.shape[0]),
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=max(8, next_power_of_2(group)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=hopper_block_h(group, k_cache.dtype, overlap),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
         P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4, **form,
     )  # fmt: skip

@@ -27,8 +27,10 @@ if _GLUON:
         _item_fields,
         _load_tile,
         _loop_state,
-        _score_layout,
+        _pair_sum,
+        _paired,
         _stage_query,
+        _state_layout,
         _store_result,
         _tile_in_turn,
     )
@@ -74,9 +76,10 @@ if _GLUON:
         result."""
         FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
         FUSED: gl.constexpr = FUSE and FP8
-        s_layout: gl.constexpr = _score_layout(BLOCK_H, FP8)
+        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED)
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
-                                 GROUP, BLOCK_H, HEAD_DIM, s_layout)  # fmt: skip
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
@@ -92,11 +95,13 @@ if _GLUON:
             _partition_barrier()  # every MMA warp is done with the slot and with P
             mbarrier.arrive(empty.index(s_slot))
 
-        if FUSED and P_LO:
+        if PAIRED:
+            o = _pair_sum(o)
+        elif FUSED and P_LO:
             o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
-                      s_layout)  # fmt: skip
+                      s_layout, PAIRED)  # fmt: skip
 
     @gluon.jit(
         do_not_specialize=[
