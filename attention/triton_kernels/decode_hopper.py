@@ -21,7 +21,9 @@ the MMA's M and the group's heads its N (8 or 16), as in :mod:`.mla_decode_hoppe
 - fp8: the query and P are split into ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)``, stored as
   the first and second half of one operand's rows (twice the heads), and each dot runs once
   over both, its accumulator's halves added after (:data:`FUSED_HI_LO`; or twice, hi and lo
-  into one accumulator): ~8 significant bits, a bf16 query's. The query is scaled
+  into one accumulator): ~8 significant bits, a bf16 query's. Groups of up to 4 heads keep a
+  head's hi and lo in adjacent rows of an 8-row operand instead (:data:`PAIRED_HI_LO`), the
+  softmax on the accumulator's column pairs. The query is scaled
   per head so its largest element is 224 (e4m3's largest is 448), P by 2^8 (its largest is
   1); both factors come out again exactly (the scores' scale, and the lse minus 8). An 8-bit
   B operand must be K-major too, so P is stored transposed;
