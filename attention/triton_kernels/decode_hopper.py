@@ -144,6 +144,11 @@ FUSED_HI_LO = True
 #: instead of 16, half the O^T rescale). Off: padded to 8 heads as for larger groups.
 PAIRED_HI_LO = True
 _MAX_GROUP = 16
+#: The decode kernels' arguments compiled as plain runtime values (no specialisation on their
+#: values: one compile serves every step's sizes).
+UNSPECIALIZED_ARGS = (
+    "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens", "num_partial_slots", "stride_bt",
+)
 _FP8_BLOCK_N = 128
 _WIDE_BLOCK_N = 64
 
@@ -538,43 +543,31 @@ if _GLUON:
         scale [2 x BLOCK_H] per row (head h's twice). The caller fences and synchronises before
         the MMAs read them."""
         FP8: gl.constexpr = q_bufs.dtype == gl.float8e4nv
-        if FP8 and PAIRED:
-            ROWS: gl.constexpr = 2 * BLOCK_H
-            r_layout: gl.constexpr = _query_layout(ROWS, HEAD_DIM)
-            r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, r_layout))
-            dr = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, r_layout))
-            r_ok = token_ok & (r // 2 < GROUP)
-            r_head = (kvh * GROUP + r // 2).to(gl.int64)
-            r_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + r_head * stride_qh
-            qr = gl.load(q_ptr + r_off[:, None] + dr[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
-            r_amax = gl.max(gl.abs(qr), 1)
-            r_mul = gl.where(r_amax > 0.0, 224.0 / r_amax, 1.0)
-            qr = qr * r_mul[:, None]
-            qr_hi = qr.to(gl.float8e4nv).to(gl.float32)
-            q_bufs.store(gl.where((r % 2 == 1)[:, None], qr - qr_hi, qr_hi).to(q_bufs.dtype))
-            r_scale = qk_scale * gl.load(k_scale_ptr + kvh)
-            col_scale = gl.convert_layout(r_scale / r_mul, gl.SliceLayout(0, s_layout))
-        else:
-            q_layout: gl.constexpr = _query_layout(BLOCK_H, HEAD_DIM)
-            h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-            dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-            heads = kvh * GROUP + h
-            q_rows = token_ok & (h < GROUP)
-            q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
-            q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
-            if FP8:
-                q = q.to(gl.float32)
-                q_amax = gl.max(gl.abs(q), 1)
-                q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
-                q = q * q_mul[:, None]
-                q_hi = q.to(q_bufs.dtype)
-                q_bufs.slice(0, BLOCK_H).store(q_hi)
-                q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
-                score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
-                col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+        STEP: gl.constexpr = 2 if FP8 and PAIRED else 1  # query rows a head
+        q_layout: gl.constexpr = _query_layout(STEP * BLOCK_H, HEAD_DIM)
+        r = gl.arange(0, STEP * BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+        dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        heads = kvh * GROUP + r // STEP
+        q_rows = token_ok & (r // STEP < GROUP)
+        q_off = gl.where(token_ok, token, 0).to(gl.int64) * stride_qt + heads.to(gl.int64) * stride_qh
+        q = gl.load(q_ptr + q_off[:, None] + dq[None, :], mask=q_rows[:, None], other=0.0)
+        if FP8:
+            q = q.to(gl.float32)
+            q_amax = gl.max(gl.abs(q), 1)
+            q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
+            q = q * q_mul[:, None]
+            q_hi = q.to(q_bufs.dtype)
+            q_lo = q - q_hi.to(gl.float32)
+            if PAIRED:  # hi in a head's even row, lo in its odd one
+                q_bufs.store(gl.where((r % 2 == 1)[:, None], q_lo, q_hi.to(gl.float32)).to(q_bufs.dtype))
             else:
-                q_bufs.store(q)
-                col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
+                q_bufs.slice(0, BLOCK_H).store(q_hi)
+                q_bufs.slice(BLOCK_H, BLOCK_H).store(q_lo.to(q_bufs.dtype))
+            score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+            col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
+        else:
+            q_bufs.store(q)
+            col_scale = gl.full([BLOCK_H], qk_scale, gl.float32, gl.SliceLayout(0, s_layout))
         return col_scale
 
     @gluon.jit
@@ -587,11 +580,16 @@ if _GLUON:
         """A chunk's result from O^T [HEAD_DIM, BLOCK_H], the running max and the per-thread row
         sums (``s_layout``): normalised (fp8: times the V scale) into ``out`` at ``token`` when it
         is its row's only chunk (``slot`` < 0), else into partial slot ``slot`` with its
-        log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel. ``PAIRED``: the
-        columns are 2 x BLOCK_H, head h's in columns 2h and 2h + 1 (equal): the even ones are
-        stored."""
+        log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel. ``o`` as the
+        loop left it: twice as wide as the state for the fused MMAs' hi and lo halves (added
+        here); ``PAIRED``: the columns are 2 x BLOCK_H, head h's hi and lo products in columns 2h
+        and 2h + 1 (added here into both), and the even ones are stored."""
         COLS: gl.constexpr = 2 * BLOCK_H if PAIRED else BLOCK_H
         STEP: gl.constexpr = 2 if PAIRED else 1
+        if PAIRED:
+            o = _pair_sum(o)
+        elif o.shape[1] != COLS:
+            o = _fold(o, s_layout)
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -749,12 +747,7 @@ if _GLUON:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         return o, m_i, l_part
 
-    @gluon.jit(
-        do_not_specialize=[
-            "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
-            "num_partial_slots", "stride_bt",
-        ]
-    )  # fmt: skip
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_ARGS)
     def _decode_hopper_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_desc, v_desc, k_half_desc, v_half_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr,
         out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks,
@@ -890,10 +883,6 @@ if _GLUON:
                                kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
                                HEAD_DIM, NUM_KV_HEADS, PART, FP8, True, True, 0, TRIM_LOADS)  # fmt: skip
 
-        if PAIRED:
-            o = _pair_sum(o)
-        elif FUSED and P_LO:
-            o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
                       s_layout, PAIRED)  # fmt: skip

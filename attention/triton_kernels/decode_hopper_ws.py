@@ -22,12 +22,11 @@ from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
     from attention.triton_kernels.decode_hopper import (
+        UNSPECIALIZED_ARGS,
         _allocate_buffers,
-        _fold,
         _item_fields,
         _load_tile,
         _loop_state,
-        _pair_sum,
         _paired,
         _stage_query,
         _state_layout,
@@ -95,20 +94,11 @@ if _GLUON:
             _partition_barrier()  # every MMA warp is done with the slot and with P
             mbarrier.arrive(empty.index(s_slot))
 
-        if PAIRED:
-            o = _pair_sum(o)
-        elif FUSED and P_LO:
-            o = _fold(o, s_layout)
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
                       s_layout, PAIRED)  # fmt: skip
 
-    @gluon.jit(
-        do_not_specialize=[
-            "num_item_slots", "num_table_rows", "table_width", "num_blocks", "num_q_tokens",
-            "num_partial_slots", "stride_bt",
-        ]
-    )  # fmt: skip
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_ARGS)
     def _decode_hopper_ws_kernel(  # type: ignore[no-untyped-def]
         q_ptr, k_desc, v_desc, k_half_desc, v_half_desc, k_scale_ptr, v_scale_ptr, block_tables_ptr, items_ptr,
         out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_item_slots, num_table_rows, table_width, num_blocks,
