@@ -556,13 +556,16 @@ if _GLUON:
             q_amax = gl.max(gl.abs(q), 1)
             q_mul = gl.where(q_amax > 0.0, 224.0 / q_amax, 1.0)
             q = q * q_mul[:, None]
-            q_hi = q.to(q_bufs.dtype)
-            q_lo = q - q_hi.to(gl.float32)
+            # Keep this order: the hi part stored before lo is computed from it. Triton 3.6 (the
+            # device's) miscompiled lo computed first for the halves form: two of every four
+            # unpacked hi bytes came from an unrelated register, NaN in the output.
             if PAIRED:  # hi in a head's even row, lo in its odd one
-                q_bufs.store(gl.where((r % 2 == 1)[:, None], q_lo, q_hi.to(gl.float32)).to(q_bufs.dtype))
+                q_hi = q.to(q_bufs.dtype).to(gl.float32)
+                q_bufs.store(gl.where((r % 2 == 1)[:, None], q - q_hi, q_hi).to(q_bufs.dtype))
             else:
+                q_hi = q.to(q_bufs.dtype)
                 q_bufs.slice(0, BLOCK_H).store(q_hi)
-                q_bufs.slice(BLOCK_H, BLOCK_H).store(q_lo.to(q_bufs.dtype))
+                q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
             score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
             col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
         else:
