@@ -394,3 +394,34 @@ def test_the_loader_warp_serves_the_loop_in_turn_only() -> None:
         DecodeConfig(block_n=128, hopper_wgmma=True, hopper_overlap=True, hopper_ws_loader=True)
     with pytest.raises(ValueError, match="hopper_ws_loader"):
         DecodeConfig(block_n=128, hopper_ws_loader=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="the one-barrier max: a form of the Gluon kernel, needs an sm_90 GPU")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES[:3])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("overlap", LOOPS)
+def test_the_one_barrier_max_equals_the_compilers(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, fp8, overlap
+) -> None:
+    """``decode_hopper.ONE_BARRIER_MAX``: each warp's column maxima, then the
+    four warps' through shared memory behind one barrier. A maximum is exact, so the output is
+    bit for bit the one with ``gl.max`` (the switch off), for fp8 and bf16 caches, every loop,
+    GQA groups of 4 to 16 (paired and halves forms), split rows; no NaN from the stale slots."""
+    import attention.triton_kernels.decode_hopper as hopper_module
+
+    if fp8:
+        case, _plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16)
+        dtype: torch.dtype = torch.float8_e4m3fn
+    else:
+        case, _plain = _wide_case(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16)
+        scales, dtype = None, torch.bfloat16
+    config = _config(dtype, 2, overlap)
+    launch = _prepare(case, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
+    outputs = {}
+    for one_barrier in (False, True):
+        monkeypatch.setattr(hopper_module, "ONE_BARRIER_MAX", one_barrier)
+        outputs[one_barrier] = _run(case, launch, config, scales=scales)
+    assert not outputs[True].isnan().any(), "NaN in the output: a read outside the written slots"
+    assert torch.equal(outputs[True], outputs[False])
+    assert hopper_calls == [2, 2]

@@ -143,6 +143,13 @@ FUSED_HI_LO = True
 #: group 4) a tile's common path is 243 instructions instead of 285 (8 byte stores of P^T
 #: instead of 16, half the O^T rescale). Off: padded to 8 heads as for larger groups.
 PAIRED_HI_LO = True
+#: A tile's column maxima (the softmax's running max) in two steps of our own: each warp's
+#: maxima through its lanes, then the four warps' through a [4, columns] shared buffer behind
+#: one barrier (:func:`_col_max`), where the compiler's cross-warp reduction takes two barriers
+#: and a second round of shuffles (Triton 3.6; 3.9's takes one, and more shuffles). Compiled for
+#: sm_90 (fp8, block 256, group 4, loader warp) a tile's common path is 235 instructions instead
+#: of 243, 4 barriers instead of 5. Off (``gl.max`` over the tile's tokens) until timed on a GPU.
+ONE_BARRIER_MAX = False
 _MAX_GROUP = 16
 #: The decode kernels' arguments compiled as plain runtime values (no specialisation on their
 #: values: one compile serves every step's sizes).
@@ -395,15 +402,42 @@ if _GLUON:
         view.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
 
     @gluon.jit
+    def _col_max(s, max_buf):  # type: ignore[no-untyped-def]
+        """The column maxima of ``s`` [BLOCK_N tokens, C] in the MMA accumulator's layout (token
+        n = 64 r + 16 w + i in warp w) as [C] in ``SliceLayout(0, s's layout)``: each warp's
+        maxima over its tokens (registers, then lanes), stored as row w of ``max_buf`` [4 x C]
+        (fp32, shared, flat), one barrier, then every thread reads the four rows it needs. The
+        buffer is free again once every warp has passed its next barrier: each reads it before
+        its P is staged, which the tile's later barriers wait for."""
+        n: gl.constexpr = s.shape[0]
+        c: gl.constexpr = s.shape[1]
+        per_warp = gl.max(gl.max(gl.reshape(s, [n // 64, 4, 16, c]), 0), 1)  # [4, C], row w in warp w
+        max_buf.store(gl.reshape(per_warp, [4 * c]))
+        _partition_barrier()
+        col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
+        m = max_buf.slice(0, c).load(col_layout)
+        for w in gl.static_range(1, 4):
+            m = gl.maximum(m, max_buf.slice(w * c, c).load(col_layout))
+        return m
+
+    @gluon.jit
+    def _allocate_max_buf(COLS: gl.constexpr):  # type: ignore[no-untyped-def]
+        """The fp32 shared buffer of :func:`_col_max`: 4 warps' rows of COLS, flat."""
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        return gl.allocate_shared_memory(gl.float32, [4 * COLS], layout)
+
+    @gluon.jit
     def _tile_softmax(  # type: ignore[no-untyped-def]
         s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-        BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr, PART: gl.constexpr, P_SHIFT: gl.constexpr,
+        max_buf, BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr, PART: gl.constexpr, P_SHIFT: gl.constexpr,
+        ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """The online softmax of a tile's scores ``s`` [BLOCK_N tokens, BLOCK_H heads] (tokens
         ``n0 ..``; those outside ``[kv_start, kv_end)`` or in a bad block masked): returns (p,
         alpha, the new running max, the per-thread row sums rescaled and grown by p, whether
         every block of the tile is the row's); p is ``2^P_SHIFT`` times the probabilities (fp8:
-        so e4m3 keeps small ones as normals)."""
+        so e4m3 keeps small ones as normals). ``ONE_BARRIER``: the tile's maxima through
+        ``max_buf`` (:func:`_col_max`)."""
         n = n0 + offs_n
         if PARTS == 1:
             _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
@@ -417,7 +451,7 @@ if _GLUON:
                                             BLOCK_SIZE)  # fmt: skip
                 tile_ok = tile_ok & part_ok
         s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_new = gl.maximum(m_i, _col_max(s, max_buf) if ONE_BARRIER else gl.max(s, 0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - (m_safe - P_SHIFT)[None, :])
@@ -715,9 +749,9 @@ if _GLUON:
     @gluon.jit
     def _tile_in_turn(  # type: ignore[no-untyped-def]
         q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, phase, n0, o, m_i, l_part, s_zero, col_scale, offs_n,
-        kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N: gl.constexpr,
+        kv_start, kv_end, table_row, row_ok, table_width, num_blocks, max_buf, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PART: gl.constexpr, P_LO: gl.constexpr,
-        FUSED: gl.constexpr,
+        FUSED: gl.constexpr, ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """One tile of the loop in turn (tokens ``n0 ..`` in ring slot ``s_slot``): wait for its
         K and V (``ready``, ``phase``), S MMAs, softmax, P and the V guard, P V MMAs, waited for;
@@ -736,7 +770,7 @@ if _GLUON:
             s = _fold(s, _score_layout(BLOCK_H, FP8))
         p, alpha, m_i, l_part, tile_ok = _tile_softmax(
             s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-            BLOCK_SIZE, PARTS, PART, P_SHIFT,
+            max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
         )  # fmt: skip
         _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
                     num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED)  # fmt: skip
@@ -758,6 +792,7 @@ if _GLUON:
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
         PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
+        ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -771,7 +806,8 @@ if _GLUON:
         box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P.
         ``TRIM`` (the loop in turn only): a tile's boxes that hold only tokens past the chunk's
         end are not read (:func:`_load_tile`; ``k_half_desc`` / ``v_half_desc`` the half boxes
-        of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`."""
+        of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`.
+        ``ONE_BARRIER``: :data:`ONE_BARRIER_MAX`."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -799,6 +835,7 @@ if _GLUON:
         # (A one-part fp8 tile is not trimmed: its V^T half as a [HEAD_DIM, BLOCK_N / 2] view of
         # the ring gave wrong sums on the GPU, benchmarks/results/decode-trim-2026-12-06.md.)
         TRIM_LOADS: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
+        max_buf = _allocate_max_buf(2 * BLOCK_H if PAIRED else BLOCK_H)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -829,7 +866,7 @@ if _GLUON:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, first, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR), 0)
                 _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
@@ -852,7 +889,7 @@ if _GLUON:
                 n0 = first + j * BLOCK_N
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_SIZE, PARTS, PART, P_SHIFT,
+                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
                 _stage_tile(p, p_bufs, j % 2, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
@@ -878,7 +915,7 @@ if _GLUON:
                 o, m_i, l_part = _tile_in_turn(
                     q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i,
                     l_part, s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-                    BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
+                    max_buf, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER,
                 )  # fmt: skip
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
@@ -968,5 +1005,5 @@ def launch_decode_hopper(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=hopper_block_h(group, k_cache.dtype, overlap),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4, **form,
+        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, ONE_BARRIER=ONE_BARRIER_MAX, num_warps=4, **form,
     )  # fmt: skip

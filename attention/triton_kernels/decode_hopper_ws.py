@@ -24,6 +24,7 @@ if _GLUON:
     from attention.triton_kernels.decode_hopper import (
         UNSPECIALIZED_ARGS,
         _allocate_buffers,
+        _allocate_max_buf,
         _item_fields,
         _load_tile,
         _loop_state,
@@ -64,11 +65,11 @@ if _GLUON:
     @gluon.jit
     def _mma_partition(  # type: ignore[no-untyped-def]
         q_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, q_bufs, k_bufs, p_bufs, v_bufs, ready,
-        empty, qk_scale, kvh, slot, token, token_ok, q_len, first, n_tiles, kv_start, kv_end, table_row, row_ok,
-        table_width, num_blocks, num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh,
+        empty, max_buf, qk_scale, kvh, slot, token, token_ok, q_len, first, n_tiles, kv_start, kv_end, table_row,
+        row_ok, table_width, num_blocks, num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
-        P_LO: gl.constexpr, FUSE: gl.constexpr,
+        P_LO: gl.constexpr, FUSE: gl.constexpr, ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """The query's staging, then per tile (:func:`.decode_hopper._tile_in_turn`): wait for its
         slot, S MMAs, softmax, P (and the V guard), P V MMAs, release of the slot; then the chunk's
@@ -88,8 +89,8 @@ if _GLUON:
             s_slot = j % STAGES
             o, m_i, l_part = _tile_in_turn(
                 q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i, l_part,
-                s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks, BLOCK_N,
-                HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
+                s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks, max_buf,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER,
             )  # fmt: skip
             _partition_barrier()  # every MMA warp is done with the slot and with P
             mbarrier.arrive(empty.index(s_slot))
@@ -106,6 +107,7 @@ if _GLUON:
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
         PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
+        ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i), arguments and results as
         :func:`.decode_hopper._decode_hopper_kernel`'s loop in turn, on the partitions of the
@@ -125,6 +127,8 @@ if _GLUON:
         q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 1)
         # (A one-part fp8 tile is not trimmed, as in decode_hopper's loop in turn.)
         TRIM_LOADS: gl.constexpr = TRIM and not (FP8 and PARTS == 1)
+        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSE and FP8)
+        max_buf = _allocate_max_buf(2 * BLOCK_H if PAIRED else BLOCK_H)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -134,10 +138,10 @@ if _GLUON:
         gl.warp_specialize(
             [
                 (_mma_partition, (q_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, q_bufs, k_bufs,
-                                  p_bufs, v_bufs, ready, empty, qk_scale, kvh, slot, token, token_ok, q_len, first,
-                                  n_tiles, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
+                                  p_bufs, v_bufs, ready, empty, max_buf, qk_scale, kvh, slot, token, token_ok, q_len,
+                                  first, n_tiles, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
                                   num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh, NUM_HEADS, GROUP,
-                                  BLOCK_H, HEAD_DIM, BLOCK_N, BLOCK_SIZE, STAGES, PART, P_LO, FUSE)),
+                                  BLOCK_H, HEAD_DIM, BLOCK_N, BLOCK_SIZE, STAGES, PART, P_LO, FUSE, ONE_BARRIER)),
                 (_loader, (k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, empty, first, n_tiles,
                            kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM, NUM_KV_HEADS, PART, FP8, TRIM_LOADS)),
