@@ -397,19 +397,27 @@ def test_the_loader_warp_serves_the_loop_in_turn_only() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="the one-barrier max: a form of the Gluon kernel, needs an sm_90 GPU")
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES[:3])
+@pytest.mark.skipif(not ON_HOPPER, reason="forms of the Gluon kernel: need an sm_90 GPU")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "lens", "chunk"), CASES)
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("overlap", LOOPS)
-def test_the_one_barrier_max_equals_the_compilers(  # type: ignore[no-untyped-def]
-    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, fp8, overlap
+@pytest.mark.parametrize("switch", ["ONE_BARRIER_MAX", "PAIRED_SOFTMAX_ONCE"])
+def test_switches_that_keep_the_bits(  # type: ignore[no-untyped-def]
+    hopper_calls, monkeypatch: pytest.MonkeyPatch, heads, kv_heads, head_dim, block_size, lens, chunk, fp8, overlap,
+    switch,
 ) -> None:
-    """``decode_hopper.ONE_BARRIER_MAX``: each warp's column maxima, then the
-    four warps' through shared memory behind one barrier. A maximum is exact, so the output is
-    bit for bit the one with ``gl.max`` (the switch off), for fp8 and bf16 caches, every loop,
-    GQA groups of 4 to 16 (paired and halves forms), split rows; no NaN from the stale slots."""
+    """Two switches of ``decode_hopper`` that change how, not what, the kernel computes, so the
+    output is bit for bit the same on and off: ``ONE_BARRIER_MAX`` (each warp's column maxima,
+    then the four warps' through shared memory behind one barrier, against ``gl.max``; a
+    maximum is exact), for fp8 and bf16 caches and every loop; ``PAIRED_SOFTMAX_ONCE`` (the
+    paired fp8 form's softmax once a head instead of on both columns of its pair, which hold
+    the same values), where it applies (fp8, groups of up to 4, the loop in turn and its
+    loader-warp form). Rows ending inside tiles and blocks, split rows, GQA groups of 3 to 16,
+    head_dim 64 and 128, blocks of 32 to 256; no NaN from the stale slots."""
     import attention.triton_kernels.decode_hopper as hopper_module
 
+    if switch == "PAIRED_SOFTMAX_ONCE" and (not fp8 or overlap is True or heads // kv_heads > 4):
+        pytest.skip("PAIRED_SOFTMAX_ONCE applies to the paired fp8 form only (groups of up to 4, not overlapped)")
     if fp8:
         case, _plain, scales = _fp8_case(lens, heads, kv_heads, head_dim, block_size, torch.bfloat16)
         dtype: torch.dtype = torch.float8_e4m3fn
@@ -419,9 +427,9 @@ def test_the_one_barrier_max_equals_the_compilers(  # type: ignore[no-untyped-de
     config = _config(dtype, 2, overlap)
     launch = _prepare(case, config.block_n, **({} if chunk is None else {"chunk_len": chunk}))
     outputs = {}
-    for one_barrier in (False, True):
-        monkeypatch.setattr(hopper_module, "ONE_BARRIER_MAX", one_barrier)
-        outputs[one_barrier] = _run(case, launch, config, scales=scales)
+    for on in (False, True):
+        monkeypatch.setattr(hopper_module, switch, on)
+        outputs[on] = _run(case, launch, config, scales=scales)
     assert not outputs[True].isnan().any(), "NaN in the output: a read outside the written slots"
     assert torch.equal(outputs[True], outputs[False])
     assert hopper_calls == [2, 2]

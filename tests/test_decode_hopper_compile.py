@@ -17,7 +17,8 @@ to 16, blocks of 32, 64, 128 and 256, rings of 2 to 4 tiles), and compiles to wh
   tile split in two parts of 64 tokens in long blocks, ``SPLIT_FP8_TILES``), and with P's hi part
   only (``FP8_P_LO`` off) half the fp8 P V MMAs and no conversion of P back; shared
   memory within the H200's 227 KiB, and no register spills;
-- the tile's column maxima (``ONE_BARRIER_MAX``) with fewer barriers and shuffles than ``gl.max``.
+- the tile's column maxima (``ONE_BARRIER_MAX``) with fewer barriers and shuffles than ``gl.max``;
+  the paired form's softmax once a head (``PAIRED_SOFTMAX_ONCE``): half the exp2 of its pairs.
 
 Skipped where this Triton has no Gluon."""
 
@@ -63,9 +64,14 @@ cases = [case + (True,) for case in cases] + [
     ("fp8", 128, 4, 256, 3, False, False, True, False, True, True, False),
     ("bf16", 128, 4, 256, 3, True, False, True, False, True, True, False),
 ]
+# (softmax once a head): PAIRED_SOFTMAX_ONCE off, then on for paired forms (head_dim 128 and 64).
+cases = [case + (False,) for case in cases] + [
+    ("fp8", 128, 4, 256, 3, False, False, True, False, True, True, True, True),
+    ("fp8", 64, 4, 32, 2, False, False, True, False, True, True, True, True),
+]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse, paired, one_barrier in cases:
+for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse, paired, one_barrier, once in cases:
     dtype = dtypes[kind]
     paired = paired and kind == "fp8" and fuse and not overlap and group <= 4
     block_h = max(4 if paired else 8, group)
@@ -80,7 +86,7 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse,
     k_half, v_half = H._descriptors(k_cache, v_cache, block_n // 2) if halves else (k_desc, v_desc)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim,
                   BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, OVERLAP=overlap,
-                  TRIM=trim, P_LO=p_lo, FUSE=fuse, ONE_BARRIER=one_barrier)
+                  TRIM=trim, P_LO=p_lo, FUSE=fuse, ONE_BARRIER=one_barrier, ONCE=once)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -98,18 +104,19 @@ for kind, head_dim, group, block_size, stages, overlap, split, p_lo, half, fuse,
              overlap=overlap,
              p_lo=p_lo, half_boxes=halves, fused=fuse and kind == "fp8" and not overlap,
              commits=ptx.count("wgmma.commit_group"), bar_syncs=len(re.findall(r"\bbar(?:rier)?\.sync\b", ptx)),
-             shuffles=ptx.count("shfl.sync"),
+             shuffles=ptx.count("shfl.sync"), exp2=ptx.count("ex2.approx"),
              waits=sorted(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-overlap" if overlap else "")
            + ("-split" if split else "") + ("" if p_lo else "-hi-only") + ("-half-boxes" if halves else "")
-           + ("-fused" if fuse else "") + ("-paired" if paired else "") + ("" if one_barrier else "-gl-max")] = r
+           + ("-fused" if fuse else "") + ("-paired" if paired else "") + ("" if one_barrier else "-gl-max")
+           + ("-once" if once else "")] = r
 print(json.dumps(report))
 """
 
 
 def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -> None:
     report = compile_report(_SCRIPT)
-    assert len(report) == 29, report
+    assert len(report) == 31, report
     for name, r in report.items():
         d = r["head_dim"]
         # The overlapped loop has each MMA twice in the code: S in the prologue and the loop,
@@ -142,6 +149,9 @@ def test_decode_hopper_compiles_for_sm90_to_warpgroup_mmas_on_the_cache_type() -
         assert r["tma_load"] == boxes * (r["stages"] + 1), (name, r)
         assert 0 < r["shared"] <= 232448, (name, r)
         assert r["spills"] <= 0 and r["loop_spill_ops"] <= 0, (name, r)
+        if name.endswith("-once"):  # PAIRED_SOFTMAX_ONCE: the softmax once a head, not on both columns
+            twin = report[name.removesuffix("-once")]
+            assert r["exp2"] * 2 <= twin["exp2"] + copies, (name, r, twin)
         if name.endswith("-gl-max"):
             # ONE_BARRIER_MAX against gl.max: no more barriers (Triton 3.6's gl.max takes two at
             # each softmax site, 3.9's one) and fewer barriers and shuffles together.
@@ -158,11 +168,11 @@ from tests.gluon_compile import compile_sm90, kernel_report
 from attention.triton_kernels import decode_hopper as H
 from attention.triton_kernels import decode_hopper_ws as W
 
-cases = [("fp8", 128, 4, 256, 3), ("fp8", 128, 4, 32, 3), ("fp8", 64, 16, 64, 2), ("bf16", 128, 4, 256, 3),
-         ("fp16", 64, 8, 128, 2)]
+cases = [("fp8", 128, 4, 256, 3, False), ("fp8", 128, 4, 32, 3, False), ("fp8", 64, 16, 64, 2, False),
+         ("bf16", 128, 4, 256, 3, False), ("fp16", 64, 8, 128, 2, False), ("fp8", 128, 4, 256, 3, True)]
 dtypes = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 report = {}
-for kind, head_dim, group, block_size, stages in cases:
+for kind, head_dim, group, block_size, stages, once in cases:
     dtype = dtypes[kind]
     block_n = H.hopper_block_n(dtype)
     part, trim, halves = H.launch_form(block_size, dtype, False)
@@ -174,7 +184,7 @@ for kind, head_dim, group, block_size, stages in cases:
     k_desc, v_desc = H._descriptors(k_cache, v_cache, part)
     consts = dict(NUM_HEADS=2 * group, NUM_KV_HEADS=2, GROUP=group, BLOCK_H=H.hopper_block_h(group, dtype),
                   HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-                  P_LO=True, FUSE=True, ONE_BARRIER=True)
+                  P_LO=True, FUSE=True, ONE_BARRIER=True, ONCE=once)
     q = "*fp16" if kind == "fp16" else "*bf16"
     types = {"q_ptr": q, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -187,7 +197,7 @@ for kind, head_dim, group, block_size, stages in cases:
     r.update(registers=max(int(n) for n in re.findall(r"Used (\d+) registers", done.stderr)),
              threads=k.metadata.num_warps * 32, head_dim=head_dim, parts=block_n // part, fp8=kind == "fp8",
              mma_sync=ptx.count("mma.sync"), commits=ptx.count("wgmma.commit_group"))
-    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}"] = r
+    report[f"{kind}-d{head_dim}-g{group}-b{block_size}-s{stages}" + ("-once" if once else "")] = r
 print(json.dumps(report))
 """
 
@@ -199,7 +209,7 @@ def test_the_loader_warp_form_compiles_for_sm90_for_two_programs_an_sm() -> None
     of a warpgroup each at 128 registers a thread and shared memory for two programs an SM at
     three stages, no spills."""
     report = compile_report(_WS_SCRIPT)
-    assert len(report) == 5, report
+    assert len(report) == 6, report
     for name, r in report.items():
         d = r["head_dim"]
         mmas = (2 * (d // 32) + (d // 64) * 4) if r["fp8"] else (d // 16 + (d // 64) * 4)

@@ -150,6 +150,13 @@ PAIRED_HI_LO = True
 #: sm_90 (fp8, block 256, group 4, loader warp) a tile's common path is 235 instructions instead
 #: of 243, 4 barriers instead of 5. Off (``gl.max`` over the tile's tokens) until timed on a GPU.
 ONE_BARRIER_MAX = False
+#: With PAIRED_HI_LO: the softmax once a head, on the sum of its hi and lo columns in a layout of
+#: one column a head (:func:`_head_layout`), P's hi and lo rows built from it, where the paired
+#: form runs it on both columns of a pair (equal values the compiler cannot see as equal: the
+#: query's scale comes per row). Compiled for sm_90 (fp8, block 256, group 4, loader warp, with
+#: ONE_BARRIER_MAX) a tile's common path is 204 instructions instead of 235, 5 exp2 a thread
+#: instead of 10. Off until run on a GPU: the paired form as before.
+PAIRED_SOFTMAX_ONCE = False
 _MAX_GROUP = 16
 #: The decode kernels' arguments compiled as plain runtime values (no specialisation on their
 #: values: one compile serves every step's sizes).
@@ -462,17 +469,24 @@ if _GLUON:
         p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
-        PAIRED: gl.constexpr = False,
+        PAIRED: gl.constexpr = False, ONCE: gl.constexpr = False,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, in
         its first and second BLOCK_H rows; ``PAIRED``: ``p`` [BLOCK_N, 2 * BLOCK_H] holds head h
         in columns 2h and 2h + 1, and P^T's row 2h gets its hi part, 2h + 1 its lo part; not
-        ``P_LO``: hi only, lo rows zero), and zero the V tokens of ring
+        ``P_LO``: hi only, lo rows zero; ``ONCE``: ``p`` [BLOCK_N, BLOCK_H], one column a head,
+        split into the same rows), and zero the V tokens of ring
         slot ``s_slot`` the tile (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does
         not attend (past the chunk, before it, or of a bad block: stale slots may hold NaN, which
         would survive p = 0), in the parts that hold any (and those :func:`_load_tile` left
         unloaded). The caller fences and synchronises the warps before the MMAs read them."""
-        if FP8 and PAIRED:
+        if FP8 and PAIRED and ONCE:
+            p_hi = p.to(p_bufs.dtype)
+            p_lo = (p - p_hi.to(gl.float32)).to(p_bufs.dtype) if P_LO else gl.zeros_like(p_hi)
+            wide: gl.constexpr = _score_layout(2 * p.shape[1], True)
+            rows = gl.convert_layout(gl.reshape(gl.join(p_hi, p_lo), [p.shape[0], 2 * p.shape[1]]), wide)
+            p_bufs.index(p_index).store(gl.permute(rows, (1, 0)))
+        elif FP8 and PAIRED:
             even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))  # the same values
             p_hi = even.to(p_bufs.dtype)
             p_lo = (odd - p_hi.to(gl.float32)).to(p_bufs.dtype) if P_LO else gl.zeros_like(p_hi)
@@ -538,6 +552,18 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(gl.join(both, both), [x.shape[0], x.shape[1]]), x.type.layout)
 
     @gluon.jit
+    def _pair_once(x, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """[R, 2H] -> [R, H] in ``layout``: each pair of columns (2h, 2h + 1) summed into column h
+        (in registers: the accumulator holds a pair in one thread)."""
+        even, odd = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        return gl.convert_layout(even + odd, layout)
+
+    @gluon.jit
+    def _interleave(v, layout: gl.constexpr):  # type: ignore[no-untyped-def]
+        """[H] -> [2H] in ``layout``: ``v[h]`` at 2h and 2h + 1."""
+        return gl.convert_layout(gl.reshape(gl.join(v, v), [2 * v.shape[0]]), layout)
+
+    @gluon.jit
     def _issue_pv(  # type: ignore[no-untyped-def]
         o, p_bufs, p_index, v_bufs, s_slot, PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr,
         P_LO: gl.constexpr, FUSE: gl.constexpr = False,
@@ -567,6 +593,7 @@ if _GLUON:
     def _stage_query(  # type: ignore[no-untyped-def]
         q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh, GROUP: gl.constexpr,
         BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, PAIRED: gl.constexpr = False,
+        ONCE: gl.constexpr = False,
     ):  # fmt: skip
         """Store the query heads of KV head ``kvh`` at token ``token`` (zeros where not
         ``token_ok`` or past the group) into ``q_bufs`` for the score MMAs, and return the scores'
@@ -601,6 +628,9 @@ if _GLUON:
                 q_bufs.slice(0, BLOCK_H).store(q_hi)
                 q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
             score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
+            if PAIRED and ONCE:  # one column a head: a head's two rows have the same scale
+                pairs: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a row pair in one thread
+                q_mul = gl.split(gl.reshape(gl.convert_layout(q_mul, pairs), [BLOCK_H, 2]))[0]
             col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
         else:
             q_bufs.store(q)
@@ -612,7 +642,7 @@ if _GLUON:
         o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok, q_len,
         num_partial_slots, stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
         BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr,
-        PAIRED: gl.constexpr = False,
+        PAIRED: gl.constexpr = False, ONCE: gl.constexpr = False,
     ):  # fmt: skip
         """A chunk's result from O^T [HEAD_DIM, BLOCK_H], the running max and the per-thread row
         sums (``s_layout``): normalised (fp8: times the V scale) into ``out`` at ``token`` when it
@@ -620,20 +650,24 @@ if _GLUON:
         log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel. ``o`` as the
         loop left it: twice as wide as the state for the fused MMAs' hi and lo halves (added
         here); ``PAIRED``: the columns are 2 x BLOCK_H, head h's hi and lo products in columns 2h
-        and 2h + 1 (added here into both), and the even ones are stored."""
-        COLS: gl.constexpr = 2 * BLOCK_H if PAIRED else BLOCK_H
-        STEP: gl.constexpr = 2 if PAIRED else 1
-        if PAIRED:
+        and 2h + 1 (added here into both), and the even ones are stored; with ``ONCE`` (the state
+        one column a head) added into column h."""
+        COLS: gl.constexpr = _state_cols(BLOCK_H, PAIRED, ONCE)
+        STEP: gl.constexpr = COLS // BLOCK_H
+        if PAIRED and ONCE:
+            o = _pair_once(o, _head_layout(HEAD_DIM, BLOCK_H))
+        elif PAIRED:
             o = _pair_sum(o)
         elif o.shape[1] != COLS:
             o = _fold(o, s_layout)
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        l_o = gl.convert_layout(l_safe, gl.SliceLayout(0, o.type.layout))  # (once: O's rows are head_dim)
         if FP8:  # noqa: SIM108 (a compile-time branch)
-            o = o * (gl.load(v_scale_ptr + kvh) / l_safe)[None, :]
+            o = o * (gl.load(v_scale_ptr + kvh) / l_o)[None, :]
         else:
-            o = o / l_safe[None, :]
+            o = o / l_o[None, :]
         out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         o = gl.convert_layout(o, out_layout)
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
@@ -716,23 +750,43 @@ if _GLUON:
         return bool(fused) and block_h < 8
 
     @gluon.constexpr_function
-    def _state_layout(block_h, fp8, paired):  # type: ignore[no-untyped-def]
+    def _head_layout(rows, block_h):  # type: ignore[no-untyped-def]
+        """[rows, 4 heads]: the fp8 accumulator of 8 columns (:func:`_score_layout` of 8) with its
+        column pairs (2h, 2h + 1) folded into head h: a row's 4 heads on lanes 0-3 of a quad,
+        rows as in the accumulator (rows 8 and 64 apart in a thread's registers, 1-4 on its lanes,
+        16 and 32 on its warps). ``rows`` 64 or 128."""
+        if block_h != 4 or rows not in (64, 128):
+            raise ValueError(f"_head_layout: block_h {block_h}, rows {rows}; the paired form: 4 heads, 64 or 128 rows")
+        regs = [[8, 0]] + ([[64, 0]] if rows == 128 else [])
+        lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+        return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [rows, block_h])
+
+    @gluon.constexpr_function
+    def _state_layout(block_h, fp8, paired, once=False, block_n=128):  # type: ignore[no-untyped-def]
         """The layout of the loop's softmax state: the MMA accumulator's of ``block_h`` columns,
-        twice as many when ``paired`` (:func:`_paired`)."""
+        twice as many when ``paired`` (:func:`_paired`); one column a head when also ``once``
+        (:data:`PAIRED_SOFTMAX_ONCE`, :func:`_head_layout` of ``block_n`` rows)."""
+        if paired and once:
+            return _head_layout(block_n, block_h)
         return _score_layout(2 * block_h if paired else block_h, fp8)
+
+    @gluon.constexpr_function
+    def _state_cols(block_h, paired, once=False):  # type: ignore[no-untyped-def]
+        """Columns of the loop's softmax state (:func:`_state_layout`)."""
+        return 2 * block_h if paired and not once else block_h
 
     @gluon.jit
     def _loop_state(  # type: ignore[no-untyped-def]
         BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, FUSED: gl.constexpr,
-        P_LO: gl.constexpr,
+        P_LO: gl.constexpr, ONCE: gl.constexpr,
     ):  # fmt: skip
         """(zero scores, running max, per-thread row sums, O^T) before a chunk's first tile: with
         ``FUSED`` the scores (and, with ``P_LO``, O^T) twice as wide, hi and lo products side by
         side; paired (``FUSED`` under 8 heads, :func:`_paired`) every one twice as wide, head h
-        in columns 2h and 2h + 1."""
+        in columns 2h and 2h + 1, but for the state with ``ONCE`` (one column a head)."""
         PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
-        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED)
-        COLS: gl.constexpr = 2 * BLOCK_H if PAIRED else BLOCK_H
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, ONCE, BLOCK_N)
+        COLS: gl.constexpr = _state_cols(BLOCK_H, PAIRED, ONCE)
         wide_layout: gl.constexpr = _score_layout(2 * BLOCK_H, FP8)
         if FUSED:
             s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
@@ -751,7 +805,7 @@ if _GLUON:
         q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, phase, n0, o, m_i, l_part, s_zero, col_scale, offs_n,
         kv_start, kv_end, table_row, row_ok, table_width, num_blocks, max_buf, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PART: gl.constexpr, P_LO: gl.constexpr,
-        FUSED: gl.constexpr, ONE_BARRIER: gl.constexpr,
+        FUSED: gl.constexpr, ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
     ):  # fmt: skip
         """One tile of the loop in turn (tokens ``n0 ..`` in ring slot ``s_slot``): wait for its
         K and V (``ready``, ``phase``), S MMAs, softmax, P and the V guard, P V MMAs, waited for;
@@ -764,7 +818,9 @@ if _GLUON:
         mbarrier.wait(ready.index(s_slot), phase)
         s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PAIRED:
+        if PAIRED and ONCE:
+            s = _pair_once(s, _head_layout(BLOCK_N, BLOCK_H))
+        elif PAIRED:
             s = _pair_sum(s)
         elif FUSED:
             s = _fold(s, _score_layout(BLOCK_H, FP8))
@@ -773,11 +829,13 @@ if _GLUON:
             max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
         )  # fmt: skip
         _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED)  # fmt: skip
+                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED, ONCE)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
         if FUSED and P_LO and not PAIRED:
             o = o * _twice(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
+        elif PAIRED and ONCE:
+            o = o * _interleave(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
         else:
             o = o * alpha[None, :]
         o = _issue_pv(o, p_bufs, 0, v_bufs, s_slot, PARTS, PART, FP8, P_LO, FUSED and (P_LO or PAIRED))
@@ -792,7 +850,7 @@ if _GLUON:
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
         PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
-        ONE_BARRIER: gl.constexpr,
+        ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -807,7 +865,7 @@ if _GLUON:
         ``TRIM`` (the loop in turn only): a tile's boxes that hold only tokens past the chunk's
         end are not read (:func:`_load_tile`; ``k_half_desc`` / ``v_half_desc`` the half boxes
         of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`.
-        ``ONE_BARRIER``: :data:`ONE_BARRIER_MAX`."""
+        ``ONE_BARRIER``: :data:`ONE_BARRIER_MAX`; ``ONCE``: :data:`PAIRED_SOFTMAX_ONCE`."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -825,7 +883,7 @@ if _GLUON:
         PARTS: gl.constexpr = BLOCK_N // PART
         FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
         PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
-        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, ONCE, BLOCK_N)
         q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(
             k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 2 if OVERLAP else 1
         )
@@ -835,7 +893,7 @@ if _GLUON:
         # (A one-part fp8 tile is not trimmed: its V^T half as a [HEAD_DIM, BLOCK_N / 2] view of
         # the ring gave wrong sums on the GPU, benchmarks/results/decode-trim-2026-12-06.md.)
         TRIM_LOADS: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
-        max_buf = _allocate_max_buf(2 * BLOCK_H if PAIRED else BLOCK_H)
+        max_buf = _allocate_max_buf(_state_cols(BLOCK_H, PAIRED, ONCE))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -847,12 +905,12 @@ if _GLUON:
                            NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
-                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED)  # fmt: skip
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED, ONCE)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
+        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO, ONCE)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
             # buffers by tile parity. Prologue: tile 0's S and softmax; each step j = 1 ..
@@ -915,7 +973,7 @@ if _GLUON:
                 o, m_i, l_part = _tile_in_turn(
                     q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i,
                     l_part, s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-                    max_buf, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER,
+                    max_buf, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER, ONCE,
                 )  # fmt: skip
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
@@ -925,7 +983,7 @@ if _GLUON:
 
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
-                      s_layout, PAIRED)  # fmt: skip
+                      s_layout, PAIRED, ONCE)  # fmt: skip
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
     """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``
@@ -1005,5 +1063,6 @@ def launch_decode_hopper(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=hopper_block_h(group, k_cache.dtype, overlap),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, ONE_BARRIER=ONE_BARRIER_MAX, num_warps=4, **form,
+        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, ONE_BARRIER=ONE_BARRIER_MAX,
+        ONCE=PAIRED_SOFTMAX_ONCE, num_warps=4, **form,
     )  # fmt: skip
