@@ -5,8 +5,10 @@ and TMA loads, its register spills (ptxas) and the spills inside its MMA loop (c
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,33 +53,47 @@ def compile_sm90(
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
 
 
-def kernel_report(kernel: Any, scratch: str = "/tmp/gluon_compile_check") -> dict[str, int]:
+def kernel_report(kernel: Any) -> dict[str, int]:
     """A compiled kernel's shared memory (bytes), ``wgmma`` and ``tma_load`` counts (PTX),
-    ``spills`` (the largest ptxas "bytes spill stores", -1 when ptxas said none) and
-    ``loop_spill_ops`` (:func:`loop_spill_ops`)."""
+    ``spills`` (the largest ptxas "bytes spill stores", -1 when ptxas said none), ``registers``
+    (ptxas's "Used N registers" a thread, the largest) and
+    ``loop_spill_ops`` (:func:`loop_spill_ops`). Its files go to a private temporary folder,
+    so tests in parallel (``-n``) or two Triton versions at once don't overwrite each other's."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptx = kernel.asm["ptx"]
-    Path(f"{scratch}.ptx").write_text(ptx)
     ptxas = get_ptxas(90).path
-    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{scratch}.ptx", "-o", "/dev/null"], capture_output=True,
-                          text=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="gluon_compile_") as scratch:
+        ptx_path = Path(scratch) / "kernel.ptx"
+        ptx_path.write_text(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull], capture_output=True,
+                              text=True)  # fmt: skip
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    registers = [int(x) for x in re.findall(r"Used (\d+) registers", done.stderr)]
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma_load": ptx.count("cp.async.bulk.tensor.2d.shared::"),
         "spills": max(spills, default=-1),
-        "loop_spill_ops": loop_spill_ops(kernel.asm["cubin"], str(Path(ptxas).parent / "cuobjdump"), scratch),
+        "registers": max(registers, default=-1),
+        "loop_spill_ops": loop_spill_ops(kernel.asm["cubin"], str(Path(ptxas).parent / "cuobjdump")),
     }
 
 
-def loop_spill_ops(cubin: bytes, cuobjdump: str, scratch: str = "/tmp/gluon_compile_check") -> int:
+def sass_text(cubin: bytes, cuobjdump: str) -> str:
+    """``cuobjdump -sass`` of a compiled kernel (through a private temporary file)."""
+    with tempfile.TemporaryDirectory(prefix="gluon_compile_") as scratch:
+        cubin_path = Path(scratch) / "kernel.cubin"
+        cubin_path.write_bytes(cubin)
+        return subprocess.run([cuobjdump, "-sass", str(cubin_path)], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def loop_spill_ops(cubin: bytes, cuobjdump: str) -> int:
     """Local-memory loads and stores (STL / LDL) inside the innermost loop holding every HGMMA
     of the SASS: the shortest backward branch from after the last HGMMA to before the first
     (a longer one is an outer loop or a wait's out-of-line retry). -1 without such a loop."""
-    Path(f"{scratch}.cubin").write_bytes(cubin)
-    sass = subprocess.run([cuobjdump, "-sass", f"{scratch}.cubin"], capture_output=True, text=True, check=True).stdout
+    sass = sass_text(cubin, cuobjdump)
     code = []  # (address, instruction)
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)

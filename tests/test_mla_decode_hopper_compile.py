@@ -37,7 +37,7 @@ for dtype in (torch.bfloat16, torch.float16):
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
             k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem,
                              types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
-            r = kernel_report(k, "/tmp/mla_decode_hopper_check")
+            r = kernel_report(k)
             r["early_dependents"] = k.asm["ptx"].count("griddepcontrol.launch_dependents")
             report[f"{dtype}-{bs}-{direct}"] = r
 # The merge in the kernel (fused_merge), as the backend would launch it: slots, a 64-channel tail.
@@ -49,7 +49,7 @@ for direct in (False, True):
                   FUSED=True, BLOCK_TAIL=64)
     k = compile_sm90(mh._mla_hopper_kernel, descs, consts, "*bf16",
                      types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
-    r = kernel_report(k, "/tmp/mla_decode_hopper_fused_check")
+    r = kernel_report(k)
     ptx = k.asm["ptx"]
     r["atomics"] = ptx.count("atom.")
     r["atomics_acq_rel"] = ptx.count("atom.global.gpu.acq_rel.add.u32")
@@ -94,7 +94,7 @@ for bs in (64, 256):
         consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=stages, DIRECT=direct)
         k = compile_sm90(kernel, descs, consts, "*bf16",
                          types={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "q_ptr": "*bf16", "kv_scale_ptr": "*fp32"})
-        r = kernel_report(k, f"/tmp/mla_decode_hopper_{name}_check")
+        r = kernel_report(k)
         ptx = k.asm["ptx"]
         r["fp8_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3")
         r["f16_mma"] = ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16")

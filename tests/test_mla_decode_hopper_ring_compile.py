@@ -42,7 +42,7 @@ for dtype in (torch.bfloat16, torch.float16):
             elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
             k = compile_sm90(mr._mla_hopper_ring_kernel, descs, consts, elem,
                              types={"acc_ptr": "*fp16", "ml_ptr": "*fp32"})
-            report[f"{dtype}-{bs}-{direct}"] = kernel_report(k, "/tmp/mla_decode_hopper_ring_check")
+            report[f"{dtype}-{bs}-{direct}"] = kernel_report(k)
 print(json.dumps(report))
 """
 
