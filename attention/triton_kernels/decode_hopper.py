@@ -138,25 +138,14 @@ FP8_P_LO = True
 FUSED_HI_LO = True
 #: fp8 with FUSED_HI_LO, groups of up to 4 query heads: the query's hi and lo rows of head h
 #: interleaved (rows 2h and 2h + 1) in an operand of 8 rows, so the MMAs' N is 8 rather than
-#: 16 (the group padded to 8 heads, hi then lo), and the softmax runs on the accumulator's
-#: column pairs as they come (:func:`hopper_block_h`). Compiled for sm_90 (fp8, block 256,
-#: group 4) a tile's common path is 243 instructions instead of 285 (8 byte stores of P^T
-#: instead of 16, half the O^T rescale). Off: padded to 8 heads as for larger groups.
+#: 16 (the group padded to 8 heads, hi then lo) (:func:`hopper_block_h`). Each column pair is
+#: summed into one column a head (:func:`_head_layout`), the softmax runs once a head, and P^T's
+#: hi and lo rows are built from its one p (:func:`_stage_tile`). Compiled for sm_90 (fp8,
+#: block 256, group 4, loader warp, Triton 3.6) a tile's common path is 204 instructions
+#: against 285 padded (8 byte stores of P^T instead of 16, half the O^T rescale; 243 with the
+#: softmax on both columns of each pair, 235 with :func:`_col_max` alone). Off: padded to 8
+#: heads as for larger groups.
 PAIRED_HI_LO = True
-#: A tile's column maxima (the softmax's running max) in two steps of our own: each warp's
-#: maxima through its lanes, then the four warps' through a [4, columns] shared buffer behind
-#: one barrier (:func:`_col_max`), where the compiler's cross-warp reduction takes two barriers
-#: and a second round of shuffles (Triton 3.6; 3.9's takes one, and more shuffles). Compiled for
-#: sm_90 (fp8, block 256, group 4, loader warp) a tile's common path is 235 instructions instead
-#: of 243, 4 barriers instead of 5. Off (``gl.max`` over the tile's tokens) until timed on a GPU.
-ONE_BARRIER_MAX = False
-#: With PAIRED_HI_LO: the softmax once a head, on the sum of its hi and lo columns in a layout of
-#: one column a head (:func:`_head_layout`), P's hi and lo rows built from it, where the paired
-#: form runs it on both columns of a pair (equal values the compiler cannot see as equal: the
-#: query's scale comes per row). Compiled for sm_90 (fp8, block 256, group 4, loader warp, with
-#: ONE_BARRIER_MAX) a tile's common path is 204 instructions instead of 235, 5 exp2 a thread
-#: instead of 10. Off until run on a GPU: the paired form as before.
-PAIRED_SOFTMAX_ONCE = False
 _MAX_GROUP = 16
 #: The decode kernels' arguments compiled as plain runtime values (no specialisation on their
 #: values: one compile serves every step's sizes).
@@ -415,7 +404,9 @@ if _GLUON:
         maxima over its tokens (registers, then lanes), stored as row w of ``max_buf`` [4 x C]
         (fp32, shared, flat), one barrier, then every thread reads the four rows it needs. The
         buffer is free again once every warp has passed its next barrier: each reads it before
-        its P is staged, which the tile's later barriers wait for."""
+        its P is staged, which the tile's later barriers wait for. (Triton 3.6's ``gl.max`` over
+        the tokens takes two barriers and a second round of shuffles; with this, a tile's kernel
+        floor on an H100 is 1.02-1.09x faster, benchmarks/results/decode-one-barrier-once-2026-12-07.md.)"""
         n: gl.constexpr = s.shape[0]
         c: gl.constexpr = s.shape[1]
         per_warp = gl.max(gl.max(gl.reshape(s, [n // 64, 4, 16, c]), 0), 1)  # [4, C], row w in warp w
@@ -437,14 +428,13 @@ if _GLUON:
     def _tile_softmax(  # type: ignore[no-untyped-def]
         s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
         max_buf, BLOCK_SIZE: gl.constexpr, PARTS: gl.constexpr, PART: gl.constexpr, P_SHIFT: gl.constexpr,
-        ONE_BARRIER: gl.constexpr,
     ):  # fmt: skip
         """The online softmax of a tile's scores ``s`` [BLOCK_N tokens, BLOCK_H heads] (tokens
         ``n0 ..``; those outside ``[kv_start, kv_end)`` or in a bad block masked): returns (p,
         alpha, the new running max, the per-thread row sums rescaled and grown by p, whether
         every block of the tile is the row's); p is ``2^P_SHIFT`` times the probabilities (fp8:
-        so e4m3 keeps small ones as normals). ``ONE_BARRIER``: the tile's maxima through
-        ``max_buf`` (:func:`_col_max`)."""
+        so e4m3 keeps small ones as normals). The tile's maxima go through ``max_buf``
+        (:func:`_col_max`)."""
         n = n0 + offs_n
         if PARTS == 1:
             _page, tile_ok = _tile_page(table_row, n0, row_ok, table_width, num_blocks, BLOCK_SIZE)
@@ -458,7 +448,7 @@ if _GLUON:
                                             BLOCK_SIZE)  # fmt: skip
                 tile_ok = tile_ok & part_ok
         s = gl.where(seen[:, None], s * col_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, _col_max(s, max_buf) if ONE_BARRIER else gl.max(s, 0))
+        m_new = gl.maximum(m_i, _col_max(s, max_buf))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing seen yet
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - (m_safe - P_SHIFT)[None, :])
@@ -469,28 +459,20 @@ if _GLUON:
         p, p_bufs, p_index, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok,
         table_width, num_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
         PARTS: gl.constexpr, PART: gl.constexpr, FP8: gl.constexpr, P_LO: gl.constexpr,
-        PAIRED: gl.constexpr = False, ONCE: gl.constexpr = False,
+        PAIRED: gl.constexpr = False,
     ):  # fmt: skip
         """Store a tile's P for its P V MMAs at ``p_bufs[p_index]`` (fp8: P^T split hi and lo, in
-        its first and second BLOCK_H rows; ``PAIRED``: ``p`` [BLOCK_N, 2 * BLOCK_H] holds head h
-        in columns 2h and 2h + 1, and P^T's row 2h gets its hi part, 2h + 1 its lo part; not
-        ``P_LO``: hi only, lo rows zero; ``ONCE``: ``p`` [BLOCK_N, BLOCK_H], one column a head,
-        split into the same rows), and zero the V tokens of ring
+        its first and second BLOCK_H rows; ``PAIRED``: head h's hi part in P^T's row 2h, its lo
+        part in row 2h + 1; not ``P_LO``: hi only, lo rows zero), and zero the V tokens of ring
         slot ``s_slot`` the tile (tokens ``n0 ..``; ``tile_ok``: all its blocks the row's) does
         not attend (past the chunk, before it, or of a bad block: stale slots may hold NaN, which
         would survive p = 0), in the parts that hold any (and those :func:`_load_tile` left
         unloaded). The caller fences and synchronises the warps before the MMAs read them."""
-        if FP8 and PAIRED and ONCE:
+        if FP8 and PAIRED:
             p_hi = p.to(p_bufs.dtype)
             p_lo = (p - p_hi.to(gl.float32)).to(p_bufs.dtype) if P_LO else gl.zeros_like(p_hi)
             wide: gl.constexpr = _score_layout(2 * p.shape[1], True)
             rows = gl.convert_layout(gl.reshape(gl.join(p_hi, p_lo), [p.shape[0], 2 * p.shape[1]]), wide)
-            p_bufs.index(p_index).store(gl.permute(rows, (1, 0)))
-        elif FP8 and PAIRED:
-            even, odd = gl.split(gl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))  # the same values
-            p_hi = even.to(p_bufs.dtype)
-            p_lo = (odd - p_hi.to(gl.float32)).to(p_bufs.dtype) if P_LO else gl.zeros_like(p_hi)
-            rows = gl.convert_layout(gl.reshape(gl.join(p_hi, p_lo), [p.shape[0], p.shape[1]]), p.type.layout)
             p_bufs.index(p_index).store(gl.permute(rows, (1, 0)))
         elif FP8:
             heads: gl.constexpr = p.shape[1]
@@ -522,7 +504,7 @@ if _GLUON:
         one group, the hi and lo rows stacked as one operand of twice the heads: ``s_zero`` is
         then [BLOCK_N, 2 * BLOCK_H] and the result's halves are the hi and lo products
         (:func:`_fold` adds them), or, paired (:func:`_stage_query`), its columns 2h and 2h + 1
-        head h's hi and lo products (:func:`_pair_sum` adds them)."""
+        head h's hi and lo products (:func:`_pair_once` adds them)."""
         if FP8 and not FUSE:
             heads: gl.constexpr = q_bufs.shape[0] // 2
             s = warpgroup_mma(k_tile, q_bufs.slice(0, heads).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -542,14 +524,6 @@ if _GLUON:
         """[H] -> [2H] in ``layout``: ``v`` then ``v`` again."""
         pairs = gl.permute(gl.join(v, v), (1, 0))  # [2, H]
         return gl.convert_layout(gl.reshape(pairs, [2 * v.shape[0]]), layout)
-
-    @gluon.jit
-    def _pair_sum(x):  # type: ignore[no-untyped-def]
-        """[R, 2H] -> [R, 2H] in ``x``'s layout: each pair of columns (2h, 2h + 1) replaced by
-        its sum in both (in registers: an MMA accumulator holds a pair in one thread)."""
-        even, odd = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        both = even + odd
-        return gl.convert_layout(gl.reshape(gl.join(both, both), [x.shape[0], x.shape[1]]), x.type.layout)
 
     @gluon.jit
     def _pair_once(x, layout: gl.constexpr):  # type: ignore[no-untyped-def]
@@ -593,16 +567,14 @@ if _GLUON:
     def _stage_query(  # type: ignore[no-untyped-def]
         q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh, GROUP: gl.constexpr,
         BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, PAIRED: gl.constexpr = False,
-        ONCE: gl.constexpr = False,
     ):  # fmt: skip
         """Store the query heads of KV head ``kvh`` at token ``token`` (zeros where not
         ``token_ok`` or past the group) into ``q_bufs`` for the score MMAs, and return the scores'
         per-head scale [BLOCK_H] (log2 units) in ``SliceLayout(0, s_layout)``. fp8 cache (``q_bufs``
         of 2 x BLOCK_H rows): each head scaled so its largest element is 224, split into e4m3 hi
         (the first BLOCK_H rows) and lo (the rest); the scale takes the K scale and undoes the
-        head's factor. ``PAIRED`` (fp8): head h's hi in row 2h and lo in row 2h + 1, and the
-        scale [2 x BLOCK_H] per row (head h's twice). The caller fences and synchronises before
-        the MMAs read them."""
+        head's factor. ``PAIRED`` (fp8): head h's hi in row 2h and lo in row 2h + 1 (the scale
+        still one a head). The caller fences and synchronises before the MMAs read them."""
         FP8: gl.constexpr = q_bufs.dtype == gl.float8e4nv
         STEP: gl.constexpr = 2 if FP8 and PAIRED else 1  # query rows a head
         q_layout: gl.constexpr = _query_layout(STEP * BLOCK_H, HEAD_DIM)
@@ -628,7 +600,7 @@ if _GLUON:
                 q_bufs.slice(0, BLOCK_H).store(q_hi)
                 q_bufs.slice(BLOCK_H, BLOCK_H).store((q - q_hi.to(gl.float32)).to(q_bufs.dtype))
             score_scale = qk_scale * gl.load(k_scale_ptr + kvh)
-            if PAIRED and ONCE:  # one column a head: a head's two rows have the same scale
+            if PAIRED:  # one column a head: a head's two rows have the same scale
                 pairs: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a row pair in one thread
                 q_mul = gl.split(gl.reshape(gl.convert_layout(q_mul, pairs), [BLOCK_H, 2]))[0]
             col_scale = gl.convert_layout(score_scale / q_mul, gl.SliceLayout(0, s_layout))
@@ -642,7 +614,7 @@ if _GLUON:
         o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok, q_len,
         num_partial_slots, stride_ot, stride_oh, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
         BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr,
-        PAIRED: gl.constexpr = False, ONCE: gl.constexpr = False,
+        PAIRED: gl.constexpr = False,
     ):  # fmt: skip
         """A chunk's result from O^T [HEAD_DIM, BLOCK_H], the running max and the per-thread row
         sums (``s_layout``): normalised (fp8: times the V scale) into ``out`` at ``token`` when it
@@ -650,20 +622,15 @@ if _GLUON:
         log2-sum-exp (P's 2^8 factor taken out for fp8), for the combine kernel. ``o`` as the
         loop left it: twice as wide as the state for the fused MMAs' hi and lo halves (added
         here); ``PAIRED``: the columns are 2 x BLOCK_H, head h's hi and lo products in columns 2h
-        and 2h + 1 (added here into both), and the even ones are stored; with ``ONCE`` (the state
-        one column a head) added into column h."""
-        COLS: gl.constexpr = _state_cols(BLOCK_H, PAIRED, ONCE)
-        STEP: gl.constexpr = COLS // BLOCK_H
-        if PAIRED and ONCE:
+        and 2h + 1, added here into column h (the state's layout, :func:`_state_layout`)."""
+        if PAIRED:
             o = _pair_once(o, _head_layout(HEAD_DIM, BLOCK_H))
-        elif PAIRED:
-            o = _pair_sum(o)
-        elif o.shape[1] != COLS:
+        elif o.shape[1] != BLOCK_H:
             o = _fold(o, s_layout)
         P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
         l_i = gl.sum(l_part, 0)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        l_o = gl.convert_layout(l_safe, gl.SliceLayout(0, o.type.layout))  # (once: O's rows are head_dim)
+        l_o = gl.convert_layout(l_safe, gl.SliceLayout(0, o.type.layout))  # (paired: O's rows are head_dim)
         if FP8:  # noqa: SIM108 (a compile-time branch)
             o = o * (gl.load(v_scale_ptr + kvh) / l_o)[None, :]
         else:
@@ -671,10 +638,9 @@ if _GLUON:
         out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         o = gl.convert_layout(o, out_layout)
         dd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
-        co = gl.arange(0, COLS, layout=gl.SliceLayout(0, out_layout))
-        ho = co // STEP
+        ho = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, out_layout))
         head_o = (kvh * GROUP + ho).to(gl.int64)
-        col_ok = (ho < GROUP) & (co % STEP == 0)
+        col_ok = ho < GROUP
         if slot < 0:
             keep = token_ok & col_ok
             dst = out_ptr + gl.where(token_ok, token, 0).to(gl.int64) * stride_ot + head_o * stride_oh
@@ -685,9 +651,9 @@ if _GLUON:
             keep = slot_ok & col_ok
             gl.store(part_o_ptr + part_row[None, :] * HEAD_DIM + dd[:, None], o, mask=keep[None, :])
             lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe) - P_SHIFT, float("-inf"))
-            c_s = gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
-            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + c_s // STEP
-            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (c_s // STEP < GROUP) & (c_s % STEP == 0))
+            h_s = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+            part_s = gl.where(slot_ok, slot, 0).to(gl.int64) * NUM_HEADS + kvh * GROUP + h_s
+            gl.store(part_lse_ptr + part_s, lse, mask=slot_ok & (h_s < GROUP))
 
     @gluon.jit
     def _item_fields(  # type: ignore[no-untyped-def]
@@ -744,9 +710,9 @@ if _GLUON:
     @gluon.constexpr_function
     def _paired(block_h, fused):  # type: ignore[no-untyped-def]
         """Whether the fused hi / lo MMAs (``fused``) keep head h's hi and lo in columns 2h and
-        2h + 1 and the softmax on both (under 8 heads, where the MMA's N is then 8, not 16; an
-        accumulator of 4 columns does not exist), rather than hi and lo in halves added into
-        ``block_h`` columns (the softmax then on each head once)."""
+        2h + 1, summed into one column a head by :func:`_pair_once` (under 8 heads, where the
+        MMA's N is then 8, not 16; an accumulator of 4 columns does not exist), rather than hi and
+        lo in halves added into ``block_h`` columns by :func:`_fold`."""
         return bool(fused) and block_h < 8
 
     @gluon.constexpr_function
@@ -762,38 +728,32 @@ if _GLUON:
         return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [rows, block_h])
 
     @gluon.constexpr_function
-    def _state_layout(block_h, fp8, paired, once=False, block_n=128):  # type: ignore[no-untyped-def]
-        """The layout of the loop's softmax state: the MMA accumulator's of ``block_h`` columns,
-        twice as many when ``paired`` (:func:`_paired`); one column a head when also ``once``
-        (:data:`PAIRED_SOFTMAX_ONCE`, :func:`_head_layout` of ``block_n`` rows)."""
-        if paired and once:
+    def _state_layout(block_h, fp8, paired, block_n=128):  # type: ignore[no-untyped-def]
+        """The layout of the loop's softmax state, ``block_h`` columns, one a head: the MMA
+        accumulator's, or when ``paired`` (:func:`_paired`) its pairs of columns folded into one
+        (:func:`_head_layout` of ``block_n`` rows)."""
+        if paired:
             return _head_layout(block_n, block_h)
-        return _score_layout(2 * block_h if paired else block_h, fp8)
-
-    @gluon.constexpr_function
-    def _state_cols(block_h, paired, once=False):  # type: ignore[no-untyped-def]
-        """Columns of the loop's softmax state (:func:`_state_layout`)."""
-        return 2 * block_h if paired and not once else block_h
+        return _score_layout(block_h, fp8)
 
     @gluon.jit
     def _loop_state(  # type: ignore[no-untyped-def]
         BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr, FUSED: gl.constexpr,
-        P_LO: gl.constexpr, ONCE: gl.constexpr,
+        P_LO: gl.constexpr,
     ):  # fmt: skip
         """(zero scores, running max, per-thread row sums, O^T) before a chunk's first tile: with
         ``FUSED`` the scores (and, with ``P_LO``, O^T) twice as wide, hi and lo products side by
-        side; paired (``FUSED`` under 8 heads, :func:`_paired`) every one twice as wide, head h
-        in columns 2h and 2h + 1, but for the state with ``ONCE`` (one column a head)."""
+        side; paired (``FUSED`` under 8 heads, :func:`_paired`) the scores and O^T twice as wide,
+        head h in columns 2h and 2h + 1 (the state one column a head, :func:`_state_layout`)."""
         PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
-        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, ONCE, BLOCK_N)
-        COLS: gl.constexpr = _state_cols(BLOCK_H, PAIRED, ONCE)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, BLOCK_N)
         wide_layout: gl.constexpr = _score_layout(2 * BLOCK_H, FP8)
         if FUSED:
             s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, wide_layout)
         else:
             s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
-        m_i = gl.full([COLS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-        l_part = gl.zeros([BLOCK_N, COLS], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
         if FUSED and (P_LO or PAIRED):
             o = gl.zeros([HEAD_DIM, 2 * BLOCK_H], gl.float32, wide_layout)
         else:
@@ -805,7 +765,7 @@ if _GLUON:
         q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, phase, n0, o, m_i, l_part, s_zero, col_scale, offs_n,
         kv_start, kv_end, table_row, row_ok, table_width, num_blocks, max_buf, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PART: gl.constexpr, P_LO: gl.constexpr,
-        FUSED: gl.constexpr, ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
+        FUSED: gl.constexpr,
     ):  # fmt: skip
         """One tile of the loop in turn (tokens ``n0 ..`` in ring slot ``s_slot``): wait for its
         K and V (``ready``, ``phase``), S MMAs, softmax, P and the V guard, P V MMAs, waited for;
@@ -818,23 +778,21 @@ if _GLUON:
         mbarrier.wait(ready.index(s_slot), phase)
         s = _issue_scores(k_bufs.index(s_slot), q_bufs, s_zero, FP8, FUSED)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if PAIRED and ONCE:
+        if PAIRED:
             s = _pair_once(s, _head_layout(BLOCK_N, BLOCK_H))
-        elif PAIRED:
-            s = _pair_sum(s)
         elif FUSED:
             s = _fold(s, _score_layout(BLOCK_H, FP8))
         p, alpha, m_i, l_part, tile_ok = _tile_softmax(
             s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-            max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
+            max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT,
         )  # fmt: skip
         _stage_tile(p, p_bufs, 0, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED, ONCE)  # fmt: skip
+                    num_blocks, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PARTS, PART, FP8, P_LO, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
         if FUSED and P_LO and not PAIRED:
             o = o * _twice(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
-        elif PAIRED and ONCE:
+        elif PAIRED:
             o = o * _interleave(alpha, gl.SliceLayout(0, _score_layout(2 * BLOCK_H, FP8)))[None, :]
         else:
             o = o * alpha[None, :]
@@ -850,7 +808,6 @@ if _GLUON:
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
         PART: gl.constexpr, OVERLAP: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
-        ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i): item i of the schedule's int32 items [num_item_slots, 10] =
         (d, kv_start, kv_end, partial_slot, table_row, q_token, num_chunks, first_partial,
@@ -864,8 +821,7 @@ if _GLUON:
         box cannot land inside a wider swizzled row), whose P V MMAs read the part's columns of P.
         ``TRIM`` (the loop in turn only): a tile's boxes that hold only tokens past the chunk's
         end are not read (:func:`_load_tile`; ``k_half_desc`` / ``v_half_desc`` the half boxes
-        of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`.
-        ``ONE_BARRIER``: :data:`ONE_BARRIER_MAX`; ``ONCE``: :data:`PAIRED_SOFTMAX_ONCE`."""
+        of a one-part tile). ``FUSE`` (fp8, the loop in turn): :data:`FUSED_HI_LO`."""
         kvh = gl.program_id(0)
         i = gl.program_id(1)
         if i >= num_item_slots:
@@ -883,7 +839,7 @@ if _GLUON:
         PARTS: gl.constexpr = BLOCK_N // PART
         FUSED: gl.constexpr = FUSE and FP8 and not OVERLAP
         PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
-        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, ONCE, BLOCK_N)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, BLOCK_N)
         q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(
             k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 2 if OVERLAP else 1
         )
@@ -893,7 +849,7 @@ if _GLUON:
         # (A one-part fp8 tile is not trimmed: its V^T half as a [HEAD_DIM, BLOCK_N / 2] view of
         # the ring gave wrong sums on the GPU, benchmarks/results/decode-trim-2026-12-06.md.)
         TRIM_LOADS: gl.constexpr = TRIM and not OVERLAP and not (FP8 and PARTS == 1)
-        max_buf = _allocate_max_buf(_state_cols(BLOCK_H, PAIRED, ONCE))
+        max_buf = _allocate_max_buf(BLOCK_H)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_BAR, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES + V_BAR):
             mbarrier.init(ready.index(st), count=1)
@@ -905,12 +861,12 @@ if _GLUON:
                            NUM_KV_HEADS, PART, FP8, True, True, V_BAR, TRIM_LOADS)  # fmt: skip
 
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
-                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED, ONCE)  # fmt: skip
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO, ONCE)
+        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
         if OVERLAP:
             # Tile j's scores (S MMAs) and softmax run while tile j-1's P V MMAs do: P in two
             # buffers by tile parity. Prologue: tile 0's S and softmax; each step j = 1 ..
@@ -924,7 +880,7 @@ if _GLUON:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, first, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
+                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR), 0)
                 _stage_tile(p, p_bufs, 0, v_bufs, 0, first, tile_ok, kv_start, kv_end, table_row, row_ok, table_width,
@@ -947,7 +903,7 @@ if _GLUON:
                 n0 = first + j * BLOCK_N
                 p, alpha, m_i, l_part, tile_ok = _tile_softmax(
                     s, n0, m_i, l_part, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width,
-                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT, ONE_BARRIER,
+                    num_blocks, max_buf, BLOCK_SIZE, PARTS, PART, P_SHIFT,
                 )  # fmt: skip
                 mbarrier.wait(ready.index(V_BAR + s_slot), phase)
                 _stage_tile(p, p_bufs, j % 2, v_bufs, s_slot, n0, tile_ok, kv_start, kv_end,
@@ -973,7 +929,7 @@ if _GLUON:
                 o, m_i, l_part = _tile_in_turn(
                     q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i,
                     l_part, s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
-                    max_buf, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER, ONCE,
+                    max_buf, BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
                 )  # fmt: skip
                 _partition_barrier()  # every warp is done with the slot and with P
                 if j + STAGES < n_tiles:
@@ -983,7 +939,7 @@ if _GLUON:
 
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
-                      s_layout, PAIRED, ONCE)  # fmt: skip
+                      s_layout, PAIRED)  # fmt: skip
 
 def _descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, part: int) -> tuple[Any, Any]:
     """TMA descriptors: K (and a 16-bit V) as ``[num_blocks * block_size, kv_heads * head_dim]``
@@ -1063,6 +1019,5 @@ def launch_decode_hopper(
         part_o.shape[0], query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=kv_heads, GROUP=group, BLOCK_H=hopper_block_h(group, k_cache.dtype, overlap),
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, STAGES=stages, PART=part, TRIM=trim,
-        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, ONE_BARRIER=ONE_BARRIER_MAX,
-        ONCE=PAIRED_SOFTMAX_ONCE, num_warps=4, **form,
+        P_LO=FP8_P_LO, FUSE=FUSED_HI_LO, num_warps=4, **form,
     )  # fmt: skip

@@ -30,7 +30,6 @@ if _GLUON:
         _loop_state,
         _paired,
         _stage_query,
-        _state_cols,
         _state_layout,
         _store_result,
         _tile_in_turn,
@@ -70,7 +69,7 @@ if _GLUON:
         row_ok, table_width, num_blocks, num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh,
         NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
-        P_LO: gl.constexpr, FUSE: gl.constexpr, ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
+        P_LO: gl.constexpr, FUSE: gl.constexpr,
     ):  # fmt: skip
         """The query's staging, then per tile (:func:`.decode_hopper._tile_in_turn`): wait for its
         slot, S MMAs, softmax, P (and the V guard), P V MMAs, release of the slot; then the chunk's
@@ -78,27 +77,27 @@ if _GLUON:
         FP8: gl.constexpr = k_bufs.dtype == gl.float8e4nv
         FUSED: gl.constexpr = FUSE and FP8
         PAIRED: gl.constexpr = _paired(BLOCK_H, FUSED)
-        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, ONCE, BLOCK_N)
+        s_layout: gl.constexpr = _state_layout(BLOCK_H, FP8, PAIRED, BLOCK_N)
         col_scale = _stage_query(q_ptr, k_scale_ptr, q_bufs, kvh, token, token_ok, qk_scale, stride_qt, stride_qh,
-                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED, ONCE)  # fmt: skip
+                                 GROUP, BLOCK_H, HEAD_DIM, s_layout, PAIRED)  # fmt: skip
         fence_async_shared()
         _partition_barrier()
 
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO, ONCE)
+        s_zero, m_i, l_part, o = _loop_state(BLOCK_N, BLOCK_H, HEAD_DIM, FP8, FUSED, P_LO)
         for j in range(n_tiles):
             s_slot = j % STAGES
             o, m_i, l_part = _tile_in_turn(
                 q_bufs, k_bufs, p_bufs, v_bufs, ready, s_slot, (j // STAGES) & 1, first + j * BLOCK_N, o, m_i, l_part,
                 s_zero, col_scale, offs_n, kv_start, kv_end, table_row, row_ok, table_width, num_blocks, max_buf,
-                BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED, ONE_BARRIER, ONCE,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, PART, P_LO, FUSED,
             )  # fmt: skip
             _partition_barrier()  # every MMA warp is done with the slot and with P
             mbarrier.arrive(empty.index(s_slot))
 
         _store_result(o, m_i, l_part, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr, kvh, slot, token, token_ok,
                       q_len, num_partial_slots, stride_ot, stride_oh, NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, FP8,
-                      s_layout, PAIRED, ONCE)  # fmt: skip
+                      s_layout, PAIRED)  # fmt: skip
 
     @gluon.jit(do_not_specialize=UNSPECIALIZED_ARGS)
     def _decode_hopper_ws_kernel(  # type: ignore[no-untyped-def]
@@ -108,7 +107,6 @@ if _GLUON:
         NUM_HEADS: gl.constexpr, NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_H: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
         PART: gl.constexpr, TRIM: gl.constexpr, P_LO: gl.constexpr, FUSE: gl.constexpr,
-        ONE_BARRIER: gl.constexpr, ONCE: gl.constexpr,
     ):  # fmt: skip
         """Program (kv_head, i), arguments and results as
         :func:`.decode_hopper._decode_hopper_kernel`'s loop in turn, on the partitions of the
@@ -128,8 +126,7 @@ if _GLUON:
         q_bufs, k_bufs, p_bufs, v_bufs = _allocate_buffers(k_desc, v_desc, BLOCK_H, HEAD_DIM, BLOCK_N, STAGES, PART, 1)
         # (A one-part fp8 tile is not trimmed, as in decode_hopper's loop in turn.)
         TRIM_LOADS: gl.constexpr = TRIM and not (FP8 and PARTS == 1)
-        PAIRED: gl.constexpr = _paired(BLOCK_H, FUSE and FP8)
-        max_buf = _allocate_max_buf(_state_cols(BLOCK_H, PAIRED, ONCE))
+        max_buf = _allocate_max_buf(BLOCK_H)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -142,8 +139,7 @@ if _GLUON:
                                   p_bufs, v_bufs, ready, empty, max_buf, qk_scale, kvh, slot, token, token_ok, q_len,
                                   first, n_tiles, kv_start, kv_end, table_row, row_ok, table_width, num_blocks,
                                   num_partial_slots, stride_qt, stride_qh, stride_ot, stride_oh, NUM_HEADS, GROUP,
-                                  BLOCK_H, HEAD_DIM, BLOCK_N, BLOCK_SIZE, STAGES, PART, P_LO, FUSE, ONE_BARRIER,
-                                  ONCE)),
+                                  BLOCK_H, HEAD_DIM, BLOCK_N, BLOCK_SIZE, STAGES, PART, P_LO, FUSE)),
                 (_loader, (k_desc, v_desc, k_half_desc, v_half_desc, k_bufs, v_bufs, ready, empty, first, n_tiles,
                            kv_end, table_row, row_ok, table_width, num_blocks, kvh, STAGES, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM, NUM_KV_HEADS, PART, FP8, TRIM_LOADS)),
