@@ -128,28 +128,6 @@ def _num_sms(device: torch.device) -> int:
     return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
 
 
-#: Device memory above which an sm_90 GPU is taken for an HBM3e part (H200: 141 GB at 4.8 TB/s,
-#: GH200 144 GB), against the H100's 80 GB of HBM3 at 3.35 TB/s.
-HBM3E_MEMORY_BYTES = 100 << 30
-
-
-@functools.cache
-def _cuda_total_memory(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).total_memory)
-
-
-def hbm3e_class(device: torch.device) -> bool:
-    """Whether ``device`` is a GPU with more than :data:`HBM3E_MEMORY_BYTES` of memory: on
-    sm_90, an HBM3e part (the H200), where the Gluon decode kernel reads an fp8 cache in long
-    blocks faster than the Triton kernel (1.06x on the burst's decode shape,
-    benchmarks/results/mla-decode-ceiling-h200-2026-12-06.md) and an H100 does not."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _cuda_total_memory(torch.cuda.current_device() if device.index is None else device.index) > (
-        HBM3E_MEMORY_BYTES
-    )
-
-
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The decode kernel's launch for the layers of one window (None: full attention).
@@ -308,22 +286,22 @@ class TritonBackend(AttentionBackend):
                         heads, no cap or sinks). None (default): a cache in the compute dtype
                         at every block size it takes, and a float8_e4m3fn cache under bf16
                         queries (its fp8 dots take the query and P as e4m3 hi + lo, ~8
-                        significant bits: a bf16 query's, not an fp16 one's) in blocks shorter
-                        than the kernel's 128-token tile (where the Triton kernel's tiles span
-                        blocks), and at every block size on an HBM3e part such as the H200
-                        (:func:`hbm3e_class`). True: wherever it applies. False: never (the
-                        Triton kernel everywhere). On the H200
+                        significant bits: a bf16 query's, not an fp16 one's) at every block size
+                        it takes. True: wherever it applies. False: never (the Triton kernel
+                        everywhere). On the H200
                         (benchmarks/results/decode-hopper-h200-2026-12-05.md) the kernel ran a
                         bf16 cache at 1.00-1.20x the Triton kernel's speed on every shape but
                         64 x 4096 (0.998x), 32 x 512 at 1.12-1.14x flash-attn's where the Triton
                         kernel runs 0.93-0.96x, and the burst's decode attention at 2.81 ms an
                         iteration against 2.97. Over fp8 it ran 0.99-1.13x the Triton kernel's
-                        speed, and the burst's attention at 1.80 ms against 1.95 at block 256;
-                        on an H100 (stall-e2e-h100-2026-12-05.md) 2.36 ms against 2.32 at
-                        block 256 and 2.35 against 2.42 at block 32. So fp8 takes it in short
-                        blocks, and in long ones only where the memory is faster than an
-                        H100's: on the H200 the burst's decode shape ran 55.6 us a layer
-                        against 58.9 on the Triton kernel (mla-decode-ceiling-h200-2026-12-06.md).
+                        speed, and the burst's attention at 1.80 ms against 1.95 at block 256.
+                        On an H100 fp8 in blocks of 256 ran the Triton kernel until the Gluon
+                        kernel's tiles lost 39 instructions each (2.36 ms against 2.32 in the
+                        burst, stall-e2e-h100-2026-12-05.md); since, it runs bench_decode's
+                        shapes at 1.00-1.10x the Triton kernel's speed at block 256 and
+                        1.05-1.20x at block 32, the burst's attention at 2.321 ms against 2.322
+                        (decode-fp8-gluon-vs-triton-h100-2026-12-07.log,
+                        e2e-cache-ratio-h100-2026-12-07-hopper-always.json).
                         (Earlier end-to-end fp8 runs on it had one decode
                         iteration stalled by 0.1-0.5 s: kernels compiled mid-serving on
                         per-step sizes, gone since; none in 8 runs on the H100.)
@@ -840,17 +818,14 @@ class TritonBackend(AttentionBackend):
         decode kernel: ``hopper_decode`` not False, an sm_90 GPU with Gluon, a bf16 / fp16 compute
         dtype over a float8_e4m3fn cache or one of that dtype, no cap or sinks, full attention
         or a window (not latent), and :func:`~attention.triton_kernels.decode_hopper.decode_hopper_shape_ok`;
-        with ``hopper_decode`` None, a float8_e4m3fn cache only under bf16 queries, in blocks
-        shorter than the tile or on an HBM3e part (:func:`hbm3e_class`)."""
+        with ``hopper_decode`` None, a float8_e4m3fn cache only under bf16 queries."""
         spec, cache = self.spec, self.cache_dtype
         if self.hopper_decode is False or spec.latent_attention:
             return False
         if spec.logit_softcap is not None or spec.attention_sinks:
             return False
-        if self.hopper_decode is None and cache == torch.float8_e4m3fn:
-            short_blocks = block_size < hopper_block_n(cache)  # where the Triton kernel's tiles span blocks
-            if not ((short_blocks or hbm3e_class(device)) and self.compute_dtype == torch.bfloat16):
-                return False
+        if self.hopper_decode is None and cache == torch.float8_e4m3fn and self.compute_dtype != torch.bfloat16:
+            return False
         if self.compute_dtype not in (torch.bfloat16, torch.float16):
             return False
         if cache not in (torch.float8_e4m3fn, self.compute_dtype):

@@ -377,13 +377,13 @@ HOPPER_CHOICES = [
     pytest.param({"attention_sinks": True}, 32, ON, False, id="sinks"),
     pytest.param({}, 32, {}, True, id="default-bf16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {}, True, id="default-fp8-b32"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, False, id="default-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, {}, True, id="default-fp8-b256"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 32, {"hopper_decode": False}, False, id="off-fp8-b32"),
     pytest.param({}, 256, {"hopper_decode": False}, False, id="off-bf16-b256"),
     pytest.param({}, 32, AUTO, True, id="auto-bf16"),
     pytest.param({"dtype": torch.float16}, 64, AUTO, True, id="auto-fp16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3"}, 64, AUTO, True, id="auto-fp8-b64"),
-    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, AUTO, False, id="auto-fp8-b256"),
+    pytest.param({"kv_cache_dtype": "float8_e4m3"}, 256, AUTO, True, id="auto-fp8-b256"),
     pytest.param({}, 256, AUTO, True, id="auto-bf16-b256"),
     pytest.param({"kv_cache_dtype": "float8_e4m3", "dtype": torch.float16}, 32, AUTO, False, id="auto-fp8-fp16"),
     pytest.param({"kv_cache_dtype": "float8_e4m3", "dtype": torch.float16}, 32, ON, True, id="on-fp8-fp16"),
@@ -408,13 +408,11 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     default policy's bound); an int8 cache, a cap, sinks, a block of 96, ``hopper_decode=False``
     and a given config keep the Triton launch, and rows verifying drafts the verify launch.
     With ``hopper_decode=None`` (the default) the same, but an fp8 cache only under bf16
-    queries in blocks shorter than the 128-token tile (the device here made to be no HBM3e part;
-    see the next test). The output is right (elsewhere than on an sm_90 GPU the Triton kernel
+    queries. The output is right (elsewhere than on an sm_90 GPU the Triton kernel
     runs the Hopper tiles)."""
     import attention.triton_backend as backend_module
 
     monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
-    monkeypatch.setattr(backend_module, "hbm3e_class", lambda device: False)
     spec_kw = dict(spec_kw)
     dtype = spec_kw.pop("dtype", torch.bfloat16)
     spec = make_spec(8, 2, 64, dtype, **spec_kw)
@@ -438,31 +436,6 @@ def test_sm90_one_token_rows_take_the_hopper_launch(
     drafts = _case([(300, 4)], spec, block_size, triton_device)
     (verify,) = backend.plan(drafts.meta).decode  # type: ignore[attr-defined]
     assert verify.config == backend.verify_decode_config and not verify.config.hopper_wgmma
-
-
-@pytest.mark.parametrize(("dtype", "hbm3e", "hopper"), [
-    (torch.bfloat16, True, True), (torch.bfloat16, False, False), (torch.float16, True, False),
-])  # fmt: skip
-def test_an_hbm3e_part_takes_the_hopper_launch_for_fp8_in_long_blocks(
-    dtype: torch.dtype, hbm3e: bool, hopper: bool, triton_device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """By default an fp8 cache in blocks of 256 takes the Hopper decode launch on an HBM3e part
-    (an H200: faster there than the Triton kernel, slower on an H100), under bf16 queries only."""
-    import attention.triton_backend as backend_module
-
-    monkeypatch.setattr(backend_module, "hopper_prefill_possible", lambda device: True)
-    monkeypatch.setattr(backend_module, "hbm3e_class", lambda device: hbm3e)
-    spec = make_spec(8, 2, 64, dtype, kv_cache_dtype="float8_e4m3")
-    backend = TritonBackend(spec, num_sms=8)
-    case = _case([(300, 1), (77, 1)], spec, 256, triton_device)
-    (launch,) = backend.plan(case.meta).decode  # type: ignore[attr-defined]
-    assert launch.config.hopper_wgmma == hopper
-
-
-def test_hbm3e_class_is_false_off_a_gpu() -> None:
-    from attention.triton_backend import HBM3E_MEMORY_BYTES, hbm3e_class
-
-    assert not hbm3e_class(torch.device("cpu")) and HBM3E_MEMORY_BYTES == 100 << 30
 
 
 def test_graph_plans_depend_only_on_the_bucket(triton_device: str) -> None:

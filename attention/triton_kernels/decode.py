@@ -259,8 +259,7 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, ws_loader
     the loader warp ran the kernel's own floor (every table entry on one L2-resident block)
     1.05-1.20x faster over fp8 and 1.01-1.24x over bf16, from HBM 0.97-1.03x.
     :class:`~attention.triton_backend.TritonBackend` takes it by default where the kernel runs
-    (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries in blocks shorter
-    than the tile or on an HBM3e part (``triton_backend.hbm3e_class``, the H200); elsewhere
+    (an sm_90 GPU) for a 16-bit cache, and for an fp8 one under bf16 queries; elsewhere
     :func:`paged_decode` runs the Triton kernel with the same tiles.
 
     On the H200 (benchmarks/results/decode-hopper-h200-2026-12-05.md) this launch ran

@@ -44,10 +44,11 @@ tokens) at block 256, 626 and 269 at block 32, where the Triton kernel takes 891
 0.99-1.20x the Triton kernel's speed in ``benchmarks/bench_decode.py --hopper-wgmma`` and
 1.06-1.08x in the end-to-end burst's decode attention (on an H100 0.98-1.07x and 0.98-1.04x),
 so :class:`~attention.triton_backend.TritonBackend` runs it by default on sm_90 for a 16-bit
-cache, and for fp8 under bf16 queries in blocks shorter than its tile or, in longer blocks, on an
-HBM3e part (``triton_backend.hbm3e_class``; launch :func:`.decode.hopper_decode_config`): in long
-blocks the end-to-end burst's attention was 1.80 ms against 1.95 on the H200 but 2.36 against 2.32
-on an H100 (``benchmarks/results/stall-e2e-h100-2026-12-05.md``), so there an H100 runs the Triton kernel.
+cache, and for fp8 under bf16 queries (launch :func:`.decode.hopper_decode_config`): in long
+blocks the end-to-end burst's attention was 1.80 ms against 1.95 on the H200; on an H100 2.36
+against 2.32 (``benchmarks/results/stall-e2e-h100-2026-12-05.md``) until the tiles' savings of
+2026-12-07, since 2.321 against 2.322 and 1.00-1.10x the Triton kernel's speed on
+``bench_decode.py``'s shapes (``benchmarks/results/decode-fp8-gluon-vs-triton-h100-2026-12-07.log``).
 
 Scope (:func:`decode_hopper_applies`): a bf16 or fp16 query with one new token per row,
 head_dim 64 or 128, GQA groups of up to 16 heads, no cap, sinks or draft tree; a float8_e4m3fn
