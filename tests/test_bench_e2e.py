@@ -274,8 +274,8 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
 ) -> None:
     """Where the Gluon decode kernel could run (here made to say so), ``--hopper-decode``'s
     backend takes it at block 256 and ``--hopper-decode never``'s does not; the default
-    (``auto``, the registry's backend) takes it for the bf16 cache, not for fp8 in blocks as
-    long as its tile."""
+    (``auto``, the registry's backend) takes it for the bf16 cache and for fp8 under bf16
+    queries alike."""
     bench = _bench()
     import attention.triton_backend as backend_module
     from attention.triton_backend import TritonBackend
@@ -287,8 +287,7 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
                               backend="reference", compute_dtype="bfloat16")  # fmt: skip
     spec = shape.attention_spec("bfloat16", cache_dtype)
     cuda = torch.device("cuda")
-    bf16 = cache_dtype == "bfloat16"
-    for word, gluon in (("always", True), ("auto", bf16), ("never", False)):
+    for word, gluon in (("always", True), ("auto", True), ("never", False)):
         backend = bench._triton_backend(shape, config, hopper_decode=bench.HOPPER_DECODE[word])
         assert backend.spec == spec
         launch, _ = backend._decode_launch(1, 256, cuda)
@@ -296,7 +295,7 @@ def test_hopper_decode_backend_puts_one_token_rows_on_the_gluon_kernel(
         assert not gluon or launch.block_n == tile
         assert not launch.hopper_overlap
         assert launch.hopper_ws_loader == gluon  # the loader warp: on by default
-    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma == bf16
+    assert TritonBackend(spec)._decode_launch(1, 256, cuda)[0].hopper_wgmma
     overlapped = bench._triton_backend(shape, config, hopper_decode=True, hopper_decode_overlap=True)
     launch, _ = overlapped._decode_launch(1, 256, cuda)
     assert launch.hopper_wgmma and launch.hopper_overlap and not launch.hopper_ws_loader
