@@ -406,8 +406,9 @@ if _GLUON:
         (fp32, shared, flat), one barrier, then every thread reads the four rows it needs. The
         buffer is free again once every warp has passed its next barrier: each reads it before
         its P is staged, which the tile's later barriers wait for. (Triton 3.6's ``gl.max`` over
-        the tokens takes two barriers and a second round of shuffles; with this, a tile's kernel
-        floor on an H100 is 1.02-1.09x faster, benchmarks/results/decode-one-barrier-once-2026-12-07.md.)"""
+        the tokens takes two barriers and a second round of shuffles; with this alone, the fp8
+        kernel's floor on an H100 at block 256 is 1.03-1.09x faster,
+        benchmarks/results/decode-one-barrier-once-2026-12-07.md.)"""
         n: gl.constexpr = s.shape[0]
         c: gl.constexpr = s.shape[1]
         per_warp = gl.max(gl.max(gl.reshape(s, [n // 64, 4, 16, c]), 0), 1)  # [4, C], row w in warp w
@@ -729,7 +730,7 @@ if _GLUON:
         return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [rows, block_h])
 
     @gluon.constexpr_function
-    def _state_layout(block_h, fp8, paired, block_n=128):  # type: ignore[no-untyped-def]
+    def _state_layout(block_h, fp8, paired, block_n):  # type: ignore[no-untyped-def]
         """The layout of the loop's softmax state, ``block_h`` columns, one a head: the MMA
         accumulator's, or when ``paired`` (:func:`_paired`) its pairs of columns folded into one
         (:func:`_head_layout` of ``block_n`` rows)."""
