@@ -91,8 +91,15 @@ def sass_text(cubin: bytes, cuobjdump: str) -> str:
 
 def loop_spill_ops(cubin: bytes, cuobjdump: str) -> int:
     """Local-memory loads and stores (STL / LDL) inside the innermost loop holding every HGMMA
-    of the SASS: the shortest backward branch from after the last HGMMA to before the first
-    (a longer one is an outer loop or a wait's out-of-line retry). -1 without such a loop."""
+    of the SASS (:func:`loop_op_count`). -1 without such a loop."""
+    return loop_op_count(cubin, cuobjdump, r"\b(STL|LDL)\b")
+
+
+def loop_op_count(cubin: bytes, cuobjdump: str, pattern: str) -> int:
+    """Instructions matching the regular expression ``pattern`` inside the innermost loop holding
+    every HGMMA of the SASS: the shortest backward branch from after the last HGMMA to before
+    the first (a longer one is an outer loop or a wait's out-of-line retry). -1 without such a
+    loop."""
     sass = sass_text(cubin, cuobjdump)
     code = []  # (address, instruction)
     for line in sass.splitlines():
@@ -108,4 +115,4 @@ def loop_spill_ops(cubin: bytes, cuobjdump: str) -> int:
     if not loops:
         return -1
     lo, hi = min(loops, key=lambda span: span[1] - span[0])
-    return sum(1 for a, ins in code if lo <= a <= hi and re.search(r"\b(STL|LDL)\b", ins))
+    return sum(1 for a, ins in code if lo <= a <= hi and re.search(pattern, ins))

@@ -118,6 +118,31 @@ def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
     assert hopper_calls == ([form] if ON_HOPPER else [])  # (the split form runs a direct plan on the pair)
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="the two-tile Gluon kernel runs on an sm_90 GPU only")
+@pytest.mark.parametrize(
+    ("lens", "heads", "block_size", "programs"),
+    [([1, 37, 64, 200, 129, 0, 300], 16, 64, 5), ([65, 500, 3], 8, 128, 3), ([40, 41, 42, 43, 1000], 16, 64, 2)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
+@pytest.mark.parametrize("form", ["pair", "fused"])
+def test_the_one_barrier_max_keeps_the_bits(  # type: ignore[no-untyped-def]
+    monkeypatch, hopper_calls, lens, heads, block_size, programs, dtype, direct, form
+) -> None:
+    """``mla_decode_hopper.ONE_BARRIER_MAX`` changes how the tile's maxima are gathered, not
+    their values: the same output bits with it on and off (NaN slots and partial tiles included)."""
+    from attention.triton_kernels import mla_decode_hopper
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(mla_decode_hopper, "ONE_BARRIER_MAX", on)
+        out, _, _ = _attend(lens, heads, block_size, dtype, programs=programs, direct=direct, form=form)
+        outs.append(out)
+    assert hopper_calls == [form, form]
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().max() > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("magnitude", [2.0**14, 2.0**-20], ids=["large", "small"])
 @pytest.mark.parametrize("form", FORMS)
 def test_latents_of_any_size_keep_their_precision(hopper_calls: list[str], form: str, magnitude: float) -> None:

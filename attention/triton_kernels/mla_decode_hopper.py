@@ -71,6 +71,7 @@ from attention.triton_kernels.paging import next_power_of_2
 from attention.triton_kernels.prefill_hopper import _GLUON, hopper_prefill_possible
 
 if _GLUON:
+    from attention.triton_kernels.decode_hopper import _allocate_max_buf
     from attention.triton_kernels.mla_decode_hopper_fp8 import FP8_STAGES, _mla_hopper_fp8_kernel, fp8_descriptors
     from attention.triton_kernels.mla_decode_hopper_fp8_ws import FP8_WS_STAGES, _mla_hopper_fp8_ws_kernel
     from attention.triton_kernels.mla_decode_hopper_ring import HALVES, ROPES, _mla_hopper_ring_kernel
@@ -112,6 +113,11 @@ MLA_HOPPER_BLOCK_N = 64
 MLA_HOPPER_HEADS = 16
 _RANK, _ROPE = 512, 64
 _STAGES = 2
+#: The two-tile kernel's softmax takes its maxima over a tile's latents behind one barrier
+#: (each warp's maxima to shared memory, then every thread reads the four warps'), where Triton
+#: 3.6's ``gl.max`` takes two and a second round of shuffles: the same bits. Off until timed on
+#: a GPU.
+ONE_BARRIER_MAX = False
 
 
 def mla_decode_hopper_shape_ok(heads: int, kv_lora_rank: int, rope: int, block_size: int) -> bool:
@@ -153,7 +159,7 @@ if _GLUON:
         num_tokens, num_slots, num_rows, num_heads, num_blocks, table_width, scale_log2, stride_ot, stride_oh,
         HALF: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, tail=0, FUSED: gl.constexpr = False,
-        BLOCK_TAIL: gl.constexpr = 0,
+        BLOCK_TAIL: gl.constexpr = 0, ONE_BARRIER: gl.constexpr = False,
     ):  # fmt: skip
         """Program ``pid`` of the balanced work array: its tokens' tiles within ``[g0, g1)``,
         each segment into a partial slot (or, under ``DIRECT``, a token of one segment into
@@ -163,7 +169,8 @@ if _GLUON:
         (:func:`.mla_hopper_stores.finish_segment`: a token of one segment directly;
         :func:`.mla_hopper_stores.merge_split_tokens`: the last program to count a split
         token's segment merges its slots) and zeros the rows of tokens without latents, each
-        with its ``tail`` channels after the first 512 zeroed."""
+        with its ``tail`` channels after the first 512 zeroed. ``ONE_BARRIER``: the softmax's
+        maxima behind one barrier (:data:`ONE_BARRIER_MAX`)."""
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
         R: gl.constexpr = 2 * HALF
@@ -183,6 +190,10 @@ if _GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         mbarrier.init(q_bar, count=1)
+        if ONE_BARRIER:  # noqa: SIM108 (a compile-time branch)
+            max_buf = _allocate_max_buf(BLOCK_H)
+        else:
+            max_buf = 0
 
         g0, g1, t0, t_stop, first_slot, token_slots = program_work(
             work_ptr, num_tokens, gl.program_id(0), gl.num_programs(0)
@@ -231,7 +242,7 @@ if _GLUON:
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                     page = gl.load(table_row + gl.minimum(n0 // BLOCK_SIZE, table_width - 1))
                     p, alpha, m_i, l_part, valid = tile_softmax(
-                        s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2
+                        s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2, max_buf, ONE_BARRIER
                     )  # (l_part: summed over the latents once, after the loop)
                     if valid < BLOCK_N:  # stale latents past the row (or a bad block): zeros for P V
                         zero_latents_from(lat_a, valid, BLOCK_N, HALF)
@@ -353,10 +364,12 @@ def launch_mla_hopper(
             _mla_hopper_ring_kernel[(work.programs,)](*args, **shape, NH=HALVES, NE=ROPES, num_warps=4)
         elif fused:
             _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, tail=tail, FUSED=True,
-                                                 BLOCK_TAIL=next_power_of_2(tail) if tail else 0, num_warps=4)
+                                                 BLOCK_TAIL=next_power_of_2(tail) if tail else 0,
+                                                 ONE_BARRIER=ONE_BARRIER_MAX, num_warps=4)  # fmt: skip
             return
         else:
-            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, num_warps=4)
+            _mla_hopper_kernel[(work.programs,)](*args, **shape, STAGES=_STAGES, ONE_BARRIER=ONE_BARRIER_MAX,
+                                                 num_warps=4)  # fmt: skip
     # Launched dependent on the kernel (programmatic dependent launch, sm_90): its programs
     # start while the kernel's last ones run and wait in gdc_wait for its stores.
     first, stop = merge_range(tokens, merge_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from attention.triton_kernels.prefill_hopper import _GLUON
 
 if _GLUON:
+    from attention.triton_kernels.decode_hopper import _col_max
     from attention.triton_kernels.prefill_hopper import _partition_barrier, _tma_load, gl, gluon, mbarrier
 
 __all__ = [
@@ -60,15 +61,23 @@ if _GLUON:
         _tma_load(e_desc, [first, 2 * HALF], bar, e_bufs.index(slot))
 
     @gluon.jit
-    def tile_softmax(s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2):  # type: ignore[no-untyped-def]
+    def tile_softmax(  # type: ignore[no-untyped-def]
+        s, page, n0, end, m_i, l_part, offs_n, num_blocks, scale_log2, max_buf=0, ONE_BARRIER: gl.constexpr = False
+    ):  # fmt: skip
         """The online softmax of a tile's scores ``s`` [BLOCK_N latents, heads] (latents ``n0 ..``;
         those at or past ``end``, and all of them when the tile's block id ``page`` is outside
         ``[0, num_blocks)``, masked). Returns (p, alpha, the new running max, the per-thread row
-        sums ``l_part`` rescaled and grown by p, the tile's latents inside the row)."""
+        sums ``l_part`` rescaled and grown by p, the tile's latents inside the row).
+        ``ONE_BARRIER``: the maxima over the latents through ``max_buf`` behind one barrier
+        (:func:`.decode_hopper._col_max`; the buffer from ``_allocate_max_buf(heads)``, free
+        again once every warp has passed the tile's next barrier) instead of ``gl.max``'s two."""
         page_ok = (page >= 0) & (page < num_blocks)
         valid = gl.where(page_ok, end - n0, 0)
         s = gl.where((offs_n < valid)[:, None], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+        if ONE_BARRIER:  # noqa: SIM108 (a compile-time branch)
+            m_new = gl.maximum(m_i, _col_max(s, max_buf))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[None, :])
