@@ -268,7 +268,11 @@ def hopper_decode_config(kv_dtype: torch.dtype, overlap: bool = False, ws_loader
     decode attention at 2.81 ms an iteration against 2.97 (bf16: the default since) and 1.80
     against 1.95 (fp8, block 256). On an H100 after per-step sizes stopped being specialised on
     (benchmarks/results/stall-e2e-h100-2026-12-05.md) the fp8 burst ran 2.36 ms against 2.32 at
-    block 256 and 2.35 against 2.42 at block 32, so fp8 in long blocks stays on the Triton kernel.
+    block 256 and 2.35 against 2.42 at block 32, so fp8 in long blocks then stayed on the Triton
+    kernel there; since the kernel's per-tile savings (an H100 at block 256: 1.00-1.10x the Triton
+    kernel's speed, the burst 2.321 against 2.322 ms,
+    benchmarks/results/decode-fp8-gluon-vs-triton-h100-2026-12-07.md) it takes fp8 at every block
+    size on every sm_90 GPU.
 
     Measured before on H100 SXMs (benchmarks/results/decode-hopper-h100-2026-12-05.md), against
     :func:`default_decode_config`'s Triton launches in the same run:
