@@ -8,7 +8,8 @@ blocks, stale NaN slots, empty rows, 8 and 16 heads, bf16 and fp16, slot and dir
 an sm_90 GPU they also assert that the Gluon kernel ran, and run again on its deeper-ring
 form (``hopper_ring``; attention/triton_kernels/mla_decode_hopper_ring.py), its
 split-warpgroup form (``hopper_split``; attention/triton_kernels/mla_decode_hopper_split.py)
-and with the merge in the kernel (``hopper_fused_merge``).
+and with the merge in the kernel (``hopper_fused_merge``); the two-tile kernel's one-barrier
+maxima (``mla_decode_hopper.ONE_BARRIER_MAX``) must keep its output bits.
 An fp8 latent under bf16 queries runs the fp8 kernels (mla_decode_hopper_fp8_ws.py, the
 backend's, and the opt-in mla_decode_hopper_fp8.py) against float64 over the dequantized latents.
 The backend's choice of launch is checked without a GPU; tests/test_mla_decode_hopper_compile.py,

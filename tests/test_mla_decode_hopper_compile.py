@@ -6,7 +6,8 @@ loads (the query's 3 boxes, the ring's 2 prologue tiles and the loop's next tile
 shared memory within the H200's 227 KiB, and no register spills in the slot form (the direct
 form's extra stores after the tile loop spill 12 bytes with Triton 3.9, none with 3.6), with
 fp16 partial outputs and the trigger for the merge's dependent launch, as the backend launches
-it. Skipped where this Triton has no Gluon."""
+it; and its softmax maxima behind one barrier (``ONE_BARRIER_MAX``) against the form without.
+Skipped where this Triton has no Gluon."""
 
 from __future__ import annotations
 
