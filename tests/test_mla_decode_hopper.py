@@ -96,15 +96,16 @@ def _attend(lens: list[int], heads: int, block_size: int, dtype: torch.dtype, *,
     return result, query, latents
 
 
-@pytest.mark.parametrize(
-    ("lens", "heads", "block_size", "programs"),
-    [
-        ([1, 37, 64, 200, 129, 0, 300], 16, 64, 5),  # partial tiles, a one-latent and an empty row
-        ([65, 500, 3], 8, 128, 3),  # fewer heads than the MMA's 16, blocks of two tiles
-        ([40, 41, 42, 43, 1000], 16, 64, 2),  # programs of several segments
-        ([0, 130, 0, 0, 64, 1, 0, 700], 16, 64, 3),  # empty rows inside a program's range
-    ],
-)
+#: (lens, heads, block_size, programs) of the launch tests.
+LAUNCH_CASES = [
+    ([1, 37, 64, 200, 129, 0, 300], 16, 64, 5),  # partial tiles, a one-latent and an empty row
+    ([65, 500, 3], 8, 128, 3),  # fewer heads than the MMA's 16, blocks of two tiles
+    ([40, 41, 42, 43, 1000], 16, 64, 2),  # programs of several segments
+    ([0, 130, 0, 0, 64, 1, 0, 700], 16, 64, 3),  # empty rows inside a program's range
+]
+
+
+@pytest.mark.parametrize(("lens", "heads", "block_size", "programs"), LAUNCH_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
 @pytest.mark.parametrize("form", FORMS)
@@ -120,10 +121,7 @@ def test_the_hopper_launch_matches_float64(  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the two-tile Gluon kernel runs on an sm_90 GPU only")
-@pytest.mark.parametrize(
-    ("lens", "heads", "block_size", "programs"),
-    [([1, 37, 64, 200, 129, 0, 300], 16, 64, 5), ([65, 500, 3], 8, 128, 3), ([40, 41, 42, 43, 1000], 16, 64, 2)],
-)
+@pytest.mark.parametrize(("lens", "heads", "block_size", "programs"), LAUNCH_CASES[:3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("direct", [False, True], ids=["slots", "direct"])
 @pytest.mark.parametrize("form", ["pair", "fused"])
