@@ -36,18 +36,22 @@ def loop_sync_counts(k):  # the tile loop's barriers and shuffles (the one-barri
             "loop_shuffles": loop_op_count(k.asm["cubin"], cuobjdump, r"\bSHFL\.")}
 
 
+def compile_form(dtype, bs, direct, fused=False, tail=0, one_barrier=False):  # the two-tile kernel, 16 heads
+    q = torch.empty(8, 16, 576, dtype=dtype)
+    cache = torch.empty(4, bs, 1, 576, dtype=dtype)
+    descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
+    consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct,
+                  FUSED=fused, BLOCK_TAIL=tail, ONE_BARRIER=one_barrier)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    return compile_sm90(mh._mla_hopper_kernel, descs, consts, elem,
+                        types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
+
+
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for bs in (64, 128):
         for direct in (False, True):
-            q = torch.empty(8, 16, 576, dtype=dtype)
-            cache = torch.empty(4, bs, 1, 576, dtype=dtype)
-            descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
-            consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=bs, STAGES=mh._STAGES, DIRECT=direct,
-                          FUSED=False, BLOCK_TAIL=0, ONE_BARRIER=False)
-            elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-            k = compile_sm90(mh._mla_hopper_kernel, descs, consts, elem,
-                             types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
+            k = compile_form(dtype, bs, direct)
             r = kernel_report(k)
             r["early_dependents"] = k.asm["ptx"].count("griddepcontrol.launch_dependents")
             if dtype == torch.bfloat16 and bs == 64 and not direct:  # the one-barrier form's twin
@@ -55,13 +59,7 @@ for dtype in (torch.bfloat16, torch.float16):
             report[f"{dtype}-{bs}-{direct}"] = r
 # The merge in the kernel (fused_merge), as the backend would launch it: slots, a 64-channel tail.
 for direct in (False, True):
-    q = torch.empty(8, 16, 576, dtype=torch.bfloat16)
-    cache = torch.empty(4, 64, 1, 576, dtype=torch.bfloat16)
-    descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
-    consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=64, STAGES=mh._STAGES, DIRECT=direct,
-                  FUSED=True, BLOCK_TAIL=64, ONE_BARRIER=False)
-    k = compile_sm90(mh._mla_hopper_kernel, descs, consts, "*bf16",
-                     types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
+    k = compile_form(torch.bfloat16, 64, direct, fused=True, tail=64)
     r = kernel_report(k)
     ptx = k.asm["ptx"]
     r["atomics"] = ptx.count("atom.")
@@ -69,13 +67,7 @@ for direct in (False, True):
     r["cg_loads"] = ptx.count("ld.global.cg")
     report[f"fused-{direct}"] = r
 # The softmax's maxima behind one barrier (ONE_BARRIER_MAX): bf16, blocks of 64, slots.
-q = torch.empty(8, 16, 576, dtype=torch.bfloat16)
-cache = torch.empty(4, 64, 1, 576, dtype=torch.bfloat16)
-descs = dict(zip(("q_desc", "qe_desc", "c_desc", "e_desc"), mh._descriptors(q, cache)))
-consts = dict(HALF=256, ROPE=64, BLOCK_H=16, BLOCK_N=64, BLOCK_SIZE=64, STAGES=mh._STAGES, DIRECT=False,
-              FUSED=False, BLOCK_TAIL=0, ONE_BARRIER=True)
-k = compile_sm90(mh._mla_hopper_kernel, descs, consts, "*bf16",
-                 types={"acc_ptr": "*fp16", "ml_ptr": "*fp32", "tail": "i32"})
+k = compile_form(torch.bfloat16, 64, False, one_barrier=True)
 report["one-barrier"] = {**kernel_report(k), **loop_sync_counts(k)}
 print(json.dumps(report))
 """
