@@ -115,8 +115,9 @@ _RANK, _ROPE = 512, 64
 _STAGES = 2
 #: The two-tile kernel's softmax takes its maxima over a tile's latents behind one barrier
 #: (each warp's maxima to shared memory, then every thread reads the four warps'), where Triton
-#: 3.6's ``gl.max`` takes two and a second round of shuffles: the same bits. Off until timed on
-#: a GPU.
+#: 3.6's ``gl.max`` takes two and a second round of shuffles: the same bits. Off: on an H100
+#: 0.997-1.003x among layers (benchmarks/results/mla-one-barrier-2026-12-07.md); not yet timed on
+#: an H200. A switch for A/B runs.
 ONE_BARRIER_MAX = False
 
 
